@@ -1,0 +1,3 @@
+from medusa_chat.cli import main
+
+raise SystemExit(main())

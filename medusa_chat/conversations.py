@@ -1,0 +1,262 @@
+"""Conversations on disk: one JSON file each, written atomically, listed, loaded, deleted and exported.
+
+Every save goes to a temporary file in the same folder, is fsync'ed, then `os.replace`d over the old file,
+so a crash or a kill at any moment leaves either the old conversation or the new one, never half of one.
+This module knows nothing about models: it stores plain text turns and the per-reply statistics as dicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from medusa_chat.errors import MedusaChatError
+
+FORMAT_VERSION = 1
+APP_NAME = "medusa-chat"
+# Ids become file names: keep them to a safe alphabet so "/load ../../x" can never leave the folder.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,80}$")
+_TMP_PREFIX = ".tmp-"
+
+
+def default_data_dir() -> Path:
+    """The user data folder (platformdirs), or $MEDUSA_CHAT_DATA when set (tests, portable installs)."""
+    env = os.environ.get("MEDUSA_CHAT_DATA")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir(APP_NAME))
+
+
+def new_conversation_id() -> str:
+    """Sortable by creation time and unique enough for one user: 20250101-120000-a1b2c3."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+@dataclass
+class Message:
+    """One turn. `stats` holds the reply's ReplySummary numbers (assistant turns only)."""
+
+    role: str  # "user" | "assistant"
+    content: str
+    stats: dict | None = None
+    stopped: bool = False  # the user stopped this reply before it ended by itself
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Message:
+        return cls(
+            role=str(data["role"]),
+            content=str(data.get("content", "")),
+            stats=data.get("stats"),
+            stopped=bool(data.get("stopped", False)),
+        )
+
+
+@dataclass
+class Conversation:
+    id: str = field(default_factory=new_conversation_id)
+    title: str = ""
+    created: str = field(default_factory=_now)
+    system_prompt: str = ""
+    messages: list[Message] = field(default_factory=list)
+    updated: str = field(default_factory=_now)
+    model: str = ""  # the model that wrote the replies (informational)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = FORMAT_VERSION
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Conversation:
+        if not isinstance(data, dict) or "id" not in data or not isinstance(data.get("messages", []), list):
+            raise ValueError("not a medusa-chat conversation")
+        return cls(
+            id=str(data["id"]),
+            title=str(data.get("title", "")),
+            created=str(data.get("created", "")),
+            system_prompt=str(data.get("system_prompt", "")),
+            messages=[Message.from_dict(m) for m in data.get("messages", [])],
+            updated=str(data.get("updated", data.get("created", ""))),
+            model=str(data.get("model", "")),
+        )
+
+    def display_title(self) -> str:
+        if self.title:
+            return self.title
+        first = next((m.content for m in self.messages if m.role == "user"), "")
+        first = " ".join(first.split())
+        return (first[:48] + "...") if len(first) > 48 else (first or "(empty)")
+
+    def turns(self) -> list[dict[str, str]]:
+        """The chat-template messages, system first (omitted when empty: templates then use their default)."""
+        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return out + [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+@dataclass
+class ConversationMeta:
+    id: str
+    title: str
+    created: str
+    updated: str
+    messages: int
+    path: Path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers (and a crash) see the old file or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX + path.name + ".", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())  # the data must be on disk before the rename makes it visible
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # Make the rename itself durable (POSIX); not possible / not needed on Windows.
+    with contextlib.suppress(OSError, AttributeError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class ConversationStore:
+    """A folder of `<id>.json` files."""
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root) if root is not None else default_data_dir() / "conversations"
+
+    def path_for(self, conv_id: str) -> Path:
+        if not _ID_RE.match(conv_id):
+            raise MedusaChatError(f"invalid conversation id {conv_id!r}")
+        return self.root / f"{conv_id}.json"
+
+    def exists(self, conv_id: str) -> bool:
+        return _ID_RE.match(conv_id) is not None and self.path_for(conv_id).is_file()
+
+    def save(self, conv: Conversation) -> Path:
+        conv.updated = _now()
+        path = self.path_for(conv.id)
+        atomic_write_text(path, json.dumps(conv.to_dict(), ensure_ascii=False, indent=1))
+        return path
+
+    def load(self, conv_id: str) -> Conversation:
+        path = self.path_for(conv_id)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return Conversation.from_dict(data)
+        except FileNotFoundError:
+            raise MedusaChatError(f"no saved conversation {conv_id!r} (see the list of conversations)") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise MedusaChatError(f"cannot read conversation file {path}: {err}") from err
+
+    def list_all(self) -> list[ConversationMeta]:
+        """Saved conversations, most recently updated first. Unreadable files are skipped, not fatal."""
+        out: list[ConversationMeta] = []
+        if not self.root.is_dir():
+            return out
+        for path in self.root.glob("*.json"):
+            if path.name.startswith(_TMP_PREFIX) or not _ID_RE.match(path.stem):
+                continue  # a temp file left by a crash mid-write: never a conversation
+            try:
+                conv = Conversation.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            out.append(
+                ConversationMeta(
+                    id=conv.id,
+                    title=conv.display_title(),
+                    created=conv.created,
+                    updated=conv.updated,
+                    messages=len(conv.messages),
+                    path=path,
+                )
+            )
+        out.sort(key=lambda m: (m.updated, m.id), reverse=True)
+        return out
+
+    def resolve(self, name: str) -> str:
+        """An id from an exact id, a unique id prefix, an exact title, or a list number (1 = newest)."""
+        name = name.strip()
+        if not name:
+            raise MedusaChatError("which conversation? give its id, title or number from the list")
+        if self.exists(name):
+            return name
+        metas = self.list_all()
+        if name.isdigit() and 1 <= int(name) <= len(metas):
+            return metas[int(name) - 1].id
+        for matches in (
+            [m for m in metas if m.title == name],
+            [m for m in metas if m.title.lower() == name.lower()],
+            [m for m in metas if m.id.startswith(name)],
+        ):
+            if len(matches) == 1:
+                return matches[0].id
+            if len(matches) > 1:
+                raise MedusaChatError(
+                    f"{name!r} matches {len(matches)} conversations: use the id ({', '.join(m.id for m in matches[:5])})"
+                )
+        raise MedusaChatError(f"no saved conversation {name!r} (see the list of conversations)")
+
+    def delete(self, conv_id: str) -> None:
+        path = self.path_for(conv_id)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise MedusaChatError(f"no saved conversation {conv_id!r}") from None
+
+
+def to_markdown(conv: Conversation) -> str:
+    lines = [f"# {conv.display_title()}", "", f"*{conv.created}*" + (f" - {conv.model}" if conv.model else ""), ""]
+    if conv.system_prompt:
+        lines += ["**System:**", ""] + [f"> {ln}" for ln in conv.system_prompt.splitlines()] + [""]
+    for msg in conv.messages:
+        lines += [f"**{msg.role.capitalize()}:**", "", msg.content, ""]
+        if msg.stopped:
+            lines += ["*(stopped)*", ""]
+        if msg.stats and msg.stats.get("new_tokens"):
+            s = msg.stats
+            lines += [
+                f"<sub>{s.get('new_tokens')} tokens, {float(s.get('tokens_per_step', 0)):.2f} tokens/step, "
+                f"{float(s.get('decode_tokens_per_s', 0)):.1f} tokens/s, {s.get('accept_mode', '')}</sub>",
+                "",
+            ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def export_conversation(conv: Conversation, path: Path | str, fmt: str = "md") -> Path:
+    """Write `conv` as Markdown ("md") or JSON ("json") to `path` (atomically, like the autosave)."""
+    path = Path(path).expanduser()
+    fmt = fmt.lower().lstrip(".")
+    if fmt in ("md", "markdown"):
+        text = to_markdown(conv)
+    elif fmt == "json":
+        text = json.dumps(conv.to_dict(), ensure_ascii=False, indent=1) + "\n"
+    else:
+        raise MedusaChatError(f"unknown export format {fmt!r}: use md or json")
+    try:
+        atomic_write_text(path, text)
+    except OSError as err:
+        raise MedusaChatError(f"cannot write {path}: {err}") from err
+    return path

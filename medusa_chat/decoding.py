@@ -1,0 +1,422 @@
+"""The Medusa decoding loop, top to bottom.
+
+    prefill(prompt)                        -> first token (root) + the heads' top-k guesses
+    repeat:
+        propose   tree tokens = [root, guesses picked by the tree layout]          (gather, on device)
+        verify    one backbone forward over all N tree tokens, ancestor-only mask   (the only big compute)
+        accept    longest tree path the backbone agrees with (greedy or typical)   (vectorised, on device)
+        commit    keep the accepted tokens' KV entries in place, drop the rest      (one index_select)
+        bonus     the backbone's own next token after the accepted path = next root (no extra forward)
+        guesses   heads on the hidden state of the last accepted node only
+
+One host sync per step (to learn how many tokens were accepted), tree buffers built once per tree, and a
+preallocated KV cache whose accepted entries are compacted in place: nothing per step grows with the
+conversation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from medusa_chat.errors import PromptError
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.tree import Tree, TreeBuffers
+
+if TYPE_CHECKING:
+    from medusa_chat.loading import LoadedModel
+
+
+# ------------------------------------------------------------------------------------------------------------
+# KV cache: one preallocated buffer for all layers, compacted in place
+# ------------------------------------------------------------------------------------------------------------
+class _BufferLayer(DynamicLayer):
+    """A cache layer that is a view into TreeKVCache's shared buffer (no torch.cat per step)."""
+
+    def __init__(self, owner: TreeKVCache, index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.owner.write(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+
+class TreeKVCache(Cache):
+    """Keys and values of every layer in one tensor `[layers, 2, 1, kv_heads, capacity, head_dim]`.
+
+    Each forward writes its new entries after `length` (all layers see the same `length`; the last layer's
+    write advances it). Accepting a tree path is one `index_select` + copy over all layers at once. Capacity
+    grows by doubling, so the amortised cost per token is constant.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 1024) -> None:
+        super().__init__(layers=[_BufferLayer(self, i) for i in range(num_layers)])
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.length = 0  # committed entries (visible to the next forward)
+        self.buffer: torch.Tensor | None = None
+        self._pending = 0  # entries written by the current forward (same for every layer)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[-2]
+        start, end = self.length, self.length + n
+        if self.buffer is None or self.buffer.dtype != k.dtype or self.buffer.device != k.device:
+            shape = (self.num_layers, 2, *k.shape[:2], max(self.capacity, end), k.shape[-1])
+            self.buffer = k.new_zeros(shape)
+        elif end > self.buffer.shape[-2]:
+            self._grow(end)
+        self.buffer[layer, 0, :, :, start:end] = k
+        self.buffer[layer, 1, :, :, start:end] = v
+        if layer == self.num_layers - 1:
+            self.length = end
+        return self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end]
+
+    def _grow(self, needed: int) -> None:
+        old = self.buffer
+        new_cap = max(needed, 2 * old.shape[-2])
+        self.buffer = old.new_zeros((*old.shape[:-2], new_cap, old.shape[-1]))
+        self.buffer[..., : old.shape[-2], :] = old
+
+    def keep(self, start: int, nodes: torch.Tensor, count: int) -> None:
+        """After a tree forward written at `start`: keep the `count` entries of `nodes` (tree node indices,
+        device tensor) as positions start..start+count-1 and drop the rest of the tree."""
+        if self.buffer is not None and count:
+            picked = self.buffer.index_select(-2, nodes[:count] + start)
+            self.buffer[..., start : start + count, :] = picked
+        self.length = start + count
+
+    def crop(self, length: int) -> None:  # type: ignore[override]
+        self.length = min(self.length, length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Acceptance rules (one function each)
+# ------------------------------------------------------------------------------------------------------------
+def greedy_node_ok(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused)."""
+    return tokens == logits.argmax(dim=-1)[parent]
+
+
+def typical_node_ok(
+    probs: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, epsilon: float, delta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p))), p = parent's distribution.
+
+    Returns ([N] bool accepted, [N] log p(token | parent)) for tie-breaking between equally long paths.
+    """
+    entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(dim=-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    p_child = probs[parent, tokens]
+    return p_child > threshold[parent], torch.log(p_child.clamp_min(1e-20))
+
+
+def sample(probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """Sample one token from a [V] distribution with nucleus (top_p) filtering; stays on the device."""
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def best_path(
+    node_ok: torch.Tensor, leaf_paths: torch.Tensor, node_logp: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the leaf path with the longest accepted prefix. Returns (path node indices [D+1], accepted count).
+
+    `leaf_paths` is padded with N; the padding reads a False appended to `node_ok`. Among paths accepting
+    the same number of tokens, the one with the largest summed log-probability wins (typical mode).
+    """
+    ok = torch.cat([node_ok, node_ok.new_zeros(1)])[leaf_paths[:, 1:]]
+    run = ok.to(torch.int32).cumprod(dim=1)
+    accepted = run.sum(dim=1)
+    score = accepted.to(torch.float32)
+    if node_logp is not None:
+        logp = torch.cat([node_logp, node_logp.new_zeros(1)])[leaf_paths[:, 1:]]
+        score = score * 1e4 + (logp.float() * run).sum(dim=1)
+    best = score.argmax()
+    return leaf_paths[best], accepted[best]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The engine
+# ------------------------------------------------------------------------------------------------------------
+class MedusaEngine:
+    """Batch-1 Medusa tree decoding on a loaded backbone + heads. One reply at a time."""
+
+    def __init__(self, model: LoadedModel, tree: Tree | None = None) -> None:
+        self.model = model
+        self.backbone = model.backbone
+        self.lm_head = model.backbone.get_output_embeddings()
+        self.heads = model.heads
+        self.device = model.device
+        self.dtype = model.backbone.get_input_embeddings().weight.dtype  # activations' dtype (NF4 too)
+        self.context_limit = model.context_limit
+        self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
+        self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
+        self._token_text: dict[int, str] = {}
+        self.set_tree(tree or model.default_tree)
+
+    # ---- tree ---------------------------------------------------------------------------------------------
+    def set_tree(self, tree: Tree) -> None:
+        if tree.size > 1:
+            tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
+        self.tree = tree
+        self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
+        n = tree.size
+        # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
+        self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)
+        self._mask_prefix = 0  # columns [0, _mask_prefix) are known to be zero (visible prefix)
+
+    def _tree_mask(self, start: int) -> torch.Tensor:
+        """Additive mask [1, 1, N, start + N]: every node sees the whole prefix, then its tree ancestors.
+
+        The buffer is reused across steps: only the columns that became prefix since the last step are
+        zeroed and the N x N tree block is copied in, so the cost does not grow with the conversation.
+        """
+        n = self.tree.size
+        width = start + n
+        if self._mask.shape[-1] < width:
+            grown = torch.full(
+                (1, 1, n, max(width, 2 * self._mask.shape[-1], 256)), 0.0, dtype=self.dtype, device=self.device
+            )
+            self._mask = grown
+            self._mask_prefix = 0
+        if start > self._mask_prefix:
+            self._mask[..., self._mask_prefix : start] = 0.0
+        self._mask[0, 0, :, start:width] = self.buffers.attn_bias
+        self._mask_prefix = start
+        return self._mask[..., :width]
+
+    def _prefill_mask(self, start: int, count: int) -> torch.Tensor:
+        q = torch.arange(count, device=self.device)[:, None]
+        k = torch.arange(count, device=self.device)[None, :]
+        block = torch.zeros(count, start + count, dtype=self.dtype, device=self.device)
+        block[:, start:].masked_fill_(k > q, torch.finfo(self.dtype).min)
+        return block[None, None]
+
+    # ---- model calls --------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.backbone.model(
+            input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=self.cache, use_cache=True
+        )
+        return out.last_hidden_state[0]
+
+    def _guesses(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Heads' top-k token guesses from one hidden state: [K * top_k] (head-major)."""
+        logits = self.heads(hidden, self.lm_head)
+        return logits.topk(self.buffers.top_k, dim=-1).indices.flatten()
+
+    def _text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.model.tokenizer.decode([token])
+        return text
+
+    # ---- one reply ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        settings: GenerationSettings | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[StepEvent | ReplySummary]:
+        settings = settings or GenerationSettings()
+        settings.validate()
+        if not prompt_ids:
+            raise PromptError("the prompt is empty: type a message first")
+        tree, buf = self.tree, self.buffers
+        if len(prompt_ids) + 1 >= self.context_limit:
+            raise PromptError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context window is {self.context_limit}: "
+                "shorten it or start a new conversation"
+            )
+        greedy = settings.temperature <= 0
+        generator = None
+        if not greedy:
+            generator = torch.Generator(device=self.device)
+            seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            generator.manual_seed(seed)
+        eos = set(self.model.eos_token_ids)
+        stop_strings = tuple(settings.stop_strings) + tuple(self.model.stop_strings)
+        t0 = time.perf_counter()
+
+        # ---- prefill: reuse the cached prefix of the previous reply when the prompt extends it ----
+        reused = 0
+        for a, b in zip(self.cached_ids, prompt_ids[:-1]):  # keep >= 1 token to prefill
+            if a != b:
+                break
+            reused += 1
+        self.cache.crop(reused)
+        del self.cached_ids[reused:]
+        new = torch.tensor(prompt_ids[reused:], dtype=torch.long, device=self.device)
+        positions = torch.arange(reused, len(prompt_ids), device=self.device)
+        hidden = self._forward(new, positions, self._prefill_mask(reused, len(new)))[-1]
+        self.cached_ids.extend(prompt_ids[reused:])
+        root_logits = self.lm_head(hidden).float()
+        if greedy:
+            root = root_logits.argmax(-1, keepdim=True)
+        else:
+            root = sample(torch.softmax(root_logits / settings.temperature, -1), settings.top_p, generator)[None]
+        guesses = self._guesses(hidden) if tree.size > 1 else None
+        first = int(root.item())
+        prefill_s = time.perf_counter() - t0
+
+        reply: list[int] = [first]
+        text, stop_reason, message = self._detok(reply), "", ""
+        yield StepEvent(0, [first], text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
+        stop_reason = self._finished(reply, eos, settings, text, stop_strings)
+        steps, accepted_lengths = 0, []
+        decode_t0 = time.perf_counter()
+        width = buf.leaf_paths.shape[1]
+
+        # ---- decode: one tree verification per step ----
+        while not stop_reason:
+            if stop is not None and stop.is_set():
+                stop_reason = "stopped"
+                break
+            start = self.cache.length
+            if start + tree.size > self.context_limit:
+                stop_reason = "context_limit"
+                message = f"stopped at the model's context window ({self.context_limit} tokens)"
+                break
+            step_t0 = time.perf_counter()
+            # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
+            flat = torch.cat([root, guesses]) if guesses is not None else root
+            tokens = flat[buf.candidate_index]
+            # verify
+            hidden = self._forward(tokens, start + buf.depth, self._tree_mask(start))
+            logits = self.lm_head(hidden).float()
+            # accept
+            if greedy:
+                path, count = best_path(greedy_node_ok(logits, tokens, buf.parent), buf.leaf_paths)
+                last = path[count]
+                bonus = logits[last].argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / settings.temperature, dim=-1)
+                ok, logp = typical_node_ok(probs, tokens, buf.parent, settings.typical_epsilon, settings.typical_delta)
+                path, count = best_path(ok, buf.leaf_paths, logp)
+                last = path[count]
+                bonus = sample(probs[last], settings.top_p, generator)[None]
+            # the single host sync of the step: tree tokens, accepted path and count, bonus token
+            packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
+            tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]
+            accepted = packed[tree.size + width]
+            # commit: root + accepted candidates enter the cache; the bonus becomes the next root
+            self.cache.keep(start, path, accepted + 1)
+            self.cached_ids.extend(tree_tokens[n] for n in path_nodes[: accepted + 1])
+            if tree.size > 1:
+                guesses = self._guesses(hidden[last])
+            root = bonus
+            new_tokens = [tree_tokens[n] for n in path_nodes[1 : accepted + 1]] + [packed[-1]]
+            steps += 1
+            accepted_lengths.append(accepted)
+            reply.extend(new_tokens)
+            stop_reason = self._finished(reply, eos, settings, None, stop_strings)
+            reply = self._truncate(reply, eos, settings)
+            new_text = self._detok(reply)
+            if stop_strings:
+                cut = _stop_string_cut(new_text, stop_strings)
+                if cut is not None:
+                    new_text, stop_reason = new_text[:cut], "stop_string"
+            now = time.perf_counter()
+            decode_s = now - decode_t0
+            yield StepEvent(
+                step=steps,
+                token_ids=new_tokens,
+                text=new_text[len(text) :] if new_text.startswith(text) else new_text,
+                accepted_nodes=path_nodes[: accepted + 1],
+                tree=TreeView(
+                    tokens=tree_tokens,
+                    texts=[self._text(t) for t in tree_tokens],
+                    parents=tree.parents,
+                    depths=tree.depths,
+                    ranks=tree.ranks,
+                ),
+                step_time_s=now - step_t0,
+                new_tokens_total=len(reply),
+                elapsed_s=now - t0,
+                decode_tokens_per_s=(len(reply) - 1) / decode_s if decode_s > 0 else 0.0,
+                tokens_per_step=(len(reply) - 1) / steps,
+            )
+            text = new_text
+
+        decode_s = time.perf_counter() - decode_t0
+        decode_tokens = len(reply) - 1
+        yield ReplySummary(
+            text=text,
+            token_ids=reply,
+            new_tokens=len(reply),
+            steps=steps,
+            tokens_per_step=decode_tokens / steps if steps else 0.0,
+            decode_tokens_per_s=decode_tokens / decode_s if steps and decode_s > 0 else 0.0,
+            time_to_first_token_s=prefill_s,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            prompt_tokens=len(prompt_ids),
+            reused_prefix_tokens=reused,
+            accept_mode=settings.accept_mode,
+            stop_reason=stop_reason,
+            tree_size=tree.size,
+            message=message,
+            accepted_lengths=accepted_lengths,
+        )
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _detok(self, ids: list[int]) -> str:
+        text = self.model.tokenizer.decode(ids, skip_special_tokens=True)
+        # An incomplete multi-byte character decodes as U+FFFD: hold it back until the next token completes it.
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    @staticmethod
+    def _truncate(reply: list[int], eos: set[int], settings: GenerationSettings) -> list[int]:
+        for i, t in enumerate(reply):
+            if t in eos:
+                reply = reply[: i + 1]
+                break
+        return reply[: settings.max_new_tokens]
+
+    @staticmethod
+    def _finished(
+        reply: list[int], eos: set[int], settings: GenerationSettings, text: str | None, stop_strings: tuple[str, ...]
+    ) -> str:
+        if any(t in eos for t in reply[: settings.max_new_tokens]):
+            return "eos"
+        if len(reply) >= settings.max_new_tokens:
+            return "max_new_tokens"
+        if text is not None and stop_strings and _stop_string_cut(text, stop_strings) is not None:
+            return "stop_string"
+        return ""
+
+    def reset(self) -> None:
+        """Forget the cached prefix (e.g. after a model-level change)."""
+        self.cache.crop(0)
+        self.cached_ids.clear()
+
+
+def _stop_string_cut(text: str, stop_strings: tuple[str, ...]) -> int | None:
+    cuts = [i for s in stop_strings if s and (i := text.find(s)) >= 0]
+    return min(cuts) if cuts else None
+
+
+def plain_tree() -> Tree:
+    """Root-only tree: the engine's own plain (one token per step) loop, used as a baseline."""
+    return Tree.chain(0)
+
+
+__all__ = ["MedusaEngine", "TreeKVCache", "best_path", "greedy_node_ok", "typical_node_ok", "plain_tree"]

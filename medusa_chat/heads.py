@@ -1,0 +1,142 @@
+"""Medusa heads: K small residual MLPs on the backbone's last hidden state.
+
+Head k at position t guesses the token at t + 2 + k (head 0 = the token after next). Two published layouts:
+
+- "v1": every head ends in its own vocab projection (`{h}.{L}.weight [V, H]`).
+- "v2": heads hold only their ResBlocks and reuse the backbone's `lm_head` (TGI's layout; small files).
+
+The module's state dict uses exactly the published key names (`{h}.{l}.linear.weight`, ...), so a saved file
+is readable by the reference implementation and by TGI/vLLM-style servers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class ResBlock(nn.Module):
+    """y = x + SiLU(W x + b). Initialised with W = 0 so a fresh head starts as the identity (paper init)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    """A ModuleList of heads, so `state_dict()` keys are the published ones: `0.0.linear.weight`, ...
+
+    `own_lm_head=True` is the v1 layout (a projection per head); False is v2 (pass the backbone's lm_head to
+    `forward`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int,
+        num_layers: int = 1,
+        own_lm_head: bool = False,
+    ) -> None:
+        heads = []
+        for _ in range(num_heads):
+            layers: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
+            if own_lm_head:
+                layers.append(nn.Linear(hidden_size, vocab_size, bias=False))
+            heads.append(nn.Sequential(*layers))
+        super().__init__(heads)
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_heads = num_heads
+        self.num_layers = num_layers
+        self.own_lm_head = own_lm_head
+
+    @property
+    def format(self) -> str:
+        return "v1" if self.own_lm_head else "v2"
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [K, ..., H]: each head's ResBlock output (before any vocab projection)."""
+        outs = []
+        for head in self:
+            x = hidden
+            for block in head[: self.num_layers]:
+                x = block(x)
+            outs.append(x)
+        return torch.stack(outs)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[..., H] -> logits [K, ..., V]. v2 heads need the backbone's `lm_head`."""
+        feats = self.features(hidden.to(self[0][0].linear.weight.dtype))
+        if self.own_lm_head:
+            return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats, strict=True)])
+        if lm_head is None:
+            raise ValueError("v2 Medusa heads share the backbone's lm_head: pass lm_head=")
+        w = lm_head.weight
+        # One projection for all heads at once; cast to the lm_head's dtype (it may be 16-bit on GPU).
+        return lm_head(feats.to(w.dtype if w.is_floating_point() else feats.dtype))
+
+    def init_from_lm_head(self, lm_head: nn.Module) -> None:
+        """Paper init for v1: every head's projection starts as a copy of the backbone's lm_head."""
+        if not self.own_lm_head:
+            return
+        with torch.no_grad():
+            for head in self:
+                head[self.num_layers].weight.copy_(lm_head.weight.float())
+
+    def config_dict(self, base_model: str) -> dict:
+        """The Hub `config.json` for these heads (the reference's keys; `version: "2"` marks the v2 layout)."""
+        cfg = {
+            "base_model_name_or_path": base_model,
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+        if not self.own_lm_head:
+            cfg["version"] = "2"
+        return cfg
+
+
+def infer_layout(state_dict: dict[str, torch.Tensor]) -> tuple[int, int, bool, int, int | None]:
+    """Read (num_heads, num_layers, own_lm_head, hidden_size, vocab_size) from published keys.
+
+    The head count is read from the keys, never from config.json (the v1 configs on the Hub say 2 heads while
+    the file holds 5).
+    """
+    heads: dict[int, set[str]] = {}
+    for key in state_dict:
+        first, _, rest = key.partition(".")
+        if not first.isdigit() or not rest:
+            raise ValueError(f"unexpected key {key!r} (expected '<head>.<layer>.…')")
+        heads.setdefault(int(first), set()).add(rest)
+    if not heads:
+        raise ValueError("no head weights in the state dict")
+    num_heads = max(heads) + 1
+    if sorted(heads) != list(range(num_heads)):
+        raise ValueError(f"head indices are not contiguous: {sorted(heads)}")
+    keys0 = heads[0]
+    num_layers = len({k.split(".")[0] for k in keys0 if k.endswith(".linear.weight")})
+    own = f"{num_layers}.weight" in keys0
+    for h, keys in heads.items():
+        if keys != keys0:
+            raise ValueError(f"head {h} has different tensors than head 0: {sorted(keys ^ keys0)}")
+    if num_layers == 0:
+        raise ValueError("heads have no ResBlock ('<head>.0.linear.weight' missing)")
+    hidden = state_dict["0.0.linear.weight"].shape[1]
+    vocab = state_dict[f"0.{num_layers}.weight"].shape[0] if own else None
+    return num_heads, num_layers, own, hidden, vocab
+
+
+def heads_from_state_dict(state_dict: dict[str, torch.Tensor], vocab_size: int | None = None) -> MedusaHeads:
+    """Build MedusaHeads whose layout matches `state_dict` and load it strictly."""
+    num_heads, num_layers, own, hidden, vocab = infer_layout(state_dict)
+    heads = MedusaHeads(hidden, vocab or vocab_size or 0, num_heads, num_layers, own_lm_head=own)
+    heads.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    return heads

@@ -1,0 +1,1 @@
+"""Self-distillation, head training and tree fitting."""

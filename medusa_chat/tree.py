@@ -1,0 +1,195 @@
+"""Sparse candidate trees: layouts, validation, and the device buffers one tree needs.
+
+A tree is a list of paths. Path `[r1, ..., rd]` is a node at depth d whose token is the rank-`rd` guess of
+head d-1 (rank 0 = top-1); the root (depth 0, the empty path) is the backbone's own next token. Trees are
+kept in *growth order*: every path's parent comes before it, so every prefix of the list is itself a tree and
+"tree size N" simply means "the first N nodes" (root included).
+
+`TreeBuffers` holds everything a decoding step needs about the tree, built once on the device:
+the ancestor mask, per-node depth (position offset), each node's index into the flat candidate vector
+`[root, head0 top-k, head1 top-k, ...]`, each node's parent, and one row per leaf listing the nodes on its
+path (padded with the sentinel index N, which `accept` treats as "not accepted").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from medusa_chat.errors import TreeError
+
+Path_ = tuple[int, ...]
+
+
+def published_trees() -> dict[str, list[list[int]]]:
+    """The layouts published with the Medusa reference implementation (63 nodes + root each)."""
+    text = resources.files("medusa_chat.data").joinpath("medusa_trees.json").read_text()
+    return json.loads(text)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """An immutable, validated tree layout in growth order (root excluded from `paths`)."""
+
+    paths: tuple[Path_, ...]
+    name: str = "custom"
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_paths(cls, paths: list[list[int]] | list[tuple[int, ...]], name: str = "custom") -> Tree:
+        seen: set[Path_] = {()}
+        ordered: list[Path_] = []
+        for raw in paths:
+            p = tuple(int(r) for r in raw)
+            if not p:
+                continue  # the root is implicit
+            if any(r < 0 for r in p):
+                raise TreeError(f"tree {name!r}: negative rank in path {list(p)}")
+            if p in seen:
+                raise TreeError(f"tree {name!r}: duplicate path {list(p)}")
+            seen.add(p)
+            ordered.append(p)
+        for p in ordered:
+            if p[:-1] not in seen:
+                raise TreeError(f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} in the tree")
+        # A set that is valid but not in growth order is re-sorted so that parents come first.
+        index = {p: i for i, p in enumerate(ordered)}
+        if any(len(p) > 1 and index[p[:-1]] > index[p] for p in ordered):
+            ordered.sort(key=lambda p: (len(p), p))
+        return cls(tuple(ordered), name)
+
+    @classmethod
+    def chain(cls, depth: int) -> Tree:
+        """A single branch of top-1 guesses: depth 0 is plain decoding."""
+        return cls(tuple((0,) * d for d in range(1, depth + 1)), name=f"chain-{depth}")
+
+    @classmethod
+    def named(cls, name: str) -> Tree:
+        trees = published_trees()
+        if name in trees:
+            return cls.from_paths(trees[name], name=name)
+        if name.startswith("chain-") and name[6:].isdigit():
+            return cls.chain(int(name[6:]))
+        path = Path(name).expanduser()
+        if path.is_file():
+            return cls.load(path)
+        raise TreeError(
+            f"unknown tree {name!r}: use one of {', '.join(sorted(trees))}, chain-N, or a JSON file of paths"
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tree:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise TreeError(f"cannot read tree file {path}: {err}") from err
+        paths = data.get("paths") if isinstance(data, dict) else data
+        if not isinstance(paths, list):
+            raise TreeError(f"tree file {path}: expected a list of paths or {{'paths': [...]}}")
+        return cls.from_paths(paths, name=path.stem)
+
+    def save(self, path: str | Path, **extra: object) -> None:
+        Path(path).write_text(json.dumps({"name": self.name, "paths": [list(p) for p in self.paths], **extra}))
+
+    # ---- properties ---------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Number of tokens verified per step (root included)."""
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @property
+    def max_rank(self) -> int:
+        return max((max(p) for p in self.paths), default=0)
+
+    def prefix(self, size: int) -> Tree:
+        """The first `size` nodes (root included) of this tree; still a valid tree by growth order."""
+        if size < 1:
+            raise TreeError(f"tree size must be >= 1 (got {size})")
+        return Tree(self.paths[: size - 1], name=f"{self.name}[:{size}]" if size < self.size else self.name)
+
+    def check_fits(self, num_heads: int, top_k: int | None = None) -> None:
+        if self.depth > num_heads:
+            raise TreeError(
+                f"tree {self.name!r} is {self.depth} deep but the model has only {num_heads} Medusa heads; "
+                f"use --tree-size to take a smaller part of it or a tree with depth <= {num_heads}"
+            )
+        if top_k is not None and self.max_rank >= top_k:
+            raise TreeError(f"tree {self.name!r} uses rank {self.max_rank} but top-k is only {top_k}")
+
+    # ---- derived structure (host side) --------------------------------------------------------------------
+    @cached_property
+    def parents(self) -> list[int]:
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(self.paths)}
+        return [-1] + [index[p[:-1]] for p in self.paths]
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return [0] + [len(p) for p in self.paths]
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """Each node's rank in its head's top-k (root: 0)."""
+        return [0] + [p[-1] for p in self.paths]
+
+    @cached_property
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents[1:])
+        return [i for i in range(self.size) if i not in has_child]
+
+    def path_nodes(self, node: int) -> list[int]:
+        """Node indices from the root down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def buffers(self, device: torch.device | str, dtype: torch.dtype, top_k: int | None = None) -> TreeBuffers:
+        return TreeBuffers.build(self, torch.device(device), dtype, top_k or self.max_rank + 1)
+
+
+@dataclass
+class TreeBuffers:
+    """Device tensors for one tree, built once and reused every step."""
+
+    tree: Tree
+    top_k: int
+    attn_bias: torch.Tensor  # [N, N] additive: 0 where a node may attend (itself + ancestors), dtype-min elsewhere
+    depth: torch.Tensor  # [N] long: position offset of each node
+    candidate_index: torch.Tensor  # [N] long: index into flat [root, head0 top-k, head1 top-k, ...]
+    parent: torch.Tensor  # [N] long, root's parent = 0 (never read for the root)
+    leaf_paths: torch.Tensor  # [num_leaves, depth + 1] long, node indices root..leaf, padded with N
+
+    @classmethod
+    def build(cls, tree: Tree, device: torch.device, dtype: torch.dtype, top_k: int) -> TreeBuffers:
+        n = tree.size
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            visible[i, tree.path_nodes(i)] = True
+        attn_bias = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype)
+        attn_bias.masked_fill_(visible, 0.0)
+        cand = [0] + [1 + (len(p) - 1) * top_k + p[-1] for p in tree.paths]
+        rows = [tree.path_nodes(leaf) for leaf in tree.leaves]
+        width = tree.depth + 1
+        leaf_paths = torch.full((len(rows), width), n, dtype=torch.long)
+        for r, nodes in enumerate(rows):
+            leaf_paths[r, : len(nodes)] = torch.tensor(nodes)
+        return cls(
+            tree=tree,
+            top_k=top_k,
+            attn_bias=attn_bias.to(device),
+            depth=torch.tensor(tree.depths, dtype=torch.long, device=device),
+            candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
+            parent=torch.tensor([0] + tree.parents[1:], dtype=torch.long, device=device),
+            leaf_paths=leaf_paths.to(device),
+        )

@@ -1,0 +1,1 @@
+"""User interfaces: they render what the session manager emits and hold no model logic."""
