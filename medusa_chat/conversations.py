@@ -167,7 +167,9 @@ class ConversationStore:
             data = json.loads(path.read_text(encoding="utf-8"))
             return Conversation.from_dict(data)
         except FileNotFoundError:
-            raise MedusaChatError(f"no saved conversation {conv_id!r} (see the list of conversations)") from None
+            raise MedusaChatError(
+                f"no saved conversation {conv_id!r} (see the list of conversations)"
+            ) from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise MedusaChatError(f"cannot read conversation file {path}: {err}") from err
 
@@ -228,7 +230,12 @@ class ConversationStore:
 
 
 def to_markdown(conv: Conversation) -> str:
-    lines = [f"# {conv.display_title()}", "", f"*{conv.created}*" + (f" - {conv.model}" if conv.model else ""), ""]
+    lines = [
+        f"# {conv.display_title()}",
+        "",
+        f"*{conv.created}*" + (f" - {conv.model}" if conv.model else ""),
+        "",
+    ]
     if conv.system_prompt:
         lines += ["**System:**", ""] + [f"> {ln}" for ln in conv.system_prompt.splitlines()] + [""]
     for msg in conv.messages:

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""Whole Medusa-head pipeline on one CUDA GPU, on a wall-clock budget: data -> hidden states -> heads -> trees.
+
+    python benchmarks/gpu_train_heads.py MODEL OUT [--minutes 6] [--data-frac 0.55] [--configs 5x1,5x2,4x2]
+
+MODEL is a Hugging Face model folder, or a `.gguf` file (dequantized here; with `--hf-files DIR` the config and
+tokenizer come from DIR and only the weights from the GGUF, and `--expect-hashes FILE` checks that the weights
+are bit-identical to the ones the heads will be used with). Run from the repository root (or anywhere: the
+script puts the repo root on sys.path). No network is needed.
+
+Steps, each stamped with wall-clock time: Magpie prompts + greedy replies in fp32 with TF32 off (so replies
+match CPU fp32 greedy decoding) until `data-frac` of the budget is spent; hidden states for every reply
+position; then each head configuration in `--configs` trains on a share of the remaining time (bf16 autocast),
+is evaluated on held-out prompts, and gets a fitted tree. Everything is written to OUT as it is finished:
+
+    OUT/summary.json         per configuration: accuracies, estimated tokens/step at 8/16/32/64 nodes, timings
+    OUT/best/                config.json + medusa_lm_head.safetensors + accuracy.json + tree.json (best config)
+    OUT/heads-5x1/ ...       every configuration's folder
+    OUT/data.npz             the distilled token data (uint16 ids, offsets, reply starts, prompts) for reuse
+    OUT/log.txt              this log
+
+The script stops itself on the budget (it checks before every unit of work and shortens training to fit);
+what is done by then is saved. Working files (shards, hidden-state cache) go to --work (default OUT/work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from medusa_chat.training.distill import (  # noqa: E402
+    DistillSettings,
+    DistillStore,
+    distill,
+    load_backbone,
+    make_logger,
+)
+from medusa_chat.training.train_heads import (  # noqa: E402
+    TrainSettings,
+    cache_hidden_states,
+    heads_file_bytes,
+    heldout_mask,
+    load_cache,
+    train_and_save,
+    write_json,
+)
+
+HF_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "chat_template.jinja", "special_tokens_map.json")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="HF model folder or .gguf file")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget for the whole run")
+    p.add_argument("--data-frac", type=float, default=0.55, help="share of the budget for data generation")
+    p.add_argument("--configs", default="5x1,5x2,4x2", help="heads x ResBlocks to train, best first if short")
+    p.add_argument("--max-mb", type=float, default=9.5, help="skip configs whose fp16 file is larger")
+    p.add_argument("--batch-size", type=int, default=768, help="reply generation batch")
+    p.add_argument("--magpie-batch", type=int, default=1024, help="Magpie samples per round")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--magpie", type=int, default=1_000_000, help="Magpie prompt target (the budget stops it)")
+    p.add_argument("--prompts", help="optional jsonl of extra prompts (never the bench prompts)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop data generation at this many reply tokens")
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--train-batch", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--holdout", type=float, default=0.03)
+    p.add_argument("--work", default=None, help="working folder (default OUT/work); reruns resume from it")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-files", default=None, help="folder with config/tokenizer files for a .gguf MODEL")
+    p.add_argument("--expect-hashes", default=None, help="json {tensor: sha256} the backbone must match")
+    p.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                   help="base_model_name_or_path written into the heads' config.json")
+    return p.parse_args(argv)
+
+
+def tensor_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(v.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for k, v in sorted(state.items())}
+
+
+def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
+    """A plain fp32 HF folder for `model` (a folder is used as is; a GGUF is dequantized once into work/)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        raise SystemExit(f"{path}: not a model folder or .gguf file")
+    out = work / "model"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    t = time.time()
+    if hf_files is None:
+        from medusa_chat.embedded import _convert  # converts config, tokenizer and weights from the GGUF
+
+        _convert(path, out)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(hf_files)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict(), strict=False)
+        plain.tie_weights()
+        tmp = work / "model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(tmp)
+        for name in HF_SMALL_FILES:
+            if (Path(hf_files) / name).is_file():
+                shutil.copy(Path(hf_files) / name, tmp / name)
+        tmp.rename(out)
+    log(f"model: dequantized {path.name} -> {out} in {time.time() - t:.0f}s")
+    return out
+
+
+def export_data(store: DistillStore, path: Path) -> dict[str, int]:
+    """All distilled samples in one compact file (uint16 ids: vocabularies here are < 65536)."""
+    import numpy as np
+
+    ids, offsets, starts, index = [], [0], [], []
+    for idx, seq, rs in store.samples():
+        ids.extend(seq)
+        offsets.append(len(ids))
+        starts.append(rs)
+        index.append(idx)
+    arr = np.asarray(ids, dtype=np.int64)
+    dtype = np.uint16 if (arr.size == 0 or arr.max() < 65536) else np.int32
+    np.savez_compressed(
+        path, ids=arr.astype(dtype), offsets=np.asarray(offsets, dtype=np.int64),
+        reply_start=np.asarray(starts, dtype=np.int32), prompt_index=np.asarray(index, dtype=np.int32),
+        prompts=np.frombuffer(json.dumps(store.prompts).encode("utf-8"), dtype=np.uint8),
+        sources=np.frombuffer(json.dumps(store.sources).encode("utf-8"), dtype=np.uint8),
+    )
+    return {"samples": len(starts), "tokens": int(arr.size)}
+
+
+def parse_configs(spec: str) -> list[tuple[int, int]]:
+    out = []
+    for part in spec.split(","):
+        k, _, layers = part.strip().partition("x")
+        out.append((int(k), int(layers or 1)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    end = t0 + 60 * args.minutes - 10  # keep a few seconds to write the summary
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    log = make_logger(file=out / "log.txt")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: pass --device cpu for a dry run")
+        # fp32 greedy replies must match CPU fp32 decoding: TF32 would flip near-ties.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    else:
+        log(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    summary: dict = {"args": vars(args), "phases": {}, "configs": {}}
+
+    def save_summary() -> None:
+        summary["elapsed_s"] = round(time.time() - t0, 1)
+        write_json(out / "summary.json", summary)
+
+    # ---- model ----------------------------------------------------------------------------------------
+    model_dir = prepare_model(args.model, work, args.hf_files, log)
+    model, tok = load_backbone(model_dir, device)
+    if args.expect_hashes:
+        want = json.loads(Path(args.expect_hashes).read_text())
+        got = tensor_hashes({k: v for k, v in model.state_dict().items() if k in want})
+        bad = [k for k in want if got.get(k) != want[k]]
+        summary["backbone_hash_check"] = "ok" if not bad else f"{len(bad)} tensors differ: {bad[:5]}"
+        log(f"backbone weights vs expected hashes: {summary['backbone_hash_check']}")
+    log(f"model: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)")
+
+    # ---- data -----------------------------------------------------------------------------------------
+    t = time.time()
+    data_deadline = t0 + args.data_frac * (end - t0)
+    store = DistillStore.open(work / "distill", model=str(args.model))
+    ds = DistillSettings(
+        magpie=args.magpie, prompt_file=args.prompts, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, magpie_batch=args.magpie_batch, shard_size=args.batch_size,
+        seed=args.seed, max_reply_tokens=args.max_tokens,
+    )
+    tokens_before = store.reply_tokens
+    distill(model, tok, store, ds, deadline=data_deadline, log=log)
+    dt = time.time() - t
+    n_magpie = sum(1 for s in store.sources if s == "magpie")
+    summary["data"] = {
+        "prompts_answered": store.next_prompt_index(), "magpie_prompts": n_magpie,
+        "magpie_rounds": store.magpie_rounds, "magpie_sampled": store.magpie_sampled,
+        "reply_tokens": store.reply_tokens, "max_new_tokens": args.max_new_tokens,
+        "reply_tokens_per_s": round((store.reply_tokens - tokens_before) / max(dt, 1e-9), 1),
+    }
+    summary["phases"]["data_s"] = round(dt, 1)
+    log(f"data: {json.dumps(summary['data'])}")
+    summary["data"].update(export_data(store, out / "data.npz"))
+    save_summary()
+    if not store.shards:
+        log("no data generated: nothing to train")
+        return 1
+
+    # ---- hidden states --------------------------------------------------------------------------------
+    t = time.time()
+    paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=131072 if device.type == "cuda" else 4096,
+                                log=log, deadline=end - 30)
+    data = load_cache(paths)
+    dt = time.time() - t
+    summary["phases"]["hidden_s"] = round(dt, 1)
+    log(f"hidden states: {len(data)} positions in {dt:.0f}s")
+    mask = heldout_mask(data.sample, args.holdout)
+    train, held = data.subset(~mask).to(device), data.subset(mask).to(device)
+    del data
+    summary["data"].update(train_positions=len(train), heldout_positions=len(held))
+    save_summary()
+
+    # ---- heads ----------------------------------------------------------------------------------------
+    lm_head = model.get_output_embeddings()
+    hidden_size, vocab = lm_head.weight.shape[1], lm_head.weight.shape[0]
+    configs = []
+    for k, layers in parse_configs(args.configs):
+        ts = TrainSettings(num_heads=k, num_layers=layers, heads_format="v2", epochs=args.epochs,
+                           batch_size=args.train_batch, lr=args.lr, seed=args.seed)
+        mb = heads_file_bytes(ts, hidden_size, vocab) / 1e6
+        if mb > args.max_mb:
+            log(f"skip {k}x{layers}: {mb:.1f} MB > --max-mb {args.max_mb}")
+            continue
+        configs.append(ts)
+    best_name, best_score = None, -1.0
+    for i, ts in enumerate(configs):
+        left = end - time.time()
+        if left < 20:
+            log("time budget: no time left for more head configurations")
+            break
+        name = f"heads-{ts.num_heads}x{ts.num_layers}"
+        t = time.time()
+        share = left / (len(configs) - i)
+        report = train_and_save(
+            lm_head, train, held, ts, out / name, args.base_model, device,
+            checkpoint=work / f"{name}.ckpt", resume=True, deadline=time.time() + share - 8, log=log,
+            extra_report={"distill": summary["data"]},
+        )
+        est = report.get("estimated_tokens_per_step", {})
+        ev = report.get("heldout", {})
+        summary["configs"][name] = {
+            "estimated_tokens_per_step": est,
+            "estimated_tokens_per_step_chain": report.get("estimated_tokens_per_step_chain"),
+            "top1": ev.get("top1"), "top5": ev.get("top5"), "chain": ev.get("chain_top1_conditional"),
+            "train_steps": report["training"]["steps"], "total_steps": report["training"]["total_steps"],
+            "best_epoch": report["training"]["best_epoch"], "seconds": round(time.time() - t, 1),
+            "file_mb": report["heads"]["file_mb"],
+        }
+        score = float(est.get("64", list(est.values())[-1])) if est else 0.0  # 64 nodes, or the whole tree
+        if score > best_score:
+            best_name, best_score = name, score
+            shutil.rmtree(out / "best", ignore_errors=True)
+            shutil.copytree(out / name, out / "best")
+            summary["best"] = {"config": name, "estimated_tokens_per_step_64": score}
+        save_summary()
+    log(f"best: {best_name} ({best_score:.3f} estimated tokens/step at 64 nodes)")
+    for name, c in summary["configs"].items():
+        log(f"  {name}: top1 {c['top1']} est {c['estimated_tokens_per_step']} ({c['seconds']}s)")
+    summary["phases"]["total_s"] = round(time.time() - t0, 1)
+    save_summary()
+    log(f"done in {time.time() - t0:.0f}s; wrote {out}")
+    return 0 if best_name else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

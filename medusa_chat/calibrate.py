@@ -1,0 +1,679 @@
+"""Hardware-aware tree size: `medusa-chat calibrate`.
+
+A bigger tree accepts more tokens per step but costs more per step, and how much more depends on the device
+(on a 2-core CPU a 64-node step costs ~3x a 1-node step; on a big GPU at batch 1 it costs almost nothing
+extra, until the step stops being memory-bound). So the right tree is the one that maximises
+
+    expected tokens per second (n) = E[tokens per step](n) / step latency(n)
+
+over the first n nodes of the model's tree. Calibration measures the latency side on this device (the same
+tree forward the engine runs: TreeKVCache, additive 4D mask, lm_head over all nodes, heads on one hidden
+state, acceptance, commit) and takes the accuracy side from the heads folder's `tree.json`
+(`expected_tokens_per_step`) or, when that is missing, from a few short greedy replies on built-in prompts.
+The choice is cached per model + device + quantization + dtype, so the UIs can say which tree they use and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from medusa_chat.decoding import TreeKVCache, best_path, greedy_node_ok
+from medusa_chat.errors import MedusaChatError
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.tree import Tree
+
+if TYPE_CHECKING:
+    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.heads import MedusaHeads
+    from medusa_chat.tree import TreeBuffers
+
+CALIBRATION_VERSION = 1
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_PREFIX_TOKENS = 256
+
+# Built-in prompts for measuring acceptance when the heads ship no expected_tokens_per_step. Deliberately not
+# the benchmark prompts (a tree tuned on the benchmark says nothing about it) and varied in style.
+CALIBRATION_PROMPTS = (
+    "Explain how the gears on a bicycle make it easier to ride up a hill.",
+    "Write a short poem about autumn leaves falling in a city park.",
+    "List five unusual uses for a paperclip and explain each briefly.",
+    "What is the difference between weather and climate? Give an example.",
+    "Describe step by step how to make a good cup of tea.",
+    "Write a Python function that checks whether a word is a palindrome.",
+)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The pure decision
+# ------------------------------------------------------------------------------------------------------------
+def expected_tokens_per_s(
+    latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float]
+) -> dict[int, float]:
+    """E[tokens/step](n) / latency(n) for every size present in both maps (and with a positive latency)."""
+    return {
+        n: tokens_per_step_by_size[n] / latency_by_size[n]
+        for n in sorted(set(latency_by_size) & set(tokens_per_step_by_size))
+        if latency_by_size[n] > 0
+    }
+
+
+def pick_tree_size(latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float]) -> int:
+    """The tree size with the most expected tokens per second. Ties go to the smaller tree (less memory,
+    less variance). Only sizes present in both maps are considered."""
+    rates = expected_tokens_per_s(latency_by_size, tokens_per_step_by_size)
+    if not rates:
+        raise ValueError("pick_tree_size needs at least one size with both a latency and a tokens/step value")
+    best = max(rates.values())
+    return min(n for n, r in rates.items() if r >= best * (1 - 1e-12))
+
+
+def estimated_speedup(
+    latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float], size: int
+) -> float:
+    """Speedup of `size` over plain one-token steps: E(size) * latency(1) / latency(size)."""
+    return tokens_per_step_by_size[size] * latency_by_size[1] / latency_by_size[size]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Latency: the engine's tree step, timed
+# ------------------------------------------------------------------------------------------------------------
+def latency_tree(base: Tree, size: int) -> Tree:
+    """A tree of exactly `size` nodes for timing: the first `size` nodes of `base`, or, beyond its end, `base`
+    widened with more top-k ranks. Only the node count and mask shape matter for latency, not which tokens."""
+    if size <= base.size:
+        return base.prefix(size)
+    paths = list(base.paths)
+    seen = set(paths)
+    depth = max(base.depth, 1)
+    rank = 0
+    while len(paths) + 1 < size:
+        for d in range(1, depth + 1):
+            p = (0,) * (d - 1) + (rank,)
+            if p not in seen and len(paths) + 1 < size:
+                seen.add(p)
+                paths.append(p)
+        rank += 1
+    return Tree(tuple(paths), name=f"{base.name}+{size - base.size}")
+
+
+def _causal_mask(start: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive prefill mask [1, 1, count, start + count], as the engine builds it."""
+    q = torch.arange(count, device=device)[:, None]
+    k = torch.arange(count, device=device)[None, :]
+    block = torch.zeros(count, start + count, dtype=dtype, device=device)
+    block[:, start:].masked_fill_(k > q, torch.finfo(dtype).min)
+    return block[None, None]
+
+
+def _tree_step(
+    backbone: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    heads: MedusaHeads | None,
+    cache: TreeKVCache,
+    start: int,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    buf: TreeBuffers,
+) -> None:
+    """One verification step as MedusaEngine.generate runs it, then the cache is put back to `start`."""
+    out = backbone.model(
+        input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+    )
+    hidden = out.last_hidden_state[0]
+    logits = lm_head(hidden).float()
+    path, count = best_path(greedy_node_ok(logits, tokens, buf.parent), buf.leaf_paths)
+    bonus = logits[path[count]].argmax(-1, keepdim=True)
+    parts = [tokens, path, count[None].to(tokens.dtype), bonus]
+    if heads is not None:  # the next step's guesses, from the last accepted node only
+        parts.append(heads(hidden[path[count]], lm_head).topk(buf.top_k, dim=-1).indices.flatten())
+    torch.cat(parts).tolist()  # the step's single host sync, as in the engine
+    cache.keep(start, path, 1)
+    cache.crop(start)
+
+
+def model_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+@torch.inference_mode()
+def measure_step_latency(
+    backbone: torch.nn.Module,
+    sizes: Iterable[int],
+    *,
+    heads: MedusaHeads | None = None,
+    tree: Tree | None = None,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    reps: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, dict[str, float]]:
+    """Time one engine-style decoding step per tree size, with `prefix_tokens` already in the KV cache.
+
+    A step is what `MedusaEngine.generate` does per verification: one backbone forward over the n tree tokens
+    (TreeKVCache, additive float 4D mask, explicit positions), lm_head on all n nodes, greedy acceptance and
+    the in-place KV commit, the heads' top-k on the last accepted node (n > 1 only: a root-only tree needs no
+    guesses) and the one host sync. After each rep the cache is cropped back to the prefix, so every rep sees
+    the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
+    events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
+    pays, so it is the number the projections use.
+    """
+    device = model_device(backbone)
+    dtype = backbone.get_input_embeddings().weight.dtype  # the engine's activation dtype (NF4 too)
+    lm_head = backbone.get_output_embeddings()
+    vocab = int(getattr(backbone.config, "vocab_size", 0) or lm_head.out_features)
+    base = tree or Tree.named("mc_sim_7b_63")
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(seed)
+
+    cache = TreeKVCache(backbone.config.num_hidden_layers, capacity=prefix_tokens + max(sizes) + 8)
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
+    positions = torch.arange(prefix_tokens, device=device)
+    backbone.model(
+        input_ids=prefix[None],
+        position_ids=positions[None],
+        attention_mask=_causal_mask(0, prefix_tokens, dtype, device),
+        cache=cache,
+        use_cache=True,
+    )
+    start = cache.length
+    results: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        t = latency_tree(base, n)
+        buf = t.buffers(device, dtype)
+        if heads is not None and n > 1:
+            t.check_fits(heads.num_heads)
+        # The engine keeps one mask buffer per tree: zero prefix columns, the tree's ancestor block after them.
+        mask = torch.zeros((1, 1, n, start + n), dtype=dtype, device=device)
+        mask[0, 0, :, start:] = buf.attn_bias
+        tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
+        pos = (start + buf.depth)[None]
+
+        with_heads = heads is not None and n > 1
+        args = (backbone, lm_head, heads if with_heads else None, cache, start, tokens, pos, mask, buf)
+        for _ in range(warmup):
+            _tree_step(*args)
+        walls: list[float] = []
+        events: list[float] = []
+        for _ in range(reps):
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                e0.record()
+            t0 = time.perf_counter()
+            _tree_step(*args)
+            if cuda:
+                e1.record()
+                torch.cuda.synchronize(device)
+            walls.append(time.perf_counter() - t0)
+            if cuda:
+                events.append(e0.elapsed_time(e1) / 1000.0)
+        results[n] = {
+            "median_s": statistics.median(walls),
+            "min_s": min(walls),
+            "mean_s": statistics.fmean(walls),
+        }
+        if events:
+            results[n]["event_median_s"] = statistics.median(events)
+        if progress:
+            progress(f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms")
+    cache.crop(0)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Accuracy: expected tokens per step for each prefix size of the tree
+# ------------------------------------------------------------------------------------------------------------
+def tokens_per_step_from_tree_json(path: Path, tree: Tree) -> dict[int, float] | None:
+    """Read `expected_tokens_per_step` from a heads folder's tree.json, if it describes `tree`.
+
+    Accepted forms: a list whose entry i is the expected tokens per step of the first i+1 nodes (root
+    included, so entry 0 is 1.0), or a dict {size: value}. The file's paths must start with `tree`'s paths
+    (the values are only valid for the tree they were computed for).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    values = data.get("expected_tokens_per_step")
+    paths = data.get("paths")
+    if values is None:
+        return None
+    if isinstance(paths, list):
+        file_paths = tuple(tuple(int(r) for r in p) for p in paths if p)
+        n = min(len(file_paths), len(tree.paths))
+        if file_paths[:n] != tree.paths[:n]:
+            return None
+    out: dict[int, float] = {}
+    if isinstance(values, list):
+        out = {i + 1: float(v) for i, v in enumerate(values) if v is not None}
+    elif isinstance(values, dict):
+        out = {int(k): float(v) for k, v in values.items() if v is not None}
+    return {n: v for n, v in out.items() if n <= tree.size} or None
+
+
+def accepted_per_size(
+    tree: Tree, tree_tokens: list[int], continuation: list[int], sizes: Iterable[int]
+) -> dict[int, int]:
+    """How many candidates the first n nodes of `tree` would have accepted this step, for each n.
+
+    Greedy acceptance of a node depends only on its own token and its parent's logits, and tree attention
+    lets a node see only its ancestors, so a smaller prefix of the tree accepts exactly the longest of its
+    own paths that matches the true greedy continuation (the reply's next tokens after this step's root).
+    """
+    depth_ok = [True] + [False] * (tree.size - 1)  # node i's whole path matches the continuation
+    longest_within: list[int] = [0] * tree.size  # best accepted depth among nodes 0..i
+    best = 0
+    for i in range(1, tree.size):
+        d = tree.depths[i]
+        parent = tree.parents[i]
+        depth_ok[i] = depth_ok[parent] and d <= len(continuation) and tree_tokens[i] == continuation[d - 1]
+        if depth_ok[i]:
+            best = max(best, d)
+        longest_within[i] = best
+    return {n: longest_within[min(n, tree.size) - 1] for n in sizes}
+
+
+def measure_tokens_per_step(
+    engine: MedusaEngine,
+    prompts: list[list[int]],
+    sizes: Iterable[int],
+    max_new_tokens: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, float]:
+    """E[tokens/step] for each prefix size of `engine.tree`, from greedy replies with the full tree.
+
+    One reply with the full tree gives the estimate for every smaller prefix at once (see
+    `accepted_per_size`). Steps whose true continuation is cut off by the end of the reply are skipped, as
+    their acceptance cannot be known.
+    """
+    tree = engine.tree
+    sizes = [n for n in sizes if n <= tree.size]
+    totals = {n: 0 for n in sizes}
+    steps = 0
+    for i, prompt in enumerate(prompts):
+        events: list[StepEvent] = []
+        summary: ReplySummary | None = None
+        for item in engine.generate(
+            prompt, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+        ):
+            if isinstance(item, StepEvent):
+                events.append(item)
+            else:
+                summary = item
+        assert summary is not None
+        reply = summary.token_ids
+        pos = 0  # index in the reply of the current step's root
+        for ev in events:
+            if ev.step == 0:
+                pos = 0
+                continue
+            assert ev.tree is not None
+            cont = reply[pos + 1 : pos + 1 + tree.depth]
+            if len(cont) >= tree.depth:
+                for n, a in accepted_per_size(tree, ev.tree.tokens, cont, sizes).items():
+                    totals[n] += a
+                steps += 1
+            pos += len(ev.token_ids)
+        if progress:
+            progress(
+                f"  reply {i + 1}/{len(prompts)}: {summary.new_tokens} tokens, {summary.tokens_per_step:.2f} tokens/step"
+            )
+    if steps == 0:
+        return {n: 1.0 for n in sizes}
+    return {n: 1.0 + totals[n] / steps for n in sizes}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cache of choices
+# ------------------------------------------------------------------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "unknown"
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device | str) -> str:
+    """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def calibration_path(
+    model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> Path:
+    from medusa_chat.embedded import cache_root
+
+    name = "__".join(_slug(x) for x in (model_name, device_name(device), quant or "none", dtype_name(dtype)))
+    return cache_root() / "calibration" / f"{name}.json"
+
+
+def save_calibration(
+    result: dict[str, Any], model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> Path:
+    """Write atomically (a half-written file must never be read back as a calibration)."""
+    path = calibration_path(model_name, device, quant, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_calibration(
+    model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> dict[str, Any] | None:
+    """The cached calibration for this model on this device / quantization / dtype, or None."""
+    path = calibration_path(model_name, device, quant, dtype)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if (
+        not isinstance(data, dict)
+        or data.get("version") != CALIBRATION_VERSION
+        or not isinstance(data.get("tree_size"), int)
+    ):
+        return None
+    return data
+
+
+def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -> str:
+    """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
+    if cal is None:
+        return f"tree: {tree.size} nodes (default)" if tree is not None else "tree: default"
+    return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.)"
+
+
+def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
+    """(model name, device, quant, dtype) of a LoadedModel, the calibration key."""
+    spec = getattr(loaded, "spec", None)
+    name = getattr(spec, "name", None) or getattr(loaded, "name", None) or "model"
+    dtype = getattr(loaded, "dtype", None) or loaded.backbone.get_input_embeddings().weight.dtype
+    return str(name), torch.device(loaded.device), str(getattr(loaded, "quant", "none")), dtype_name(dtype)
+
+
+def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
+    """The tree `ask`/`bench` (and the UIs) should use, and why: (tree, source).
+
+    --tree / --tree-size win (loading.choose_tree); otherwise a cached calibration for this model + device,
+    if it was made for the model's default tree; otherwise the model's default tree. source is "--tree",
+    "--tree-size", "calibrated (1.8x est.)" or "default".
+    """
+    from medusa_chat.loading import choose_tree as explicit_tree
+
+    if tree_name or tree_size is not None:
+        return explicit_tree(
+            loaded, tree_name, tree_size
+        ), "--tree-size" if tree_size is not None else "--tree"
+    base = loaded.default_tree
+    cal = load_calibration(*model_identity(loaded))
+    if cal and cal.get("tree") == base.name and 1 <= cal["tree_size"] <= base.size:
+        return base.prefix(cal["tree_size"]), f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
+    return base, "default"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The whole calibration
+# ------------------------------------------------------------------------------------------------------------
+def heads_tree_json(loaded: Any) -> Path | None:
+    """The heads folder's tree.json, if the heads come from a local folder that has one."""
+    heads_file = getattr(loaded, "heads_file", "") or ""
+    candidates: list[Any] = [
+        Path(heads_file).parent if heads_file else None,
+        getattr(loaded, "heads_dir", None),
+    ]
+    spec = getattr(loaded, "spec", None)
+    candidates.append(getattr(spec, "heads", None))
+    try:
+        info = loaded.info()
+        heads_info = info.get("heads") if isinstance(info, dict) else None
+        if isinstance(heads_info, dict):
+            candidates += [heads_info.get(k) for k in ("path", "dir", "folder", "location")]
+    except Exception:  # noqa: BLE001 - info() is display-only; calibration must not fail on it
+        pass
+    for c in candidates:
+        if c and isinstance(c, (str, Path)):
+            p = Path(c).expanduser()
+            if p.is_dir() and (p / "tree.json").is_file():
+                return p / "tree.json"
+    return None
+
+
+def calibrate(
+    loaded: Any,
+    base: Tree | None = None,
+    sizes: Iterable[int] = DEFAULT_SIZES,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    reps: int = 8,
+    accuracy_file: Path | None = None,
+    measure_replies: int = 4,
+    measure_tokens: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record."""
+    from medusa_chat.decoding import MedusaEngine
+
+    base = base or loaded.default_tree
+    sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {base.size, 1})
+    model_name, device, quant, dtype = model_identity(loaded)
+
+    tps: dict[int, float] | None = None
+    source = ""
+    tree_json = accuracy_file or heads_tree_json(loaded)
+    if tree_json is not None:
+        tps = tokens_per_step_from_tree_json(tree_json, base)
+        source = f"{tree_json} (expected_tokens_per_step)" if tps else ""
+        if tps:
+            missing = [n for n in sizes if n not in tps]
+            if missing and progress:
+                progress(f"tree.json has no value for sizes {missing}: those sizes are skipped")
+            sizes = [n for n in sizes if n in tps]
+    if not tps:
+        if progress:
+            progress(
+                f"measuring tokens/step with {measure_replies} greedy replies on built-in prompts ({base.name}, {base.size} nodes)"
+            )
+        engine = MedusaEngine(loaded, base)
+        prompts = [
+            loaded.build_prompt([{"role": "user", "content": p}])
+            for p in CALIBRATION_PROMPTS[:measure_replies]
+        ]
+        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress)
+        source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
+        engine.reset()
+    tps[1] = 1.0  # a root-only step makes exactly one token
+
+    if progress:
+        progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
+    lat = measure_step_latency(
+        loaded.backbone,
+        sizes,
+        heads=loaded.heads,
+        tree=base,
+        prefix_tokens=prefix_tokens,
+        reps=reps,
+        progress=progress,
+    )
+    latency = {n: v["median_s"] for n, v in lat.items()}
+    best = pick_tree_size(latency, tps)
+    rates = expected_tokens_per_s(latency, tps)
+    return {
+        "version": CALIBRATION_VERSION,
+        "model": model_name,
+        "device": str(device),
+        "device_name": device_name(device),
+        "quant": quant,
+        "dtype": dtype,
+        "tree": base.name,
+        "tree_size": best,
+        "speedup_est": round(estimated_speedup(latency, tps, best), 3),
+        "tokens_per_s_est": round(rates[best], 2),
+        "prefix_tokens": prefix_tokens,
+        "accuracy_source": source,
+        "sizes": [
+            {
+                "size": n,
+                "latency_s": round(latency[n], 6),
+                "tokens_per_step": round(tps[n], 4),
+                "tokens_per_s_est": round(rates[n], 2),
+                "speedup_est": round(estimated_speedup(latency, tps, n), 3),
+            }
+            for n in sorted(rates)
+        ],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `medusa-chat calibrate` (model/heads/quant/dtype/device/tree come from the common options)."""
+    parser.add_argument(
+        "--sizes",
+        type=_int_list,
+        default=list(DEFAULT_SIZES),
+        help="tree sizes to time, capped at the tree's size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_TOKENS,
+        help="tokens already in the KV cache while timing (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=8, help="timed steps per size; the median is used (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--accuracy",
+        type=Path,
+        default=None,
+        metavar="TREE_JSON",
+        help="tree.json with expected_tokens_per_step (default: the heads folder's tree.json)",
+    )
+    parser.add_argument(
+        "--measure-replies",
+        type=int,
+        default=4,
+        help="greedy replies used to measure tokens/step when no tree.json has it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--measure-tokens", type=int, default=64, help="tokens per measuring reply (default: %(default)s)"
+    )
+    parser.add_argument("--no-save", action="store_true", help="print the result but do not cache it")
+    parser.add_argument("--json", action="store_true", help="print the calibration record as JSON")
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from medusa_chat.bench import load_from_args
+
+    err = Console(stderr=True)
+    out = Console()
+    try:
+        loaded = load_from_args(args, err)
+        base = Tree.named(args.tree) if getattr(args, "tree", None) else loaded.default_tree
+        if getattr(args, "tree_size", None):
+            base = base.prefix(min(args.tree_size, base.size))
+        result = calibrate(
+            loaded,
+            base,
+            sizes=args.sizes,
+            prefix_tokens=args.prefix_tokens,
+            reps=args.reps,
+            accuracy_file=args.accuracy,
+            measure_replies=args.measure_replies,
+            measure_tokens=args.measure_tokens,
+            progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+        )
+    except MedusaChatError as e:
+        err.print(f"[red]error:[/red] {e}")
+        return 1
+    if not args.no_save:
+        path = save_calibration(result, result["model"], loaded.device, result["quant"], result["dtype"])
+        result["saved_to"] = str(path)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+        return 0
+    table = Table(
+        title=f"{result['model']} on {result['device_name']} ({result['quant']}, {result['dtype']}), "
+        f"{result['prefix_tokens']}-token context"
+    )
+    for col in ("nodes", "step ms", "tokens/step", "est. tokens/s", "est. speedup"):
+        table.add_column(col, justify="right")
+    for row in result["sizes"]:
+        mark = " <" if row["size"] == result["tree_size"] else ""
+        table.add_row(
+            str(row["size"]) + mark,
+            f"{row['latency_s'] * 1000:.1f}",
+            f"{row['tokens_per_step']:.2f}",
+            f"{row['tokens_per_s_est']:.1f}",
+            f"{row['speedup_est']:.2f}x",
+        )
+    out.print(table)
+    out.print(f"tokens/step from {result['accuracy_source']}")
+    out.print(
+        f"chosen: {describe_calibration(result)} - first {result['tree_size']} nodes of {result['tree']}"
+    )
+    if "saved_to" in result:
+        out.print(f"saved to {result['saved_to']}")
+    if not math.isfinite(result["speedup_est"]) or result["speedup_est"] <= 1.0:
+        out.print("[yellow]no tree beats plain decoding on this device by the estimate[/yellow]")
+    return 0
+
+
+__all__ = [
+    "add_calibrate_args",
+    "calibrate",
+    "calibrate_main",
+    "choose_tree",
+    "describe_calibration",
+    "load_calibration",
+    "measure_step_latency",
+    "measure_tokens_per_step",
+    "pick_tree_size",
+    "save_calibration",
+]

@@ -1,0 +1,639 @@
+"""Load a backbone plus its Medusa heads on the chosen device, whatever format the heads were published in.
+
+Order of work, chosen so that a mistake costs seconds, not a 13 GB download: resolve the name, check the
+device/quantization request, fetch the backbone's config.json (size check against the device), fetch and
+check the heads (hidden size / vocab against that config), then fetch and load the backbone weights.
+
+Head formats (MEDUSA_FACTS section 3), decided from the tensors, never by trying one and falling back:
+- v1: `medusa_lm_head.{safetensors,pt}` with a vocab projection per head (`{h}.{L}.weight`).
+- v2: the same file name holding ResBlocks only (config `"version": "2"`); logits via the backbone's lm_head.
+- Medusa-2 full model: the backbone checkpoint itself carries `medusa_head.{h}...` keys.
+
+This module imports neither rich nor gradio (see docs/CONTRACTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_chat import hub
+from medusa_chat.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
+from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
+from medusa_chat.heads import MedusaHeads, heads_from_state_dict
+from medusa_chat.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
+from medusa_chat.tree import Tree
+
+Progress = Callable[[str], None]
+
+QUANTS = ("auto", "nf4", "int8", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
+LARGE_MODEL_PARAMS = 5e9  # "7B and up": unusable on a CPU unless the user insists with --device cpu
+MEDUSA_PREFIX = "medusa_head."
+
+# bitsandbytes' CPU int8 path warns on every matmul that fp32 inputs are cast to fp16: known and harmless.
+warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
+
+
+@dataclass
+class LoadedModel:
+    """A backbone with its Medusa heads, ready for the decoding engine (see docs/CONTRACTS.md)."""
+
+    spec: ModelSpec
+    backbone: Any  # transformers *ForCausalLM
+    tokenizer: Any  # PreTrainedTokenizerBase
+    heads: MedusaHeads
+    device: torch.device
+    dtype: torch.dtype
+    quant: str
+    default_tree: Tree
+    context_limit: int
+    eos_token_ids: list[int]
+    stop_strings: tuple[str, ...]
+    # Extras (not in the contract, for info/UIs): where things came from.
+    heads_source: str = ""  # "heads file" | "medusa-2 checkpoint"
+    heads_file: str = ""
+    model_dir: str = ""
+    notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
+
+    def build_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return build_prompt_ids(self.tokenizer, self.spec.chat_template, messages, add_generation_prompt)
+
+    def info(self) -> dict[str, Any]:
+        """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
+        heads_params = sum(p.numel() for p in self.heads.parameters())
+        heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
+        backbone_bytes = int(self.backbone.get_memory_footprint())
+        cuda_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        archs = getattr(self.backbone.config, "architectures", None) or [type(self.backbone).__name__]
+        return {
+            "model": self.spec.name,
+            "kind": self.spec.kind,
+            "backbone": self.spec.backbone or self.model_dir,
+            "model_dir": self.model_dir,
+            "architecture": archs[0],
+            "heads": {
+                "count": self.heads.num_heads,
+                "layers": self.heads.num_layers,
+                "format": self.heads.format,  # "v1" own projections | "v2" shared lm_head
+                "source": self.heads_source,
+                "file": self.heads_file,
+                "dtype": _dtype_name(next(self.heads.parameters()).dtype),
+                "params": heads_params,
+                "bytes": heads_bytes,
+            },
+            "quant": self.quant,
+            "device": str(self.device),
+            "dtype": _dtype_name(self.dtype),
+            "params": int(self.backbone.num_parameters()),
+            "memory": {
+                "backbone_bytes": backbone_bytes,
+                "heads_bytes": heads_bytes,
+                "total_bytes": backbone_bytes + heads_bytes,
+                "cuda_allocated_bytes": cuda_bytes,
+            },
+            "context_limit": self.context_limit,
+            "chat_template": self.spec.chat_template,
+            "default_tree": {
+                "name": self.default_tree.name,
+                "size": self.default_tree.size,
+                "depth": self.default_tree.depth,
+            },
+            "notes": list(self.notes),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def summary_lines(info: dict[str, Any]) -> list[str]:
+    """`info()` as short plain-text lines (the terminal and web UIs show these at startup)."""
+    h, mem = info["heads"], info["memory"]
+    lines = [
+        f"model      {info['model']} ({info['kind']}, {info['architecture']}) from {info['backbone']}",
+        f"heads      {h['count']} Medusa heads x {h['layers']} layer(s), format {h['format']} "
+        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}",
+        f"device     {info['device']}, {info['dtype']}, quantization {info['quant']}",
+        f"params     {human_count(info['params'])} backbone + {human_count(h['params'])} heads",
+        f"memory     {hub.human_size(mem['backbone_bytes'])} backbone + {hub.human_size(mem['heads_bytes'])} heads"
+        + (
+            f" (CUDA allocated {hub.human_size(mem['cuda_allocated_bytes'])})"
+            if mem["cuda_allocated_bytes"]
+            else ""
+        ),
+        f"context    {info['context_limit']} tokens, template {info['chat_template']}",
+        f"tree       {info['default_tree']['name']} ({info['default_tree']['size']} nodes, "
+        f"depth {info['default_tree']['depth']})",
+    ]
+    lines += [f"note       {n}" for n in info.get("notes", [])]
+    return lines
+
+
+# ---- device, dtype, quantization --------------------------------------------------------------------------------
+def pick_device(device: str) -> torch.device:
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise DeviceError(f"unknown device {device!r} (use auto, cpu or cuda)")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(
+            f"--device {device} was asked for but no CUDA GPU is usable here (torch {torch.__version__}"
+            f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu (--quant nf4 "
+            "also works on CPU, slowly) or install a CUDA build of torch"
+        )
+    dev = torch.device(device)
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    )
+
+
+def pick_quant(quant: str, device: torch.device) -> str:
+    if quant not in QUANTS:
+        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8 or none)")
+    if quant == "auto":
+        quant = "nf4" if device.type == "cuda" else "none"
+    if quant != "none":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as err:
+            raise DeviceError(
+                f"--quant {quant} needs bitsandbytes: `pip install bitsandbytes`, or use --quant none"
+            ) from err
+    return quant
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32  # CPU kernels are fastest and exact in fp32 (bf16 only pays off on some CPUs)
+    if dtype not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def quantization_config(quant: str, dtype: torch.dtype) -> Any:
+    if quant == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,  # ~0.4 bit/param saved, no measurable quality cost
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def estimate_params(config: dict[str, Any]) -> int:
+    """Backbone parameter count from config.json alone (before any weight is downloaded)."""
+    cfg = config.get("text_config") or config
+    h = int(cfg.get("hidden_size") or 0)
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    inter = int(cfg.get("intermediate_size") or 4 * h)
+    vocab = int(cfg.get("vocab_size") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or (h // heads if heads else 0))
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attn + 3 * h * inter
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return embed + layers * per_layer
+
+
+# ---- locating files ---------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as err:
+        raise MedusaChatError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise MedusaChatError(f"{path} is not a JSON object")
+    return data
+
+
+def _local_or_fetch(location: str, want: str, progress: Progress | None) -> Path:
+    if is_repo_id(location):
+        return hub.fetch(location, want, progress=progress)
+    path = Path(location).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"folder {location} does not exist")
+    if want == "model":
+        names = [p.name for p in path.iterdir()]
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json: not a transformers model folder")
+        if not hub.weight_files(names):
+            raise ModelNotFoundError(
+                f"{path} has no model weights (model*.safetensors or pytorch_model*.bin)"
+            )
+        missing = hub.missing_shards(path)
+        if missing:
+            raise ModelNotFoundError(f"{path} is incomplete: missing {', '.join(missing[:5])}")
+    return path
+
+
+def find_heads_file(folder: Path) -> Path:
+    for name in HEADS_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise HeadsError(f"no Medusa heads in {folder}: expected {' or '.join(HEADS_FILES)}")
+
+
+# ---- reading heads ----------------------------------------------------------------------------------------------
+def read_state_file(path: Path, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors or pickled .pt/.bin file; pickles are read with weights_only=True.
+
+    `keys`: only these (safetensors reads just those; a pickle is memory-mapped when possible).
+    Any unreadable file becomes a one-line HeadsError naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path.suffix == ".safetensors":
+            out: dict[str, torch.Tensor] = {}
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys() if keys is None else keys:
+                    out[key] = f.get_tensor(key)
+            return out
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) pickle
+    except pickle.UnpicklingError as err:
+        raise HeadsError(
+            f"{path} holds objects other than tensors; it was not loaded (pickles are read with "
+            f"weights_only=True and never executed): {str(err).splitlines()[0]}"
+        ) from err
+    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HeadsError(f"cannot read {path}: the file is truncated or corrupt ({first[:200]})") from err
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise HeadsError(f"{path} does not hold a state dict of tensors")
+    if keys is not None:
+        obj = {k: obj[k] for k in keys}
+    return obj
+
+
+def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
+    try:
+        return heads_from_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise HeadsError(f"{where} does not hold Medusa heads in a known layout: {err}") from err
+
+
+def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
+    """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
+    the Hub give a wrong `medusa_num_heads`)."""
+    path = find_heads_file(folder)
+    config = _read_json(folder / "config.json")
+    heads = _build_heads(read_state_file(path), str(path))
+    if str(config.get("version")) == "2" and heads.own_lm_head:
+        raise HeadsError(
+            f"{path}: config.json says version 2 (shared lm_head) but the file has a projection per head"
+        )
+    return heads, path, config
+
+
+def checkpoint_medusa_keys(folder: Path) -> dict[str, list[str]]:
+    """{checkpoint file: [medusa_head.* keys in it]} for a model folder; {} when it has none."""
+    from safetensors import SafetensorError, safe_open
+
+    for index in (hub.SAFETENSORS_INDEX, hub.BIN_INDEX):
+        if (folder / index).is_file():
+            weight_map = _read_json(folder / index).get("weight_map", {})
+            out: dict[str, list[str]] = {}
+            for key, fname in weight_map.items():
+                if key.startswith(MEDUSA_PREFIX):
+                    out.setdefault(fname, []).append(key)
+            return out
+    files = hub.weight_files(p.name for p in folder.iterdir())
+    out = {}
+    for fname in files:
+        path = folder / fname
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = [k for k in f.keys() if k.startswith(MEDUSA_PREFIX)]
+            except (SafetensorError, OSError) as err:
+                raise MedusaChatError(
+                    f"cannot read {path}: the file is truncated or corrupt ({err})"
+                ) from err
+        else:
+            keys = [k for k in read_state_file(path) if k.startswith(MEDUSA_PREFIX)]
+        if keys:
+            out[fname] = keys
+    return out
+
+
+def load_checkpoint_heads(folder: Path, keys_by_file: dict[str, list[str]]) -> tuple[MedusaHeads, Path]:
+    state: dict[str, torch.Tensor] = {}
+    for fname, keys in keys_by_file.items():
+        for key, tensor in read_state_file(folder / fname, keys).items():
+            state[key[len(MEDUSA_PREFIX) :]] = tensor
+    first = folder / sorted(keys_by_file)[0]
+    return _build_heads(state, f"the medusa_head.* weights of {folder}"), first
+
+
+def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, backbone: str) -> None:
+    cfg = config.get("text_config") or config
+    hidden, vocab = cfg.get("hidden_size"), cfg.get("vocab_size")
+    if hidden is not None and heads.hidden_size != int(hidden):
+        raise HeadsError(
+            f"Medusa heads in {where} have hidden size {heads.hidden_size} but the backbone {backbone} has "
+            f"{hidden}: they were trained for another model"
+        )
+    if heads.own_lm_head and vocab is not None and heads.vocab_size != int(vocab):
+        raise HeadsError(
+            f"Medusa heads in {where} project to a vocabulary of {heads.vocab_size} but the backbone {backbone} "
+            f"has {vocab}: they were trained for another model"
+        )
+
+
+# ---- the backbone -----------------------------------------------------------------------------------------------
+def _causal_lm_class(config: Any, ignore_medusa: bool, trust_remote_code: bool) -> Any:
+    """The *ForCausalLM class; with `ignore_medusa` a subclass that skips the checkpoint's medusa_head.* keys
+    quietly (they are read separately), instead of a LOAD REPORT warning about unexpected keys."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if getattr(config, "auto_map", None) and trust_remote_code:
+        return AutoModelForCausalLM
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as err:
+        raise ModelNotFoundError(
+            f"model type {getattr(config, 'model_type', '?')!r} is not a causal language model transformers knows"
+            + ("" if trust_remote_code else " (if it needs its own code, pass --trust-remote-code)")
+        ) from err
+    if not ignore_medusa:
+        return cls
+    patterns = [*(cls._keys_to_ignore_on_load_unexpected or []), r"^medusa_head\."]
+    return type(
+        cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": patterns, "__module__": cls.__module__}
+    )
+
+
+def load_backbone(
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: str,
+    *,
+    ignore_medusa: bool = False,
+    trust_remote_code: bool = False,
+) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelNotFoundError(
+            f"cannot read the model config in {folder}: {str(err).splitlines()[0]}"
+        ) from err
+    cls = _causal_lm_class(config, ignore_medusa, trust_remote_code)
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        # Tree verification passes a 4D additive mask: sdpa and eager take it, flash-attention cannot.
+        "attn_implementation": "sdpa",
+        "device_map": {"": str(device)},
+        "trust_remote_code": trust_remote_code,
+    }
+    qc = quantization_config(quant, dtype)
+    if qc is not None:
+        kwargs["quantization_config"] = qc
+    try:
+        model = cls.from_pretrained(folder, config=config, **kwargs)
+    except (OSError, ValueError, RuntimeError, EOFError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MedusaChatError(f"cannot load the model in {folder}: {first[:300]}") from err
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _context_limit(model: Any, tokenizer: Any) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 10_000_000:  # tokenizers without a limit say ~1e30
+        limit = min(limit, tok_max)
+    return limit
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    # ChatML models end a turn with <|im_end|>, which is not always their configured EOS.
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if im_end is not None and im_end not in ids:
+        ids.append(int(im_end))
+    return ids
+
+
+def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int, notes: list[str]) -> Tree:
+    tree_file = heads_dir / "tree.json" if heads_dir is not None else None
+    if tree_file is not None and tree_file.is_file() and not Path(spec.default_tree).is_file():
+        source = str(tree_file)  # a Hub heads repo's own tree, fitted to those heads
+    else:
+        source = spec.default_tree
+    tree = Tree.named(source)
+    if Path(source).is_file():
+        name = _read_json(Path(source)).get("name")
+        if isinstance(name, str) and name:
+            tree = Tree(tree.paths, name=name)
+    if tree.depth > num_heads:
+        # Only the default is trimmed to fit; a tree the user names is checked (TreeError) by whoever uses it.
+        tree = Tree.from_paths(
+            [p for p in tree.paths if len(p) <= num_heads], name=f"{tree.name}[depth<={num_heads}]"
+        )
+        notes.append(f"default tree trimmed to depth {num_heads} to match {num_heads} heads")
+    return tree
+
+
+# ---- the entry point --------------------------------------------------------------------------------------------
+def load_model(
+    model: str = "smollm2-135m",
+    heads: str | None = None,
+    quant: str = "auto",
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: Progress | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Resolve, download (only what is needed), load and check a backbone and its Medusa heads."""
+    say = progress or (lambda text: None)
+    spec = resolve(model, heads)
+    dev = pick_device(device)
+    q = pick_quant(quant, dev)
+    compute_dtype = pick_dtype(dtype, dev)
+    notes: list[str] = []
+
+    # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
+    if spec.kind == "embedded":
+        from medusa_chat.embedded import embedded_model_dir
+
+        backbone_loc = str(embedded_model_dir(progress=progress))
+    else:
+        backbone_loc = spec.backbone
+    cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
+    config = _read_json(cfg_dir / "config.json")
+    if not config:
+        raise ModelNotFoundError(f"{backbone_loc} has no config.json")
+
+    if spec.custom and spec.heads is None and "model_type" not in config:
+        # `--model` named a heads repo/folder (config has base_model_name_or_path): load its base model.
+        base = config.get("base_model_name_or_path")
+        if not base:
+            raise ModelNotFoundError(
+                f"{backbone_loc} is neither a transformers model nor a Medusa heads repo"
+            )
+        say(f"{spec.name} holds Medusa heads for {base}; loading that backbone")
+        spec = replace(spec, backbone=str(base), heads=backbone_loc, kind="v1-heads")
+        backbone_loc = spec.backbone
+        cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
+        config = _read_json(cfg_dir / "config.json")
+
+    params = spec.params_b * 1e9 if spec.params_b and not spec.custom else estimate_params(config)
+    if device == "auto" and dev.type == "cpu" and params >= LARGE_MODEL_PARAMS:
+        raise DeviceError(
+            f"{spec.name} has ~{params / 1e9:.0f}B parameters and this machine has no CUDA GPU: on CPU it needs "
+            f"~{params * 4 / 1e9:.0f} GB of RAM and answers at well under a token per second. Pass --device cpu "
+            "to run it anyway, or use the embedded smollm2-135m"
+        )
+
+    # 2. Separate heads: fetch and check them against the config before the backbone weights come.
+    heads_mod: MedusaHeads | None = None
+    heads_dir: Path | None = None
+    heads_path: Path | None = None
+    if spec.heads is not None:
+        if spec.kind == "embedded" and not Path(spec.heads).is_dir():
+            raise HeadsError(
+                f"no Medusa heads for {spec.name} yet: {spec.heads} does not exist (it should hold config.json, "
+                "medusa_lm_head.safetensors and tree.json); train them with `medusa-chat train-heads` or pass "
+                "--heads ORG/NAME|PATH"
+            )
+        heads_dir = _local_or_fetch(spec.heads, "heads", progress)
+        heads_mod, heads_path, _ = load_heads_file(heads_dir)
+        check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
+        if spec.kind in ("v1-heads", "v2-heads"):
+            spec = replace(spec, kind="v1-heads" if heads_mod.own_lm_head else "v2-heads")
+
+    # 3. The backbone itself.
+    model_dir = _local_or_fetch(backbone_loc, "model", progress)
+    medusa_keys: dict[str, list[str]] = {}
+    if heads_mod is None:
+        medusa_keys = checkpoint_medusa_keys(model_dir)
+        if not medusa_keys:
+            raise HeadsError(
+                f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
+                "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
+            )
+    say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
+    backbone = load_backbone(
+        model_dir, dev, compute_dtype, q, ignore_medusa=bool(medusa_keys), trust_remote_code=trust_remote_code
+    )
+    heads_source = "heads file"
+    if heads_mod is None:
+        heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
+        heads_source = "medusa-2 checkpoint"
+        check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
+
+    lm_head = backbone.get_output_embeddings()
+    vocab = int(lm_head.weight.shape[0])
+    if heads_mod.own_lm_head and heads_mod.vocab_size != vocab:
+        raise HeadsError(
+            f"Medusa heads in {heads_path} project to {heads_mod.vocab_size} tokens but the backbone's lm_head "
+            f"has {vocab}"
+        )
+    heads_mod.vocab_size = vocab
+    # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
+    heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
+    heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
+
+    # 4. Tokenizer, template, limits.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelNotFoundError(
+            f"cannot load the tokenizer in {model_dir}: {str(err).splitlines()[0]}"
+        ) from err
+    if spec.chat_template == TOKENIZER and not getattr(tokenizer, "chat_template", None):
+        spec = replace(spec, chat_template=VICUNA_V11)
+        notes.append("the tokenizer has no chat template: using Vicuna v1.1")
+
+    try:
+        tree = _default_tree(spec, heads_dir, heads_mod.num_heads, notes)
+    except TreeError as err:
+        raise TreeError(f"default tree of {spec.name}: {err}") from err
+
+    return LoadedModel(
+        spec=spec,
+        backbone=backbone,
+        tokenizer=tokenizer,
+        heads=heads_mod,
+        device=dev,
+        dtype=compute_dtype,
+        quant=q,
+        default_tree=tree,
+        context_limit=_context_limit(backbone, tokenizer),
+        eos_token_ids=_eos_ids(backbone, tokenizer),
+        stop_strings=VICUNA_STOP_STRINGS if spec.chat_template == VICUNA_V11 else (),
+        heads_source=heads_source,
+        heads_file=str(heads_path),
+        model_dir=str(model_dir),
+        notes=notes,
+    )
+
+
+# ---- helpers for the command line and the UIs --------------------------------------------------------------------
+def load_from_args(args: Any, progress: Progress | None = None) -> LoadedModel:
+    """load_model() from the common CLI options (see cli.add_model_options)."""
+    return load_model(
+        model=args.model,
+        heads=args.heads,
+        quant=args.quant,
+        dtype=args.dtype,
+        device=args.device,
+        progress=progress,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def choose_tree(loaded: LoadedModel, tree: str | None = None, tree_size: int | None = None) -> Tree:
+    """`--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N`, checked against the heads."""
+    chosen = Tree.named(tree) if tree else loaded.default_tree
+    if tree_size is not None:
+        chosen = chosen.prefix(tree_size)
+    chosen.check_fits(loaded.heads.num_heads)
+    return chosen

@@ -1,0 +1,535 @@
+"""The session manager: one conversation, its settings and statistics, driving one MedusaEngine.
+
+Both UIs (Rich REPL, Gradio) talk only to this class. It builds prompts with the model's chat template (dropping
+the oldest turns when the conversation outgrows the context window), serialises replies (one at a time), forwards
+the engine's events unchanged, keeps a stopped reply (marked stopped), and autosaves the conversation atomically
+after every change. It imports no UI code and holds no decoding logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from medusa_chat.conversations import (
+    Conversation,
+    ConversationMeta,
+    ConversationStore,
+    Message,
+    default_data_dir,
+    export_conversation,
+)
+from medusa_chat.errors import BusyError, MedusaChatError, PromptError
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.tree import Tree
+
+if TYPE_CHECKING:
+    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.loading import LoadedModel
+
+Item = StepEvent | ReplySummary
+
+# torch >= 2.5 has torch.OutOfMemoryError; older versions only the CUDA one (the same class).
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+# The fixed prompt of `measure_baseline`: asks for a long answer so the measurement is not cut short by EOS.
+BASELINE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+BASELINE_TOKENS = 48
+
+# Per-process cache of measured plain-decoding speeds, keyed by (model, device, dtype, quant): a second
+# session on the same model (e.g. the web UI opening a new chat) reuses the measurement.
+_BASELINES: dict[tuple[str, str, str, str], float] = {}
+
+_STATS_DROP = ("text", "token_ids")  # the reply's text is the message itself; ids are not worth storing
+
+
+class ReplyStream(Iterator[Item]):
+    """The iterator `send`/`regenerate`/`edit_last` return.
+
+    The session's lock is taken when the reply is requested (so a second request fails at once with
+    BusyError) and released when this stream ends, fails, or is closed/garbage-collected, even if the
+    caller never started iterating it.
+    """
+
+    def __init__(self, gen: Iterator[Item], release: Callable[[], None]) -> None:
+        self._gen = gen
+        self._release: Callable[[], None] | None = release
+
+    def __iter__(self) -> ReplyStream:
+        return self
+
+    def __next__(self) -> Item:
+        try:
+            return next(self._gen)
+        except BaseException:  # StopIteration included: the reply is over either way
+            self._finish()
+            raise
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._gen, "close", None)
+            if close is not None:
+                close()  # runs the session's cleanup: a partial reply is kept, marked stopped
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class SessionManager:
+    """One chat session. Not a model wrapper: the model and engine are built on `load()`."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        heads: str | None = None,
+        quant: str = "auto",
+        dtype: str = "auto",
+        device: str = "auto",
+        tree: str | None = None,
+        tree_size: int | None = None,
+        data_dir: Path | None = None,
+        trust_remote_code: bool = False,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.model_name = model
+        self.heads_arg = heads
+        self.quant_arg = quant
+        self.dtype_arg = dtype
+        self.device_arg = device
+        self.trust_remote_code = trust_remote_code
+        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.store = ConversationStore(self.data_dir / "conversations")
+        self.loaded: LoadedModel | None = loaded
+        self.engine: MedusaEngine | None = None
+        self.settings = GenerationSettings()
+        self.conversation = Conversation(model=model)
+        self.last_events: list[StepEvent] = []
+        self.last_summary: ReplySummary | None = None
+        # Things the UI should tell the user about the last action (dropped turns, failed autosave, ...).
+        self.notices: list[str] = []
+        self.baseline_tokens_per_s: float | None = None
+        self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
+        self._lock = threading.Lock()  # held for the whole of a reply
+        self._load_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    # ---- model ----------------------------------------------------------------------------------------------
+    def load(self, progress: Callable[[str], None] | None = None) -> None:
+        """Load the model and build the engine; a no-op when already done."""
+        with self._load_lock:
+            if self.engine is not None:
+                return
+            if self.loaded is None:
+                from medusa_chat.loading import load_model
+
+                self.loaded = load_model(
+                    model=self.model_name,
+                    heads=self.heads_arg,
+                    quant=self.quant_arg,
+                    dtype=self.dtype_arg,
+                    device=self.device_arg,
+                    progress=progress,
+                    trust_remote_code=self.trust_remote_code,
+                )
+            from medusa_chat.decoding import MedusaEngine
+
+            tree = self._resolve_tree(*self._tree_request)
+            if progress is not None:
+                progress(f"tree {tree.name} ({tree.size} nodes)")
+            self.engine = MedusaEngine(self.loaded, tree=tree)
+            self.conversation.model = self.loaded.spec.name
+            self.baseline_tokens_per_s = _BASELINES.get(self._baseline_key())
+
+    @property
+    def loaded_ok(self) -> bool:
+        return self.engine is not None
+
+    def _require_engine(self) -> MedusaEngine:
+        if self.engine is None:
+            self.load()
+        assert self.engine is not None
+        return self.engine
+
+    def _resolve_tree(self, name: str | None, size: int | None) -> Tree:
+        from medusa_chat.loading import choose_tree  # the one place that turns --tree/--tree-size into a Tree
+
+        assert self.loaded is not None
+        return choose_tree(self.loaded, name, size)
+
+    @property
+    def tree(self) -> Tree | None:
+        return self.engine.tree if self.engine is not None else None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """LoadedModel.info() plus the tree and the acceptance mode (before load: what was asked for)."""
+        if self.loaded is not None:
+            out = dict(self.loaded.info())
+            out.setdefault("context_limit", self.loaded.context_limit)
+        else:
+            out = {
+                "model": self.model_name,
+                "heads": self.heads_arg,
+                "quant": self.quant_arg,
+                "device": self.device_arg,
+                "dtype": self.dtype_arg,
+            }
+        tree = self.tree
+        out["tree"] = tree.name if tree is not None else (self._tree_request[0] or "default")
+        out["tree_size"] = tree.size if tree is not None else self._tree_request[1]
+        out["accept_mode"] = self.settings.accept_mode
+        out["baseline_tokens_per_s"] = self.baseline_tokens_per_s
+        return out
+
+    # ---- settings -------------------------------------------------------------------------------------------
+    def update_settings(self, **changes: Any) -> GenerationSettings:
+        """Change settings for the next reply (a running reply keeps its own copy). Validated; unknown names
+        and bad values raise MedusaChatError and leave the settings unchanged."""
+        names = {f.name: f for f in dataclasses.fields(GenerationSettings)}
+        coerced: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key not in names:
+                raise MedusaChatError(f"unknown setting {key!r} (known: {', '.join(names)})")
+            try:
+                if key == "max_new_tokens":
+                    value = int(value)
+                elif key == "seed":
+                    value = None if value in (None, "", "none", "None") else int(value)
+                elif key == "stop_strings":
+                    value = tuple(str(s) for s in value)
+                else:
+                    value = float(value)
+            except (TypeError, ValueError):
+                raise MedusaChatError(f"bad value for {key}: {value!r}") from None
+            coerced[key] = value
+        new = dataclasses.replace(self.settings, **coerced)
+        new.validate()
+        self.settings = new
+        return new
+
+    def set_tree(self, name_or_file: str | None, size: int | None) -> None:
+        """Switch the tree between replies: a published name, chain-N, a JSON file, or None (model default);
+        `size` takes the first `size` nodes."""
+        with self._exclusive():
+            if self.loaded is None:
+                self._tree_request = (name_or_file, size)  # applied by load()
+                return
+            tree = self._resolve_tree(name_or_file, size)
+            self._require_engine().set_tree(tree)
+            self._tree_request = (name_or_file, size)
+
+    # ---- replies --------------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def stop(self) -> None:
+        """Ask the running reply to end; the engine checks this every step and keeps what it produced."""
+        self._stop.set()
+
+    def send(self, message: str) -> ReplyStream:
+        """Add a user message and stream the reply: StepEvent..., then one ReplySummary."""
+        if not message or not message.strip():
+            raise PromptError("the message is empty")
+        return self._reply(lambda msgs: msgs.append(Message("user", message)))
+
+    def regenerate(self) -> ReplyStream:
+        """Replace the last reply with a new one (or answer the last user message if its reply failed)."""
+
+        def edit(msgs: list[Message]) -> None:
+            if msgs and msgs[-1].role == "assistant":
+                msgs.pop()
+            if not msgs or msgs[-1].role != "user":
+                raise MedusaChatError("nothing to regenerate yet: send a message first")
+
+        return self._reply(edit)
+
+    def edit_last(self, message: str) -> ReplyStream:
+        """Replace the last user message (dropping its reply) and answer the new text."""
+        if not message or not message.strip():
+            raise PromptError("the message is empty")
+
+        def edit(msgs: list[Message]) -> None:
+            if msgs and msgs[-1].role == "assistant":
+                msgs.pop()
+            if not msgs or msgs[-1].role != "user":
+                raise MedusaChatError("there is no user message to edit yet")
+            msgs[-1] = Message("user", message)
+
+        return self._reply(edit)
+
+    def _reply(self, edit: Callable[[list[Message]], None]) -> ReplyStream:
+        # Non-blocking: a second request while a reply runs gets a clear answer instead of queueing silently.
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
+        try:
+            engine = self._require_engine()
+            self._stop.clear()  # cleared here, not when iteration starts, so an early stop() is not lost
+            self.notices = []
+            before = list(self.conversation.messages)
+            edit(self.conversation.messages)
+            try:
+                prompt_ids, dropped = self._prompt_ids()
+            except PromptError:
+                self.conversation.messages[:] = before  # a message that can never fit is not kept
+                raise
+            self._autosave()  # the user's message is on disk before the (fallible) generation starts
+            settings = dataclasses.replace(self.settings)  # the reply keeps its own copy
+            gen = self._generate(engine, prompt_ids, settings, dropped)
+        except BaseException:
+            self._lock.release()
+            raise
+        return ReplyStream(gen, self._lock.release)
+
+    def _prompt_ids(self) -> tuple[list[int], int]:
+        """The templated prompt, dropping the oldest turns (never the system prompt) until it leaves room for
+        max_new_tokens. Returns (ids, number of messages dropped)."""
+        assert self.loaded is not None
+        limit = int(self.loaded.context_limit)
+        budget = limit - self.settings.max_new_tokens
+        turns = self.conversation.turns()
+        system = turns[:1] if turns and turns[0]["role"] == "system" else []
+        rest = turns[len(system) :]
+        dropped = 0
+        while True:
+            ids = self.loaded.build_prompt(system + rest)
+            if len(ids) <= budget or len(rest) <= 1:
+                break
+            # Drop the oldest exchange: a user message and the reply after it, so the history still starts
+            # with a user turn (some templates insist on alternation).
+            rest = rest[1:]
+            dropped += 1
+            while len(rest) > 1 and rest[0]["role"] != "user":
+                rest = rest[1:]
+                dropped += 1
+        if len(ids) + 1 >= limit:
+            raise PromptError(
+                f"the message is too long: {len(ids)} prompt tokens, but the model's context window is {limit}"
+            )
+        if dropped:
+            self.notices.append(
+                f"dropped the {dropped} oldest message{'s' if dropped > 1 else ''} to fit the model's context "
+                f"window ({limit} tokens, {self.settings.max_new_tokens} kept free for the reply)"
+            )
+        if len(ids) > budget:
+            self.notices.append(
+                f"only {limit - len(ids)} tokens of the context window are left for the reply"
+            )
+        return ids, dropped
+
+    def _generate(
+        self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, dropped: int
+    ) -> Iterator[Item]:
+        self.last_events = []
+        self.last_summary = None
+        parts: list[str] = []
+        summary: ReplySummary | None = None
+        error: str | None = None
+        gen = engine.generate(prompt_ids, settings, self._stop)
+        try:
+            for item in gen:
+                if isinstance(item, ReplySummary):
+                    summary = item
+                    self.last_summary = item
+                else:
+                    self.last_events.append(item)
+                    parts.append(item.text)
+                yield item
+        except _OOM as err:
+            error = "out of memory"
+            raise MedusaChatError(
+                "out of memory while generating: try a smaller tree (--tree-size 16), fewer new tokens (/max), "
+                "a shorter conversation (/clear), or 4-bit weights (--quant nf4)"
+            ) from err
+        except MedusaChatError as err:
+            error = str(err)
+            raise
+        except Exception as err:  # a bug: re-raised as is, but the conversation must survive it
+            error = f"{type(err).__name__}: {err}"
+            raise
+        except GeneratorExit:  # the consumer closed the stream between two steps: a clean point
+            raise
+        except BaseException:
+            # e.g. KeyboardInterrupt raised inside a forward pass: the reply is kept (as stopped) below, but
+            # the engine's cache may be half-written, so the next prompt is prefilled from scratch.
+            with contextlib.suppress(Exception):
+                engine.reset()
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                gen.close()
+            self._finish_reply(engine, parts, summary, error, dropped)
+
+    def _finish_reply(
+        self,
+        engine: MedusaEngine,
+        parts: list[str],
+        summary: ReplySummary | None,
+        error: str | None,
+        dropped: int,
+    ) -> None:
+        msgs = self.conversation.messages
+        if summary is not None:
+            stats = {k: v for k, v in summary.to_dict().items() if k not in _STATS_DROP}
+            value, kind = self.speedup(summary.decode_tokens_per_s, summary.tokens_per_step)
+            stats.update(
+                speedup=round(value, 3), speedup_kind=kind, tree=engine.tree.name, dropped_messages=dropped
+            )
+            if self.notices:
+                stats["notices"] = list(self.notices)
+            msgs.append(Message("assistant", summary.text, stats, stopped=summary.stop_reason == "stopped"))
+        elif error is not None:
+            # The engine failed: keep the user's message (regenerate retries it) and start the next prompt
+            # from a clean cache, since a step may have died half-way through writing it.
+            self.notices.append(f"the reply failed ({error}); your message is kept: /regen retries it")
+            with contextlib.suppress(Exception):
+                engine.reset()
+            if error == "out of memory":
+                self._free_memory()
+        else:
+            # The caller abandoned the stream (closed it, or an interrupt hit the consumer): keep what was
+            # produced, marked stopped, exactly as if stop() had been called.
+            if parts:  # at least one step arrived (its text may be empty, e.g. a special token)
+                text = "".join(parts)
+                msgs.append(
+                    Message("assistant", text, {"stop_reason": "stopped", "new_tokens": None}, stopped=True)
+                )
+        self._autosave()
+
+    @staticmethod
+    def _free_memory() -> None:
+        if torch.cuda.is_available():
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+
+    # ---- speed ----------------------------------------------------------------------------------------------
+    def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]:
+        """(speedup, "measured" | "estimated"): measured against plain decoding when `measure_baseline` ran
+        for this model/device, else estimated as tokens per step (what a step costs is then ignored)."""
+        if self.baseline_tokens_per_s and tokens_per_s > 0:
+            return tokens_per_s / self.baseline_tokens_per_s, "measured"
+        return tokens_per_step, "estimated"
+
+    def _baseline_key(self) -> tuple[str, str, str, str]:
+        assert self.loaded is not None
+        return (self.loaded.spec.name, str(self.loaded.device), str(self.loaded.dtype), self.loaded.quant)
+
+    def measure_baseline(self, max_new_tokens: int = BASELINE_TOKENS) -> float:
+        """Plain decoding speed (root-only tree, one token per step, greedy) on a fixed prompt; stored so
+        later speedups are "measured". Leaves the conversation untouched."""
+        with self._exclusive():
+            engine = self._require_engine()
+            assert self.loaded is not None
+            tree = engine.tree
+            prompt = self.loaded.build_prompt([{"role": "user", "content": BASELINE_PROMPT}])
+            settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+            self._stop.clear()
+            summary: ReplySummary | None = None
+            try:
+                engine.set_tree(Tree.chain(0))
+                for item in engine.generate(prompt, settings, self._stop):
+                    if isinstance(item, ReplySummary):
+                        summary = item
+            except Exception:
+                with contextlib.suppress(Exception):
+                    engine.reset()
+                raise
+            finally:
+                engine.set_tree(tree)
+            if summary is None or summary.decode_tokens_per_s <= 0:
+                raise MedusaChatError("the baseline reply was too short to measure; try again")
+            self.baseline_tokens_per_s = summary.decode_tokens_per_s
+            _BASELINES[self._baseline_key()] = self.baseline_tokens_per_s
+            return self.baseline_tokens_per_s
+
+    # ---- conversation ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Changes that must not interleave with a running reply."""
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("a reply is being generated: wait for it to finish or stop it first")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def undo(self) -> None:
+        """Remove the last exchange (the last reply and the user message it answered)."""
+        with self._exclusive():
+            msgs = self.conversation.messages
+            if not msgs:
+                raise MedusaChatError("nothing to undo")
+            if msgs[-1].role == "assistant":
+                msgs.pop()
+            if msgs and msgs[-1].role == "user":
+                msgs.pop()
+            self.last_events, self.last_summary = [], None
+            self._autosave()
+
+    def clear(self) -> None:
+        """Start a new, empty conversation with the same system prompt (the old one stays saved)."""
+        with self._exclusive():
+            old = self.conversation
+            self.conversation = Conversation(system_prompt=old.system_prompt, model=old.model)
+            self.last_events, self.last_summary = [], None
+            self.notices = []
+
+    def set_system(self, text: str) -> None:
+        with self._exclusive():
+            self.conversation.system_prompt = text.strip()
+            self._autosave()
+
+    def save(self, name: str | None = None) -> Path:
+        """Save now (autosave does this anyway), optionally giving the conversation a title."""
+        with self._exclusive():
+            if name:
+                self.conversation.title = name.strip()
+            return self.store.save(self.conversation)
+
+    def list_conversations(self) -> list[ConversationMeta]:
+        return self.store.list_all()
+
+    def load_conversation(self, id: str) -> Conversation:
+        """Make a saved conversation current: by id, unique id prefix, title, or list number."""
+        with self._exclusive():
+            conv = self.store.load(self.store.resolve(id))
+            self.conversation = conv
+            self.last_events, self.last_summary = [], None
+            return conv
+
+    def delete_conversation(self, id: str) -> None:
+        with self._exclusive():
+            conv_id = self.store.resolve(id)
+            self.store.delete(conv_id)
+            if conv_id == self.conversation.id:
+                old = self.conversation
+                self.conversation = Conversation(system_prompt=old.system_prompt, model=old.model)
+                self.last_events, self.last_summary = [], None
+
+    def export(self, path: str | Path, fmt: str = "md") -> Path:
+        return export_conversation(self.conversation, path, fmt)
+
+    def _autosave(self) -> None:
+        # An empty new conversation is not written (the list would fill with blanks); once it has a file,
+        # every change (including undoing to empty) is written.
+        conv = self.conversation
+        if not conv.messages and not self.store.exists(conv.id):
+            return
+        try:
+            self.store.save(conv)
+        except OSError as err:
+            self.notices.append(f"could not save the conversation ({err}); it is still here in memory")

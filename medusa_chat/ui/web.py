@@ -1,0 +1,739 @@
+"""The Gradio web UI (`medusa-chat web`, `python run.py`): chat with streaming, Stop, regenerate, undo, edit,
+system prompt and settings; a live speed meter; the accepted-tree visualiser; the model panel.
+
+Everything here is presentation: the `SessionManager` owns the model, the conversation, the settings and the
+stop flag; `render` turns its events into HTML. The app binds 127.0.0.1 unless another host is asked for, never
+makes share links, sends no analytics, and needs no network (system fonts, no CDN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from medusa_chat.embedded import cache_root
+
+
+def _configure_env() -> None:
+    """Offline, private defaults; must run before gradio / huggingface_hub are imported."""
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(cache_root() / "gradio"))
+    os.environ.setdefault("GRADIO_SSR_MODE", "False")
+
+
+_configure_env()
+
+import gradio as gr  # noqa: E402  (after the environment above)
+
+from medusa_chat.errors import MedusaChatError  # noqa: E402
+from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
+from medusa_chat.ui import render  # noqa: E402
+
+if TYPE_CHECKING:
+    from medusa_chat.session import SessionManager
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
+TREE_CHOICES_DEFAULT = "model default"
+
+
+def friendly_error(err: BaseException) -> str:
+    """A one-line message a person can act on, for any exception a handler meets."""
+    if isinstance(err, MedusaChatError):
+        return str(err)
+    if type(err).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError
+        return (
+            "out of memory: try a smaller tree (Advanced → tree size), fewer max new tokens, a shorter "
+            "conversation (Clear), or 4-bit weights (--quant nf4)"
+        )
+    return f"unexpected error ({type(err).__name__}): {err}"
+
+
+def _message_text(content: Any) -> str:
+    """Gradio 6 message content may be a string or a list of parts: flatten to text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(_message_text(p) for p in content)
+    return "" if content is None else str(content)
+
+
+class ModelLoader:
+    """Loads the session's model in a background thread and keeps the progress lines for the browser."""
+
+    def __init__(self, session: SessionManager) -> None:
+        self.session = session
+        self.status = "ready" if getattr(session, "loaded_ok", False) else "idle"
+        self.lines: list[str] = []
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self.status == "ready":
+            self._done.set()
+
+    def start(self) -> None:
+        """Start loading unless it is loaded or loading already (a failed load is retried)."""
+        with self._lock:
+            if self.status in ("ready", "loading"):
+                return
+            self.status, self.error = "loading", None
+            self._done.clear()
+            self.lines.append("starting…")
+            self._thread = threading.Thread(target=self._run, name="medusa-chat-load", daemon=True)
+            self._thread.start()
+
+    def _progress(self, text: str) -> None:
+        self.lines.append(str(text))
+        del self.lines[:-50]
+
+    def _run(self) -> None:
+        try:
+            self.session.load(progress=self._progress)
+        except BaseException as err:  # noqa: BLE001 - shown in the browser; the app keeps running
+            self.error = friendly_error(err)
+            self.lines.append(self.error)
+            self.status = "error"
+            if not isinstance(err, MedusaChatError):
+                traceback.print_exc()
+        else:
+            self.lines.append("ready")
+            self.status = "ready"
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+
+class WebApp:
+    """State and handlers of one web UI over one session (a single-user app: one shared session)."""
+
+    def __init__(self, session: SessionManager) -> None:
+        self.session = session
+        self.loader = ModelLoader(session)
+        self.events: list[StepEvent] = []
+        self.summary: ReplySummary | None = None
+        self.streaming = False
+        self._stop_asked = threading.Event()
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def history(self, draft: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
+        """The conversation as Chatbot messages (a stopped reply is marked), or `draft` while streaming."""
+        if draft is not None:
+            return draft
+        out: list[dict[str, str]] = []
+        for m in self.session.conversation.messages:
+            content = m.content
+            if m.role == "assistant":
+                content = content + self._stats_line(m.stats, m.stopped)
+            out.append({"role": m.role, "content": content})
+        return out
+
+    @staticmethod
+    def _stats_line(stats: dict | None, stopped: bool) -> str:
+        bits = []
+        if stopped:
+            bits.append("⏹ stopped")
+        if stats:
+            if stats.get("new_tokens"):
+                bits.append(f"{stats['new_tokens']} tokens")
+            if stats.get("tokens_per_step"):
+                bits.append(f"{stats['tokens_per_step']:.2f} tok/step")
+            if stats.get("decode_tokens_per_s"):
+                bits.append(f"{stats['decode_tokens_per_s']:.1f} tok/s")
+            if stats.get("speedup"):
+                kind = stats.get("speedup_kind") or ""
+                bits.append(f"{stats['speedup']:.2f}× {kind}".rstrip())
+        return ("\n\n*" + " · ".join(bits) + "*") if bits else ""
+
+    def meter(self, status: str = "") -> str:
+        speed: float | None = None
+        kind: str | None = None
+        src = self.summary if self.summary is not None else (self.events[-1] if self.events else None)
+        if src is not None and src.tokens_per_step > 0:
+            try:
+                speed, kind = self.session.speedup(src.decode_tokens_per_s, src.tokens_per_step)
+            except Exception:  # noqa: BLE001 - a meter must never break the chat
+                speed, kind = None, None
+        return render.meter_html(
+            self.events,
+            self.summary,
+            speedup=speed,
+            speedup_kind=kind,
+            status=status,
+            accept_mode=self.session.settings.accept_mode,
+        )
+
+    def tree_panel(self, step: int | None = None, live: bool = False, note: str = "") -> str:
+        return render.tree_panel_html(self.events, step, live=live, note=note)
+
+    def model_panel(self) -> str:
+        try:
+            info = self.session.info
+        except Exception:  # noqa: BLE001
+            info = {}
+        return render.model_panel_html(info, self.loader.status, self.loader.lines)
+
+    def step_slider(self, interactive: bool = True) -> dict:
+        top = max((e.step for e in self.events), default=0)
+        return gr.update(maximum=max(top, 1), value=top, interactive=interactive and top > 0)
+
+    def conversation_choices(self) -> list[tuple[str, str]]:
+        try:
+            metas = self.session.list_conversations()
+        except Exception:  # noqa: BLE001
+            return []
+        out = []
+        for meta in metas:
+            when = (meta.updated or meta.created or "")[:16].replace("T", " ")
+            title = meta.title or "(untitled)"
+            out.append((f"{title} · {when} · {meta.messages} msgs", meta.id))
+        return out
+
+    def conv_dropdown(self) -> dict:
+        choices = self.conversation_choices()
+        current = self.session.conversation.id
+        value = current if any(v == current for _, v in choices) else None
+        return gr.update(choices=choices, value=value)
+
+    def _warn(self, err: BaseException) -> str:
+        msg = friendly_error(err)
+        if not isinstance(err, MedusaChatError):
+            traceback.print_exception(err)
+        gr.Warning(msg)
+        return render.error_html(msg)
+
+    # ---- streaming a reply ----------------------------------------------------------------------------------
+    def _wait_for_model(self) -> Iterator[str]:
+        """Start the load if needed and yield progress text until the model is ready (raises on failure)."""
+        self.loader.start()
+        while not self.loader.wait(0.5):
+            yield self.loader.lines[-1] if self.loader.lines else "loading…"
+        if self.loader.status != "ready":
+            raise MedusaChatError(self.loader.error or "the model failed to load")
+
+    def stream(self, kind: str, message: str, edit_mode: bool = False) -> Iterator[tuple]:
+        """Run one reply (`send`, `regenerate` or `edit`) and yield UI updates while it streams.
+
+        Yields tuples for: chatbot, message box, meter, tree panel, step slider, error box, conversation list,
+        edit state, send button, cancel-edit button.
+        """
+        skip = gr.skip()
+        message = _message_text(message)
+        if kind == "send" and edit_mode:
+            kind = "edit"
+        if kind in ("send", "edit") and not message.strip():
+            gr.Warning("Type a message first.")
+            yield (skip,) * 10
+            return
+        self._stop_asked.clear()
+        reset_edit = (False, gr.update(value="Send"), gr.update(visible=False))
+        # Show the user's message at once, even while the model is still loading.
+        base = self.history()
+        if kind == "send":
+            draft = [*base, {"role": "user", "content": message}]
+        elif kind == "edit":
+            cut = max((i for i, m in enumerate(base) if m["role"] == "user"), default=len(base))
+            draft = [*base[:cut], {"role": "user", "content": message}]
+        else:
+            draft = base[:-1] if base and base[-1]["role"] == "assistant" else list(base)
+        stream = None
+        try:
+            for line in self._wait_for_model():
+                yield (draft, "", render.meter_html([], status=f"loading model: {line}"), skip, skip,
+                       "", skip, *reset_edit)  # fmt: skip
+            if self._stop_asked.is_set():
+                yield (self.history(), skip, self.meter("stopped"), skip, skip, "", skip, *reset_edit)
+                return
+            if kind == "send":
+                stream = self.session.send(message)
+            elif kind == "edit":
+                stream = self.session.edit_last(message)
+            else:
+                stream = self.session.regenerate()
+            self.events, self.summary, self.streaming = [], None, True
+            text = ""
+            last_yield = 0.0
+            yield (draft + [{"role": "assistant", "content": ""}], "", self.meter("starting…"),
+                   self.tree_panel(live=True), skip, "", skip, *reset_edit)  # fmt: skip
+            for item in stream:
+                if isinstance(item, ReplySummary):
+                    self.summary = item
+                    continue
+                self.events.append(item)
+                text += item.text
+                now = time.monotonic()
+                if now - last_yield >= STREAM_INTERVAL_S or item.step == 0:
+                    last_yield = now
+                    yield (
+                        draft + [{"role": "assistant", "content": text + " ▌"}],
+                        skip,
+                        self.meter("streaming…"),
+                        self.tree_panel(live=True),
+                        gr.update(maximum=max(item.step, 1), value=item.step),
+                        skip,
+                        skip,
+                        skip,
+                        skip,
+                        skip,
+                    )
+        except Exception as err:  # noqa: BLE001 - the app keeps running; the message goes to the browser
+            self.streaming = False
+            yield (self.history(), skip, self.meter("error"), self.tree_panel(), self.step_slider(),
+                   self._warn(err), self.conv_dropdown(), skip, skip, skip)  # fmt: skip
+            return
+        finally:
+            self.streaming = False
+            if stream is not None:
+                stream.close()
+        for notice in getattr(self.session, "notices", []) or []:
+            gr.Info(notice)
+        status = self.summary.stop_reason if self.summary is not None else "stopped"
+        if self.summary is not None and self.summary.message:
+            gr.Info(self.summary.message)
+        yield (self.history(), skip, self.meter(status.replace("_", " ")), self.tree_panel(),
+               self.step_slider(), "", self.conv_dropdown(), skip, skip, skip)  # fmt: skip
+
+    def send(self, message: str, edit_mode: bool = False) -> Iterator[tuple]:
+        yield from self.stream("send", message, edit_mode)
+
+    def regenerate(self) -> Iterator[tuple]:
+        yield from self.stream("regenerate", "")
+
+    # ---- simple actions -------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop_asked.set()
+        self.session.stop()
+
+    def _after_change(self, action: Callable[[], object]) -> tuple:
+        """Run an action that changes the conversation; returns chatbot, meter, tree, slider, error, list."""
+        try:
+            action()
+        except Exception as err:  # noqa: BLE001
+            return (self.history(), gr.skip(), gr.skip(), gr.skip(), self._warn(err), gr.skip())
+        self.events, self.summary = list(self.session.last_events), self.session.last_summary
+        return (self.history(), self.meter(), self.tree_panel(), self.step_slider(), "", self.conv_dropdown())
+
+    def undo(self) -> tuple:
+        return self._after_change(self.session.undo)
+
+    def clear(self) -> tuple:
+        return self._after_change(self.session.clear)
+
+    def load_conversation(self, conv_id: str | None) -> tuple:
+        if not conv_id:
+            gr.Warning("Choose a conversation first.")
+            return (gr.skip(),) * 5 + (gr.skip(), gr.skip())
+        out = self._after_change(lambda: self.session.load_conversation(conv_id))
+        return (*out, self.session.conversation.system_prompt)
+
+    def delete_conversation(self, conv_id: str | None) -> tuple:
+        if not conv_id:
+            gr.Warning("Choose a conversation first.")
+            return (gr.skip(),) * 6
+        return self._after_change(lambda: self.session.delete_conversation(conv_id))
+
+    def export(self, fmt: str) -> tuple:
+        try:
+            if not self.session.conversation.messages:
+                raise MedusaChatError("nothing to export yet: the conversation is empty")
+            folder = Path(os.environ["GRADIO_TEMP_DIR"]) / "exports" / time.strftime("%Y%m%d-%H%M%S")
+            folder.mkdir(parents=True, exist_ok=True)
+            ext = "json" if fmt == "json" else "md"
+            path = self.session.export(folder / f"medusa-chat-{self.session.conversation.id}.{ext}", ext)
+        except Exception as err:  # noqa: BLE001
+            return gr.update(), self._warn(err)
+        return gr.update(value=str(path), visible=True), ""
+
+    def edit_last(self) -> tuple:
+        """Put the last user message in the box; the next Send replaces it (and its reply)."""
+        last = next(
+            (m.content for m in reversed(self.session.conversation.messages) if m.role == "user"), None
+        )
+        if last is None:
+            gr.Warning("There is no user message to edit yet.")
+            return gr.skip(), False, gr.skip(), gr.skip()
+        return last, True, gr.update(value="Resend edited"), gr.update(visible=True)
+
+    @staticmethod
+    def cancel_edit() -> tuple:
+        return "", False, gr.update(value="Send"), gr.update(visible=False)
+
+    def set_system(self, text: str) -> str:
+        try:
+            if text.strip() != self.session.conversation.system_prompt:
+                self.session.set_system(text)
+                gr.Info("System prompt set for this conversation.")
+        except Exception as err:  # noqa: BLE001
+            return self._warn(err)
+        return ""
+
+    def update_setting(self, name: str, value: Any) -> str:
+        try:
+            if name == "seed" and (
+                value is None or value == "" or (isinstance(value, (int, float)) and value < 0)
+            ):
+                value = None
+            self.session.update_settings(**{name: value})
+        except Exception as err:  # noqa: BLE001
+            return self._warn(err)
+        return ""
+
+    def set_tree(self, name: str, size: float | None) -> tuple[str, str]:
+        try:
+            self.session.set_tree(None if not name or name == TREE_CHOICES_DEFAULT else name,
+                                  int(size) if size else None)  # fmt: skip
+        except Exception as err:  # noqa: BLE001
+            return self.model_panel(), self._warn(err)
+        gr.Info(f"Tree: {self.session.info.get('tree')} ({self.session.info.get('tree_size')} nodes)")
+        return self.model_panel(), ""
+
+    def measure_baseline(self) -> tuple[str, str, str]:
+        try:
+            for _ in self._wait_for_model():
+                pass
+            tps = self.session.measure_baseline()
+        except Exception as err:  # noqa: BLE001
+            return self.model_panel(), gr.skip(), self._warn(err)
+        gr.Info(f"Plain decoding: {tps:.1f} tokens/s. Speedups are now measured.")
+        return self.model_panel(), self.meter(), ""
+
+    def tick(self) -> tuple[str, Any]:
+        """Timer: refresh the model panel while loading; stop polling once ready or failed."""
+        active = self.loader.status in ("loading", "idle")
+        return self.model_panel(), gr.Timer(active=active)
+
+    def page_load(self) -> tuple[str, Any, str, str]:
+        self.loader.start()
+        return self.model_panel(), gr.Timer(active=True), self.meter(), self.tree_panel()
+
+    def retry_load(self) -> tuple[str, Any]:
+        self.loader.start()
+        return self.model_panel(), gr.Timer(active=True)
+
+    def show_step(self, step: float | None) -> str:
+        return self.tree_panel(int(step) if step is not None else None, live=self.streaming)
+
+    # ---- layout -----------------------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        s = self.session.settings
+        info = {}
+        try:
+            info = self.session.info
+        except Exception:  # noqa: BLE001
+            pass
+        tree_names = [TREE_CHOICES_DEFAULT, *_published_tree_names(), *(f"chain-{d}" for d in range(1, 6))]
+        with gr.Blocks(title="medusa-chat", analytics_enabled=False) as demo:
+            edit_state = gr.State(False)
+            with gr.Row(equal_height=False):
+                gr.Markdown(
+                    "# medusa-chat\nLocal chat that answers faster with **Medusa tree decoding**: "
+                    "each step verifies a tree of guesses from the Medusa heads and keeps the longest "
+                    "accepted path.",
+                    elem_id="mc-title",
+                )
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=7, min_width=420):
+                    chatbot = gr.Chatbot(
+                        value=self.history(),
+                        elem_id="chat",
+                        height=520,
+                        show_label=False,
+                        buttons=["copy", "copy_all"],
+                        placeholder="Ask anything. Replies stream here; the meter and the tree update live.",
+                    )
+                    error_box = gr.HTML("", elem_id="error-box", container=False, padding=False)
+                    with gr.Row(equal_height=True):
+                        msg = gr.Textbox(
+                            placeholder="Type a message and press Enter (Shift+Enter for a new line)",
+                            show_label=False,
+                            lines=1,
+                            max_lines=8,
+                            scale=8,
+                            elem_id="msg",
+                            autofocus=True,
+                        )
+                        send_btn = gr.Button("Send", variant="primary", scale=1, min_width=96, elem_id="send")
+                        stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=96, elem_id="stop")
+                    with gr.Row():
+                        regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regen")
+                        undo_btn = gr.Button("↶ Undo", size="sm", elem_id="undo")
+                        edit_btn = gr.Button("✎ Edit last", size="sm", elem_id="edit")
+                        cancel_edit_btn = gr.Button(
+                            "Cancel edit", size="sm", visible=False, elem_id="cancel-edit"
+                        )
+                        clear_btn = gr.Button("✕ Clear", size="sm", elem_id="clear")
+                    with gr.Row(equal_height=False):
+                        with gr.Column(scale=1, min_width=300), gr.Accordion("Model", open=True):
+                            model_panel = gr.HTML(self.model_panel(), elem_id="model-panel")
+                            with gr.Row():
+                                baseline_btn = gr.Button(
+                                    "Measure plain decoding", size="sm", elem_id="baseline"
+                                )
+                                retry_btn = gr.Button("Load / retry", size="sm", elem_id="retry-load")
+                        with gr.Column(scale=1, min_width=300), gr.Accordion("Conversations", open=True):
+                            conv_list = gr.Dropdown(
+                                self.conversation_choices(),
+                                label="Saved conversations",
+                                elem_id="conv-list",
+                            )
+                            with gr.Row():
+                                refresh_btn = gr.Button("Refresh", size="sm")
+                                load_btn = gr.Button("Open", size="sm")
+                                delete_btn = gr.Button("Delete", size="sm", variant="stop")
+                            with gr.Row(equal_height=True):
+                                fmt = gr.Radio(["md", "json"], value="md", label="Export format", scale=2)
+                                export_btn = gr.Button("Export", size="sm", scale=1, elem_id="export")
+                            export_file = gr.File(label="Download", visible=False, interactive=False)
+                with gr.Column(scale=5, min_width=340):
+                    meter = gr.HTML(self.meter(), elem_id="meter")
+                    with gr.Accordion("Settings", open=True):
+                        system = gr.Textbox(
+                            label="System prompt",
+                            value=self.session.conversation.system_prompt,
+                            lines=2,
+                            max_lines=6,
+                            placeholder="(model default): press Enter or leave the box to apply",
+                            elem_id="system",
+                        )
+                        temperature = gr.Slider(
+                            0.0,
+                            1.5,
+                            value=s.temperature,
+                            step=0.05,
+                            label="Temperature",
+                            elem_id="temperature",
+                        )
+                        mode = gr.HTML(render.mode_html(s.temperature), elem_id="mode")
+                        max_new = gr.Slider(
+                            1, 4096, value=s.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new"
+                        )
+                        with gr.Accordion("Advanced", open=False):
+                            top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.01, label="top_p")
+                            epsilon = gr.Slider(
+                                0.0, 1.0, value=s.typical_epsilon, step=0.01, label="typical epsilon"
+                            )
+                            delta = gr.Slider(
+                                0.0, 1.0, value=s.typical_delta, step=0.01, label="typical delta"
+                            )
+                            seed = gr.Number(
+                                value=s.seed if s.seed is not None else -1,
+                                precision=0,
+                                label="seed (-1 = random)",
+                            )
+                            tree_name = gr.Dropdown(tree_names, value=TREE_CHOICES_DEFAULT, label="tree")
+                            tree_size = gr.Slider(
+                                1, 64, value=int(info.get("tree_size") or 64), step=1, label="tree size"
+                            )
+                            tree_btn = gr.Button("Apply tree", size="sm")
+            with gr.Group(elem_id="tree-group"):
+                gr.Markdown(
+                    "### Accepted tree\nColumns are depths (head *k* guesses the token *k* positions ahead); "
+                    "each box is a candidate token with its rank in that head's top-k. The accepted path is "
+                    "green, rejected branches are dimmed. Drag the step slider to look at any step of the reply.",
+                    elem_id="tree-help",
+                )
+                step = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False, elem_id="step")
+                tree_html = gr.HTML(self.tree_panel(), elem_id="accepted-tree")
+
+            timer = gr.Timer(1.0, active=True)
+
+            # ---- events ---------------------------------------------------------------------------------
+            stream_outs = [chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
+                           cancel_edit_btn]  # fmt: skip
+            reply_kw: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden"}
+            send_btn.click(
+                self.send,
+                [msg, edit_state],
+                stream_outs,
+                api_name="send",
+                **reply_kw,
+            )
+            msg.submit(
+                self.send,
+                [msg, edit_state],
+                stream_outs,
+                api_visibility="private",
+                **reply_kw,
+            )
+            regen_btn.click(
+                self.regenerate,
+                None,
+                stream_outs,
+                api_name="regenerate",
+                **reply_kw,
+            )
+            stop_btn.click(
+                self.stop, None, None, api_name="stop", concurrency_limit=None, show_progress="hidden"
+            )
+            change_outs = [chatbot, meter, tree_html, step, error_box, conv_list]
+            undo_btn.click(self.undo, None, change_outs, api_name="undo", concurrency_limit=None)
+            clear_btn.click(self.clear, None, change_outs, api_name="clear", concurrency_limit=None)
+            edit_btn.click(
+                self.edit_last, None, [msg, edit_state, send_btn, cancel_edit_btn], api_visibility="private"
+            )
+            cancel_edit_btn.click(
+                self.cancel_edit, None, [msg, edit_state, send_btn, cancel_edit_btn], api_visibility="private"
+            )
+            system.submit(self.set_system, system, error_box, api_name="set_system")
+            system.blur(self.set_system, system, error_box, api_visibility="private")
+
+            quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
+            for evt in (temperature.input, temperature.change):
+                evt(render.mode_html, temperature, mode, api_visibility="private", **quiet)
+            temperature.change(
+                lambda v: self.update_setting("temperature", v), temperature, error_box,
+                api_visibility="private", **quiet,
+            )  # fmt: skip
+            for comp, name in ((max_new, "max_new_tokens"), (top_p, "top_p"), (epsilon, "typical_epsilon"),
+                               (delta, "typical_delta"), (seed, "seed")):  # fmt: skip
+                comp.change(
+                    (lambda n: lambda v: self.update_setting(n, v))(name), comp, error_box,
+                    api_visibility="private", **quiet,
+                )  # fmt: skip
+            tree_btn.click(
+                self.set_tree, [tree_name, tree_size], [model_panel, error_box], api_visibility="private"
+            )
+
+            refresh_btn.click(lambda: self.conv_dropdown(), None, conv_list, api_visibility="private")
+            load_btn.click(
+                self.load_conversation, conv_list, [*change_outs, system], api_visibility="private"
+            )
+            delete_btn.click(self.delete_conversation, conv_list, change_outs, api_visibility="private")
+            export_btn.click(self.export, fmt, [export_file, error_box], api_visibility="private")
+
+            step.input(self.show_step, step, tree_html, api_visibility="private", trigger_mode="always_last",
+                       **quiet)  # fmt: skip
+            baseline_btn.click(
+                self.measure_baseline, None, [model_panel, meter, error_box], api_name="baseline"
+            )
+            retry_btn.click(self.retry_load, None, [model_panel, timer], api_visibility="private")
+            timer.tick(self.tick, None, [model_panel, timer], api_visibility="private", **quiet)
+            demo.load(self.page_load, None, [model_panel, timer, meter, tree_html], api_visibility="private")
+        demo.medusa_web = self  # type: ignore[attr-defined]  (launch() starts the loader through it)
+        return demo
+
+
+def _published_tree_names() -> list[str]:
+    try:
+        from medusa_chat.tree import published_trees
+
+        return sorted(published_trees())
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def theme() -> gr.themes.Base:
+    """System fonts only: nothing is fetched from a font CDN, so the page renders the same offline."""
+    return gr.themes.Soft(
+        primary_hue="indigo",
+        secondary_hue="emerald",
+        neutral_hue="slate",
+        font=["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"],
+        font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
+    )
+
+
+def build_app(session: SessionManager) -> gr.Blocks:
+    """The Gradio app over `session` (not launched; the model is not loaded until launch or first use)."""
+    return WebApp(session).build()
+
+
+def launch(
+    session: SessionManager,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    open_browser: bool = False,
+    *,
+    block: bool = True,
+    quiet: bool = False,
+) -> gr.Blocks:
+    """Start the web UI. Binds 127.0.0.1 unless `host` says otherwise (with a warning); never shares.
+    The model loads in a background thread at once, its progress shown in the browser. With `block=False`
+    the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it)."""
+    if host not in LOCAL_HOSTS:
+        print(
+            f"warning: serving on {host}: anyone who can reach this machine on that address can use this chat "
+            "and your model (there is no login). Use --host 127.0.0.1 to keep it local.",
+            file=sys.stderr,
+        )
+    Path(os.environ["GRADIO_TEMP_DIR"]).mkdir(parents=True, exist_ok=True)
+    app = build_app(session)
+    app.medusa_web.loader.start()  # type: ignore[attr-defined]
+    app.queue(default_concurrency_limit=1)
+    app.launch(
+        server_name=host,
+        server_port=port,
+        share=False,
+        inbrowser=open_browser,
+        prevent_thread_lock=True,
+        quiet=True,
+        show_error=True,
+        footer_links=[],
+        ssr_mode=False,
+        mcp_server=False,
+        pwa=False,
+        enable_monitoring=False,
+        theme=theme(),
+        css=render.CSS,
+    )
+    if not quiet:
+        print(f"medusa-chat web UI: {app.local_url}  (Ctrl-C stops it)", flush=True)
+    if block:
+        app.block_thread()
+    return app
+
+
+def add_web_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--host / --port / --open-browser for `medusa-chat web` and run.py."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; anything else is reachable by others)",
+    )
+    parser.add_argument("--port", type=int, default=None, help="port (default: first free one from 7860)")
+    parser.add_argument("--open-browser", action="store_true", help="open the app in the default web browser")
+    return parser
+
+
+add_arguments = add_web_args  # the name medusa_chat.cli looks for
+
+
+def main(args: argparse.Namespace) -> int:
+    """`medusa-chat web`: build the session from the CLI's options and serve it until Ctrl-C."""
+    from medusa_chat.session import SessionManager
+
+    session = SessionManager(
+        model=getattr(args, "model", None) or "smollm2-135m",
+        heads=getattr(args, "heads", None),
+        quant=getattr(args, "quant", None) or "auto",
+        dtype=getattr(args, "dtype", None) or "auto",
+        device=getattr(args, "device", None) or "auto",
+        tree=getattr(args, "tree", None),
+        tree_size=getattr(args, "tree_size", None),
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+    )
+    try:
+        launch(
+            session,
+            host=getattr(args, "host", None) or "127.0.0.1",
+            port=getattr(args, "port", None),
+            open_browser=bool(getattr(args, "open_browser", False)),
+        )
+    except KeyboardInterrupt:
+        pass
+    except OSError as err:
+        print(f"error: cannot start the web server: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,230 @@
+"""The decoding engine: greedy Medusa output must be plain greedy decoding, token for token.
+
+Tiny random Llama / Mistral backbones (fp32 and NF4 on CPU) with heads briefly self-distilled on the
+backbone's own greedy output, so that steps really accept several tokens and the commit path is exercised.
+A difference from HF `generate` is only tolerated where it is a genuine near-tie (the reference's top-2
+logit gap < 1e-4), and the test says so.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from medusa_chat.decoding import MedusaEngine, best_path, typical_node_ok
+from medusa_chat.errors import PromptError
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.tree import Tree
+from tests.tinymodels import TinyLoaded, hf_greedy, tiny_loaded, training_prompts
+
+TREES = ["mc_sim_7b_63", "vicuna_7b_stage2", "zephyr_stage2", "chain-0", "chain-1", "chain-4"]
+
+
+def run(engine: MedusaEngine, prompt: list[int], **kw) -> tuple[list[StepEvent], ReplySummary]:
+    items = list(engine.generate(prompt, GenerationSettings(**kw)))
+    return items[:-1], items[-1]
+
+
+def assert_lossless(loaded: TinyLoaded, engine: MedusaEngine, prompt: list[int], n: int) -> str:
+    """Medusa greedy == HF generate greedy, or the first difference is a near-tie. Returns 'exact'/'tie'."""
+    _, summary = run(engine, prompt, max_new_tokens=n)
+    ref, gaps = hf_greedy(loaded, prompt, n)
+    got = summary.token_ids
+    if got == ref:
+        return "exact"
+    i = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
+    assert i < len(gaps) and gaps[i] < 1e-4, (
+        f"Medusa output differs from plain greedy at token {i} (reference top-2 gap {gaps[i]:.2e} is not a near-tie)"
+        f"\n got {got}\n ref {ref}"
+    )
+    print(f"near-tie at token {i}: top-2 gap {gaps[i]:.2e}")
+    return "tie"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("tree_name", TREES)
+def test_greedy_is_lossless_fp32(arch: str, tree_name: str) -> None:
+    loaded = tiny_loaded(arch)
+    engine = MedusaEngine(loaded, Tree.named(tree_name))
+    outcomes = []
+    # fresh random prompts of many lengths, and prompts the heads know (long accepted paths)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        prompt = torch.randint(3, loaded.vocab_size, (length,), generator=g).tolist()
+        outcomes.append(assert_lossless(loaded, engine, prompt, 40))
+    for prompt in training_prompts()[:4]:
+        outcomes.append(assert_lossless(loaded, engine, prompt, 40))
+    assert outcomes.count("exact") >= 7
+
+
+def test_heads_make_steps_accept_several_tokens() -> None:
+    """Guards the test above: with the distilled heads, the big tree must really accept multi-token paths."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    per_step = []
+    for prompt in training_prompts()[:6]:
+        _, summary = run(engine, prompt, max_new_tokens=64)
+        per_step.append(summary.tokens_per_step)
+        assert max(summary.accepted_lengths) >= 2
+    assert sum(per_step) / len(per_step) > 1.5, per_step
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_greedy_is_lossless_nf4(arch: str) -> None:
+    pytest.importorskip("bitsandbytes")
+    loaded = tiny_loaded(arch, quant="nf4")
+    assert any("4bit" in type(m).__name__ for m in loaded.backbone.modules())
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(32))
+    for prompt in training_prompts()[:2] + [[7, 8, 9, 10, 11, 12, 13, 14, 15]]:
+        assert_lossless(loaded, engine, prompt, 32)
+
+
+def test_cache_after_every_commit_matches_a_full_recompute() -> None:
+    """After each step, the next-token logits from the compacted KV cache equal a from-scratch forward."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    backbone = loaded.backbone
+    checked = 0
+    for item in engine.generate([9, 10, 11, 12, 13], GenerationSettings(max_new_tokens=40)):
+        if not isinstance(item, StepEvent) or item.step == 0:
+            continue
+        ids = list(engine.cached_ids)
+        assert len(ids) == engine.cache.length
+        with torch.inference_mode():
+            full = backbone(torch.tensor([ids])).logits[0, -1]
+            # Re-run the last cached token through the cache: crop one entry and feed it again.
+            engine.cache.crop(len(ids) - 1)
+            pos = torch.tensor([len(ids) - 1])
+            hidden = engine._forward(torch.tensor(ids[-1:]), pos, engine._prefill_mask(len(ids) - 1, 1))
+            cached = engine.lm_head(hidden)[-1]
+        torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= 5
+
+
+def test_prefix_is_reused_across_turns_and_output_stays_lossless() -> None:
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("vicuna_7b_stage2"))
+    p1 = [4, 5, 6, 7, 8, 9]
+    _, s1 = run(engine, p1, max_new_tokens=20)
+    p2 = p1 + s1.token_ids + [11, 12, 13]
+    _, s2 = run(engine, p2, max_new_tokens=20)
+    assert s2.reused_prefix_tokens >= len(p1) + len(s1.token_ids) - 1
+    assert s2.token_ids == hf_greedy(loaded, p2, 20)[0]
+    # A prompt that diverges early re-uses only the common part.
+    _, s3 = run(engine, [4, 5, 99], max_new_tokens=10)
+    assert s3.reused_prefix_tokens == 2
+    assert s3.token_ids == hf_greedy(loaded, [4, 5, 99], 10)[0]
+
+
+def test_step_events_describe_the_tree_and_add_up() -> None:
+    loaded = tiny_loaded("llama")
+    tree = Tree.named("mc_sim_7b_63").prefix(16)
+    events, summary = run(MedusaEngine(loaded, tree), [20, 21, 22], max_new_tokens=30)
+    assert events[0].step == 0 and events[0].tree is None and len(events[0].token_ids) == 1
+    assert sum(len(e.token_ids) for e in events) >= summary.new_tokens
+    assert "".join(e.text for e in events) == summary.text
+    for e in events[1:]:
+        assert len(e.tree.tokens) == 16 and e.tree.parents[0] == -1
+        assert e.accepted_nodes[0] == 0
+        # the accepted path is a chain in the tree
+        for a, b in zip(e.accepted_nodes, e.accepted_nodes[1:], strict=False):
+            assert e.tree.parents[b] == a
+        # accepted candidates are the tokens the step added (plus the bonus token)
+        assert e.token_ids[:-1] == [e.tree.tokens[n] for n in e.accepted_nodes[1:]][: len(e.token_ids) - 1]
+    assert summary.steps == len(events) - 1
+    assert summary.tokens_per_step == pytest.approx((summary.new_tokens - 1) / summary.steps)
+    assert summary.accept_mode == "greedy" and summary.stop_reason == "max_new_tokens"
+
+
+def test_typical_criterion_on_hand_made_distributions() -> None:
+    # Parent 0 is peaked (low entropy) -> threshold epsilon=0.09; parent 1 is flat -> delta * exp(-H) is tiny.
+    probs = torch.tensor(
+        [
+            [0.90, 0.05, 0.03, 0.02],
+            [0.25, 0.25, 0.25, 0.25],
+            [0.25, 0.25, 0.25, 0.25],
+            [0.25, 0.25, 0.25, 0.25],
+        ]
+    )
+    tokens = torch.tensor([0, 1, 0, 3])
+    parent = torch.tensor([0, 0, 0, 1])
+    ok, logp = typical_node_ok(probs, tokens, parent, epsilon=0.09, delta=0.3)
+    # node1: p=0.05 under a peaked parent -> rejected; node2: p=0.9 -> accepted;
+    # node3: p=0.25 under the flat parent, threshold 0.3*exp(-ln 4)=0.075 -> accepted.
+    assert ok[1:].tolist() == [False, True, True]
+    assert logp[2] == pytest.approx(torch.log(torch.tensor(0.9)).item())
+
+
+def test_best_path_prefers_longest_then_most_likely() -> None:
+    leaf_paths = torch.tensor([[0, 1, 3], [0, 2, 4]])
+    ok = torch.tensor([True, True, True, True, True])
+    logp = torch.tensor([0.0, -1.0, -0.1, -1.0, -0.1])
+    path, count = best_path(ok, leaf_paths, logp)
+    assert path.tolist() == [0, 2, 4] and int(count) == 2
+    ok[4] = False
+    path, count = best_path(ok, leaf_paths, logp)
+    assert path.tolist() == [0, 1, 3] and int(count) == 2
+
+
+def test_typical_sampling_is_seedable() -> None:
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    a = run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9, seed=7)[1]
+    b = run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9, seed=7)[1]
+    assert a.token_ids == b.token_ids and a.accept_mode == "typical"
+    unseeded = {tuple(run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9)[1].token_ids) for _ in range(3)}
+    assert len(unseeded) > 1
+    # switching back to temperature 0 is plain greedy again, nothing reloaded
+    assert run(engine, [3, 4, 5], max_new_tokens=20)[1].token_ids == hf_greedy(loaded, [3, 4, 5], 20)[0]
+
+
+def test_stop_flag_ends_the_reply_within_one_step_and_keeps_the_text() -> None:
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    stop = threading.Event()
+    seen = 0
+    items = []
+    for item in engine.generate([3, 4, 5], GenerationSettings(max_new_tokens=200), stop):
+        items.append(item)
+        if isinstance(item, StepEvent):
+            seen += 1
+            if seen == 3:
+                stop.set()
+    summary = items[-1]
+    assert summary.stop_reason == "stopped"
+    assert len(items) == 4  # prefill + 2 steps, then the summary: no step ran after the flag was set
+    assert summary.token_ids == hf_greedy(loaded, [3, 4, 5], summary.new_tokens)[0]
+
+
+def test_eos_max_tokens_and_context_limit() -> None:
+    loaded = tiny_loaded("llama")
+    ref, _ = hf_greedy(loaded, [30, 31], 40)
+    eos_token = ref[12]
+    first = ref.index(eos_token)
+    with_eos = replace(loaded, eos_token_ids=[eos_token])
+    _, summary = run(MedusaEngine(with_eos, Tree.named("mc_sim_7b_63")), [30, 31], max_new_tokens=40)
+    assert summary.stop_reason == "eos" and summary.token_ids == ref[: first + 1]
+
+    _, summary = run(MedusaEngine(loaded, Tree.named("mc_sim_7b_63")), [30, 31], max_new_tokens=7)
+    assert summary.new_tokens == 7 and summary.stop_reason == "max_new_tokens"
+
+    short = replace(loaded, context_limit=40)
+    _, summary = run(MedusaEngine(short, Tree.named("chain-4")), list(range(3, 23)), max_new_tokens=100)
+    assert summary.stop_reason == "context_limit" and "context window" in summary.message
+    assert 20 + summary.new_tokens <= 40
+
+
+def test_empty_and_over_long_prompts_are_clear_errors() -> None:
+    loaded = replace(tiny_loaded("llama"), context_limit=32)
+    engine = MedusaEngine(loaded, Tree.chain(2))
+    with pytest.raises(PromptError, match="empty"):
+        run(engine, [])
+    with pytest.raises(PromptError, match="context window is 32"):
+        run(engine, list(range(3, 40)))
+    # the engine is still usable afterwards
+    assert run(engine, [3, 4], max_new_tokens=5)[1].new_tokens == 5

@@ -1,0 +1,424 @@
+"""Session manager and conversation store.
+
+Storage tests need no model. Session tests run the real engine on the tiny models from conftest: they check the
+prompt (chat template, truncation that keeps the system prompt), the conversation edits (regenerate, undo,
+edit), stop, one-reply-at-a-time, errors that must not lose the conversation, and the atomic autosave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_chat.conversations import (
+    Conversation,
+    ConversationStore,
+    Message,
+    atomic_write_text,
+    default_data_dir,
+    export_conversation,
+)
+from medusa_chat.errors import BusyError, MedusaChatError, PromptError
+from medusa_chat.events import ReplySummary, StepEvent
+from medusa_chat.session import SessionManager
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Conversation store (no model)
+# ------------------------------------------------------------------------------------------------------------
+def _conv(n: int = 2, **kw) -> Conversation:
+    msgs = []
+    for i in range(n):
+        msgs += [Message("user", f"question {i}"), Message("assistant", f"answer {i}", {"new_tokens": 3})]
+    return Conversation(system_prompt="be brief", messages=msgs, **kw)
+
+
+def test_default_data_dir_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEDUSA_CHAT_DATA", str(tmp_path / "d"))
+    assert default_data_dir() == tmp_path / "d"
+    assert ConversationStore().root == tmp_path / "d" / "conversations"
+
+
+def test_store_round_trip_list_resolve_delete(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    a = _conv(1, title="alpha", id="20250101-000000-aaaaaa")
+    b = _conv(2, id="20250101-000000-bbbbbb")
+    b.messages[-1].stopped = True
+    store.save(a)
+    time.sleep(1.01)  # `updated` has one-second resolution; the list is newest first
+    store.save(b)
+    got = store.load(b.id)
+    assert got == b
+    assert got.messages[-1].stopped and got.messages[0].stats is None
+    metas = store.list_all()
+    assert [m.id for m in metas] == [b.id, a.id]
+    assert metas[0].messages == 4 and metas[0].title == "question 0"
+    assert store.resolve("alpha") == a.id  # by title
+    assert store.resolve("ALPHA") == a.id
+    assert store.resolve("1") == b.id  # by list number
+    assert store.resolve("20250101-000000-b") == b.id  # unique id prefix
+    with pytest.raises(MedusaChatError, match="matches 2"):
+        store.resolve("20250101")
+    store.delete(a.id)
+    assert [m.id for m in store.list_all()] == [b.id]
+    with pytest.raises(MedusaChatError, match="no saved conversation"):
+        store.load(a.id)
+    with pytest.raises(MedusaChatError, match="no saved conversation"):
+        store.resolve("nothing-like-this")
+
+
+def test_store_rejects_path_tricks_and_skips_junk(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    with pytest.raises(MedusaChatError, match="invalid conversation id"):
+        store.load("../../etc/passwd")
+    store.save(_conv(1))
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / ".tmp-x.json.123.json").write_text("{}")
+    assert len(store.list_all()) == 1  # a corrupt file or a crash's temp file is never listed
+
+
+def test_atomic_write_keeps_old_file_when_replace_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ConversationStore(tmp_path)
+    conv = _conv(1)
+    store.save(conv)
+    before = (tmp_path / f"{conv.id}.json").read_text()
+    conv.messages.append(Message("user", "new"))
+
+    def boom(src, dst):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        store.save(conv)
+    monkeypatch.undo()
+    assert (tmp_path / f"{conv.id}.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{conv.id}.json"]  # temp file cleaned up
+
+
+def test_atomic_write_survives_kill_mid_write(tmp_path: Path) -> None:
+    """A process killed (SIGKILL) while saving over and over never leaves a half-written conversation."""
+    target = tmp_path / "c.json"
+    atomic_write_text(target, json.dumps({"n": -1, "pad": ""}))
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from pathlib import Path
+        from medusa_chat.conversations import atomic_write_text
+        target = Path({str(target)!r})
+        pad = "x" * 2_000_000  # ~2 MB per write, so the kill lands inside a write most of the time
+        print("ready", flush=True)
+        n = 0
+        while True:
+            atomic_write_text(target, json.dumps({{"n": n, "pad": pad}}))
+            n += 1
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.4)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=10)
+    data = json.loads(target.read_text())  # whole JSON, old or new, never truncated
+    assert data["n"] >= -1
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "c.json"]
+    # a killed writer may leave its temp file behind, but never under a conversation's name
+    assert all(p.name.startswith(".tmp-") for p in leftovers)
+
+
+def test_export_markdown_and_json(tmp_path: Path) -> None:
+    conv = _conv(1, title="export me")
+    conv.messages[-1].stopped = True
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    assert md.startswith("# export me")
+    assert "> be brief" in md and "**User:**" in md and "answer 0" in md and "*(stopped)*" in md
+    data = json.loads(export_conversation(conv, tmp_path / "c.json", "json").read_text())
+    assert Conversation.from_dict(data) == conv
+    with pytest.raises(MedusaChatError, match="unknown export format"):
+        export_conversation(conv, tmp_path / "c.txt", "txt")
+
+
+def test_turns_put_system_first_and_omit_empty_system() -> None:
+    conv = _conv(1)
+    assert conv.turns()[0] == {"role": "system", "content": "be brief"}
+    conv.system_prompt = ""
+    assert conv.turns()[0]["role"] == "user"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Session manager on a tiny real model
+# ------------------------------------------------------------------------------------------------------------
+ROLE = {"system": "w1", "user": "w2", "assistant": "w3"}
+
+
+class _Spec:
+    name = "tiny-llama"
+
+
+class TinyChatModel:
+    """The tiny engine model plus what the session reads from a LoadedModel: a word-level "chat template"
+    (role word, then the content's words), spec, info, quant, dtype."""
+
+    def __init__(self, context_limit: int = 512) -> None:
+        from tests.tinymodels import tiny_loaded
+
+        base = tiny_loaded("llama")
+        self.__dict__.update(vars(base))
+        self.context_limit = context_limit
+        self.spec = _Spec()
+        self.quant = "none"
+        self.dtype = torch.float32
+
+    def build_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        words: list[str] = []
+        for m in messages:
+            words += [ROLE[m["role"]], *m["content"].split()]
+        if add_generation_prompt:
+            words.append(ROLE["assistant"])
+        return self.tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
+
+    def info(self) -> dict:
+        return {"model": "tiny-llama", "device": "cpu"}
+
+
+@pytest.fixture
+def make_session(tmp_path: Path):
+    def make(
+        context_limit: int = 512, max_new_tokens: int = 12, tree_size: int | None = 16
+    ) -> SessionManager:
+        s = SessionManager(loaded=TinyChatModel(context_limit), data_dir=tmp_path, tree_size=tree_size)
+        s.load()
+        s.update_settings(max_new_tokens=max_new_tokens)
+        return s
+
+    return make
+
+
+def _drain(stream) -> tuple[list[StepEvent], ReplySummary]:
+    items = list(stream)
+    assert isinstance(items[-1], ReplySummary) and all(isinstance(i, StepEvent) for i in items[:-1])
+    return items[:-1], items[-1]
+
+
+def _spy_prompts(session: SessionManager) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    real = session.engine.generate
+
+    def spy(prompt_ids, settings, stop):
+        prompts.append(list(prompt_ids))
+        return real(prompt_ids, settings, stop)
+
+    session.engine.generate = spy
+    return prompts
+
+
+def test_send_streams_uses_the_template_and_autosaves(make_session) -> None:
+    s = make_session()
+    s.set_system("w5 w6")
+    prompts = _spy_prompts(s)
+    events, summary = _drain(s.send("w10 w11 w12"))
+    assert summary.new_tokens == 12 and "".join(e.text for e in events) == summary.text
+    assert prompts[0] == s.loaded.build_prompt(
+        [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w10 w11 w12"}]
+    )
+    msgs = s.conversation.messages
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].content == summary.text
+    assert msgs[1].stats["tokens_per_step"] == summary.tokens_per_step and not msgs[1].stopped
+    assert msgs[1].stats["speedup_kind"] == "estimated"
+    assert s.last_summary is summary and s.last_events == events and not s.busy
+    # the second turn's prompt carries the whole history, system first
+    _drain(s.send("w20"))
+    assert prompts[1] == s.loaded.build_prompt(s.conversation.turns()[:-1])  # system, user, reply, user
+    assert prompts[1][: len(prompts[0])] == prompts[0]
+    # autosave: a fresh session on the same folder loads the same conversation
+    other = SessionManager(loaded=s.loaded, data_dir=s.data_dir)
+    assert [m.id for m in other.list_conversations()] == [s.conversation.id]
+    assert other.load_conversation(s.conversation.id) == s.conversation
+
+
+def test_truncation_drops_oldest_turns_but_keeps_system(make_session) -> None:
+    s = make_session(context_limit=48, max_new_tokens=8)
+    s.set_system("w7 w7 w7")
+    prompts = _spy_prompts(s)
+    for i in range(4):
+        _drain(s.send(" ".join([f"w{30 + i}"] * 6)))  # 1 + 6 + 1 + 8 tokens per exchange
+    assert len(s.conversation.messages) == 8  # nothing is deleted from the conversation itself
+    last = prompts[-1]
+    assert len(last) <= 48 - 8
+    assert last[:4] == s.loaded.build_prompt([{"role": "system", "content": "w7 w7 w7"}])[:4]  # system kept
+    assert s.notices and "dropped the" in s.notices[0] and "oldest" in s.notices[0]
+    assert s.conversation.messages[-1].stats["dropped_messages"] >= 2
+    # the newest user message is always there, and the history after the system starts with a user turn
+    assert last[-8:-1] == s.loaded.build_prompt([{"role": "user", "content": " ".join(["w33"] * 6)}])[:7]
+    assert last[4] == s.loaded.build_prompt([{"role": "user", "content": "w1"}])[0]
+    # a message that can never fit is refused and not kept
+    with pytest.raises(PromptError, match="too long"):
+        s.send(" ".join(["w9"] * 60))
+    assert len(s.conversation.messages) == 8 and not s.busy
+
+
+def test_regenerate_edit_undo_clear(make_session) -> None:
+    s = make_session()
+    _drain(s.send("w10 w11"))
+    _drain(s.send("w12 w13"))
+    s.update_settings(temperature=0.8, seed=1)
+    _, summary = _drain(s.regenerate())
+    msgs = s.conversation.messages
+    assert len(msgs) == 4 and msgs[-1].content == summary.text and msgs[-1].stats["accept_mode"] == "typical"
+    _drain(s.edit_last("w40 w41"))
+    assert [m.content for m in msgs[:3]] == ["w10 w11", msgs[1].content, "w40 w41"] and len(msgs) == 4
+    s.undo()
+    assert [m.role for m in s.conversation.messages] == ["user", "assistant"]
+    s.undo()
+    assert s.conversation.messages == []
+    with pytest.raises(MedusaChatError, match="nothing to undo"):
+        s.undo()
+    with pytest.raises(MedusaChatError, match="nothing to regenerate"):
+        s.regenerate()
+    saved = s.store.load(s.conversation.id)  # undo is autosaved too
+    assert saved.messages == []
+    s.set_system("w3")
+    old_id = s.conversation.id
+    s.clear()
+    assert (
+        s.conversation.id != old_id and s.conversation.system_prompt == "w3" and not s.conversation.messages
+    )
+
+
+def test_one_reply_at_a_time(make_session) -> None:
+    s = make_session()
+    stream = s.send("w10")
+    assert s.busy
+    with pytest.raises(BusyError):
+        s.send("w11")
+    with pytest.raises(BusyError):
+        s.undo()
+    next(stream)
+    with pytest.raises(BusyError):  # from another thread too
+        errors: list[BaseException] = []
+        t = threading.Thread(target=lambda: errors.append(_catch(lambda: s.send("w12"))))
+        t.start()
+        t.join()
+        raise errors[0]
+    _drain_rest(stream)
+    assert not s.busy
+    _drain(s.send("w13"))  # usable again
+
+
+def _catch(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return err
+    return None
+
+
+def _drain_rest(stream) -> list:
+    return list(stream)
+
+
+def test_stop_keeps_partial_reply_marked_stopped(make_session) -> None:
+    s = make_session(max_new_tokens=200, tree_size=4)
+    stream = s.send("w10 w11")
+    got = [next(stream), next(stream)]
+    threading.Thread(target=s.stop).start()  # as the web UI would: from another thread
+    got += list(stream)
+    summary = got[-1]
+    assert summary.stop_reason == "stopped" and 0 < summary.new_tokens < 200
+    msg = s.conversation.messages[-1]
+    assert msg.stopped and msg.content == summary.text and msg.content
+    assert s.store.load(s.conversation.id).messages[-1].stopped  # saved as stopped
+    # a stream closed by its consumer (browser tab gone) also keeps its text, marked stopped, and frees the lock
+    stream = s.send("w12")
+    first = next(stream)
+    stream.close()
+    assert not s.busy
+    assert s.conversation.messages[-1].stopped and s.conversation.messages[-1].content == first.text
+    # an abandoned, never-started stream frees the lock when dropped
+    stream = s.send("w13")
+    del stream
+    assert not s.busy
+
+
+def test_engine_errors_keep_the_conversation(make_session, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = make_session()
+    _drain(s.send("w10"))
+    real = s.engine.generate
+
+    def failing(exc):
+        def gen(prompt_ids, settings, stop):
+            it = real(prompt_ids, settings, stop)
+            yield next(it)
+            raise exc
+
+        return gen
+
+    monkeypatch.setattr(s.engine, "generate", failing(MedusaChatError("device fell over")))
+    with pytest.raises(MedusaChatError, match="device fell over"):
+        _drain(s.send("w11"))
+    assert [m.role for m in s.conversation.messages] == ["user", "assistant", "user"]
+    assert s.conversation.messages[-1].content == "w11" and not s.busy
+    assert any("your message is kept" in n for n in s.notices)
+    assert s.store.load(s.conversation.id).messages[-1].content == "w11"
+
+    monkeypatch.setattr(s.engine, "generate", failing(torch.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(MedusaChatError, match="out of memory.*smaller tree"):
+        _drain(s.regenerate())
+    monkeypatch.setattr(s.engine, "generate", real)
+    _, summary = _drain(s.regenerate())  # the session survived: the kept message gets its answer
+    assert s.conversation.messages[-1].content == summary.text and len(s.conversation.messages) == 4
+
+
+def test_autosave_failure_is_reported_not_fatal(make_session, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = make_session()
+    _drain(s.send("w10"))
+    path = s.store.path_for(s.conversation.id)
+    before = path.read_text()
+
+    def boom(src, dst):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(os, "replace", boom)
+    _drain(s.send("w11"))
+    monkeypatch.undo()
+    assert len(s.conversation.messages) == 4  # still in memory
+    assert any("could not save" in n for n in s.notices)
+    assert path.read_text() == before  # the old file is intact
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None:
+    s = make_session()
+    with pytest.raises(MedusaChatError, match="temperature"):
+        s.update_settings(temperature=-1)
+    with pytest.raises(MedusaChatError, match="unknown setting"):
+        s.update_settings(temprature=1)
+    assert s.settings.temperature == 0
+    s.update_settings(temperature="0.7", seed="none", max_new_tokens="9")
+    assert (s.settings.temperature, s.settings.seed, s.settings.max_new_tokens) == (0.7, None, 9)
+    assert s.info["accept_mode"] == "typical"
+    s.set_tree("chain-2", None)
+    assert (s.info["tree"], s.info["tree_size"]) == ("chain-2", 3)
+    s.set_tree(None, 8)
+    assert s.info["tree_size"] == 8
+    assert s.speedup(50.0, 2.0) == (2.0, "estimated")
+    tps = s.measure_baseline(max_new_tokens=10)
+    assert tps > 0 and s.engine.tree.size == 8  # the tree is restored
+    value, kind = s.speedup(2 * tps, 2.0)
+    assert kind == "measured" and value == pytest.approx(2.0)
+    _drain(s.send("w10"))
+    md = s.export(tmp_path / "out.md").read_text()
+    assert "w10" in md and s.conversation.messages[-1].content.strip()[:3] in md

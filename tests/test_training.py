@@ -1,0 +1,404 @@
+"""Self-distillation, head training and tree fitting on a tiny random Llama (seconds, no downloads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_chat.heads import heads_from_state_dict
+from medusa_chat.training.distill import (
+    DistillSettings,
+    DistillStore,
+    chat_prompt_ids,
+    distill,
+    greedy_replies,
+    load_backbone,
+    read_prompt_file,
+    sample_user_turns,
+    user_prefix_ids,
+)
+from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, grow_tree, independent_gain
+from medusa_chat.training.train_heads import (
+    HEADS_FILE,
+    PositionData,
+    TrainSettings,
+    cache_hidden_states,
+    evaluate_heads,
+    head_logits,
+    head_losses,
+    heldout_mask,
+    load_cache,
+    new_heads,
+    round_heads_,
+    save_heads,
+    train_heads,
+)
+from medusa_chat.tree import Tree
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster, and a shared 2-core machine thrashes with more (30x here)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _tiny_tokenizer():
+    """A byte-level tokenizer with 259 tokens (3 ChatML specials + 256 bytes) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = _tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy text is not all one token
+        model.lm_head.weight.mul_(8)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def backbone(tiny_dir: Path):
+    return load_backbone(tiny_dir, CPU)
+
+
+PROMPTS = [f"question number {i}: tell me about {w}" for i, w in enumerate(
+    "cats dogs rivers stars bread trains music paint clouds rocks glass maps tea ice sand wind".split())]
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [json.dumps({"prompt": t}) for t in PROMPTS[:8]] + [json.dumps({"turns": [t, "x"]}) for t in PROMPTS[8:]]
+    lines.append(json.dumps({"prompt": PROMPTS[0].upper()}))  # a duplicate after normalisation
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _settings(prompt_file: Path, **kw) -> DistillSettings:
+    base = dict(magpie=0, prompt_file=str(prompt_file), max_new_tokens=16, batch_size=6, shard_size=6)
+    return DistillSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="session")
+def distilled(tmp_path_factory: pytest.TempPathFactory, backbone, prompt_file: Path) -> tuple[DistillStore, PositionData]:
+    model, tok = backbone
+    root = tmp_path_factory.mktemp("distill")
+    store = distill(model, tok, DistillStore.open(root / "d", model="tiny"), _settings(prompt_file), log=lambda m: None)
+    data = load_cache(cache_hidden_states(model, store, root / "hidden", log=lambda m: None))
+    return store, data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------
+def test_prompt_file_and_bench_guard(prompt_file: Path, tmp_path: Path) -> None:
+    assert read_prompt_file(prompt_file)[8] == PROMPTS[8]
+    bench = tmp_path / "shared" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+    with pytest.raises(ValueError, match="benchmark"):
+        read_prompt_file(bench / "q.jsonl")
+
+
+def test_distill_shards_dedup_and_alignment(distilled, backbone) -> None:
+    store, _ = distilled
+    _, tok = backbone
+    assert len(store.prompts) == len(PROMPTS)  # the upper-case duplicate was dropped
+    assert [s.count for s in store.shards] == [6, 6, 4]
+    for idx, ids, rs in store.samples():
+        assert ids[:rs] == chat_prompt_ids(tok, store.prompts[idx])
+        assert 1 <= len(ids) - rs <= 16
+
+
+def test_batched_left_padded_replies_match_single(backbone) -> None:
+    model, tok = backbone
+    prompts = [chat_prompt_ids(tok, t) for t in PROMPTS[:3]]
+    batched = greedy_replies(model, tok, prompts, batch_size=3, max_new_tokens=8)
+    single = [greedy_replies(model, tok, [p], batch_size=1, max_new_tokens=8)[0] for p in prompts]
+    assert batched == single
+
+
+def test_distill_resumes_where_it_stopped(backbone, prompt_file: Path, tmp_path: Path, distilled) -> None:
+    model, tok = backbone
+    full, _ = distilled
+    # First run stops after one shard (token target reached), as a killed run would have.
+    store = distill(model, tok, DistillStore.open(tmp_path / "d"), _settings(prompt_file, max_reply_tokens=1),
+                    log=lambda m: None)
+    assert len(store.shards) == 1
+    # Simulate a kill between writing shard 1 and the manifest: the orphan shard is adopted on reopen.
+    store2 = distill(model, tok, DistillStore.open(tmp_path / "d"), _settings(prompt_file, max_reply_tokens=100),
+                     log=lambda m: None)
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:1]
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
+    reopened = DistillStore.open(tmp_path / "d")
+    assert len(reopened.shards) == len(store2.shards) == 2
+    resumed = distill(model, tok, reopened, _settings(prompt_file), log=lambda m: None)
+    assert [s.__dict__ for s in resumed.shards] == [s.__dict__ for s in full.shards]
+    assert list(resumed.samples()) == list(full.samples())
+
+
+class _FakeSampler:
+    """Stands in for a model in a Magpie round: returns fixed 'sampled' continuations."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+        self.generation_config = None
+
+    def parameters(self):
+        yield torch.zeros(1)
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        width = max(len(r) for r in self.rows)  # rows that hit the budget are the longest, as in generate
+        gen = torch.tensor([r + [2] * (width - len(r)) for r in self.rows])
+        return torch.cat([input_ids, gen], dim=1)
+
+
+def test_magpie_keeps_clean_distinct_turns(backbone) -> None:
+    _, tok = backbone
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [
+        enc("How do I bake bread at home?") + [2],  # clean
+        enc("How do I bake bread at home?") + [2],  # duplicate (dropped by the store)
+        enc("What is the tallest mountain on the whole wide planet"),  # no EOS in budget: cut off
+        enc("ok") + [2],  # near-empty
+        enc("Tell me a story") + [1] + enc("x") + [2],  # another special token inside
+        enc("Explain how rainbows form in the sky.") + [2],
+    ]
+    texts, n = sample_user_turns(_FakeSampler(rows), tok, n=len(rows), seed=1)
+    assert n == len(rows)
+    assert texts == ["How do I bake bread at home?", "How do I bake bread at home?",
+                     "Explain how rainbows form in the sky."]
+    assert tok.decode(user_prefix_ids(tok)) == "<|im_start|>user\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hidden states and training
+# ---------------------------------------------------------------------------------------------------------
+def test_hidden_cache_matches_greedy_tokens(distilled, backbone) -> None:
+    store, data = distilled
+    model, _ = backbone
+    assert len(data) == store.reply_tokens
+    assert data.hidden.dtype == torch.float16
+    agree = (model.lm_head(data.hidden.float()).argmax(-1) == data.targets[:, 0].long()).float().mean()
+    assert agree > 0.98  # the replies are the backbone's own greedy tokens
+
+
+def _loss_and_acc(heads, lm_w, data: PositionData, k: int) -> tuple[float, list[float]]:
+    with torch.no_grad():
+        logits = head_logits(heads, data.hidden.float(), lm_w)
+        t = data.targets[:, 1 : 1 + k]
+        loss = float((head_losses(logits, t) * torch.tensor([0.8**i for i in range(k)])).sum())
+        hit = (logits.argmax(-1) == t.T.long()) & (t.T >= 0)
+        acc = (hit.sum(1) / (t.T >= 0).sum(1)).tolist()
+    return loss, acc
+
+
+@pytest.mark.parametrize("fmt", ["v2", "v1"])
+def test_training_lowers_loss_and_raises_accuracy(distilled, backbone, fmt: str) -> None:
+    _, data = distilled
+    model, _ = backbone
+    s = TrainSettings(num_heads=3, num_layers=1, heads_format=fmt, epochs=30, batch_size=64, lr=3e-3, bf16=False)
+    lm_w = model.lm_head.weight.detach()
+    heads = new_heads(s, model.lm_head, 64, lm_w.shape[0])
+    loss0, acc0 = _loss_and_acc(heads, lm_w, data, 3)
+    res = train_heads(heads, lm_w, data, s, CPU, log=lambda m: None)
+    loss1, acc1 = _loss_and_acc(heads.eval(), lm_w, data, 3)
+    assert res.steps == res.total_steps > 0
+    assert loss1 < 0.8 * loss0
+    assert sum(acc1) > sum(acc0) + 0.1 and all(a1 >= a0 for a0, a1 in zip(acc0, acc1, strict=True))
+
+
+def test_saved_heads_reload_bit_exactly(distilled, backbone, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    _, data = distilled
+    model, _ = backbone
+    s = TrainSettings(num_heads=2, num_layers=2, epochs=1, batch_size=64, bf16=False)
+    heads = new_heads(s, model.lm_head, 64, model.lm_head.weight.shape[0])
+    train_heads(heads, model.lm_head.weight, data, s, CPU, log=lambda m: None)
+    round_heads_(heads)
+    cfg = save_heads(heads, tmp_path, "tiny")
+    sd = load_file(str(tmp_path / HEADS_FILE))
+    assert all(v.dtype == torch.float16 for v in sd.values())
+    assert sorted(sd) == sorted(heads.state_dict())  # published key names: "0.0.linear.weight", ...
+    again = heads_from_state_dict(sd)
+    for key, value in heads.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    x = data.hidden[:8].float()
+    assert torch.equal(again(x, model.lm_head), heads(x, model.lm_head))
+    assert json.loads((tmp_path / "config.json").read_text()) == cfg
+    assert cfg["version"] == "2" and cfg["medusa_num_heads"] == 2 and cfg["medusa_num_layers"] == 2
+
+
+def test_training_resumes_from_checkpoint(distilled, backbone, tmp_path: Path) -> None:
+    _, data = distilled
+    model, _ = backbone
+    s = TrainSettings(num_heads=2, epochs=3, batch_size=32, checkpoint_every=3, bf16=False)
+    lm_w = model.lm_head.weight
+
+    def fresh():
+        torch.manual_seed(0)
+        return new_heads(s, model.lm_head, 64, lm_w.shape[0])
+
+    ref = fresh()
+    train_heads(ref, lm_w, data, s, CPU, log=lambda m: None)
+    ck = tmp_path / "ck.pt"
+    part = fresh()
+    r1 = train_heads(part, lm_w, data, s, CPU, checkpoint=ck, log=lambda m: None, stop_after_steps=5)
+    assert r1.stopped_early and r1.steps == 5
+    resumed = fresh()  # a new process: weights come from the checkpoint only
+    r2 = train_heads(resumed, lm_w, data, s, CPU, checkpoint=ck, resume=True, log=lambda m: None)
+    assert r2.steps == r2.total_steps
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=1e-6)
+
+
+def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
+    _, data = distilled
+    model, _ = backbone
+    s = TrainSettings(num_heads=3, epochs=10, batch_size=64, lr=3e-3, bf16=False)
+    heads = new_heads(s, model.lm_head, 64, model.lm_head.weight.shape[0])
+    train_heads(heads, model.lm_head.weight, data, s, CPU, log=lambda m: None)
+    ev = evaluate_heads(heads, model.lm_head.weight, data, CPU)
+    assert ev["backbone_agreement"] > 0.98
+    for k in range(3):
+        assert ev["rank_acc"][k][0] == pytest.approx(ev["top1"][k], abs=1e-3)
+        assert sum(ev["rank_acc"][k][:5]) == pytest.approx(ev["top5"][k], abs=1e-3)
+        assert sum(ev["rank_acc"][k]) <= 1 + 1e-6
+    joint = {tuple(p): q for p, q in zip(ev["joint"]["paths"], ev["joint"]["probs"], strict=True)}
+    # P(first node) over decoding steps equals head 0's rank-0 rate over the same positions.
+    assert joint[(0,)] == pytest.approx(ev["rank_acc"][0][0], abs=0.02)
+    chain = ev["chain_top1_conditional"]
+    assert joint.get((0, 0), 0) == pytest.approx(chain[0] * chain[1], abs=1e-3)
+    for p, q in joint.items():  # a prefix is at least as likely as any extension
+        assert len(p) == 1 or joint[p[:-1]] >= q
+
+
+def test_heldout_split_is_by_prompt() -> None:
+    sample = torch.arange(10000, dtype=torch.int32).repeat_interleave(3)
+    m = heldout_mask(sample, 0.1)
+    assert 0.08 < float(m.float().mean()) < 0.12
+    assert torch.equal(m.view(-1, 3).all(1), m.view(-1, 3).any(1))  # all positions of a prompt go together
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trees
+# ---------------------------------------------------------------------------------------------------------
+ACC = [
+    [0.38, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
+    [0.23, 0.09, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
+    [0.17, 0.07, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
+    [0.13, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01, 0.008, 0.006],
+]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 8, 16, 64, 200])
+def test_fit_tree_budget_parents_and_growth_order(budget: int) -> None:
+    tree = fit_tree(ACC, budget=budget)
+    paths = [tuple(p) for p in tree["paths"]]
+    assert len(paths) == min(budget - 1, len(paths)) and len(paths) == budget - 1
+    seen: set[tuple[int, ...]] = {()}
+    for p in paths:
+        assert p[:-1] in seen, f"{p} before its parent"
+        assert len(p) <= len(ACC) and max(p) < 10
+        seen.add(p)
+    curve = tree["expected_tokens_per_step"]
+    assert len(curve) == budget and curve[0] == 1.0
+    steps = [b - a for a, b in zip(curve, curve[1:], strict=False)]
+    assert all(x >= y - 2e-4 for x, y in zip(steps, steps[1:], strict=False))  # greedy: gains never increase
+    assert expected_accept_length(paths, ACC) == pytest.approx(curve[-1], abs=1e-3)
+    t = Tree.from_paths(tree["paths"])
+    assert list(t.paths) == paths  # already in growth order: the Tree keeps it
+    if budget > 1:
+        assert paths[0] == (0,)
+
+
+def test_fit_tree_prefixes_are_the_best_smaller_trees() -> None:
+    big = fit_tree(ACC, budget=64)
+    for n in (8, 16, 32):
+        small = fit_tree(ACC, budget=n)
+        assert small["paths"] == big["paths"][: n - 1]
+
+
+def test_fit_tree_prefers_measured_joint_hits() -> None:
+    # Correlated heads: head 1 is right only when head 0 is; a branch under rank 1 is never accepted.
+    joint = {(0,): 0.4, (1,): 0.1, (0, 0): 0.3, (0, 1): 0.05, (0, 0, 0): 0.25}
+    report = {"heldout": {"rank_acc": [[0.4, 0.1], [0.35, 0.1], [0.3, 0.1]],
+                          "joint": {"paths": [list(p) for p in joint], "probs": list(joint.values()), "max_rank": 2}}}
+    tree = fit_tree(report, budget=5)
+    assert tree["gains_from"] == "joint"
+    assert [tuple(p) for p in tree["paths"]] == [(0,), (0, 0), (0, 0, 0), (1,)]
+    assert expected_accept_length(tree["paths"], report) == pytest.approx(1 + 0.4 + 0.3 + 0.25 + 0.1)
+    indep = fit_tree(report, budget=5, prefer_joint=False)
+    assert indep["gains_from"] == "independent"
+    assert expected_accept_length(tree["paths"], report["heldout"]["rank_acc"]) > 1.0
+
+
+def test_grow_tree_stops_when_nothing_can_be_accepted() -> None:
+    paths, gains = grow_tree(independent_gain([[0.5, 0.0]]), num_heads=1, max_rank=2, budget=10)
+    assert paths == [(0,)] and gains == [0.5]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the commands, end to end on the tiny model
+# ---------------------------------------------------------------------------------------------------------
+def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    from medusa_chat.training.cli import add_fit_tree_args, add_train_args, fit_tree_main, train_main
+
+    p = add_train_args(argparse.ArgumentParser())
+    out = tmp_path / "heads"
+    argv = ["--model", str(tiny_dir), "--prompts", str(prompt_file), "--magpie", "0", "--max-new-tokens", "16",
+            "--num-heads", "3", "--epochs", "2", "--out", str(out), "--device", "cpu", "--holdout", "0.3",
+            "--train-batch-size", "32", "--tree-budget", "16", "--bf16", "off"]
+    assert train_main(p.parse_args(argv)) == 0
+    assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {f.name for f in out.iterdir()}
+    acc = json.loads((out / "accuracy.json").read_text())
+    assert len(acc["heldout"]["rank_acc"]) == 3 and acc["data"]["heldout_positions"] > 0
+    assert len(json.loads((out / "tree.json").read_text())["paths"]) <= 15
+    assert train_main(p.parse_args(argv)) == 2  # refuses to mix runs without --resume
+    assert train_main(p.parse_args([*argv, "--resume"])) == 0
+    f = add_fit_tree_args(argparse.ArgumentParser())
+    assert fit_tree_main(f.parse_args(["--heads", str(out), "--budget", "8"])) == 0
+    tree = Tree.load(out / "tree.json")
+    assert tree.size <= 8 and tree.depth <= 3
