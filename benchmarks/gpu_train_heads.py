@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- data -----------------------------------------------------------------------------------------
     t = time.time()
-    data_deadline = t0 + args.data_frac * (end - t0)
+    data_deadline = t + args.data_frac * (end - t)  # a share of what is left after loading the model
     store = DistillStore.open(work / "distill", model=str(args.model))
     ds = DistillSettings(
         magpie=args.magpie, prompt_file=args.prompts, max_new_tokens=args.max_new_tokens,
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts_answered": store.next_prompt_index(), "magpie_prompts": n_magpie,
         "magpie_rounds": store.magpie_rounds, "magpie_sampled": store.magpie_sampled,
         "reply_tokens": store.reply_tokens, "max_new_tokens": args.max_new_tokens,
-        "reply_tokens_per_s": round((store.reply_tokens - tokens_before) / max(dt, 1e-9), 1),
+        "reply_tokens_per_s_overall": round((store.reply_tokens - tokens_before) / max(dt, 1e-9), 1),
     }
     summary["phases"]["data_s"] = round(dt, 1)
     log(f"data: {json.dumps(summary['data'])}")
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     best_name, best_score = None, -1.0
     for i, ts in enumerate(configs):
         left = end - time.time()
-        if left < 20:
+        if left < 20 and i > 0:  # the first configuration always trains (at least a step): save something
             log("time budget: no time left for more head configurations")
             break
         name = f"heads-{ts.num_heads}x{ts.num_layers}"

@@ -605,6 +605,9 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the calibration record as JSON")
 
 
+add_arguments = add_calibrate_args  # the hook cli.py looks for in a sub-command's module
+
+
 def calibrate_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -666,6 +669,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "add_arguments",
     "add_calibrate_args",
     "calibrate",
     "calibrate_main",

@@ -70,12 +70,13 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-_reachable: dict[str, bool] = {}
+_reachable: dict[str, tuple[bool, float]] = {}
 _reachable_lock = threading.Lock()
+RETRY_UNREACHABLE_S = 60.0  # a long-running app notices within a minute that the network came back
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """One quick probe of the Hub endpoint (cached per endpoint for this process).
+    """One quick probe of the Hub endpoint (cached per endpoint; a failure is re-probed after a minute).
 
     Any HTTP answer counts as reachable; only connection failures and timeouts do not. urllib honours the
     usual proxy variables, like huggingface_hub does.
@@ -85,7 +86,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     endpoint = hub_endpoint()
     with _reachable_lock:
         if endpoint in _reachable:
-            return _reachable[endpoint]
+            ok, when = _reachable[endpoint]
+            if ok or time.monotonic() - when < RETRY_UNREACHABLE_S:
+                return ok
     try:
         request = urllib.request.Request(f"{endpoint}/api/models?limit=1", method="HEAD")
         with urllib.request.urlopen(request, timeout=timeout):
@@ -95,7 +98,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     except (OSError, ValueError):
         ok = False
     with _reachable_lock:
-        _reachable[endpoint] = ok
+        _reachable[endpoint] = (ok, time.monotonic())
     return ok
 
 
@@ -126,7 +129,8 @@ def weight_files(names: Iterable[str]) -> list[str]:
 
 
 def select_files(names: Iterable[str], want: str) -> list[str]:
-    """Which of a repo's files are needed for `want`: "config", "heads" or "model" (backbone + tokenizer).
+    """Which of a repo's files are needed for `want`: "config", "heads", "model" (backbone + tokenizer) or
+    "tokenizer" (tokenizer files only).
 
     Returns [] when the essential file is absent (no config / no heads file / no weights): callers turn that
     into the matching error, because only they know what the repo was supposed to be.
@@ -146,6 +150,9 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
             return []
         small = [n for n in (*CONFIG_FILES, *TOKENIZER_FILES) if n in present]
         return small + weights
+    if want == "tokenizer":
+        tok = [n for n in TOKENIZER_FILES if n in present]
+        return [n for n in ("config.json",) if n in present] + tok if tok else []
     raise ValueError(f"unknown file set {want!r}")
 
 
@@ -296,12 +303,15 @@ class CachedRepo:
 
 def cached_repos() -> dict[str, CachedRepo]:
     """Model repos in the local HF cache (no network). Empty when there is no cache yet."""
+    import huggingface_hub.errors
     from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
 
+    cache = hub_cache_dir()
+    if not cache.is_dir():
+        return {}
     try:
-        info = scan_cache_dir(hub_cache_dir())
-    except CacheNotFound:
+        info = scan_cache_dir(cache)
+    except getattr(huggingface_hub.errors, "CacheNotFound", _Never):
         return {}
     out: dict[str, CachedRepo] = {}
     for repo in info.repos:
@@ -348,6 +358,8 @@ def _no_files_error(repo: str, want: str, names: list[str]) -> MedusaChatError:
         )
     if want == "config":
         return ModelNotFoundError(f"{repo} has no config.json: not a transformers model or heads repo")
+    if want == "tokenizer":
+        return ModelNotFoundError(f"{repo} has no tokenizer files")
     return ModelNotFoundError(
         f"{repo} has no transformers checkpoint (config.json plus model*.safetensors or pytorch_model*.bin)"
     )
@@ -373,20 +385,25 @@ def fetch(
     return _fetch_online(repo, want, revision, progress, bars)
 
 
+class _Never(Exception):
+    """Stands in for an exception class the installed huggingface_hub does not have."""
+
+
 def _fetch_cached(repo: str, want: str, revision: str) -> Path:
     """Offline path: the real huggingface_hub lookup with local_files_only, then a completeness check."""
-    from huggingface_hub import get_cached_repo_tree, snapshot_download
-    from huggingface_hub.errors import (
-        CachedRepoTreeNotFoundError,
-        HFValidationError,
-        IncompleteSnapshotError,
-        LocalEntryNotFoundError,
-    )
+    import huggingface_hub
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    # Newer huggingface_hub (2.x) only: a cached repo listing, and an error for half-downloaded snapshots.
+    get_cached_repo_tree = getattr(huggingface_hub, "get_cached_repo_tree", None)
+    incomplete_error = getattr(huggingface_hub.errors, "IncompleteSnapshotError", _Never)
+    no_listing_error = getattr(huggingface_hub.errors, "CachedRepoTreeNotFoundError", _Never)
 
     cache = hub_cache_dir()
     try:
         folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True))
-    except IncompleteSnapshotError as err:
+    except incomplete_error as err:
         folder = Path(err.snapshot_path) if getattr(err, "snapshot_path", None) else None
         if folder is None:
             raise OfflineError(
@@ -397,15 +414,29 @@ def _fetch_cached(repo: str, want: str, revision: str) -> Path:
             f"{repo} is not in the Hugging Face cache ({cache}) and {_why_offline()}; {_how_to_get(repo)}"
         ) from err
 
-    # What the repo holds: the tree listing cached by an earlier online download, else what is on disk.
+    # What the repo holds: the tree listing cached by an earlier snapshot download, else what is on disk.
     names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+    listing_known = False
     try:
-        names |= {f.path for f in get_cached_repo_tree(repo, revision=revision, cache_dir=cache)}
-    except (CachedRepoTreeNotFoundError, OSError, ValueError):
+        if get_cached_repo_tree is not None:
+            names |= {f.path for f in get_cached_repo_tree(repo, revision=revision, cache_dir=cache)}
+            listing_known = True
+    except (no_listing_error, OSError, ValueError):
         pass  # no cached listing (hand-made or older cache): what is on disk is all we know
     wanted = select_files(names, want)
     if not wanted:
-        raise _no_files_error(repo, want, sorted(names))
+        if listing_known:
+            raise _no_files_error(repo, want, sorted(names))
+        # Without a listing, "not in the cache" and "not in the repo" look the same: say what is missing.
+        needed = {
+            "model": "config.json and model weights (model*.safetensors or pytorch_model*.bin)",
+            "heads": " or ".join(HEADS_FILES),
+            "config": "config.json",
+            "tokenizer": "tokenizer files",
+        }[want]
+        raise OfflineError(
+            f"{repo}: the cached copy ({folder}) has no {needed} and {_why_offline()}; {_how_to_get(repo)}"
+        )
     missing = [f for f in wanted if not (folder / f).is_file()]
     if want == "model" and not missing:
         missing = missing_shards(folder)
@@ -467,6 +498,7 @@ def _fetch_online(repo: str, want: str, revision: str, progress: Progress | None
         with DownloadReporter(repo, todo, progress, bars) as reporter:
             for name in todo:
                 reporter.start_file(name)
+                bar = {"tqdm_class": reporter.tqdm_class()} if _takes_tqdm_class(hf_hub_download) else {}
                 try:
                     hf_hub_download(
                         repo,
@@ -474,7 +506,7 @@ def _fetch_online(repo: str, want: str, revision: str, progress: Progress | None
                         revision=revision,  # a branch name, so refs/<branch> is written for offline use later
                         cache_dir=cache,
                         endpoint=hub_endpoint(),
-                        tqdm_class=reporter.tqdm_class(),
+                        **bar,
                     )
                 except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
                     raise OfflineError(
@@ -493,6 +525,12 @@ def _fetch_online(repo: str, want: str, revision: str, progress: Progress | None
             ref.parent.mkdir(parents=True, exist_ok=True)
             ref.write_text(info.sha)
     return folder
+
+
+def _takes_tqdm_class(func: Callable[..., object]) -> bool:
+    import inspect
+
+    return "tqdm_class" in inspect.signature(func).parameters
 
 
 def check_disk_space(folder: Path, needed: int, repo: str) -> None:

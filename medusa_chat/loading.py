@@ -319,8 +319,12 @@ def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     return heads, path, config
 
 
-def checkpoint_medusa_keys(folder: Path) -> dict[str, list[str]]:
-    """{checkpoint file: [medusa_head.* keys in it]} for a model folder; {} when it has none."""
+def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str, list[str]]:
+    """{checkpoint file: [medusa_head.* keys in it]} for a model folder; {} when it has none.
+
+    Sharded checkpoints answer from their index; single files from the safetensors header, or by loading the
+    pickle (memory-mapped, weights_only) when `open_pickles`.
+    """
     from safetensors import SafetensorError, safe_open
 
     for index in (hub.SAFETENSORS_INDEX, hub.BIN_INDEX):
@@ -343,8 +347,10 @@ def checkpoint_medusa_keys(folder: Path) -> dict[str, list[str]]:
                 raise MedusaChatError(
                     f"cannot read {path}: the file is truncated or corrupt ({err})"
                 ) from err
-        else:
+        elif open_pickles:
             keys = [k for k in read_state_file(path) if k.startswith(MEDUSA_PREFIX)]
+        else:
+            keys = []
         if keys:
             out[fname] = keys
     return out
@@ -479,6 +485,15 @@ def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int, notes
     return tree
 
 
+def _check_size(spec: ModelSpec, params: float, device_arg: str, dev: torch.device) -> None:
+    if device_arg == "auto" and dev.type == "cpu" and params >= LARGE_MODEL_PARAMS:
+        raise DeviceError(
+            f"{spec.name} has ~{params / 1e9:.0f}B parameters and this machine has no CUDA GPU: on CPU it needs "
+            f"~{params * 4 / 1e9:.0f} GB of RAM and answers at well under a token per second. Pass --device cpu "
+            "to run it anyway, or use the embedded smollm2-135m"
+        )
+
+
 # ---- the entry point --------------------------------------------------------------------------------------------
 def load_model(
     model: str = "smollm2-135m",
@@ -496,6 +511,8 @@ def load_model(
     q = pick_quant(quant, dev)
     compute_dtype = pick_dtype(dtype, dev)
     notes: list[str] = []
+    if spec.params_b and not spec.custom:
+        _check_size(spec, spec.params_b * 1e9, device, dev)  # known size: refuse before any network access
 
     # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
     if spec.kind == "embedded":
@@ -522,20 +539,15 @@ def load_model(
         cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
         config = _read_json(cfg_dir / "config.json")
 
-    params = spec.params_b * 1e9 if spec.params_b and not spec.custom else estimate_params(config)
-    if device == "auto" and dev.type == "cpu" and params >= LARGE_MODEL_PARAMS:
-        raise DeviceError(
-            f"{spec.name} has ~{params / 1e9:.0f}B parameters and this machine has no CUDA GPU: on CPU it needs "
-            f"~{params * 4 / 1e9:.0f} GB of RAM and answers at well under a token per second. Pass --device cpu "
-            "to run it anyway, or use the embedded smollm2-135m"
-        )
+    if spec.custom or not spec.params_b:
+        _check_size(spec, estimate_params(config), device, dev)
 
     # 2. Separate heads: fetch and check them against the config before the backbone weights come.
     heads_mod: MedusaHeads | None = None
     heads_dir: Path | None = None
     heads_path: Path | None = None
     if spec.heads is not None:
-        if spec.kind == "embedded" and not Path(spec.heads).is_dir():
+        if spec.kind == "embedded" and not spec.custom and not Path(spec.heads).is_dir():
             raise HeadsError(
                 f"no Medusa heads for {spec.name} yet: {spec.heads} does not exist (it should hold config.json, "
                 "medusa_lm_head.safetensors and tree.json); train them with `medusa-chat train-heads` or pass "
@@ -549,14 +561,14 @@ def load_model(
 
     # 3. The backbone itself.
     model_dir = _local_or_fetch(backbone_loc, "model", progress)
-    medusa_keys: dict[str, list[str]] = {}
-    if heads_mod is None:
-        medusa_keys = checkpoint_medusa_keys(model_dir)
-        if not medusa_keys:
-            raise HeadsError(
-                f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
-                "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
-            )
+    # A Medusa-2 checkpoint used with separately given heads still carries medusa_head.* keys: find them too
+    # (from the index / safetensors headers; a lone pickle is only opened when the heads must come from it).
+    medusa_keys = checkpoint_medusa_keys(model_dir, open_pickles=heads_mod is None)
+    if heads_mod is None and not medusa_keys:
+        raise HeadsError(
+            f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
+            "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
+        )
     say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
     backbone = load_backbone(
         model_dir, dev, compute_dtype, q, ignore_medusa=bool(medusa_keys), trust_remote_code=trust_remote_code
@@ -582,11 +594,21 @@ def load_model(
     # 4. Tokenizer, template, limits.
     from transformers import AutoTokenizer
 
+    tok_dir = model_dir
+    base = config.get("base_model_name_or_path")
+    if (
+        not hub.select_files([p.name for p in model_dir.iterdir()], "tokenizer")
+        and isinstance(base, str)
+        and base
+    ):
+        # Some fine-tuned checkpoints (Medusa-2 ones among them) leave the tokenizer to their base model.
+        tok_dir = _local_or_fetch(base, "tokenizer", progress)
+        notes.append(f"tokenizer taken from the base model {base}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
         raise ModelNotFoundError(
-            f"cannot load the tokenizer in {model_dir}: {str(err).splitlines()[0]}"
+            f"cannot load the tokenizer in {tok_dir}: {str(err).splitlines()[0]}"
         ) from err
     if spec.chat_template == TOKENIZER and not getattr(tokenizer, "chat_template", None):
         spec = replace(spec, chat_template=VICUNA_V11)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,14 +59,19 @@ class ReplyStream(Iterator[Item]):
     caller never started iterating it.
     """
 
-    def __init__(self, gen: Iterator[Item], release: Callable[[], None]) -> None:
+    def __init__(
+        self, gen: Generator[Item, None, None], release: Callable[[], None], stop: Callable[[], None]
+    ) -> None:
         self._gen = gen
         self._release: Callable[[], None] | None = release
+        self._stop = stop
 
     def __iter__(self) -> ReplyStream:
         return self
 
     def __next__(self) -> Item:
+        if inspect.getgeneratorstate(self._gen) == inspect.GEN_RUNNING:
+            raise BusyError("this reply is already being read by another thread")  # and keeps its lock
         try:
             return next(self._gen)
         except BaseException:  # StopIteration included: the reply is over either way
@@ -72,10 +79,14 @@ class ReplyStream(Iterator[Item]):
             raise
 
     def close(self) -> None:
+        if inspect.getgeneratorstate(self._gen) == inspect.GEN_RUNNING:
+            # Another thread is inside next() (a decode step): a generator cannot be closed from outside
+            # while it runs, and the lock must stay held until it returns. Stop it instead; the reply then
+            # ends by itself and the consumer's next() (or garbage collection) finishes the cleanup.
+            self._stop()
+            return
         try:
-            close = getattr(self._gen, "close", None)
-            if close is not None:
-                close()  # runs the session's cleanup: a partial reply is kept, marked stopped
+            self._gen.close()  # runs the session's cleanup: a partial reply is kept, marked stopped
         finally:
             self._finish()
 
@@ -155,7 +166,7 @@ class SessionManager:
             self.baseline_tokens_per_s = _BASELINES.get(self._baseline_key())
 
     @property
-    def loaded_ok(self) -> bool:
+    def is_loaded(self) -> bool:
         return self.engine is not None
 
     def _require_engine(self) -> MedusaEngine:
@@ -213,6 +224,8 @@ class SessionManager:
                     value = tuple(str(s) for s in value)
                 else:
                     value = float(value)
+                    if not math.isfinite(value):
+                        raise ValueError
             except (TypeError, ValueError):
                 raise MedusaChatError(f"bad value for {key}: {value!r}") from None
             coerced[key] = value
@@ -228,9 +241,12 @@ class SessionManager:
             if self.loaded is None:
                 self._tree_request = (name_or_file, size)  # applied by load()
                 return
-            tree = self._resolve_tree(name_or_file, size)
-            self._require_engine().set_tree(tree)
+            tree = self._resolve_tree(name_or_file, size)  # a bad name raises here, before anything changes
             self._tree_request = (name_or_file, size)
+            if self.engine is None:
+                self.load()  # e.g. the first load failed on the tree: retry with this one
+            else:
+                self.engine.set_tree(tree)
 
     # ---- replies --------------------------------------------------------------------------------------------
     @property
@@ -293,7 +309,7 @@ class SessionManager:
         except BaseException:
             self._lock.release()
             raise
-        return ReplyStream(gen, self._lock.release)
+        return ReplyStream(gen, self._lock.release, self.stop)
 
     def _prompt_ids(self) -> tuple[list[int], int]:
         """The templated prompt, dropping the oldest turns (never the system prompt) until it leaves room for
@@ -304,18 +320,24 @@ class SessionManager:
         turns = self.conversation.turns()
         system = turns[:1] if turns and turns[0]["role"] == "system" else []
         rest = turns[len(system) :]
+        # Cut points: drop whole exchanges from the front, so the kept history still starts with a user turn
+        # (some templates insist on alternation). The last cut keeps only the newest user message.
+        cuts = sorted({0, *(i for i, m in enumerate(rest) if m["role"] == "user")})
+        ids = self.loaded.build_prompt(system + rest)
         dropped = 0
-        while True:
-            ids = self.loaded.build_prompt(system + rest)
-            if len(ids) <= budget or len(rest) <= 1:
-                break
-            # Drop the oldest exchange: a user message and the reply after it, so the history still starts
-            # with a user turn (some templates insist on alternation).
-            rest = rest[1:]
-            dropped += 1
-            while len(rest) > 1 and rest[0]["role"] != "user":
-                rest = rest[1:]
-                dropped += 1
+        if len(ids) > budget and len(cuts) > 1:
+            # Prompt length falls as cuts move forward: binary search for the smallest cut that fits, so a
+            # long conversation costs O(log n) tokenizations, not one per dropped turn.
+            lo, hi = 1, len(cuts) - 1
+            best = self.loaded.build_prompt(system + rest[cuts[hi] :])
+            while lo < hi:
+                mid = (lo + hi) // 2
+                candidate = self.loaded.build_prompt(system + rest[cuts[mid] :])
+                if len(candidate) <= budget:
+                    hi, best = mid, candidate
+                else:
+                    lo = mid + 1
+            ids, dropped = best, cuts[hi]  # the newest user message alone when nothing else fits
         if len(ids) + 1 >= limit:
             raise PromptError(
                 f"the message is too long: {len(ids)} prompt tokens, but the model's context window is {limit}"
@@ -333,7 +355,7 @@ class SessionManager:
 
     def _generate(
         self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, dropped: int
-    ) -> Iterator[Item]:
+    ) -> Generator[Item, None, None]:
         self.last_events = []
         self.last_summary = None
         parts: list[str] = []
@@ -405,8 +427,9 @@ class SessionManager:
             # produced, marked stopped, exactly as if stop() had been called.
             if parts:  # at least one step arrived (its text may be empty, e.g. a special token)
                 text = "".join(parts)
+                made = self.last_events[-1].new_tokens_total if self.last_events else None
                 msgs.append(
-                    Message("assistant", text, {"stop_reason": "stopped", "new_tokens": None}, stopped=True)
+                    Message("assistant", text, {"stop_reason": "stopped", "new_tokens": made}, stopped=True)
                 )
         self._autosave()
 
@@ -444,7 +467,7 @@ class SessionManager:
                 for item in engine.generate(prompt, settings, self._stop):
                     if isinstance(item, ReplySummary):
                         summary = item
-            except Exception:
+            except BaseException:  # Ctrl-C included: a step may have died half-way through the cache
                 with contextlib.suppress(Exception):
                     engine.reset()
                 raise

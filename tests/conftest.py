@@ -6,14 +6,15 @@ Backbones (`tiny_llama_dir`, `tiny_mistral_dir`): LlamaForCausalLM / MistralForC
 vocab 512, saved with a byte-level BPE tokenizer trained here (Llama: ChatML template like SmolLM2, no BOS;
 Mistral: Zephyr template, adds `<s>`). Their weights are random with a *planted* structure so that Medusa
 heads can be genuinely right: the embeddings are random unit vectors and `lm_head` maps token i to a fixed
-random successor `succ[i]`; the transformer layers are random and scaled so the context changes the argmax in
-~5% of steps (a wrong KV cache or tree mask changes the output), with top-2 logit gaps > 1e-3 (no near-ties for
-greedy-equality tests). Greedy output never produces a special token (EOS included): replies run to
-max_new_tokens. `planted_successor(path)` returns `succ`.
+random successor `succ[i]`; the transformer layers are random and scaled so that the context still moves the
+logits a lot and flips the argmax in a few % of steps (a wrong KV cache or tree mask shows), while top-2 logit
+gaps stay well above float noise (measured minimum ~3e-3: no near-ties in greedy-equality tests). Greedy output
+never produces a special token (EOS included): replies run to max_new_tokens. `read_successor(model_dir)`
+returns `succ`.
 
 Heads written in the exact published layouts (state-dict keys, dtypes, file names, config.json):
 - `v1_pt_heads_dir`: `medusa_lm_head.pt` (torch.save of bf16 tensors), 5 heads, config saying 2 heads.
-- `v1_safetensors_heads_dir`: `medusa_lm_head.safetensors` (fp16), 4 heads.
+- `v1_safetensors_heads_dir`: `medusa_lm_head.safetensors` (fp16), 4 heads, plus a 12-node `tree.json`.
 - `v2_heads_dir`: config `"version": "2"` + ResBlocks only (fp16), 3 heads x 2 layers.
 - `medusa2_bin_dir`: Medusa-2 full Llama, 2 `pytorch_model-*.bin` fp16 shards + index, `medusa_head.*` keys.
 - `medusa2_safetensors_dir`: Medusa-2 full Mistral, 2 `model-*.safetensors` shards + index.
@@ -22,7 +23,11 @@ keys) for hand-computed checks.
 
 `hub_cache` (function scope): a standard HF cache (`models--org--name/{blobs,snapshots/<rev>,refs/main}`)
 under a temp HF_HUB_CACHE with HF_HUB_OFFLINE=1, holding `tiny-org/tiny-llama`, `tiny-org/tiny-llama-medusa`
-(v1 heads), `tiny-org/tiny-medusa2` (full), and a `tiny-org/tiny-llama-partial` snapshot missing its weights.
+(v1 heads), `tiny-org/tiny-medusa2` (full Mistral), and `tiny-org/tiny-llama-partial` (weights missing);
+`hub_cache.add(repo_id, files)` adds more.
+
+Builders usable from any test: build_tokenizer, build_tiny_backbone, planted_heads_state, random_heads_state,
+write_heads, write_medusa2, write_hub_repo, folder_files, heads_state, read_successor.
 
 `make_loaded_model(arch="llama", heads="v1", num_heads=4, num_layers=1, accuracy="planted", quant="none",
 dtype="auto", fresh=False) -> LoadedModel` (fixture returning a factory): a real `loading.load_model` result on
@@ -64,7 +69,8 @@ ZEPHYR_TEMPLATE = (
     "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}{% endfor %}"
 )
 
-CORPUS = """\
+CORPUS = (
+    """\
 Medusa adds a few small heads to a language model so that it can guess several tokens at once.
 The backbone checks every guess in one pass and keeps the longest prefix it agrees with.
 Give me three tips for staying healthy: drink water, exercise every day, and sleep well.
@@ -77,7 +83,9 @@ The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.
 Python is a programming language that lets you work quickly and integrate systems effectively.
 Numbers like 1, 2, 3, 42 and 2024 appear in text, as do symbols such as #, $, % and &.
 Large language models read all their weights for every token, so decoding is memory bound.
-""" * 3
+"""
+    * 3
+)
 
 
 # ---- builders (plain functions: other test modules may call them too) --------------------------------------------
@@ -211,7 +219,12 @@ def planted_heads_state(
 
 
 def random_heads_state(
-    num_heads: int, num_layers: int = 1, own_lm_head: bool = True, hidden: int = HIDDEN, vocab: int = VOCAB, seed: int = 1
+    num_heads: int,
+    num_layers: int = 1,
+    own_lm_head: bool = True,
+    hidden: int = HIDDEN,
+    vocab: int = VOCAB,
+    seed: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Random, non-zero heads in the published key layout (v1 with projections, v2 without)."""
     g = torch.Generator().manual_seed(seed)
@@ -320,11 +333,15 @@ def write_medusa2(
         for k, v in shard.items():
             weight_map[k] = name
             total += v.numel() * v.element_size()
-    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / index_name).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return folder
 
 
-def write_hub_repo(cache: Path, repo_id: str, files: dict[str, Path | bytes], commit: str | None = None) -> Path:
+def write_hub_repo(
+    cache: Path, repo_id: str, files: dict[str, Path | bytes], commit: str | None = None
+) -> Path:
     """Put files into a standard huggingface_hub cache layout; returns the snapshot folder."""
     storage = cache / ("models--" + repo_id.replace("/", "--"))
     commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
@@ -386,7 +403,12 @@ def v1_pt_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
     model, succ, _, path = _tiny_models["llama"]
     state = planted_heads_state(model, succ, num_heads=5)
     return write_heads(
-        fixtures_root / "heads-v1-pt", state, fmt="pt", dtype=torch.bfloat16, base_model=str(path), config_num_heads=2
+        fixtures_root / "heads-v1-pt",
+        state,
+        fmt="pt",
+        dtype=torch.bfloat16,
+        base_model=str(path),
+        config_num_heads=2,
     )
 
 

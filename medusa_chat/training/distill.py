@@ -19,6 +19,7 @@ the prompt. Shards hold plain lists of ints, so `torch.load(..., weights_only=Tr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -442,6 +443,7 @@ def distill(
             log(f"prompts: +{n} from {settings.prompt_file} ({len(store.prompts)} in all)")
     last: dict[str, float] = {"magpie": 0.0, "shard": 0.0}
     empty_rounds = 0
+    budget_hit = False
 
     def time_ok(kind: str) -> bool:
         return deadline is None or time.time() + last[kind] < deadline
@@ -453,8 +455,18 @@ def distill(
         n_magpie = sum(1 for s in store.sources if s == "magpie")
         want_magpie = n_magpie < settings.magpie and empty_rounds < 5
         pending = len(store.prompts) - store.next_prompt_index()
+        # Out of time for another round; but with no data at all, one round and one shard still run.
+        no_data = not store.shards and pending == 0
+        if want_magpie and (budget_hit or (pending < settings.shard_size and not time_ok("magpie") and not no_data)):
+            if not budget_hit:
+                log("time budget: no more Magpie rounds")
+            want_magpie, budget_hit = False, True
         if pending >= settings.shard_size or (pending > 0 and not want_magpie):
-            if not time_ok("shard"):
+            if not last["shard"] and last["magpie"]:
+                # No shard timed yet: guess from the Magpie round (same kind of batched generation).
+                batches = math.ceil(min(pending, settings.shard_size) / settings.batch_size)
+                last["shard"] = last["magpie"] * batches * settings.max_new_tokens / settings.magpie_max_tokens
+            if store.shards and not time_ok("shard"):  # the first shard always runs: some data beats none
                 log("time budget: not starting another reply shard")
                 break
             t = time.time()
@@ -481,9 +493,6 @@ def distill(
             )
             continue
         if want_magpie:
-            if not time_ok("magpie"):
-                log("time budget: not starting another Magpie round")
-                break
             t = time.time()
             r = store.magpie_rounds
             texts, sampled = sample_user_turns(
@@ -502,5 +511,7 @@ def distill(
                 f"{n_magpie + added} magpie prompts"
             )
             continue
+        if budget_hit:
+            log("time budget: data generation stopped")
         break
     return store

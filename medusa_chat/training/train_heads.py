@@ -107,11 +107,11 @@ def hidden_states_for(
             ids[b, : len(x)] = torch.tensor(x)
             mask[b, : len(x)] = 1
         h = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        if store_dtype == torch.float16 and float(h.abs().amax()) > 6e4:
+            raise OverflowError("hidden states overflow fp16: cache them in bf16 (store_dtype)")
+        h = h.to(store_dtype).cpu()  # one device->host copy per batch
         for b, (pidx, x, rs) in enumerate(batch):
-            hb = h[b, rs - 1 : len(x) - 1]
-            if store_dtype == torch.float16 and hb.abs().max() > 6e4:
-                raise OverflowError("hidden states overflow fp16: cache them in bf16 (store_dtype)")
-            hid.append(hb.to(store_dtype).cpu())
+            hid.append(h[b, rs - 1 : len(x) - 1].clone())
             tgt.append(_targets_for(torch.tensor(x), rs, max_heads))
             smp.append(torch.full((len(x) - rs,), pidx, dtype=torch.int32))
         i = j
@@ -141,7 +141,7 @@ def cache_hidden_states(
         if path.is_file():
             out.append(path)
             continue
-        if deadline is not None and time.time() > deadline:
+        if out and deadline is not None and time.time() > deadline:  # the first shard always runs
             log("time budget: hidden-state cache left incomplete")
             break
         t = time.time()
@@ -157,6 +157,8 @@ def cache_hidden_states(
 
 
 def load_cache(paths: list[Path]) -> PositionData:
+    if not paths:
+        raise ValueError("no hidden-state cache to load: generate data first")
     parts = []
     for p in paths:
         d = torch.load(p, weights_only=True)
@@ -570,6 +572,7 @@ def save_heads(
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}
     tmp = out_dir / f".{HEADS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)  # safetensors writes 0600; the folder is meant to be shared
     tmp.replace(out_dir / HEADS_FILE)
     cfg = heads.config_dict(base_model)
     atomic_write_json(out_dir / "config.json", cfg)

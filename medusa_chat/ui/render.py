@@ -100,7 +100,7 @@ def tokens_chart_svg(counts: Sequence[int], width: int = 300, height: int = 64) 
         gap = min(bar_w * 0.2, 1.5)
         for i, c in enumerate(counts):
             h = c * (height - 4) / top
-            shade = STEP_SHADES[min(c, len(STEP_SHADES)) - 1] if c > 0 else STEP_SHADES[0]
+            shade = STEP_SHADES[min(max(c, 2), len(STEP_SHADES)) - 1]
             parts.append(
                 f'<rect class="mc-bar" x="{i * bar_w:.2f}" y="{height - h:.2f}" width="{max(bar_w - gap, 0.5):.2f}" '
                 f'height="{h:.2f}" fill="{shade}" stroke="#4f46e5" stroke-opacity="0.35" stroke-width="0.5" '

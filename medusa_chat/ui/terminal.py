@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.panel import Panel
+from rich.segment import Segment
+from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree as RichTree
@@ -263,6 +265,23 @@ def help_table() -> Table:
     return table
 
 
+class TailView:
+    """Draws only the last lines of a renderable that fit the screen (with a marker when cut)."""
+
+    def __init__(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = console.render_lines(self.renderable, options, pad=False)
+        room = max(options.size.height - 2, 3)
+        if len(lines) > room:
+            lines = [[Segment("↑ (the start of the reply is above)", Style(dim=True))], *lines[-(room - 1) :]]
+        for i, line in enumerate(lines):
+            yield from line
+            if i < len(lines) - 1:
+                yield Segment.line()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The REPL
 # ------------------------------------------------------------------------------------------------------------
@@ -396,7 +415,7 @@ class TerminalChat:
         if text.startswith("//"):
             text = text[1:]  # an escaped slash: send it as a message
         elif text.startswith("/"):
-            name, _, arg = text.partition(" ")
+            name, arg = (text.split(None, 1) + [""])[:2]
             name = ALIASES.get(name.lower(), name.lower())
             if name == "/exit":
                 return False
@@ -483,8 +502,11 @@ class TerminalChat:
         def view() -> RenderableType:
             return Group(Markdown(text or "..."), self._status(last, summary))
 
-        # Rich Live redraws from its own thread (10 fps); the loop only swaps the renderable.
-        with Live(view(), console=self.console, refresh_per_second=10, vertical_overflow="visible") as live:
+        # Rich Live redraws from its own thread; the loop only swaps the renderable. A modest frame rate keeps
+        # the redraw (Markdown of the whole reply) from competing with the decode loop for the GIL. While
+        # streaming only the tail that fits the screen is drawn (Live cannot redraw lines that scrolled
+        # away); the final frame, drawn when Live stops, is the whole reply.
+        with Live(TailView(view()), console=self.console, refresh_per_second=8) as live:
             for item in stream:
                 if isinstance(item, ReplySummary):
                     summary = item
@@ -493,8 +515,7 @@ class TerminalChat:
                     events.append(item)
                     last = item
                     text += item.text
-                live.update(view())
-            live.update(view(), refresh=True)
+                live.update(TailView(view()) if summary is None else view())
         if summary is not None and summary.message:
             self.note(summary.message, "yellow")
         return summary
@@ -684,8 +705,10 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
         help="0 = greedy (default), > 0 = typical acceptance",
     )
     g.add_argument("--max-new-tokens", type=int, default=None, help="max new tokens per reply (default 512)")
-    g.add_argument("--top-p", type=float, default=None, dest="top_p")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--top-p", type=float, default=None, dest="top_p", help="nucleus sampling (temperature > 0)"
+    )
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     g.add_argument(
         "--resume", metavar="NAME", default=None, help="continue a saved conversation (id or name)"
     )
@@ -753,12 +776,22 @@ def main(args: argparse.Namespace) -> int:
 def _load(session: SessionManager, console: Console, interactive: bool) -> None:
     started = time.perf_counter()
     name = session.model_name
+    asked = session.info  # before loading: what was asked for, so a slow download says what it is for
+    console.print(
+        Text(
+            f"medusa-chat: {name} (heads {asked['heads'] or 'default'}, quant {asked['quant']}, "
+            f"device {asked['device']}, tree {asked['tree']}"
+            + (f"[:{asked['tree_size']}]" if asked["tree_size"] else "")
+            + ")",
+            style="bold",
+        )
+    )
     if interactive:
         with console.status(f"loading {name}...") as status:
 
             def progress(msg: str) -> None:
                 status.update(f"loading {name}: {msg}")
-                console.log(Text(msg, style="dim"))
+                console.print(Text(msg, style="dim"))
 
             session.load(progress)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ _configure_env()
 
 import gradio as gr  # noqa: E402  (after the environment above)
 
-from medusa_chat.errors import MedusaChatError  # noqa: E402
+from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
 from medusa_chat.ui import render  # noqa: E402
 
@@ -55,6 +56,19 @@ def friendly_error(err: BaseException) -> str:
             "conversation (Clear), or 4-bit weights (--quant nf4)"
         )
     return f"unexpected error ({type(err).__name__}): {err}"
+
+
+_CODE = re.compile(r"(```[\s\S]*?(?:```|$)|`[^`\n]*`)")
+
+
+def chat_markdown(text: str) -> str:
+    """Message text for the Chatbot: Markdown stays Markdown, but raw HTML is shown as the characters that were
+    typed or generated (`<img ...>` reads as text, not as a broken image); code spans and fences are left alone."""
+    parts = _CODE.split(text)
+    return "".join(
+        part if i % 2 else part.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        for i, part in enumerate(parts)
+    )
 
 
 def _message_text(content: Any) -> str:
@@ -134,7 +148,7 @@ class WebApp:
             return draft
         out: list[dict[str, str]] = []
         for m in self.session.conversation.messages:
-            content = m.content
+            content = chat_markdown(m.content)
             if m.role == "assistant":
                 content = content + self._stats_line(m.stats, m.stopped)
             out.append({"role": m.role, "content": content})
@@ -144,7 +158,7 @@ class WebApp:
     def _stats_line(stats: dict | None, stopped: bool) -> str:
         bits = []
         if stopped:
-            bits.append("⏹ stopped")
+            bits.append("■ stopped")
         if stats:
             if stats.get("new_tokens"):
                 bits.append(f"{stats['new_tokens']} tokens")
@@ -175,7 +189,10 @@ class WebApp:
             accept_mode=self.session.settings.accept_mode,
         )
 
-    def tree_panel(self, step: int | None = None, live: bool = False, note: str = "") -> str:
+    def tree_panel(self, step: int | None = None, live: bool = False) -> str:
+        note = ""
+        if not self.events and any(m.role == "assistant" for m in self.session.conversation.messages):
+            note = "Decoding steps are kept for replies made since the app started: send a message to see its tree."
         return render.tree_panel_html(self.events, step, live=live, note=note)
 
     def model_panel(self) -> str:
@@ -241,11 +258,12 @@ class WebApp:
         reset_edit = (False, gr.update(value="Send"), gr.update(visible=False))
         # Show the user's message at once, even while the model is still loading.
         base = self.history()
+        shown = chat_markdown(message)
         if kind == "send":
-            draft = [*base, {"role": "user", "content": message}]
+            draft = [*base, {"role": "user", "content": shown}]
         elif kind == "edit":
             cut = max((i for i, m in enumerate(base) if m["role"] == "user"), default=len(base))
-            draft = [*base[:cut], {"role": "user", "content": message}]
+            draft = [*base[:cut], {"role": "user", "content": shown}]
         else:
             draft = base[:-1] if base and base[-1]["role"] == "assistant" else list(base)
         stream = None
@@ -262,6 +280,8 @@ class WebApp:
                 stream = self.session.edit_last(message)
             else:
                 stream = self.session.regenerate()
+            if self._stop_asked.is_set():  # Stop pressed while the reply was being set up
+                self.session.stop()
             self.events, self.summary, self.streaming = [], None, True
             text = ""
             last_yield = 0.0
@@ -277,7 +297,7 @@ class WebApp:
                 if now - last_yield >= STREAM_INTERVAL_S or item.step == 0:
                     last_yield = now
                     yield (
-                        draft + [{"role": "assistant", "content": text + " ▌"}],
+                        draft + [{"role": "assistant", "content": chat_markdown(text) + " ▌"}],
                         skip,
                         self.meter("streaming…"),
                         self.tree_panel(live=True),
@@ -288,14 +308,17 @@ class WebApp:
                         skip,
                         skip,
                     )
+        except BusyError as err:  # another reply is running: leave its display alone, just say so
+            yield (skip, skip, skip, skip, skip, self._warn(err), skip, skip, skip, skip)
+            return
         except Exception as err:  # noqa: BLE001 - the app keeps running; the message goes to the browser
             self.streaming = False
             yield (self.history(), skip, self.meter("error"), self.tree_panel(), self.step_slider(),
                    self._warn(err), self.conv_dropdown(), skip, skip, skip)  # fmt: skip
             return
         finally:
-            self.streaming = False
             if stream is not None:
+                self.streaming = False
                 stream.close()
         for notice in getattr(self.session, "notices", []) or []:
             gr.Info(notice)
@@ -414,9 +437,19 @@ class WebApp:
         active = self.loader.status in ("loading", "idle")
         return self.model_panel(), gr.Timer(active=active)
 
-    def page_load(self) -> tuple[str, Any, str, str]:
+    def page_load(self) -> tuple:
+        """A (re)loaded page shows the current state: conversation, meter, tree, model, saved chats."""
         self.loader.start()
-        return self.model_panel(), gr.Timer(active=True), self.meter(), self.tree_panel()
+        return (
+            self.model_panel(),
+            gr.Timer(active=True),
+            self.meter(),
+            self.tree_panel(),
+            self.history(),
+            self.step_slider(),
+            self.conv_dropdown(),
+            self.session.conversation.system_prompt,
+        )
 
     def retry_load(self) -> tuple[str, Any]:
         self.loader.start()
@@ -474,28 +507,11 @@ class WebApp:
                             "Cancel edit", size="sm", visible=False, elem_id="cancel-edit"
                         )
                         clear_btn = gr.Button("✕ Clear", size="sm", elem_id="clear")
-                    with gr.Row(equal_height=False):
-                        with gr.Column(scale=1, min_width=300), gr.Accordion("Model", open=True):
-                            model_panel = gr.HTML(self.model_panel(), elem_id="model-panel")
-                            with gr.Row():
-                                baseline_btn = gr.Button(
-                                    "Measure plain decoding", size="sm", elem_id="baseline"
-                                )
-                                retry_btn = gr.Button("Load / retry", size="sm", elem_id="retry-load")
-                        with gr.Column(scale=1, min_width=300), gr.Accordion("Conversations", open=True):
-                            conv_list = gr.Dropdown(
-                                self.conversation_choices(),
-                                label="Saved conversations",
-                                elem_id="conv-list",
-                            )
-                            with gr.Row():
-                                refresh_btn = gr.Button("Refresh", size="sm")
-                                load_btn = gr.Button("Open", size="sm")
-                                delete_btn = gr.Button("Delete", size="sm", variant="stop")
-                            with gr.Row(equal_height=True):
-                                fmt = gr.Radio(["md", "json"], value="md", label="Export format", scale=2)
-                                export_btn = gr.Button("Export", size="sm", scale=1, elem_id="export")
-                            export_file = gr.File(label="Download", visible=False, interactive=False)
+                    with gr.Accordion("Model", open=True):
+                        model_panel = gr.HTML(self.model_panel(), elem_id="model-panel")
+                        with gr.Row():
+                            baseline_btn = gr.Button("Measure plain decoding", size="sm", elem_id="baseline")
+                            retry_btn = gr.Button("Load / retry", size="sm", elem_id="retry-load")
                 with gr.Column(scale=5, min_width=340):
                     meter = gr.HTML(self.meter(), elem_id="meter")
                     with gr.Accordion("Settings", open=True):
@@ -537,6 +553,18 @@ class WebApp:
                                 1, 64, value=int(info.get("tree_size") or 64), step=1, label="tree size"
                             )
                             tree_btn = gr.Button("Apply tree", size="sm")
+                    with gr.Accordion("Conversations", open=True):
+                        conv_list = gr.Dropdown(
+                            self.conversation_choices(), label="Saved conversations", elem_id="conv-list"
+                        )
+                        with gr.Row():
+                            refresh_btn = gr.Button("Refresh", size="sm")
+                            load_btn = gr.Button("Open", size="sm")
+                            delete_btn = gr.Button("Delete", size="sm", variant="stop")
+                        with gr.Row(equal_height=True):
+                            fmt = gr.Radio(["md", "json"], value="md", label="Export format", scale=2)
+                            export_btn = gr.Button("Export", size="sm", scale=1, elem_id="export")
+                        export_file = gr.File(label="Download", visible=False, interactive=False)
             with gr.Group(elem_id="tree-group"):
                 gr.Markdown(
                     "### Accepted tree\nColumns are depths (head *k* guesses the token *k* positions ahead); "
@@ -620,7 +648,12 @@ class WebApp:
             )
             retry_btn.click(self.retry_load, None, [model_panel, timer], api_visibility="private")
             timer.tick(self.tick, None, [model_panel, timer], api_visibility="private", **quiet)
-            demo.load(self.page_load, None, [model_panel, timer, meter, tree_html], api_visibility="private")
+            demo.load(
+                self.page_load,
+                None,
+                [model_panel, timer, meter, tree_html, chatbot, step, conv_list, system],
+                api_visibility="private",
+            )
         demo.medusa_web = self  # type: ignore[attr-defined]  (launch() starts the loader through it)
         return demo
 
@@ -645,6 +678,16 @@ def theme() -> gr.themes.Base:
     )
 
 
+def host_warning(host: str) -> str | None:
+    """The warning printed when the server listens on anything but this machine's loopback address."""
+    if host in LOCAL_HOSTS:
+        return None
+    return (
+        f"warning: serving on {host}: anyone who can reach this machine at that address can use this chat and "
+        "your model (there is no login). Leave out --host to keep it on 127.0.0.1."
+    )
+
+
 def build_app(session: SessionManager) -> gr.Blocks:
     """The Gradio app over `session` (not launched; the model is not loaded until launch or first use)."""
     return WebApp(session).build()
@@ -662,12 +705,9 @@ def launch(
     """Start the web UI. Binds 127.0.0.1 unless `host` says otherwise (with a warning); never shares.
     The model loads in a background thread at once, its progress shown in the browser. With `block=False`
     the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it)."""
-    if host not in LOCAL_HOSTS:
-        print(
-            f"warning: serving on {host}: anyone who can reach this machine on that address can use this chat "
-            "and your model (there is no login). Use --host 127.0.0.1 to keep it local.",
-            file=sys.stderr,
-        )
+    warning = host_warning(host)
+    if warning:
+        print(warning, file=sys.stderr)
     Path(os.environ["GRADIO_TEMP_DIR"]).mkdir(parents=True, exist_ok=True)
     app = build_app(session)
     app.medusa_web.loader.start()  # type: ignore[attr-defined]

