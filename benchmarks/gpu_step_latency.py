@@ -651,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result, sizes, e_vicuna, e_smol)
 
     if args.check_lossless:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        # Keep the latency part on disk in case the rest fails or runs out of time.
+        args.out.write_text(json.dumps(result, indent=1, default=str))
         log("losslessness check (small random Llama, random v2 heads, tree mc_sim_7b_63):")
         result["lossless"] = run_lossless(device, dtype, args, nf4_ok)
 

@@ -170,8 +170,10 @@ def measure_step_latency(
     guesses) and the one host sync. After each rep the cache is cropped back to the prefix, so every rep sees
     the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
     events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
-    pays, so it is the number the projections use.
+    pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
+    them, the event time equals the wall time: the GPU waits for the launches.)
     """
+    sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = model_device(backbone)
     dtype = backbone.get_input_embeddings().weight.dtype  # the engine's activation dtype (NF4 too)
     lm_head = backbone.get_output_embeddings()
@@ -191,7 +193,7 @@ def measure_step_latency(
         use_cache=True,
     )
     start = cache.length
-    results: dict[int, dict[str, float]] = {}
+    step_args: dict[int, tuple] = {}
     for n in sizes:
         t = latency_tree(base, n)
         buf = t.buffers(device, dtype)
@@ -202,14 +204,27 @@ def measure_step_latency(
         mask[0, 0, :, start:] = buf.attn_bias
         tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
         pos = (start + buf.depth)[None]
-
         with_heads = heads is not None and n > 1
-        args = (backbone, lm_head, heads if with_heads else None, cache, start, tokens, pos, mask, buf)
+        step_args[n] = (
+            backbone,
+            lm_head,
+            heads if with_heads else None,
+            cache,
+            start,
+            tokens,
+            pos,
+            mask,
+            buf,
+        )
         for _ in range(warmup):
-            _tree_step(*args)
-        walls: list[float] = []
-        events: list[float] = []
-        for _ in range(reps):
+            _tree_step(*step_args[n])
+
+    # Sizes are timed round-robin (one rep of each size per round), so a slow spell of a shared machine (other
+    # processes, clock changes) hits every size alike instead of skewing the sizes measured during it.
+    walls: dict[int, list[float]] = {n: [] for n in step_args}
+    events: dict[int, list[float]] = {n: [] for n in step_args}
+    for _ in range(reps):
+        for n, args in step_args.items():
             if cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(device)
@@ -219,18 +234,19 @@ def measure_step_latency(
             if cuda:
                 e1.record()
                 torch.cuda.synchronize(device)
-            walls.append(time.perf_counter() - t0)
+            walls[n].append(time.perf_counter() - t0)
             if cuda:
-                events.append(e0.elapsed_time(e1) / 1000.0)
-        results[n] = {
-            "median_s": statistics.median(walls),
-            "min_s": min(walls),
-            "mean_s": statistics.fmean(walls),
-        }
-        if events:
-            results[n]["event_median_s"] = statistics.median(events)
+                events[n].append(e0.elapsed_time(e1) / 1000.0)
+    results: dict[int, dict[str, float]] = {}
+    for n in step_args:
+        w = walls[n]
+        results[n] = {"median_s": statistics.median(w), "min_s": min(w), "mean_s": statistics.fmean(w)}
+        if events[n]:
+            results[n]["event_median_s"] = statistics.median(events[n])
         if progress:
-            progress(f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms")
+            progress(
+                f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
+            )
     cache.crop(0)
     return results
 

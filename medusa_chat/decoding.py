@@ -108,7 +108,9 @@ class TreeKVCache(Cache):
 # Acceptance rules (one function each)
 # ------------------------------------------------------------------------------------------------------------
 def greedy_node_ok(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused)."""
+    """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused).
+
+    `logits` rows are indexed by `parent` (the engine passes only the internal nodes' logits)."""
     return tokens == logits.argmax(dim=-1)[parent]
 
 
@@ -149,8 +151,9 @@ def best_path(
     if node_logp is not None:
         logp = torch.cat([node_logp, node_logp.new_zeros(1)])[leaf_paths[:, 1:]]
         score = score * 1e4 + (logp.float() * run).sum(dim=1)
-    best = score.argmax()
-    return leaf_paths[best], accepted[best]
+    best = score.argmax().view(1)
+    # index_select keeps the choice on the device (no host sync until the engine's one .tolist() per step)
+    return leaf_paths.index_select(0, best)[0], accepted.index_select(0, best)[0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -193,7 +196,10 @@ class MedusaEngine:
         width = start + n
         if self._mask.shape[-1] < width:
             grown = torch.full(
-                (1, 1, n, max(width, 2 * self._mask.shape[-1], 256)), 0.0, dtype=self.dtype, device=self.device
+                (1, 1, n, max(width, 2 * self._mask.shape[-1], 256)),
+                0.0,
+                dtype=self.dtype,
+                device=self.device,
             )
             self._mask = grown
             self._mask_prefix = 0
@@ -213,7 +219,11 @@ class MedusaEngine:
     # ---- model calls --------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.backbone.model(
-            input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=self.cache, use_cache=True
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
         )
         return out.last_hidden_state[0]
 
@@ -250,7 +260,9 @@ class MedusaEngine:
         generator = None
         if not greedy:
             generator = torch.Generator(device=self.device)
-            seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            seed = (
+                settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
             generator.manual_seed(seed)
         eos = set(self.model.eos_token_ids)
         stop_strings = tuple(settings.stop_strings) + tuple(self.model.stop_strings)
@@ -258,7 +270,7 @@ class MedusaEngine:
 
         # ---- prefill: reuse the cached prefix of the previous reply when the prompt extends it ----
         reused = 0
-        for a, b in zip(self.cached_ids, prompt_ids[:-1]):  # keep >= 1 token to prefill
+        for a, b in zip(self.cached_ids, prompt_ids[:-1], strict=False):  # keep >= 1 token to prefill
             if a != b:
                 break
             reused += 1
@@ -272,7 +284,9 @@ class MedusaEngine:
         if greedy:
             root = root_logits.argmax(-1, keepdim=True)
         else:
-            root = sample(torch.softmax(root_logits / settings.temperature, -1), settings.top_p, generator)[None]
+            root = sample(torch.softmax(root_logits / settings.temperature, -1), settings.top_p, generator)[
+                None
+            ]
         guesses = self._guesses(hidden) if tree.size > 1 else None
         first = int(root.item())
         prefill_s = time.perf_counter() - t0
@@ -301,18 +315,27 @@ class MedusaEngine:
             tokens = flat[buf.candidate_index]
             # verify
             hidden = self._forward(tokens, start + buf.depth, self._tree_mask(start))
-            logits = self.lm_head(hidden).float()
-            # accept
+            # accept: only nodes with children need full-vocab logits to judge their children (about a third
+            # of a published tree); the bonus token needs one more row, at the last accepted node.
+            parent_logits = self.lm_head(hidden[buf.internal]).float()
             if greedy:
-                path, count = best_path(greedy_node_ok(logits, tokens, buf.parent), buf.leaf_paths)
-                last = path[count]
-                bonus = logits[last].argmax(-1, keepdim=True)
+                ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot) if len(buf.internal) else None
+                path, count = best_path(ok if ok is not None else tokens != tokens, buf.leaf_paths)
+                last = path.gather(0, count.view(1))
+                bonus = self.lm_head(hidden.index_select(0, last)).argmax(-1)
             else:
-                probs = torch.softmax(logits / settings.temperature, dim=-1)
-                ok, logp = typical_node_ok(probs, tokens, buf.parent, settings.typical_epsilon, settings.typical_delta)
-                path, count = best_path(ok, buf.leaf_paths, logp)
-                last = path[count]
-                bonus = sample(probs[last], settings.top_p, generator)[None]
+                if len(buf.internal):
+                    probs = torch.softmax(parent_logits / settings.temperature, dim=-1)
+                    ok, logp = typical_node_ok(
+                        probs, tokens, buf.parent_slot, settings.typical_epsilon, settings.typical_delta
+                    )
+                    path, count = best_path(ok, buf.leaf_paths, logp)
+                else:
+                    path, count = best_path(tokens != tokens, buf.leaf_paths)
+                last = path.gather(0, count.view(1))
+                last_logits = self.lm_head(hidden.index_select(0, last))[0].float()
+                last_probs = torch.softmax(last_logits / settings.temperature, dim=-1)
+                bonus = sample(last_probs, settings.top_p, generator)[None]
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
             tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]
@@ -321,7 +344,7 @@ class MedusaEngine:
             self.cache.keep(start, path, accepted + 1)
             self.cached_ids.extend(tree_tokens[n] for n in path_nodes[: accepted + 1])
             if tree.size > 1:
-                guesses = self._guesses(hidden[last])
+                guesses = self._guesses(hidden.index_select(0, last)[0])
             root = bonus
             new_tokens = [tree_tokens[n] for n in path_nodes[1 : accepted + 1]] + [packed[-1]]
             steps += 1
@@ -393,7 +416,11 @@ class MedusaEngine:
 
     @staticmethod
     def _finished(
-        reply: list[int], eos: set[int], settings: GenerationSettings, text: str | None, stop_strings: tuple[str, ...]
+        reply: list[int],
+        eos: set[int],
+        settings: GenerationSettings,
+        text: str | None,
+        stop_strings: tuple[str, ...],
     ) -> str:
         if any(t in eos for t in reply[: settings.max_new_tokens]):
             return "eos"

@@ -95,7 +95,9 @@ class Tree:
         return cls.from_paths(paths, name=path.stem)
 
     def save(self, path: str | Path, **extra: object) -> None:
-        Path(path).write_text(json.dumps({"name": self.name, "paths": [list(p) for p in self.paths], **extra}))
+        Path(path).write_text(
+            json.dumps({"name": self.name, "paths": [list(p) for p in self.paths], **extra})
+        )
 
     # ---- properties ---------------------------------------------------------------------------------------
     @property
@@ -154,7 +156,9 @@ class Tree:
             node = self.parents[node]
         return out[::-1]
 
-    def buffers(self, device: torch.device | str, dtype: torch.dtype, top_k: int | None = None) -> TreeBuffers:
+    def buffers(
+        self, device: torch.device | str, dtype: torch.dtype, top_k: int | None = None
+    ) -> TreeBuffers:
         return TreeBuffers.build(self, torch.device(device), dtype, top_k or self.max_rank + 1)
 
 
@@ -164,11 +168,15 @@ class TreeBuffers:
 
     tree: Tree
     top_k: int
-    attn_bias: torch.Tensor  # [N, N] additive: 0 where a node may attend (itself + ancestors), dtype-min elsewhere
+    attn_bias: (
+        torch.Tensor
+    )  # [N, N] additive: 0 where a node may attend (itself + ancestors), dtype-min elsewhere
     depth: torch.Tensor  # [N] long: position offset of each node
     candidate_index: torch.Tensor  # [N] long: index into flat [root, head0 top-k, head1 top-k, ...]
     parent: torch.Tensor  # [N] long, root's parent = 0 (never read for the root)
     leaf_paths: torch.Tensor  # [num_leaves, depth + 1] long, node indices root..leaf, padded with N
+    internal: torch.Tensor  # [I] long: nodes with children (only their logits are needed to verify)
+    parent_slot: torch.Tensor  # [N] long: position of each node's parent in `internal` (root: 0, unused)
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device, dtype: torch.dtype, top_k: int) -> TreeBuffers:
@@ -184,6 +192,9 @@ class TreeBuffers:
         leaf_paths = torch.full((len(rows), width), n, dtype=torch.long)
         for r, nodes in enumerate(rows):
             leaf_paths[r, : len(nodes)] = torch.tensor(nodes)
+        internal = sorted(set(tree.parents[1:]))
+        slot = {node: i for i, node in enumerate(internal)}
+        parent_slot = [0] + [slot[p] for p in tree.parents[1:]]
         return cls(
             tree=tree,
             top_k=top_k,
@@ -192,4 +203,6 @@ class TreeBuffers:
             candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
             parent=torch.tensor([0] + tree.parents[1:], dtype=torch.long, device=device),
             leaf_paths=leaf_paths.to(device),
+            internal=torch.tensor(internal, dtype=torch.long, device=device),
+            parent_slot=torch.tensor(parent_slot, dtype=torch.long, device=device),
         )

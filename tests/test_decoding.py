@@ -177,7 +177,9 @@ def test_typical_sampling_is_seedable() -> None:
     a = run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9, seed=7)[1]
     b = run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9, seed=7)[1]
     assert a.token_ids == b.token_ids and a.accept_mode == "typical"
-    unseeded = {tuple(run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9)[1].token_ids) for _ in range(3)}
+    unseeded = {
+        tuple(run(engine, [3, 4, 5], max_new_tokens=30, temperature=0.9)[1].token_ids) for _ in range(3)
+    }
     assert len(unseeded) > 1
     # switching back to temperature 0 is plain greedy again, nothing reloaded
     assert run(engine, [3, 4, 5], max_new_tokens=20)[1].token_ids == hf_greedy(loaded, [3, 4, 5], 20)[0]

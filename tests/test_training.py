@@ -15,7 +15,9 @@ from medusa_chat.training.distill import (
     DistillStore,
     chat_prompt_ids,
     distill,
+    export_npz,
     greedy_replies,
+    import_npz,
     load_backbone,
     read_prompt_file,
     sample_user_turns,
@@ -176,6 +178,17 @@ def test_distill_resumes_where_it_stopped(backbone, prompt_file: Path, tmp_path:
     resumed = distill(model, tok, reopened, _settings(prompt_file), log=lambda m: None)
     assert [s.__dict__ for s in resumed.shards] == [s.__dict__ for s in full.shards]
     assert list(resumed.samples()) == list(full.samples())
+
+
+def test_export_import_roundtrip(distilled, tmp_path: Path) -> None:
+    store, _ = distilled
+    info = export_npz(store, tmp_path / "data.npz")
+    assert info["samples"] == len(PROMPTS)
+    again = import_npz(DistillStore.open(tmp_path / "d2"), tmp_path / "data.npz", shard_size=5)
+    assert list(again.samples()) == list(store.samples())
+    assert again.prompts == store.prompts and again.reply_tokens == store.reply_tokens
+    with pytest.raises(ValueError, match="already holds"):
+        import_npz(again, tmp_path / "data.npz")
 
 
 class _FakeSampler:
@@ -402,3 +415,21 @@ def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tm
     assert fit_tree_main(f.parse_args(["--heads", str(out), "--budget", "8"])) == 0
     tree = Tree.load(out / "tree.json")
     assert tree.size <= 8 and tree.depth <= 3
+
+
+def test_gpu_script_runs_end_to_end_on_cpu(tiny_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_train_heads.py"
+    spec = importlib.util.spec_from_file_location("gpu_train_heads", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "run"
+    rc = mod.main([str(tiny_dir), str(out), "--device", "cpu", "--minutes", "2", "--magpie", "0",
+                   "--prompts", str(prompt_file), "--batch-size", "8", "--max-new-tokens", "12",
+                   "--configs", "3x1,2x2", "--train-batch", "64", "--holdout", "0.3", "--base-model", "tiny"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["configs"]) == {"heads-3x1", "heads-2x2"} and summary["best"]["config"] in summary["configs"]
+    assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {f.name for f in (out / "best").iterdir()}
+    assert summary["data"]["samples"] == len(PROMPTS)

@@ -39,7 +39,9 @@ class TinyLoaded:
     tokenizer: PreTrainedTokenizerFast
     device: torch.device = torch.device("cpu")
     context_limit: int = 512
-    eos_token_ids: list[int] = field(default_factory=lambda: [VOCAB + 1])  # never produced: replies run to max
+    eos_token_ids: list[int] = field(
+        default_factory=lambda: [VOCAB + 1]
+    )  # never produced: replies run to max
     stop_strings: tuple[str, ...] = ()
     default_tree: Tree = field(default_factory=lambda: Tree.named("mc_sim_7b_63"))
     vocab_size: int = VOCAB
@@ -108,7 +110,7 @@ def _distilled_heads(arch: str, num_heads: int = 4) -> MedusaHeads:
     start = prompts.shape[1] - 1
     torch.manual_seed(0)
     for _ in range(150):
-        logits = heads(hidden[:, start:-num_heads - 1], lm_head)  # [K, B, T, V]
+        logits = heads(hidden[:, start : -num_heads - 1], lm_head)  # [K, B, T, V]
         loss = sum(
             (0.8**k)
             * torch.nn.functional.cross_entropy(

@@ -17,15 +17,19 @@ from typing import Any
 
 import torch
 
+from medusa_chat.errors import ModelNotFoundError, PromptError
 from medusa_chat.training.distill import (
     EMBEDDED_ALIASES,
     DistillSettings,
     DistillStore,
     base_model_name,
     distill,
+    eos_ids,
+    import_npz,
     load_backbone,
     make_logger,
     pick_device,
+    read_prompt_file,
 )
 from medusa_chat.training.train_heads import (
     TrainSettings,
@@ -36,8 +40,28 @@ from medusa_chat.training.train_heads import (
 )
 
 
+class _Adder:
+    """Adds options to a group unless the parser already has them: medusa_chat.cli gives every model command
+    --model/--device/--heads itself, with compatible meanings."""
+
+    def __init__(self, parser: argparse.ArgumentParser, title: str) -> None:
+        self.parser, self.group = parser, parser.add_argument_group(title)
+
+    def add_argument(self, *names: str, **kw: Any) -> None:
+        if not any(n in self.parser._option_string_actions for n in names):
+            self.group.add_argument(*names, **kw)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Hook for medusa_chat.cli (called with the parser of the sub-command being run)."""
+    if parser.prog.split()[-1] == "fit-tree":
+        add_fit_tree_args(parser)
+    else:
+        add_train_args(parser)
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("data (self-distillation)")
+    g = _Adder(parser, "data (self-distillation)")
     g.add_argument("--model", default="smollm2-135m", help="model folder, Hub id, or 'smollm2-135m' (embedded)")
     g.add_argument("--prompts", metavar="FILE", help="jsonl of prompts ('prompt' or 'turns'[0] per line)")
     g.add_argument("--magpie", type=int, default=2000, metavar="N",
@@ -46,7 +70,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=None, help="generation batch (default 64 CPU, 512 CUDA)")
     g.add_argument("--max-tokens", type=int, default=None, help="stop generating data at this many reply tokens")
     g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable)")
-    g = parser.add_argument_group("heads")
+    g.add_argument("--import-data", metavar="NPZ", default=None,
+                   help="start from distilled data exported by another run (e.g. benchmarks/gpu_train_heads.py)")
+    g = _Adder(parser, "heads training")
     g.add_argument("--heads-format", choices=["v1", "v2"], default="v2",
                    help="v2: shared lm_head, small files (default); v1: a vocab projection per head")
     g.add_argument("--num-heads", type=int, default=4)
@@ -57,7 +83,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--holdout", type=float, default=0.03, help="fraction of prompts held out for accuracy")
     g.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="bf16 autocast for training")
     g.add_argument("--tree-budget", type=int, default=64, help="nodes of the fitted tree (root included)")
-    g = parser.add_argument_group("run")
+    g = _Adder(parser, "run")
     g.add_argument("--out", default="medusa-heads", help="output folder (published Hub layout)")
     g.add_argument("--work", default=None, help="working folder (default <out>/work)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -70,21 +96,33 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_fit_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--heads", required=True, help="heads folder with accuracy.json (from train-heads)")
-    parser.add_argument("--budget", type=int, default=64, help="tree nodes, root included (default 64)")
-    parser.add_argument("--independent", action="store_true",
-                        help="multiply per-head accuracies instead of using the measured joint hits")
+    g = _Adder(parser, "fit-tree")
+    g.add_argument("--heads", help="heads folder with accuracy.json (from train-heads)")
+    g.add_argument("--budget", type=int, default=64, help="tree nodes, root included (default 64)")
+    g.add_argument("--independent", action="store_true",
+                   help="multiply per-head accuracies instead of using the measured joint hits")
     return parser
 
 
 def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     path = Path(model).expanduser()
-    if model.lower() in EMBEDDED_ALIASES or path.exists() or "/" in model:
+    if model.lower() in EMBEDDED_ALIASES or path.exists():
         return load_backbone(model, device)
+    if "/" in model and not model.startswith((".", "/", "~")):  # a Hub id: transformers finds it in the cache
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(model)
+            net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+        except OSError as err:
+            raise ModelNotFoundError(f"cannot load {model!r}: {err}") from err
+        return net.to(device).eval().requires_grad_(False), tok
+    if "/" in model:
+        raise ModelNotFoundError(f"model folder {model} does not exist")
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
         from medusa_chat.loading import load_model
     except ImportError as err:
-        raise SystemExit(f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'") from err
+        raise ModelNotFoundError(f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'") from err
     lm = load_model(model, quant="none", dtype="float32", device=str(device))
     return lm.backbone.eval().requires_grad_(False), lm.tokenizer
 
@@ -99,14 +137,22 @@ def train_main(args: argparse.Namespace) -> int:
         torch.backends.cudnn.allow_tf32 = False
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
-    if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "train":
+    if (work / "distill" / "manifest.json").exists() and not args.resume:
         print(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         return 2
+    if args.prompts:
+        try:
+            read_prompt_file(args.prompts)  # fail now, not after loading the model
+        except (OSError, ValueError) as err:
+            raise PromptError(f"--prompts: {err}") from err
     work.mkdir(parents=True, exist_ok=True)
     log = make_logger(file=work / "train.log")
     cuda = device.type == "cuda"
     model, tok = _load(args.model, device)
     store = DistillStore.open(work / "distill", model=str(args.model))
+    if args.import_data and not store.shards:
+        import_npz(store, args.import_data, eos=eos_ids(tok, model))
+        log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
     t_data = time.time()
     if args.stage in ("all", "data"):
         ds = DistillSettings(
@@ -154,6 +200,9 @@ def train_main(args: argparse.Namespace) -> int:
 def fit_tree_main(args: argparse.Namespace) -> int:
     from medusa_chat.training.fit_tree import fit_tree_for_heads, size_summary
 
+    if not args.heads:
+        print("fit-tree: --heads DIR is required (a folder written by train-heads, with accuracy.json)")
+        return 2
     try:
         tree = fit_tree_for_heads(args.heads, budget=args.budget, prefer_joint=not args.independent)
     except (FileNotFoundError, ValueError) as err:

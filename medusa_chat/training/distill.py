@@ -79,7 +79,9 @@ def resolve_model_path(model: str | Path) -> Path:
         return Path(embedded_model_dir())
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model folder {path} does not exist (or use 'smollm2-135m')")
+        from medusa_chat.errors import ModelNotFoundError
+
+        raise ModelNotFoundError(f"model folder {path} does not exist (or use 'smollm2-135m')")
     return path
 
 
@@ -514,4 +516,72 @@ def distill(
         if budget_hit:
             log("time budget: data generation stopped")
         break
+    return store
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one-file export / import (carry distilled data between machines, e.g. GPU -> CPU)
+# ---------------------------------------------------------------------------------------------------------
+def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
+    """All samples of `store` in one compressed .npz (uint16 ids when the vocabulary allows) + prompts."""
+    import numpy as np
+
+    ids: list[int] = []
+    offsets, starts, index, finished = [0], [], [], []
+    for info in store.shards:
+        d = store.load_shard(info)
+        for i, (seq, rs, fin) in enumerate(zip(d["ids"], d["reply_start"], d["finished"], strict=True)):
+            ids.extend(seq)
+            offsets.append(len(ids))
+            starts.append(rs)
+            index.append(info.first + i)
+            finished.append(fin)
+    arr = np.asarray(ids, dtype=np.int64)
+    dtype = np.uint16 if (arr.size == 0 or arr.max() < 65536) else np.int32
+    meta = {"model": store.model, "magpie_rounds": store.magpie_rounds, "magpie_sampled": store.magpie_sampled}
+
+    def blob(obj: Any) -> Any:
+        return np.frombuffer(json.dumps(obj).encode("utf-8"), dtype=np.uint8)
+
+    np.savez_compressed(
+        path, ids=arr.astype(dtype), offsets=np.asarray(offsets, dtype=np.int64),
+        reply_start=np.asarray(starts, dtype=np.int32), prompt_index=np.asarray(index, dtype=np.int32),
+        finished=np.asarray(finished, dtype=bool),
+        prompts=blob(store.prompts), sources=blob(store.sources), meta=blob(meta),
+    )
+    return {"samples": len(starts), "tokens": int(arr.size)}
+
+
+def import_npz(
+    store: DistillStore, path: str | Path, shard_size: int = 1024, eos: Iterable[int] = ()
+) -> DistillStore:
+    """Load an `export_npz` file into an empty store (same prompt indices), so training can resume from it."""
+    import numpy as np
+
+    stop = set(eos)
+
+    if store.prompts or store.shards:
+        raise ValueError(f"{store.root} already holds data: import into a fresh --work folder")
+    d = np.load(path)
+    ids, offsets, starts, index = d["ids"].astype(np.int64), d["offsets"], d["reply_start"], d["prompt_index"]
+    finished = d["finished"] if "finished" in d.files else None
+    if len(index) and not np.array_equal(index, np.arange(len(index))):
+        raise ValueError(f"{path}: samples do not cover prompts 0..n-1 in order")
+    store.prompts = json.loads(d["prompts"].tobytes())
+    store.sources = json.loads(d["sources"].tobytes())
+    store._keys = {_norm_key(p) for p in store.prompts}
+    if "meta" in d.files:
+        meta = json.loads(d["meta"].tobytes())
+        store.magpie_rounds = int(meta.get("magpie_rounds", 0))
+        store.magpie_sampled = int(meta.get("magpie_sampled", 0))
+    store.save()
+    for first in range(0, len(starts), shard_size):
+        rows = range(first, min(first + shard_size, len(starts)))
+        seqs = [ids[offsets[i] : offsets[i + 1]].tolist() for i in rows]
+        rs = [int(starts[i]) for i in rows]
+        if finished is not None:
+            fin = [bool(finished[i]) for i in rows]
+        else:  # older exports: a reply finished if it ends with an EOS id
+            fin = [len(q) > r and q[-1] in stop for q, r in zip(seqs, rs, strict=True)]
+        store.write_shard(first, seqs, rs, fin)
     return store

@@ -22,7 +22,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -592,8 +591,6 @@ def write_json(path: Path, obj: Any) -> None:
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
-
-ProgressFn = Callable[[str], None]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -322,10 +322,15 @@ class WebApp:
                 stream.close()
         for notice in getattr(self.session, "notices", []) or []:
             gr.Info(notice)
-        status = self.summary.stop_reason if self.summary is not None else "stopped"
+        reason = self.summary.stop_reason if self.summary is not None else "stopped"
+        status = {
+            "eos": "finished",
+            "stop_string": "finished (stop string)",
+            "context_limit": "context full",
+        }.get(reason, reason.replace("_", " "))
         if self.summary is not None and self.summary.message:
             gr.Info(self.summary.message)
-        yield (self.history(), skip, self.meter(status.replace("_", " ")), self.tree_panel(),
+        yield (self.history(), skip, self.meter(status), self.tree_panel(),
                self.step_slider(), "", self.conv_dropdown(), skip, skip, skip)  # fmt: skip
 
     def send(self, message: str, edit_mode: bool = False) -> Iterator[tuple]:
