@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -448,6 +450,7 @@ def run_bench(
             return run_hf(loaded, method, prompt_ids, s, seed=config.seed)
         return run_engine(engines[method], method, prompt_ids, s)
 
+    load_before = _load_average()
     encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
     all_methods = methods + [f"medusa@{n}" for n in sizes]
     for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
@@ -553,6 +556,10 @@ def run_bench(
         "plain_s": _r(t["plain"].decode_s, 4) if "plain" in t else None,
         "lookup_s": _r(t["lookup"].decode_s, 4) if "lookup" in t else None,
         "near_ties": sum(1 for r in rows if r.get("near_tie")) if greedy else None,
+        # Per-prompt medians resist a slow spell of a shared machine better than the totals do.
+        "speedup_vs_hf_generate_median": _median(r["speedup_vs_hf_generate"] for r in rows),
+        "speedup_vs_plain_loop_median": _median(r["speedup_vs_plain_loop"] for r in rows),
+        "speedup_vs_prompt_lookup_median": _median(r["speedup_vs_prompt_lookup"] for r in rows),
         "timing": TIMING_NOTE,
     }
     doc: dict[str, Any] = {
@@ -566,6 +573,8 @@ def run_bench(
         "accept_mode": "greedy" if greedy else "typical",
         "baselines": [m for m in methods if m != "medusa"],
         "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average": [load_before, _load_average()],  # 1-minute load before/after: > cpu_count = contended
         "torch": torch.__version__,
         "timing": TIMING_NOTE,
         "prompts": rows,
@@ -590,6 +599,18 @@ def run_bench(
             for n in sizes
         ]
     return doc
+
+
+def _median(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):  # not on every platform
+        return None
 
 
 def _heads_label(loaded: Any) -> str | None:
@@ -683,6 +704,25 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                 ),
             )
         console.print(t)
+    if s.get("speedup_vs_hf_generate_median") is not None:
+        console.print(
+            "per-prompt median speedup: "
+            + ", ".join(
+                f"vs {label} {s[key]:.2f}x"
+                for label, key in (
+                    ("HF generate", "speedup_vs_hf_generate_median"),
+                    ("plain loop", "speedup_vs_plain_loop_median"),
+                    ("prompt lookup", "speedup_vs_prompt_lookup_median"),
+                )
+                if s.get(key) is not None
+            )
+        )
+    loads = [x for x in doc.get("load_average", []) if x is not None]
+    if loads and doc.get("cpu_count") and max(loads) > doc["cpu_count"]:
+        console.print(
+            f"[yellow]this machine was busy (1-minute load {max(loads):.1f} on {doc['cpu_count']} CPUs): "
+            "absolute speeds are unreliable, ratios of side-by-side runs less so[/yellow]"
+        )
     console.print(f"[dim]{TIMING_NOTE}[/dim]")
 
 

@@ -129,17 +129,27 @@ def _tree_step(
     mask: torch.Tensor,
     buf: TreeBuffers,
 ) -> None:
-    """One verification step as MedusaEngine.generate runs it, then the cache is put back to `start`."""
+    """One verification step as MedusaEngine.generate runs it (greedy), then the cache is put back to `start`.
+
+    Mirrors the engine: full-vocab logits only for internal nodes (those with children) plus one row for the
+    bonus token at the last accepted node; heads on that node's hidden state only.
+    """
     out = backbone.model(
         input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
     )
     hidden = out.last_hidden_state[0]
-    logits = lm_head(hidden).float()
-    path, count = best_path(greedy_node_ok(logits, tokens, buf.parent), buf.leaf_paths)
-    bonus = logits[path[count]].argmax(-1, keepdim=True)
+    if len(buf.internal):
+        parent_logits = lm_head(hidden[buf.internal]).float()
+        ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot)
+    else:
+        ok = tokens != tokens
+    path, count = best_path(ok, buf.leaf_paths)
+    last = path.gather(0, count.view(1))
+    bonus = lm_head(hidden.index_select(0, last)).argmax(-1)
     parts = [tokens, path, count[None].to(tokens.dtype), bonus]
     if heads is not None:  # the next step's guesses, from the last accepted node only
-        parts.append(heads(hidden[path[count]], lm_head).topk(buf.top_k, dim=-1).indices.flatten())
+        guesses = heads(hidden.index_select(0, last)[0], lm_head).topk(buf.top_k, dim=-1).indices.flatten()
+        parts.append(guesses)
     torch.cat(parts).tolist()  # the step's single host sync, as in the engine
     cache.keep(start, path, 1)
     cache.crop(start)
@@ -165,7 +175,8 @@ def measure_step_latency(
     """Time one engine-style decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
     A step is what `MedusaEngine.generate` does per verification: one backbone forward over the n tree tokens
-    (TreeKVCache, additive float 4D mask, explicit positions), lm_head on all n nodes, greedy acceptance and
+    (TreeKVCache, additive float 4D mask, explicit positions), lm_head on the internal nodes and on the last
+    accepted one, greedy acceptance and
     the in-place KV commit, the heads' top-k on the last accepted node (n > 1 only: a root-only tree needs no
     guesses) and the one host sync. After each rep the cache is cropped back to the prefix, so every rep sees
     the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
@@ -426,6 +437,8 @@ def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -
     """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
     if cal is None:
         return f"tree: {tree.size} nodes (default)" if tree is not None else "tree: default"
+    if cal["tree_size"] == 1:
+        return "tree: root only (calibrated: plain decoding is fastest on this device)"
     return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.)"
 
 
@@ -435,6 +448,17 @@ def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
     name = getattr(spec, "name", None) or getattr(loaded, "name", None) or "model"
     dtype = getattr(loaded, "dtype", None) or loaded.backbone.get_input_embeddings().weight.dtype
     return str(name), torch.device(loaded.device), str(getattr(loaded, "quant", "none")), dtype_name(dtype)
+
+
+def heads_stamp(loaded: Any) -> str | None:
+    """Identifies the heads file a calibration was made with (path, size, mtime): retrained or other heads
+    accept differently, so their calibration does not apply."""
+    path = getattr(loaded, "heads_file", "") or ""
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        return None
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}" if st else None
 
 
 def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
@@ -452,7 +476,13 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
         ), "--tree-size" if tree_size is not None else "--tree"
     base = loaded.default_tree
     cal = load_calibration(*model_identity(loaded))
-    if cal and cal.get("tree") == base.name and 1 <= cal["tree_size"] <= base.size:
+    stamp = heads_stamp(loaded)
+    if (
+        cal
+        and cal.get("tree") == base.name
+        and 1 <= cal["tree_size"] <= base.size
+        and (cal.get("heads_stamp") is None or stamp is None or cal["heads_stamp"] == stamp)
+    ):
         return base.prefix(cal["tree_size"]), f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
     return base, "default"
 
@@ -551,6 +581,7 @@ def calibrate(
         "dtype": dtype,
         "tree": base.name,
         "tree_size": best,
+        "heads_stamp": heads_stamp(loaded),
         "speedup_est": round(estimated_speedup(latency, tps, best), 3),
         "tokens_per_s_est": round(rates[best], 2),
         "prefix_tokens": prefix_tokens,

@@ -175,6 +175,8 @@ def test_calibration_cache_round_trip(cache_dir: Path) -> None:
     assert load_calibration("smollm2-135m", "cpu", "none", torch.bfloat16) is None  # other dtype
     assert load_calibration("vicuna-7b", "cpu", "none", torch.float32) is None  # other model
     assert describe_calibration(record) == "tree: 16 nodes (calibrated: 1.8x est.)"
+    assert "plain decoding" in describe_calibration({**record, "tree_size": 1})
+    assert describe_calibration(None, Tree.chain(3)) == "tree: 4 nodes (default)"
     path.write_text("{half a file")
     assert load_calibration("smollm2-135m", "cpu", "none", torch.float32) is None
     path.write_text(json.dumps({**record, "version": 999}))
@@ -199,6 +201,20 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     )
     tree, source = choose_tree(loaded)
     assert tree.size == size and source == "calibrated (1.4x est.)"
+    # A calibration made with other heads (retrained: another file stamp) does not apply.
+    save_calibration(
+        {
+            "version": cal.CALIBRATION_VERSION,
+            "tree": base.name,
+            "tree_size": size,
+            "heads_stamp": "other:1:2",
+        },
+        name,
+        device,
+        quant,
+        dtype,
+    )
+    assert choose_tree(loaded)[1] == "default"
     tree, source = choose_tree(loaded, tree_size=2)
     assert (tree.size, source) == (2, "--tree-size")
     tree, source = choose_tree(loaded, tree_name="chain-2")
