@@ -601,6 +601,16 @@ def run_bench(
     return doc
 
 
+def _busy(doc: dict[str, Any]) -> bool:
+    """Did other processes compete for the CPUs? The load after the run includes this run's own threads."""
+    loads, cpus = doc.get("load_average") or [None, None], doc.get("cpu_count")
+    if doc.get("device") != "cpu" or not cpus or None in loads:
+        return False
+    before, after = loads
+    # The 1-minute average decays slowly: a run that just ended (this tool's own) still shows up "before".
+    return before > 0.9 * cpus or after - doc.get("threads", 1) > cpus / 2
+
+
 def _median(values: Any) -> float | None:
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 4) if present else None
@@ -717,11 +727,11 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                 if s.get(key) is not None
             )
         )
-    loads = [x for x in doc.get("load_average", []) if x is not None]
-    if loads and doc.get("cpu_count") and max(loads) > doc["cpu_count"]:
+    if _busy(doc):
+        before, after = doc["load_average"]
         console.print(
-            f"[yellow]this machine was busy (1-minute load {max(loads):.1f} on {doc['cpu_count']} CPUs): "
-            "absolute speeds are unreliable, ratios of side-by-side runs less so[/yellow]"
+            f"[yellow]other work was running (1-minute load {before:.1f} before, {after:.1f} after, on "
+            f"{doc['cpu_count']} CPUs): absolute speeds are unreliable, ratios of side-by-side runs less so[/yellow]"
         )
     console.print(f"[dim]{TIMING_NOTE}[/dim]")
 

@@ -524,6 +524,7 @@ def calibrate(
     measure_replies: int = 4,
     measure_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
+    measure_accuracy: bool = False,
 ) -> dict[str, Any]:
     """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record."""
     from medusa_chat.decoding import MedusaEngine
@@ -534,7 +535,9 @@ def calibrate(
 
     tps: dict[int, float] | None = None
     source = ""
-    tree_json = accuracy_file or heads_tree_json(loaded)
+    # tree.json's expectation comes from the heads' held-out accuracy; measuring on real replies is slower
+    # but catches a mismatch (e.g. prompts unlike the training data) - `measure_accuracy` forces it.
+    tree_json = None if measure_accuracy else (accuracy_file or heads_tree_json(loaded))
     if tree_json is not None:
         tps = tokens_per_step_from_tree_json(tree_json, base)
         source = f"{tree_json} (expected_tokens_per_step)" if tps else ""
@@ -648,6 +651,11 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-tokens", type=int, default=64, help="tokens per measuring reply (default: %(default)s)"
     )
+    parser.add_argument(
+        "--measure-accuracy",
+        action="store_true",
+        help="measure tokens/step with greedy replies even when tree.json has expected values",
+    )
     parser.add_argument("--no-save", action="store_true", help="print the result but do not cache it")
     parser.add_argument("--json", action="store_true", help="print the calibration record as JSON")
 
@@ -678,6 +686,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
             measure_replies=args.measure_replies,
             measure_tokens=args.measure_tokens,
             progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+            measure_accuracy=args.measure_accuracy,
         )
     except MedusaChatError as e:
         err.print(f"[red]error:[/red] {e}")

@@ -7,7 +7,7 @@
         accept    longest tree path the backbone agrees with (greedy or typical)   (vectorised, on device)
         commit    keep the accepted tokens' KV entries in place, drop the rest      (one index_select)
         bonus     the backbone's own next token after the accepted path = next root (no extra forward)
-        guesses   heads on the hidden state of the last accepted node only
+        guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus)
 
 One host sync per step (to learn how many tokens were accepted), tree buffers built once per tree, and a
 preallocated KV cache whose accepted entries are compacted in place: nothing per step grows with the
@@ -227,10 +227,23 @@ class MedusaEngine:
         )
         return out.last_hidden_state[0]
 
-    def _guesses(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Heads' top-k token guesses from one hidden state: [K * top_k] (head-major)."""
-        logits = self.heads(hidden, self.lm_head)
-        return logits.topk(self.buffers.top_k, dim=-1).indices.flatten()
+    def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """From the hidden state [1, H] of the last accepted node: the backbone's next-token logits [V] and
+        the heads' top-k guesses [K * top_k] (head-major), or None for a root-only tree.
+
+        With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
+        device the vocab projection costs a full read of its weight however few rows it has.
+        """
+        if self.tree.size == 1:
+            return self.lm_head(hidden)[0].float(), None
+        if self.heads.own_lm_head:
+            logits = self.lm_head(hidden)[0].float()
+            head_logits = self.heads(hidden[0], self.lm_head)
+        else:
+            rows = torch.cat([hidden, self.heads.features(hidden[0]).to(hidden.dtype)])
+            both = self.lm_head(rows)
+            logits, head_logits = both[0].float(), both[1:]
+        return logits, head_logits.topk(self.buffers.top_k, dim=-1).indices.flatten()
 
     def _text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -278,16 +291,15 @@ class MedusaEngine:
         del self.cached_ids[reused:]
         new = torch.tensor(prompt_ids[reused:], dtype=torch.long, device=self.device)
         positions = torch.arange(reused, len(prompt_ids), device=self.device)
-        hidden = self._forward(new, positions, self._prefill_mask(reused, len(new)))[-1]
+        hidden = self._forward(new, positions, self._prefill_mask(reused, len(new)))[-1:]
         self.cached_ids.extend(prompt_ids[reused:])
-        root_logits = self.lm_head(hidden).float()
+        root_logits, guesses = self._next_logits_and_guesses(hidden)
         if greedy:
             root = root_logits.argmax(-1, keepdim=True)
         else:
             root = sample(torch.softmax(root_logits / settings.temperature, -1), settings.top_p, generator)[
                 None
             ]
-        guesses = self._guesses(hidden) if tree.size > 1 else None
         first = int(root.item())
         prefill_s = time.perf_counter() - t0
 
@@ -322,7 +334,8 @@ class MedusaEngine:
                 ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot) if len(buf.internal) else None
                 path, count = best_path(ok if ok is not None else tokens != tokens, buf.leaf_paths)
                 last = path.gather(0, count.view(1))
-                bonus = self.lm_head(hidden.index_select(0, last)).argmax(-1)
+                last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
+                bonus = last_logits.argmax(-1, keepdim=True)
             else:
                 if len(buf.internal):
                     probs = torch.softmax(parent_logits / settings.temperature, dim=-1)
@@ -333,7 +346,7 @@ class MedusaEngine:
                 else:
                     path, count = best_path(tokens != tokens, buf.leaf_paths)
                 last = path.gather(0, count.view(1))
-                last_logits = self.lm_head(hidden.index_select(0, last))[0].float()
+                last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
                 last_probs = torch.softmax(last_logits / settings.temperature, dim=-1)
                 bonus = sample(last_probs, settings.top_p, generator)[None]
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
@@ -343,8 +356,6 @@ class MedusaEngine:
             # commit: root + accepted candidates enter the cache; the bonus becomes the next root
             self.cache.keep(start, path, accepted + 1)
             self.cached_ids.extend(tree_tokens[n] for n in path_nodes[: accepted + 1])
-            if tree.size > 1:
-                guesses = self._guesses(hidden.index_select(0, last)[0])
             root = bonus
             new_tokens = [tree_tokens[n] for n in path_nodes[1 : accepted + 1]] + [packed[-1]]
             steps += 1

@@ -63,6 +63,7 @@ class MedusaHeads(nn.ModuleList):
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [K, ..., H]: each head's ResBlock output (before any vocab projection)."""
+        hidden = hidden.to(self[0][0].linear.weight.dtype)
         outs = []
         for head in self:
             x = hidden
@@ -73,7 +74,7 @@ class MedusaHeads(nn.ModuleList):
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """[..., H] -> logits [K, ..., V]. v2 heads need the backbone's `lm_head`."""
-        feats = self.features(hidden.to(self[0][0].linear.weight.dtype))
+        feats = self.features(hidden)
         if self.own_lm_head:
             return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats, strict=True)])
         if lm_head is None:
