@@ -176,10 +176,13 @@ class SessionManager:
         return self.engine
 
     def _resolve_tree(self, name: str | None, size: int | None) -> Tree:
-        from medusa_chat.loading import choose_tree  # the one place that turns --tree/--tree-size into a Tree
+        # --tree/--tree-size win; else this device's cached calibration (`medusa-chat calibrate`); else the
+        # model's default tree. The reason is shown in the UIs' model panel ("tree_source").
+        from medusa_chat.calibrate import choose_tree
 
         assert self.loaded is not None
-        return choose_tree(self.loaded, name, size)
+        tree, self.tree_source = choose_tree(self.loaded, name, size)
+        return tree
 
     @property
     def tree(self) -> Tree | None:
@@ -201,6 +204,7 @@ class SessionManager:
             }
         tree = self.tree
         out["tree"] = tree.name if tree is not None else (self._tree_request[0] or "default")
+        out["tree_source"] = getattr(self, "tree_source", "default")
         out["tree_size"] = tree.size if tree is not None else self._tree_request[1]
         out["accept_mode"] = self.settings.accept_mode
         out["baseline_tokens_per_s"] = self.baseline_tokens_per_s

@@ -477,8 +477,9 @@ def model_panel_html(info: Mapping[str, object] | None, status: str, progress: S
     if rest.get("memory") is not None:
         main["memory"] = _memory_summary(rest.pop("memory"))
     tree, size = rest.pop("tree", None), rest.pop("tree_size", None)
+    source = rest.pop("tree_source", None)
     if tree is not None:
-        main["tree"] = f"{tree} ({size} nodes)" if size else str(tree)
+        main["tree"] = (f"{tree} ({size} nodes)" if size else str(tree)) + (f", {source}" if source else "")
     if "baseline_tokens_per_s" in rest:
         base = rest.pop("baseline_tokens_per_s")
         main["plain decoding"] = (
