@@ -64,8 +64,14 @@ from medusa_chat.training.train_heads import (  # noqa: E402
     write_json,
 )
 
-HF_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "chat_template.jinja", "special_tokens_map.json")
+HF_SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,14 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("out", help="output folder")
     p.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget for the whole run")
     p.add_argument("--data-frac", type=float, default=0.55, help="share of the budget for data generation")
-    p.add_argument("--configs", default="5x1,5x2", help="heads x ResBlocks to train, each on an equal time share")
+    p.add_argument(
+        "--configs", default="5x1,5x2", help="heads x ResBlocks to train, each on an equal time share"
+    )
     p.add_argument("--max-mb", type=float, default=9.5, help="skip configs whose fp16 file is larger")
     p.add_argument("--batch-size", type=int, default=768, help="reply generation batch")
     p.add_argument("--magpie-batch", type=int, default=1024, help="Magpie samples per round")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--magpie", type=int, default=1_000_000, help="Magpie prompt target (the budget stops it)")
     p.add_argument("--prompts", help="optional jsonl of extra prompts (never the bench prompts)")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop data generation at this many reply tokens")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="stop data generation at this many reply tokens"
+    )
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--train-batch", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1.5e-3)
@@ -91,14 +101,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-files", default=None, help="folder with config/tokenizer files for a .gguf MODEL")
     p.add_argument("--expect-hashes", default=None, help="json {tensor: sha256} the backbone must match")
-    p.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
-                   help="base_model_name_or_path written into the heads' config.json")
+    p.add_argument(
+        "--base-model",
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        help="base_model_name_or_path written into the heads' config.json",
+    )
     return p.parse_args(argv)
 
 
 def tensor_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(v.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
-            for k, v in sorted(state.items())}
+    return {
+        k: hashlib.sha256(v.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+        for k, v in sorted(state.items())
+    }
 
 
 def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
@@ -119,7 +134,9 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
 
         _convert(path, out)
     else:
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
         config = AutoConfig.from_pretrained(hf_files)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -186,18 +203,26 @@ def main(argv: list[str] | None = None) -> int:
     data_deadline = t + args.data_frac * (end - t)  # a share of what is left after loading the model
     store = DistillStore.open(work / "distill", model=str(args.model))
     ds = DistillSettings(
-        magpie=args.magpie, prompt_file=args.prompts, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, magpie_batch=args.magpie_batch, shard_size=args.batch_size,
-        seed=args.seed, max_reply_tokens=args.max_tokens,
+        magpie=args.magpie,
+        prompt_file=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        magpie_batch=args.magpie_batch,
+        shard_size=args.batch_size,
+        seed=args.seed,
+        max_reply_tokens=args.max_tokens,
     )
     tokens_before = store.reply_tokens
     distill(model, tok, store, ds, deadline=data_deadline, log=log)
     dt = time.time() - t
     n_magpie = sum(1 for s in store.sources if s == "magpie")
     summary["data"] = {
-        "prompts_answered": store.next_prompt_index(), "magpie_prompts": n_magpie,
-        "magpie_rounds": store.magpie_rounds, "magpie_sampled": store.magpie_sampled,
-        "reply_tokens": store.reply_tokens, "max_new_tokens": args.max_new_tokens,
+        "prompts_answered": store.next_prompt_index(),
+        "magpie_prompts": n_magpie,
+        "magpie_rounds": store.magpie_rounds,
+        "magpie_sampled": store.magpie_sampled,
+        "reply_tokens": store.reply_tokens,
+        "max_new_tokens": args.max_new_tokens,
         "reply_tokens_per_s_overall": round((store.reply_tokens - tokens_before) / max(dt, 1e-9), 1),
     }
     summary["phases"]["data_s"] = round(dt, 1)
@@ -210,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- hidden states --------------------------------------------------------------------------------
     t = time.time()
-    paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=131072 if device.type == "cuda" else 4096,
-                                log=log, deadline=end - 30)
+    paths = cache_hidden_states(
+        model,
+        store,
+        work / "hidden",
+        batch_tokens=131072 if device.type == "cuda" else 4096,
+        log=log,
+        deadline=end - 30,
+    )
     data = load_cache(paths)
     dt = time.time() - t
     summary["phases"]["hidden_s"] = round(dt, 1)
@@ -227,8 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     hidden_size, vocab = lm_head.weight.shape[1], lm_head.weight.shape[0]
     configs = []
     for k, layers in parse_configs(args.configs):
-        ts = TrainSettings(num_heads=k, num_layers=layers, heads_format="v2", epochs=args.epochs,
-                           batch_size=args.train_batch, lr=args.lr, seed=args.seed)
+        ts = TrainSettings(
+            num_heads=k,
+            num_layers=layers,
+            heads_format="v2",
+            epochs=args.epochs,
+            batch_size=args.train_batch,
+            lr=args.lr,
+            seed=args.seed,
+        )
         mb = heads_file_bytes(ts, hidden_size, vocab) / 1e6
         if mb > args.max_mb:
             log(f"skip {k}x{layers}: {mb:.1f} MB > --max-mb {args.max_mb}")
@@ -244,8 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         share = left / (len(configs) - i)
         report = train_and_save(
-            lm_head, train, held, ts, out / name, args.base_model, device,
-            checkpoint=work / f"{name}.ckpt", resume=True, deadline=time.time() + share - 8, log=log,
+            lm_head,
+            train,
+            held,
+            ts,
+            out / name,
+            args.base_model,
+            device,
+            checkpoint=work / f"{name}.ckpt",
+            resume=True,
+            deadline=time.time() + share - 8,
+            log=log,
             extra_report={"distill": summary["data"]},
         )
         est = report.get("estimated_tokens_per_step", {})
@@ -253,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["configs"][name] = {
             "estimated_tokens_per_step": est,
             "estimated_tokens_per_step_chain": report.get("estimated_tokens_per_step_chain"),
-            "top1": ev.get("top1"), "top5": ev.get("top5"), "chain": ev.get("chain_top1_conditional"),
-            "train_steps": report["training"]["steps"], "total_steps": report["training"]["total_steps"],
-            "best_epoch": report["training"]["best_epoch"], "seconds": round(time.time() - t, 1),
+            "top1": ev.get("top1"),
+            "top5": ev.get("top5"),
+            "chain": ev.get("chain_top1_conditional"),
+            "train_steps": report["training"]["steps"],
+            "total_steps": report["training"]["total_steps"],
+            "best_epoch": report["training"]["best_epoch"],
+            "seconds": round(time.time() - t, 1),
             "file_mb": report["heads"]["file_mb"],
         }
         score = float(est.get("64", list(est.values())[-1])) if est else 0.0  # 64 nodes, or the whole tree

@@ -85,9 +85,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tiny-llama")
     tok = _tiny_tokenizer()
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
@@ -103,14 +111,20 @@ def backbone(tiny_dir: Path):
     return load_backbone(tiny_dir, CPU)
 
 
-PROMPTS = [f"question number {i}: tell me about {w}" for i, w in enumerate(
-    "cats dogs rivers stars bread trains music paint clouds rocks glass maps tea ice sand wind".split())]
+PROMPTS = [
+    f"question number {i}: tell me about {w}"
+    for i, w in enumerate(
+        "cats dogs rivers stars bread trains music paint clouds rocks glass maps tea ice sand wind".split()
+    )
+]
 
 
 @pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    lines = [json.dumps({"prompt": t}) for t in PROMPTS[:8]] + [json.dumps({"turns": [t, "x"]}) for t in PROMPTS[8:]]
+    lines = [json.dumps({"prompt": t}) for t in PROMPTS[:8]] + [
+        json.dumps({"turns": [t, "x"]}) for t in PROMPTS[8:]
+    ]
     lines.append(json.dumps({"prompt": PROMPTS[0].upper()}))  # a duplicate after normalisation
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -122,10 +136,14 @@ def _settings(prompt_file: Path, **kw) -> DistillSettings:
 
 
 @pytest.fixture(scope="session")
-def distilled(tmp_path_factory: pytest.TempPathFactory, backbone, prompt_file: Path) -> tuple[DistillStore, PositionData]:
+def distilled(
+    tmp_path_factory: pytest.TempPathFactory, backbone, prompt_file: Path
+) -> tuple[DistillStore, PositionData]:
     model, tok = backbone
     root = tmp_path_factory.mktemp("distill")
-    store = distill(model, tok, DistillStore.open(root / "d", model="tiny"), _settings(prompt_file), log=lambda m: None)
+    store = distill(
+        model, tok, DistillStore.open(root / "d", model="tiny"), _settings(prompt_file), log=lambda m: None
+    )
     data = load_cache(cache_hidden_states(model, store, root / "hidden", log=lambda m: None))
     return store, data
 
@@ -164,12 +182,22 @@ def test_distill_resumes_where_it_stopped(backbone, prompt_file: Path, tmp_path:
     model, tok = backbone
     full, _ = distilled
     # First run stops after one shard (token target reached), as a killed run would have.
-    store = distill(model, tok, DistillStore.open(tmp_path / "d"), _settings(prompt_file, max_reply_tokens=1),
-                    log=lambda m: None)
+    store = distill(
+        model,
+        tok,
+        DistillStore.open(tmp_path / "d"),
+        _settings(prompt_file, max_reply_tokens=1),
+        log=lambda m: None,
+    )
     assert len(store.shards) == 1
     # Simulate a kill between writing shard 1 and the manifest: the orphan shard is adopted on reopen.
-    store2 = distill(model, tok, DistillStore.open(tmp_path / "d"), _settings(prompt_file, max_reply_tokens=100),
-                     log=lambda m: None)
+    store2 = distill(
+        model,
+        tok,
+        DistillStore.open(tmp_path / "d"),
+        _settings(prompt_file, max_reply_tokens=100),
+        log=lambda m: None,
+    )
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     manifest["shards"] = manifest["shards"][:1]
     (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
@@ -220,8 +248,11 @@ def test_magpie_keeps_clean_distinct_turns(backbone) -> None:
     ]
     texts, n = sample_user_turns(_FakeSampler(rows), tok, n=len(rows), seed=1)
     assert n == len(rows)
-    assert texts == ["How do I bake bread at home?", "How do I bake bread at home?",
-                     "Explain how rainbows form in the sky."]
+    assert texts == [
+        "How do I bake bread at home?",
+        "How do I bake bread at home?",
+        "Explain how rainbows form in the sky.",
+    ]
     assert tok.decode(user_prefix_ids(tok)) == "<|im_start|>user\n"
 
 
@@ -251,7 +282,9 @@ def _loss_and_acc(heads, lm_w, data: PositionData, k: int) -> tuple[float, list[
 def test_training_lowers_loss_and_raises_accuracy(distilled, backbone, fmt: str) -> None:
     _, data = distilled
     model, _ = backbone
-    s = TrainSettings(num_heads=3, num_layers=1, heads_format=fmt, epochs=30, batch_size=64, lr=3e-3, bf16=False)
+    s = TrainSettings(
+        num_heads=3, num_layers=1, heads_format=fmt, epochs=30, batch_size=64, lr=3e-3, bf16=False
+    )
     lm_w = model.lm_head.weight.detach()
     heads = new_heads(s, model.lm_head, 64, lm_w.shape[0])
     loss0, acc0 = _loss_and_acc(heads, lm_w, data, 3)
@@ -377,8 +410,12 @@ def test_fit_tree_prefixes_are_the_best_smaller_trees() -> None:
 def test_fit_tree_prefers_measured_joint_hits() -> None:
     # Correlated heads: head 1 is right only when head 0 is; a branch under rank 1 is never accepted.
     joint = {(0,): 0.4, (1,): 0.1, (0, 0): 0.3, (0, 1): 0.05, (0, 0, 0): 0.25}
-    report = {"heldout": {"rank_acc": [[0.4, 0.1], [0.35, 0.1], [0.3, 0.1]],
-                          "joint": {"paths": [list(p) for p in joint], "probs": list(joint.values()), "max_rank": 2}}}
+    report = {
+        "heldout": {
+            "rank_acc": [[0.4, 0.1], [0.35, 0.1], [0.3, 0.1]],
+            "joint": {"paths": [list(p) for p in joint], "probs": list(joint.values()), "max_rank": 2},
+        }
+    }
     tree = fit_tree(report, budget=5)
     assert tree["gains_from"] == "joint"
     assert [tuple(p) for p in tree["paths"]] == [(0,), (0, 0), (0, 0, 0), (1,)]
@@ -401,9 +438,32 @@ def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tm
 
     p = add_train_args(argparse.ArgumentParser())
     out = tmp_path / "heads"
-    argv = ["--model", str(tiny_dir), "--prompts", str(prompt_file), "--magpie", "0", "--max-new-tokens", "16",
-            "--num-heads", "3", "--epochs", "2", "--out", str(out), "--device", "cpu", "--holdout", "0.3",
-            "--train-batch-size", "32", "--tree-budget", "16", "--bf16", "off"]
+    argv = [
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompt_file),
+        "--magpie",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--num-heads",
+        "3",
+        "--epochs",
+        "2",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--holdout",
+        "0.3",
+        "--train-batch-size",
+        "32",
+        "--tree-budget",
+        "16",
+        "--bf16",
+        "off",
+    ]
     assert train_main(p.parse_args(argv)) == 0
     assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {f.name for f in out.iterdir()}
     acc = json.loads((out / "accuracy.json").read_text())
@@ -425,11 +485,39 @@ def test_gpu_script_runs_end_to_end_on_cpu(tiny_dir: Path, prompt_file: Path, tm
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "run"
-    rc = mod.main([str(tiny_dir), str(out), "--device", "cpu", "--minutes", "2", "--magpie", "0",
-                   "--prompts", str(prompt_file), "--batch-size", "8", "--max-new-tokens", "12",
-                   "--configs", "3x1,2x2", "--train-batch", "64", "--holdout", "0.3", "--base-model", "tiny"])
+    rc = mod.main(
+        [
+            str(tiny_dir),
+            str(out),
+            "--device",
+            "cpu",
+            "--minutes",
+            "2",
+            "--magpie",
+            "0",
+            "--prompts",
+            str(prompt_file),
+            "--batch-size",
+            "8",
+            "--max-new-tokens",
+            "12",
+            "--configs",
+            "3x1,2x2",
+            "--train-batch",
+            "64",
+            "--holdout",
+            "0.3",
+            "--base-model",
+            "tiny",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["configs"]) == {"heads-3x1", "heads-2x2"} and summary["best"]["config"] in summary["configs"]
-    assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {f.name for f in (out / "best").iterdir()}
+    assert (
+        set(summary["configs"]) == {"heads-3x1", "heads-2x2"}
+        and summary["best"]["config"] in summary["configs"]
+    )
+    assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {
+        f.name for f in (out / "best").iterdir()
+    }
     assert summary["data"]["samples"] == len(PROMPTS)

@@ -62,23 +62,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = _Adder(parser, "data (self-distillation)")
-    g.add_argument("--model", default="smollm2-135m", help="model folder, Hub id, or 'smollm2-135m' (embedded)")
+    g.add_argument(
+        "--model", default="smollm2-135m", help="model folder, Hub id, or 'smollm2-135m' (embedded)"
+    )
     g.add_argument("--prompts", metavar="FILE", help="jsonl of prompts ('prompt' or 'turns'[0] per line)")
-    g.add_argument("--magpie", type=int, default=2000, metavar="N",
-                   help="self-generated (Magpie-style) prompts to collect (default 2000; 0 = none)")
+    g.add_argument(
+        "--magpie",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="self-generated (Magpie-style) prompts to collect (default 2000; 0 = none)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=160, help="reply length limit (default 160)")
     g.add_argument("--batch-size", type=int, default=None, help="generation batch (default 64 CPU, 512 CUDA)")
-    g.add_argument("--max-tokens", type=int, default=None, help="stop generating data at this many reply tokens")
+    g.add_argument(
+        "--max-tokens", type=int, default=None, help="stop generating data at this many reply tokens"
+    )
     g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable)")
-    g.add_argument("--import-data", metavar="NPZ", default=None,
-                   help="start from distilled data exported by another run (e.g. benchmarks/gpu_train_heads.py)")
+    g.add_argument(
+        "--import-data",
+        metavar="NPZ",
+        default=None,
+        help="start from distilled data exported by another run (e.g. benchmarks/gpu_train_heads.py)",
+    )
     g = _Adder(parser, "heads training")
-    g.add_argument("--heads-format", choices=["v1", "v2"], default="v2",
-                   help="v2: shared lm_head, small files (default); v1: a vocab projection per head")
+    g.add_argument(
+        "--heads-format",
+        choices=["v1", "v2"],
+        default="v2",
+        help="v2: shared lm_head, small files (default); v1: a vocab projection per head",
+    )
     g.add_argument("--num-heads", type=int, default=4)
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
     g.add_argument("--epochs", type=float, default=2.0)
-    g.add_argument("--train-batch-size", type=int, default=None, help="positions per step (256 CPU, 4096 CUDA)")
+    g.add_argument(
+        "--train-batch-size", type=int, default=None, help="positions per step (256 CPU, 4096 CUDA)"
+    )
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--holdout", type=float, default=0.03, help="fraction of prompts held out for accuracy")
     g.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="bf16 autocast for training")
@@ -88,9 +107,15 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--work", default=None, help="working folder (default <out>/work)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--resume", action="store_true", help="continue an interrupted run in the same --out/--work")
-    g.add_argument("--stage", choices=["all", "data", "train"], default="all",
-                   help="data: only generate data; train: only train on the data already there")
+    g.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in the same --out/--work"
+    )
+    g.add_argument(
+        "--stage",
+        choices=["all", "data", "train"],
+        default="all",
+        help="data: only generate data; train: only train on the data already there",
+    )
     g.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -99,8 +124,11 @@ def add_fit_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = _Adder(parser, "fit-tree")
     g.add_argument("--heads", help="heads folder with accuracy.json (from train-heads)")
     g.add_argument("--budget", type=int, default=64, help="tree nodes, root included (default 64)")
-    g.add_argument("--independent", action="store_true",
-                   help="multiply per-head accuracies instead of using the measured joint hits")
+    g.add_argument(
+        "--independent",
+        action="store_true",
+        help="multiply per-head accuracies instead of using the measured joint hits",
+    )
     return parser
 
 
@@ -122,7 +150,9 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
         from medusa_chat.loading import load_model
     except ImportError as err:
-        raise ModelNotFoundError(f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'") from err
+        raise ModelNotFoundError(
+            f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'"
+        ) from err
     lm = load_model(model, quant="none", dtype="float32", device=str(device))
     return lm.backbone.eval().requires_grad_(False), lm.tokenizer
 
@@ -156,12 +186,19 @@ def train_main(args: argparse.Namespace) -> int:
     t_data = time.time()
     if args.stage in ("all", "data"):
         ds = DistillSettings(
-            magpie=args.magpie, prompt_file=args.prompts, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size or (512 if cuda else 64), magpie_batch=args.batch_size or (512 if cuda else 64),
-            shard_size=1024 if cuda else 256, seed=args.seed, max_reply_tokens=args.max_tokens,
+            magpie=args.magpie,
+            prompt_file=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size or (512 if cuda else 64),
+            magpie_batch=args.batch_size or (512 if cuda else 64),
+            shard_size=1024 if cuda else 256,
+            seed=args.seed,
+            max_reply_tokens=args.max_tokens,
         )
         deadline = time.time() + 60 * args.minutes if args.minutes else None
-        log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
+        log(
+            f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}"
+        )
         distill(model, tok, store, ds, deadline=deadline, log=log)
         log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
         if args.stage == "data":
@@ -177,19 +214,39 @@ def train_main(args: argparse.Namespace) -> int:
     if cuda:
         train, held = train.to(device), held.to(device)
     ts = TrainSettings(
-        num_heads=args.num_heads, num_layers=args.num_layers, heads_format=args.heads_format, epochs=args.epochs,
-        batch_size=args.train_batch_size or (4096 if cuda else 256), lr=args.lr, seed=args.seed,
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        heads_format=args.heads_format,
+        epochs=args.epochs,
+        batch_size=args.train_batch_size or (4096 if cuda else 256),
+        lr=args.lr,
+        seed=args.seed,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
     n_magpie = sum(1 for s in store.sources if s == "magpie")
     report = train_and_save(
-        model.get_output_embeddings(), train, held, ts, out, base_model_name(args.model), device,
-        checkpoint=work / "checkpoint.pt", resume=args.resume, tree_budget=args.tree_budget, log=log,
-        extra_report={"distill": {
-            "model": str(args.model), "prompts": store.next_prompt_index(), "magpie_prompts": n_magpie,
-            "magpie_rounds": store.magpie_rounds, "reply_tokens": store.reply_tokens,
-            "max_new_tokens": args.max_new_tokens, "data_seconds_this_run": round(t_data, 1),
-        }},
+        model.get_output_embeddings(),
+        train,
+        held,
+        ts,
+        out,
+        base_model_name(args.model),
+        device,
+        checkpoint=work / "checkpoint.pt",
+        resume=args.resume,
+        tree_budget=args.tree_budget,
+        log=log,
+        extra_report={
+            "distill": {
+                "model": str(args.model),
+                "prompts": store.next_prompt_index(),
+                "magpie_prompts": n_magpie,
+                "magpie_rounds": store.magpie_rounds,
+                "reply_tokens": store.reply_tokens,
+                "max_new_tokens": args.max_new_tokens,
+                "data_seconds_this_run": round(t_data, 1),
+            }
+        },
     )
     log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
     if "estimated_tokens_per_step" in report:
@@ -208,8 +265,10 @@ def fit_tree_main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"fit-tree: {err}")
         return 2
-    print(f"wrote {Path(args.heads) / 'tree.json'}: {len(tree['paths']) + 1} nodes "
-          f"(gains from {tree['gains_from']} accuracies)")
+    print(
+        f"wrote {Path(args.heads) / 'tree.json'}: {len(tree['paths']) + 1} nodes "
+        f"(gains from {tree['gains_from']} accuracies)"
+    )
     for size, value in size_summary(tree).items():
         print(f"  {size:>8} nodes: {value:.3f} expected tokens per step")
     return 0

@@ -190,12 +190,16 @@ def read_prompt_file(path: str | Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 # generation
 # ---------------------------------------------------------------------------------------------------------
-def _gen_config(tokenizer: Any, model: Any, max_new_tokens: int, sample: bool, top_p: float, temperature: float):
+def _gen_config(
+    tokenizer: Any, model: Any, max_new_tokens: int, sample: bool, top_p: float, temperature: float
+):
     from transformers import GenerationConfig
 
     stop = eos_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad, use_cache=True)
+    kw: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad, use_cache=True
+    )
     if sample:
         # top_k=0 disables the default top-50 cut: Magpie's diversity comes from plain top-p sampling.
         kw.update(do_sample=True, top_p=top_p, temperature=temperature, top_k=0)
@@ -271,7 +275,9 @@ def sample_user_turns(
     round with a new seed: with a fixed seed the model repeats itself.
     """
     device = next(model.parameters()).device
-    cfg, stop, _ = _gen_config(tokenizer, model, max_new_tokens, sample=True, top_p=top_p, temperature=temperature)
+    cfg, stop, _ = _gen_config(
+        tokenizer, model, max_new_tokens, sample=True, top_p=top_p, temperature=temperature
+    )
     stop_set = set(stop)
     special = set(tokenizer.all_special_ids) - stop_set
     prefix = user_prefix_ids(tokenizer)
@@ -384,7 +390,9 @@ class DistillStore:
     def reply_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
 
-    def write_shard(self, first: int, ids: list[list[int]], reply_start: list[int], finished: list[bool]) -> ShardInfo:
+    def write_shard(
+        self, first: int, ids: list[list[int]], reply_start: list[int], finished: list[bool]
+    ) -> ShardInfo:
         name = f"shard-{len(self.shards):05d}.pt"
         d = {"first": first, "ids": ids, "reply_start": reply_start, "finished": finished}
         atomic_torch_save(d, self.root / "data" / name)
@@ -439,7 +447,9 @@ def distill(
     data. Each unit of work starts only if the last one of its kind would still finish before the deadline.
     """
     if settings.prompt_file:
-        n = store.add_prompts(read_prompt_file(settings.prompt_file), source=f"file:{Path(settings.prompt_file).name}")
+        n = store.add_prompts(
+            read_prompt_file(settings.prompt_file), source=f"file:{Path(settings.prompt_file).name}"
+        )
         if n:
             store.save()
             log(f"prompts: +{n} from {settings.prompt_file} ({len(store.prompts)} in all)")
@@ -459,7 +469,9 @@ def distill(
         pending = len(store.prompts) - store.next_prompt_index()
         # Out of time for another round; but with no data at all, one round and one shard still run.
         no_data = not store.shards and pending == 0
-        if want_magpie and (budget_hit or (pending < settings.shard_size and not time_ok("magpie") and not no_data)):
+        if want_magpie and (
+            budget_hit or (pending < settings.shard_size and not time_ok("magpie") and not no_data)
+        ):
             if not budget_hit:
                 log("time budget: no more Magpie rounds")
             want_magpie, budget_hit = False, True
@@ -467,7 +479,9 @@ def distill(
             if not last["shard"] and last["magpie"]:
                 # No shard timed yet: guess from the Magpie round (same kind of batched generation).
                 batches = math.ceil(min(pending, settings.shard_size) / settings.batch_size)
-                last["shard"] = last["magpie"] * batches * settings.max_new_tokens / settings.magpie_max_tokens
+                last["shard"] = (
+                    last["magpie"] * batches * settings.max_new_tokens / settings.magpie_max_tokens
+                )
             if store.shards and not time_ok("shard"):  # the first shard always runs: some data beats none
                 log("time budget: not starting another reply shard")
                 break
@@ -477,7 +491,9 @@ def distill(
             p_ids = [chat_prompt_ids(tokenizer, x) for x in texts]
             # Over-long prompts get an empty reply (kept, so prompt indices stay aligned; they train nothing).
             use = [i for i, p in enumerate(p_ids) if len(p) <= settings.max_prompt_tokens]
-            reps = greedy_replies(model, tokenizer, [p_ids[i] for i in use], settings.batch_size, settings.max_new_tokens)
+            reps = greedy_replies(
+                model, tokenizer, [p_ids[i] for i in use], settings.batch_size, settings.max_new_tokens
+            )
             replies: list[tuple[list[int], bool]] = [([], False)] * len(texts)
             for i, r in zip(use, reps, strict=True):
                 replies[i] = r
@@ -498,7 +514,10 @@ def distill(
             t = time.time()
             r = store.magpie_rounds
             texts, sampled = sample_user_turns(
-                model, tokenizer, settings.magpie_batch, seed=settings.seed * 1_000_003 + r,
+                model,
+                tokenizer,
+                settings.magpie_batch,
+                seed=settings.seed * 1_000_003 + r,
                 max_new_tokens=settings.magpie_max_tokens,
             )
             added = store.add_prompts(texts, source="magpie")
@@ -538,16 +557,25 @@ def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
             finished.append(fin)
     arr = np.asarray(ids, dtype=np.int64)
     dtype = np.uint16 if (arr.size == 0 or arr.max() < 65536) else np.int32
-    meta = {"model": store.model, "magpie_rounds": store.magpie_rounds, "magpie_sampled": store.magpie_sampled}
+    meta = {
+        "model": store.model,
+        "magpie_rounds": store.magpie_rounds,
+        "magpie_sampled": store.magpie_sampled,
+    }
 
     def blob(obj: Any) -> Any:
         return np.frombuffer(json.dumps(obj).encode("utf-8"), dtype=np.uint8)
 
     np.savez_compressed(
-        path, ids=arr.astype(dtype), offsets=np.asarray(offsets, dtype=np.int64),
-        reply_start=np.asarray(starts, dtype=np.int32), prompt_index=np.asarray(index, dtype=np.int32),
+        path,
+        ids=arr.astype(dtype),
+        offsets=np.asarray(offsets, dtype=np.int64),
+        reply_start=np.asarray(starts, dtype=np.int32),
+        prompt_index=np.asarray(index, dtype=np.int32),
         finished=np.asarray(finished, dtype=bool),
-        prompts=blob(store.prompts), sources=blob(store.sources), meta=blob(meta),
+        prompts=blob(store.prompts),
+        sources=blob(store.sources),
+        meta=blob(meta),
     )
     return {"samples": len(starts), "tokens": int(arr.size)}
 

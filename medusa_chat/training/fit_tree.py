@@ -112,9 +112,7 @@ def expected_accept_length(paths: Sequence[Sequence[int]], acc: Any) -> float:
     return 1.0 + sum(gain(tuple(int(r) for r in p)) for p in paths)
 
 
-def fit_tree(
-    acc: Any, budget: int = 64, name: str = "fitted", prefer_joint: bool = True
-) -> dict[str, Any]:
+def fit_tree(acc: Any, budget: int = 64, name: str = "fitted", prefer_joint: bool = True) -> dict[str, Any]:
     """Grow a tree of `budget` nodes (root included) and return the tree.json dict.
 
     `expected_tokens_per_step[i]` = expected tokens per step using the first i paths (tree size i + 1), so

@@ -145,7 +145,10 @@ def cache_hidden_states(
             break
         t = time.time()
         d = store.load_shard(info)
-        samples = [(info.first + i, ids, rs) for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True))]
+        samples = [
+            (info.first + i, ids, rs)
+            for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True))
+        ]
         pd = hidden_states_for(model, samples, batch_tokens)
         atomic_torch_save({"hidden": pd.hidden, "targets": pd.targets, "sample": pd.sample}, path)
         dt = time.time() - t
@@ -210,7 +213,9 @@ def new_heads(settings: TrainSettings, lm_head: nn.Module, hidden_size: int, voc
         raise ValueError(f"at most {MAX_CACHED_HEADS} heads (targets are cached for that many)")
     if settings.heads_format not in ("v1", "v2"):
         raise ValueError(f"heads format must be v1 or v2, not {settings.heads_format!r}")
-    heads = MedusaHeads(hidden_size, vocab_size, settings.num_heads, settings.num_layers, settings.heads_format == "v1")
+    heads = MedusaHeads(
+        hidden_size, vocab_size, settings.num_heads, settings.num_layers, settings.heads_format == "v1"
+    )
     heads.init_from_lm_head(lm_head)
     return heads
 
@@ -253,8 +258,12 @@ class _Progress:
                 )
 
                 self.bar = Progress(
-                    TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(),
+                    TimeRemainingColumn(),
+                    TextColumn("{task.fields[info]}"),
                 )
                 self.bar.start()
                 self.task = self.bar.add_task(desc, total=total, info="")
@@ -336,7 +345,11 @@ def train_heads(
             heads.load_state_dict(ck["heads"])
             opt.load_state_dict(ck["opt"])
             step, plan["total"] = int(ck["step"]), int(ck["total"])
-            best_loss, best_epoch, epoch_losses = float(ck["best_loss"]), ck["best_epoch"], list(ck["epoch_losses"])
+            best_loss, best_epoch, epoch_losses = (
+                float(ck["best_loss"]),
+                ck["best_epoch"],
+                list(ck["epoch_losses"]),
+            )
             best_state = ck.get("best_state")
             log(f"resuming training at step {step}/{plan['total']}")
         else:
@@ -347,9 +360,15 @@ def train_heads(
             return
         atomic_torch_save(
             {
-                "key": key, "heads": heads.state_dict(), "opt": opt.state_dict(), "step": step,
-                "total": plan["total"], "best_loss": best_loss, "best_epoch": best_epoch,
-                "epoch_losses": epoch_losses, "best_state": best_state,
+                "key": key,
+                "heads": heads.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "total": plan["total"],
+                "best_loss": best_loss,
+                "best_epoch": best_epoch,
+                "epoch_losses": epoch_losses,
+                "best_state": best_state,
             },
             checkpoint,
         )
@@ -394,7 +413,9 @@ def train_heads(
                 fit = int((deadline - time.time()) / per * 0.92)
                 if step + fit < plan["total"]:
                     plan["total"] = max(step + 1, step + fit)
-                    log(f"time budget: training shortened to {plan['total']} steps ({per * 1000:.0f} ms/step)")
+                    log(
+                        f"time budget: training shortened to {plan['total']} steps ({per * 1000:.0f} ms/step)"
+                    )
             info = f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema)
             bar.update(step, info, total=plan["total"])
             end_of_epoch = step % steps_per_epoch == 0 or step == plan["total"]
@@ -421,14 +442,29 @@ def train_heads(
     if best_state is not None and not stopped:
         heads.load_state_dict(best_state)
     save_ck()
-    return TrainResult(step, plan["total"], time.time() - t0, stopped, bf16, [round(a, 4) for a in ema],
-                       best_epoch, epoch_losses)
+    return TrainResult(
+        step,
+        plan["total"],
+        time.time() - t0,
+        stopped,
+        bf16,
+        [round(a, 4) for a in ema],
+        best_epoch,
+        epoch_losses,
+    )
 
 
 @torch.no_grad()
 def heldout_loss(
-    heads: MedusaHeads, lm_weight: torch.Tensor, data: PositionData, k: int, device: torch.device, bf16: bool,
-    decay: float, max_positions: int = 20000, batch_size: int = 1024,
+    heads: MedusaHeads,
+    lm_weight: torch.Tensor,
+    data: PositionData,
+    k: int,
+    device: torch.device,
+    bf16: bool,
+    decay: float,
+    max_positions: int = 20000,
+    batch_size: int = 1024,
 ) -> float:
     was = heads.training
     heads.eval()
@@ -535,7 +571,9 @@ def joint_path_probs(steps: torch.Tensor, max_rank: int, top: int) -> dict[str, 
         if pre.shape[0] == 0:
             break
         uniq, counts = torch.unique(pre, dim=0, return_counts=True)
-        items += [(int(c), tuple(int(x) for x in u)) for u, c in zip(uniq.tolist(), counts.tolist(), strict=True)]
+        items += [
+            (int(c), tuple(int(x) for x in u)) for u, c in zip(uniq.tolist(), counts.tolist(), strict=True)
+        ]
     # Most frequent first; ties by shorter path, then lexicographic (a parent always precedes its children).
     items.sort(key=lambda it: (-it[0], len(it[1]), it[1]))
     items = items[:top]
@@ -592,7 +630,6 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # one configuration end to end: train -> round -> evaluate -> save -> fit tree
 # ---------------------------------------------------------------------------------------------------------
@@ -623,15 +660,27 @@ def train_and_save(
         f"({size_mb:.2f} MB fp16) on {len(train)} positions, {settings.epochs} epochs, batch {settings.batch_size}"
     )
     result = train_heads(
-        heads, weight, train, settings, device, checkpoint=checkpoint, resume=resume,
-        heldout=heldout if len(heldout) else None, deadline=deadline, log=log,
+        heads,
+        weight,
+        train,
+        settings,
+        device,
+        checkpoint=checkpoint,
+        resume=resume,
+        heldout=heldout if len(heldout) else None,
+        deadline=deadline,
+        log=log,
     )
     heads.cpu().float()
     round_heads_(heads)  # evaluate exactly the fp16 weights that are shipped
     cfg = save_heads(heads, out_dir, base_model)
     report: dict[str, Any] = {
-        "heads": {"format": settings.heads_format, "num_heads": settings.num_heads,
-                  "num_layers": settings.num_layers, "file_mb": round(size_mb, 3)},
+        "heads": {
+            "format": settings.heads_format,
+            "num_heads": settings.num_heads,
+            "num_layers": settings.num_layers,
+            "file_mb": round(size_mb, 3),
+        },
         "data": {"train_positions": len(train), "heldout_positions": len(heldout)},
         "training": {**asdict(settings), **asdict(result), "seconds": round(result.seconds, 1)},
         **(extra_report or {}),
@@ -644,8 +693,9 @@ def train_and_save(
         tree = fit_tree(report, budget=tree_budget, name=f"{out_dir.name}-fitted")
         write_json(out_dir / "tree.json", tree)
         report["estimated_tokens_per_step"] = size_summary(tree)
-        report["estimated_tokens_per_step_chain"] = round(1 + sum(
-            math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(settings.num_heads)), 4)
+        report["estimated_tokens_per_step_chain"] = round(
+            1 + sum(math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(settings.num_heads)), 4
+        )
         log(
             f"held-out ({len(heldout)} positions, {time.time() - t:.0f}s): top1 {ev['top1']} top5 {ev['top5']} "
             f"chain {ev['chain_top1_conditional']} backbone agreement {ev['backbone_agreement']}"
