@@ -446,10 +446,29 @@ class SessionManager:
     # ---- speed ----------------------------------------------------------------------------------------------
     def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]:
         """(speedup, "measured" | "estimated"): measured against plain decoding when `measure_baseline` ran
-        for this model/device, else estimated as tokens per step (what a step costs is then ignored)."""
+        for this model/device, else estimated as tokens per step divided by the tree step's relative cost
+        when this device was calibrated (else tokens per step alone)."""
         if self.baseline_tokens_per_s and tokens_per_s > 0:
             return tokens_per_s / self.baseline_tokens_per_s, "measured"
-        return tokens_per_step, "estimated"
+        return tokens_per_step / self._step_cost_ratio(), "estimated"
+
+    def _step_cost_ratio(self) -> float:
+        """How much a step of the current tree costs relative to a one-token step, from this device's cached
+        calibration (`medusa-chat calibrate`); 1.0 when unknown. On a CPU a 64-node step can cost 3x a plain
+        one, so tokens/step alone would promise a speedup that is not there."""
+        if self.loaded is None or self.engine is None:
+            return 1.0
+        from medusa_chat.calibrate import load_calibration, model_identity
+
+        try:
+            cal = load_calibration(*model_identity(self.loaded))
+        except Exception:  # a calibration is an optional hint; never let it break a reply
+            return 1.0
+        sizes = {row["size"]: row["latency_s"] for row in (cal or {}).get("sizes", [])}
+        size = self.engine.tree.size
+        if 1 not in sizes or size not in sizes or sizes[1] <= 0:
+            return 1.0
+        return max(sizes[size] / sizes[1], 1e-6)
 
     def _baseline_key(self) -> tuple[str, str, str, str]:
         assert self.loaded is not None

@@ -414,3 +414,18 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     _drain(s.send("Hello number 10"))
     md = s.export(tmp_path / "out.md").read_text()
     assert "Hello number 10" in md and s.conversation.messages[-1].content.strip()[:3] in md
+
+
+def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:
+    """tokens/step alone over-promises where a tree step costs more than a one-token step (a CPU)."""
+    from medusa_chat.calibrate import CALIBRATION_VERSION, model_identity, save_calibration
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    s = make_session(tree_size=8)
+    s.baseline_tokens_per_s = None  # another test may have measured plain decoding in this process
+    assert s.speedup(50.0, 2.0) == (2.0, "estimated")  # no calibration: tokens per step
+    sizes = [{"size": 1, "latency_s": 0.040}, {"size": 8, "latency_s": 0.100}]
+    record = {"version": CALIBRATION_VERSION, "tree": s.engine.tree.name, "tree_size": 1, "sizes": sizes}
+    save_calibration(record, *model_identity(s.loaded))
+    value, kind = s.speedup(50.0, 2.0)
+    assert kind == "estimated" and value == pytest.approx(2.0 * 0.040 / 0.100)
