@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.decoding import TreeKVCache, best_path, greedy_node_ok
+from medusa_chat.decoding import TreeKVCache, best_path, greedy_node_ok, next_logits_and_guesses
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
@@ -145,10 +145,10 @@ def _tree_step(
         ok = tokens != tokens
     path, count = best_path(ok, buf.leaf_paths)
     last = path.gather(0, count.view(1))
-    bonus = lm_head(hidden.index_select(0, last)).argmax(-1)
-    parts = [tokens, path, count[None].to(tokens.dtype), bonus]
-    if heads is not None:  # the next step's guesses, from the last accepted node only
-        guesses = heads(hidden.index_select(0, last)[0], lm_head).topk(buf.top_k, dim=-1).indices.flatten()
+    # the bonus token and the next step's guesses, from the last accepted node only (the engine's own code)
+    logits, guesses = next_logits_and_guesses(lm_head, heads, hidden.index_select(0, last), buf.top_k)
+    parts = [tokens, path, count[None].to(tokens.dtype), logits.argmax(-1, keepdim=True)]
+    if guesses is not None:
         parts.append(guesses)
     torch.cat(parts).tolist()  # the step's single host sync, as in the engine
     cache.keep(start, path, 1)

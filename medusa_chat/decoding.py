@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.heads import MedusaHeads
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -156,6 +157,27 @@ def best_path(
     return leaf_paths.index_select(0, best)[0], accepted.index_select(0, best)[0]
 
 
+def next_logits_and_guesses(
+    lm_head: torch.nn.Module, heads: MedusaHeads | None, hidden: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From the hidden state [1, H] of the last accepted node: the backbone's next-token logits [V] (fp32) and
+    the heads' top-k guesses [K * top_k] (head-major), or None without heads (a root-only tree).
+
+    With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
+    device the vocab projection costs a full read of its weight however few rows it has.
+    """
+    if heads is None:
+        return lm_head(hidden)[0].float(), None
+    if heads.own_lm_head:
+        logits = lm_head(hidden)[0].float()
+        head_logits = heads(hidden[0], lm_head)
+    else:
+        rows = torch.cat([hidden, heads.features(hidden[0]).to(hidden.dtype)])
+        both = lm_head(rows)
+        logits, head_logits = both[0].float(), both[1:]
+    return logits, head_logits.topk(top_k, dim=-1).indices.flatten()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------------------------
@@ -228,22 +250,8 @@ class MedusaEngine:
         return out.last_hidden_state[0]
 
     def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """From the hidden state [1, H] of the last accepted node: the backbone's next-token logits [V] and
-        the heads' top-k guesses [K * top_k] (head-major), or None for a root-only tree.
-
-        With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
-        device the vocab projection costs a full read of its weight however few rows it has.
-        """
-        if self.tree.size == 1:
-            return self.lm_head(hidden)[0].float(), None
-        if self.heads.own_lm_head:
-            logits = self.lm_head(hidden)[0].float()
-            head_logits = self.heads(hidden[0], self.lm_head)
-        else:
-            rows = torch.cat([hidden, self.heads.features(hidden[0]).to(hidden.dtype)])
-            both = self.lm_head(rows)
-            logits, head_logits = both[0].float(), both[1:]
-        return logits, head_logits.topk(self.buffers.top_k, dim=-1).indices.flatten()
+        heads = self.heads if self.tree.size > 1 else None
+        return next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
 
     def _text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -457,4 +465,12 @@ def plain_tree() -> Tree:
     return Tree.chain(0)
 
 
-__all__ = ["MedusaEngine", "TreeKVCache", "best_path", "greedy_node_ok", "typical_node_ok", "plain_tree"]
+__all__ = [
+    "MedusaEngine",
+    "TreeKVCache",
+    "best_path",
+    "greedy_node_ok",
+    "next_logits_and_guesses",
+    "plain_tree",
+    "typical_node_ok",
+]
