@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat.cli import int_list
 from medusa_chat.errors import MedusaChatError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 
@@ -50,16 +51,6 @@ NEAR_TIE = {"float32": 1e-4}  # top-2 logit gap under which a greedy flip counts
 # ------------------------------------------------------------------------------------------------------------
 # Arguments
 # ------------------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _baselines(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in BASELINES]
@@ -125,7 +116,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tree-sizes",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="8,16,32,64",
         help="also run Medusa with the first N nodes of the tree for each N",

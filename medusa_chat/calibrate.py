@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat.cli import int_list
 from medusa_chat.decoding import TreeKVCache, best_path, greedy_node_ok, next_logits_and_guesses
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
@@ -608,21 +609,11 @@ def calibrate(
 # ------------------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
     """Options of `medusa-chat calibrate` (model/heads/quant/dtype/device/tree come from the common options)."""
     parser.add_argument(
         "--sizes",
-        type=_int_list,
+        type=int_list,
         default=list(DEFAULT_SIZES),
         help="tree sizes to time, capped at the tree's size (default: %(default)s)",
     )

@@ -40,6 +40,17 @@ MODEL_COMMANDS = {"chat", "web", "ask", "bench", "train-heads", "fit-tree", "cal
 SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 
 
+def int_list(text: str) -> list[int]:
+    """argparse type for options like `--tree-sizes 8,16,32`: positive integers, comma-separated."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The options every model-using sub-command takes (names match loading.load_from_args/choose_tree)."""
     from medusa_chat.registry import DEFAULT_MODEL, MODELS
