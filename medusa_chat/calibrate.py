@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.cli import int_list
-from medusa_chat.decoding import TreeKVCache, best_path, greedy_node_ok, next_logits_and_guesses
+from medusa_chat.decoding import (
+    BackboneRunner,
+    TreeKVCache,
+    best_path,
+    greedy_node_ok,
+    next_logits_and_guesses,
+)
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     from medusa_chat.heads import MedusaHeads
     from medusa_chat.tree import TreeBuffers
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # bumped whenever the timed step changes (v2: lean/packed forward)
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_PREFIX_TOKENS = 256
 
@@ -120,8 +126,7 @@ def _causal_mask(start: int, count: int, dtype: torch.dtype, device: torch.devic
 
 
 def _tree_step(
-    backbone: torch.nn.Module,
-    lm_head: torch.nn.Module,
+    runner: BackboneRunner,
     heads: MedusaHeads | None,
     cache: TreeKVCache,
     start: int,
@@ -135,10 +140,8 @@ def _tree_step(
     Mirrors the engine: full-vocab logits only for internal nodes (those with children) plus one row for the
     bonus token at the last accepted node; heads on that node's hidden state only.
     """
-    out = backbone.model(
-        input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
-    )
-    hidden = out.last_hidden_state[0]
+    lm_head = runner.lm_head
+    hidden = runner.forward(tokens, positions, mask, cache)
     if len(buf.internal):
         parent_logits = lm_head(hidden[buf.internal]).float()
         ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot)
@@ -188,8 +191,8 @@ def measure_step_latency(
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = model_device(backbone)
     dtype = backbone.get_input_embeddings().weight.dtype  # the engine's activation dtype (NF4 too)
-    lm_head = backbone.get_output_embeddings()
-    vocab = int(getattr(backbone.config, "vocab_size", 0) or lm_head.out_features)
+    runner = BackboneRunner(backbone)  # the engine's own forward (lean/packed where supported)
+    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
     base = tree or Tree.named("mc_sim_7b_63")
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(seed)
@@ -197,13 +200,7 @@ def measure_step_latency(
     cache = TreeKVCache(backbone.config.num_hidden_layers, capacity=prefix_tokens + max(sizes) + 8)
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
     positions = torch.arange(prefix_tokens, device=device)
-    backbone.model(
-        input_ids=prefix[None],
-        position_ids=positions[None],
-        attention_mask=_causal_mask(0, prefix_tokens, dtype, device),
-        cache=cache,
-        use_cache=True,
-    )
+    runner.forward(prefix, positions, _causal_mask(0, prefix_tokens, dtype, device), cache)
     start = cache.length
     step_args: dict[int, tuple] = {}
     for n in sizes:
@@ -215,11 +212,10 @@ def measure_step_latency(
         mask = torch.zeros((1, 1, n, start + n), dtype=dtype, device=device)
         mask[0, 0, :, start:] = buf.attn_bias
         tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
-        pos = (start + buf.depth)[None]
+        pos = start + buf.depth
         with_heads = heads is not None and n > 1
         step_args[n] = (
-            backbone,
-            lm_head,
+            runner,
             heads if with_heads else None,
             cache,
             start,
@@ -584,6 +580,7 @@ def calibrate(
         "quant": quant,
         "dtype": dtype,
         "tree": base.name,
+        "forward": BackboneRunner(loaded.backbone).path,
         "tree_size": best,
         "heads_stamp": heads_stamp(loaded),
         "speedup_est": round(estimated_speedup(latency, tps, best), 3),

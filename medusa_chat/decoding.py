@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.heads import MedusaHeads
+from medusa_chat.lean_forward import lean_forward_for
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -106,6 +107,37 @@ class TreeKVCache(Cache):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The backbone call: lean forward where supported (see lean_forward.py), else the transformers forward
+# ------------------------------------------------------------------------------------------------------------
+class BackboneRunner:
+    """`forward(ids [T], positions [T], mask [1, 1, T, L], cache) -> last hidden states [T, H]` and the vocab
+    projection `lm_head(rows)`, as the engine and the calibration that times it both run them."""
+
+    def __init__(self, causal_lm: torch.nn.Module) -> None:
+        self.model = causal_lm
+        self.lean = lean_forward_for(causal_lm)
+        self.lm_head = self.lean.lm_head if self.lean is not None else causal_lm.get_output_embeddings()
+        if self.lean is None:
+            self.path = "transformers"
+        else:
+            self.path = "lean, oneDNN-packed bf16" if self.lean.packed_any else "lean"
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: TreeKVCache
+    ) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean(ids, positions, mask, cache)
+        out = self.model.model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Acceptance rules (one function each)
 # ------------------------------------------------------------------------------------------------------------
 def greedy_node_ok(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -158,7 +190,10 @@ def best_path(
 
 
 def next_logits_and_guesses(
-    lm_head: torch.nn.Module, heads: MedusaHeads | None, hidden: torch.Tensor, top_k: int
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    heads: MedusaHeads | None,
+    hidden: torch.Tensor,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """From the hidden state [1, H] of the last accepted node: the backbone's next-token logits [V] (fp32) and
     the heads' top-k guesses [K * top_k] (head-major), or None without heads (a root-only tree).
@@ -187,7 +222,8 @@ class MedusaEngine:
     def __init__(self, model: LoadedModel, tree: Tree | None = None) -> None:
         self.model = model
         self.backbone = model.backbone
-        self.lm_head = model.backbone.get_output_embeddings()
+        self.runner = BackboneRunner(model.backbone)
+        self.lm_head = self.runner.lm_head
         self.heads = model.heads
         self.device = model.device
         self.dtype = model.backbone.get_input_embeddings().weight.dtype  # activations' dtype (NF4 too)
@@ -240,14 +276,7 @@ class MedusaEngine:
 
     # ---- model calls --------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.backbone.model(
-            input_ids=ids[None],
-            position_ids=positions[None],
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-        )
-        return out.last_hidden_state[0]
+        return self.runner.forward(ids, positions, mask, self.cache)
 
     def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         heads = self.heads if self.tree.size > 1 else None

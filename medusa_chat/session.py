@@ -115,6 +115,7 @@ class SessionManager:
         data_dir: Path | None = None,
         trust_remote_code: bool = False,
         loaded: LoadedModel | None = None,
+        auto_calibrate: bool = True,
     ) -> None:
         self.model_name = model
         self.heads_arg = heads
@@ -134,6 +135,7 @@ class SessionManager:
         self.notices: list[str] = []
         self.baseline_tokens_per_s: float | None = None
         self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
+        self.auto_calibrate = auto_calibrate
         self._lock = threading.Lock()  # held for the whole of a reply
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
@@ -158,7 +160,7 @@ class SessionManager:
                 )
             from medusa_chat.decoding import MedusaEngine
 
-            tree = self._resolve_tree(*self._tree_request)
+            tree = self._resolve_tree(*self._tree_request, progress)
             if progress is not None:
                 progress(f"tree {tree.name} ({tree.size} nodes)")
             self.engine = MedusaEngine(self.loaded, tree=tree)
@@ -175,14 +177,45 @@ class SessionManager:
         assert self.engine is not None
         return self.engine
 
-    def _resolve_tree(self, name: str | None, size: int | None) -> Tree:
+    def _resolve_tree(
+        self, name: str | None, size: int | None, progress: Callable[[str], None] | None = None
+    ) -> Tree:
         # --tree/--tree-size win; else this device's cached calibration (`medusa-chat calibrate`); else the
         # model's default tree. The reason is shown in the UIs' model panel ("tree_source").
         from medusa_chat.calibrate import choose_tree
 
         assert self.loaded is not None
         tree, self.tree_source = choose_tree(self.loaded, name, size)
+        if self.tree_source == "default" and self.auto_calibrate:
+            tree = self._calibrate_once(tree, progress)
         return tree
+
+    def _calibrate_once(self, tree: Tree, progress: Callable[[str], None] | None) -> Tree:
+        """On a CPU the best tree size depends on the machine (a 64-node step can cost 2-4x a 1-token step),
+        so the first load times the tree sizes once (a few seconds) and caches the choice; later loads read
+        it. Only where the heads' tree.json gives the expected tokens per step (else `medusa-chat calibrate`
+        measures it with replies, which is slower and left to the user). GPUs keep the default tree."""
+        from medusa_chat import calibrate as cal
+
+        assert self.loaded is not None
+        tree_json = cal.heads_tree_json(self.loaded)
+        if (
+            self.loaded.device.type != "cpu"
+            or tree.size <= 1
+            or tree_json is None
+            or cal.tokens_per_step_from_tree_json(tree_json, tree) is None
+        ):
+            return tree
+        if progress is not None:
+            progress("timing tree sizes on this CPU once (a few seconds; cached for next time)")
+        try:
+            record = cal.calibrate(self.loaded, base=tree, accuracy_file=tree_json, reps=5)
+            cal.save_calibration(record, record["model"], self.loaded.device, record["quant"], record["dtype"])
+        except (OSError, RuntimeError, ValueError) as err:  # a failed timing must not stop the chat
+            self.notices.append(f"tree calibration failed ({err}); using the default tree")
+            return tree
+        self.tree_source = cal.describe_calibration(record).removeprefix("tree: ")
+        return tree.prefix(record["tree_size"])
 
     @property
     def tree(self) -> Tree | None:

@@ -429,3 +429,41 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
     save_calibration(record, *model_identity(s.loaded))
     value, kind = s.speedup(50.0, 2.0)
     assert kind == "estimated" and value == pytest.approx(2.0 * 0.040 / 0.100)
+
+
+def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Path, monkeypatch) -> None:
+    """Without a cached calibration, a CPU session times the tree sizes once (heads' tree.json gives the
+    expected tokens/step), uses the fastest prefix and caches it; the next load only reads the cache."""
+    import json
+
+    from medusa_chat import calibrate as cal
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    base = make_loaded_model()
+    heads_dir = tmp_path / "heads"
+    heads_dir.mkdir()
+    tree = base.default_tree
+    # A steep made-up accuracy curve, so the choice depends only on the timing.
+    curve = [1.0 + 0.05 * i for i in range(tree.size)]
+    (heads_dir / "tree.json").write_text(
+        json.dumps({"paths": [list(p) for p in tree.paths], "expected_tokens_per_step": curve})
+    )
+    loaded = dataclasses.replace(base, heads_file=str(heads_dir / "medusa_lm_head.safetensors"))
+    calls = []
+    real = cal.calibrate
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    s = SessionManager(loaded=loaded, data_dir=tmp_path)
+    s.load()
+    record = cal.load_calibration(*cal.model_identity(loaded))
+    assert calls == [1] and record is not None
+    assert "calibrated" in s.info["tree_source"] and s.engine.tree.size == record["tree_size"]
+    assert s.engine.tree.paths == tree.paths[: record["tree_size"] - 1]
+
+    again = SessionManager(loaded=loaded, data_dir=tmp_path)
+    again.load()
+    assert calls == [1] and again.engine.tree.size == record["tree_size"]  # read from the cache
+
+    off = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=4)
+    off.load()
+    assert calls == [1] and off.engine.tree.size == 4  # an explicit tree is never overridden

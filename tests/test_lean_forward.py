@@ -1,0 +1,120 @@
+"""The lean Llama-family forward (medusa_chat/lean_forward.py) is bitwise the transformers forward.
+
+Compared the way the engine calls them: a prefill with the causal mask, a tree step with the ancestor mask, and
+a one-token step after an in-place KV commit; hidden states and the KV cache must be equal bit for bit, in
+fp32, NF4 (bitsandbytes on CPU) and bf16 with oneDNN-packed weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+
+from medusa_chat.decoding import BackboneRunner, MedusaEngine, TreeKVCache
+from medusa_chat.lean_forward import LeanForward, lean_forward_for, packed_linear
+from medusa_chat.tree import Tree
+from tests.tinymodels import VOCAB, tiny_loaded
+
+
+def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int = 40) -> list[torch.Tensor]:
+    """Prefill, one tree step, commit 3 nodes, one single-token step: outputs and the cache's contents."""
+    g = torch.Generator().manual_seed(7)
+    vocab = engine.backbone.config.vocab_size
+    engine.cache = TreeKVCache(engine.backbone.config.num_hidden_layers, capacity=64)
+    engine._mask_prefix, engine._mask = 0, engine._mask[..., :0]
+    prompt = torch.randint(3, vocab, (prompt_len,), generator=g)
+    tree_tokens = torch.randint(3, vocab, (engine.tree.size,), generator=g)
+    buf = engine.buffers
+    out = []
+    with torch.inference_mode():
+        out.append(
+            runner.forward(
+                prompt, torch.arange(prompt_len), engine._prefill_mask(0, prompt_len), engine.cache
+            )
+        )
+        start = engine.cache.length
+        out.append(runner.forward(tree_tokens, start + buf.depth, engine._tree_mask(start), engine.cache))
+        engine.cache.keep(start, buf.leaf_paths[0], 3)
+        n = engine.cache.length
+        one = torch.zeros((1, 1, 1, n + 1), dtype=engine.dtype)
+        out.append(runner.forward(tree_tokens[:1], torch.tensor([n]), one, engine.cache))
+        out.append(engine.cache.buffer[..., : engine.cache.length, :].clone())
+    return out
+
+
+def _assert_bitwise(model_loaded, tree: Tree) -> None:
+    engine = MedusaEngine(model_loaded, tree)
+    assert engine.runner.lean is not None, "expected the lean forward for a Llama-family model"
+    hf = BackboneRunner(model_loaded.backbone)
+    hf.lean = None  # the transformers forward, same cache and masks
+    lean_out = _three_calls(engine, engine.runner)
+    hf_out = _three_calls(engine, hf)
+    for name, a, b in zip(("prefill", "tree step", "one token", "kv cache"), lean_out, hf_out, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_lean_forward_is_bitwise_transformers_fp32(arch: str) -> None:
+    _assert_bitwise(tiny_loaded(arch), Tree.named("mc_sim_7b_63"))
+
+
+def test_lean_forward_is_bitwise_transformers_nf4() -> None:
+    pytest.importorskip("bitsandbytes")
+    loaded = tiny_loaded("llama", "nf4")
+    _assert_bitwise(loaded, Tree.named("mc_sim_7b_63").prefix(16))
+
+
+def _bf16_copy(loaded):
+    twin = copy.copy(loaded)
+    twin.backbone = copy.deepcopy(loaded.backbone).to(torch.bfloat16)
+    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
+    return twin
+
+
+def test_lean_forward_bf16_packed_is_bitwise_transformers() -> None:
+    loaded = _bf16_copy(tiny_loaded("llama"))
+    lean = lean_forward_for(loaded.backbone)
+    assert lean is not None
+    if packed_linear(loaded.backbone.model.layers[0].mlp.gate_proj) is not None:
+        assert lean.packed_any, "oneDNN bf16 is available here: the projections should be packed"
+    _assert_bitwise(loaded, Tree.named("mc_sim_7b_63").prefix(16))
+
+
+def test_packed_linear_only_for_bf16_cpu_linear() -> None:
+    lin = torch.nn.Linear(8, 4)
+    assert packed_linear(lin) is None  # fp32: the default GEMV is as fast and packing is not bitwise equal
+    lin = lin.to(torch.bfloat16)
+    fast = packed_linear(lin)
+    if fast is None:
+        pytest.skip("no oneDNN bf16 support on this CPU")
+    x = torch.randn(1, 5, 8).to(torch.bfloat16)
+    assert torch.equal(fast(x), lin(x))
+
+
+def test_lean_forward_is_shared_and_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_loaded("llama").backbone
+    first = lean_forward_for(model)
+    assert isinstance(first, LeanForward) and lean_forward_for(model) is first  # packed once per model
+    monkeypatch.setenv("MEDUSA_CHAT_LEAN", "0")
+    assert lean_forward_for(model) is None
+    assert BackboneRunner(model).path == "transformers"
+
+
+def _tiny(config) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_unsupported_models_use_the_transformers_forward() -> None:
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    gpt2 = _tiny(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4))
+    windowed = _tiny(MistralConfig(sliding_window=16, **common))
+    gelu = _tiny(LlamaConfig(hidden_act="gelu", **common))
+    for model in (gpt2, windowed, gelu):
+        assert lean_forward_for(model) is None
+        assert BackboneRunner(model).path == "transformers"
