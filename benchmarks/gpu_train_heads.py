@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--magpie-batch", type=int, default=1024, help="Magpie samples per round")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--magpie", type=int, default=1_000_000, help="Magpie prompt target (the budget stops it)")
+    p.add_argument(
+        "--opener-frac", type=float, default=0.5, help="Magpie rows started from a task opener (0 = plain)"
+    )
     p.add_argument("--prompts", help="optional jsonl of extra prompts (never the bench prompts)")
     p.add_argument(
         "--max-tokens", type=int, default=None, help="stop data generation at this many reply tokens"
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_size=args.batch_size,
         seed=args.seed,
         max_reply_tokens=args.max_tokens,
+        opener_frac=args.opener_frac,
     )
     tokens_before = store.reply_tokens
     distill(model, tok, store, ds, deadline=data_deadline, log=log)

@@ -87,6 +87,10 @@ Large language models read all their weights for every token, so decoding is mem
     * 3
 )
 
+# The first load of a model on a CPU calibrates its tree once (session.py); tests pin their trees instead, and
+# the one test of that feature turns it on explicitly. Subprocesses (pty, browser) inherit this.
+os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
+
 
 # ---- builders (plain functions: other test modules may call them too) --------------------------------------------
 def build_tokenizer(flavor: str) -> Any:

@@ -432,23 +432,14 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
 
 
 def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Path, monkeypatch) -> None:
-    """Without a cached calibration, a CPU session times the tree sizes once (heads' tree.json gives the
-    expected tokens/step), uses the fastest prefix and caches it; the next load only reads the cache."""
-    import json
-
+    """Without a cached calibration, a CPU session measures tokens/step and times the tree sizes once, uses
+    the fastest prefix and caches it; the next load only reads the cache; an explicit tree always wins."""
     from medusa_chat import calibrate as cal
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
-    base = make_loaded_model()
-    heads_dir = tmp_path / "heads"
-    heads_dir.mkdir()
-    tree = base.default_tree
-    # A steep made-up accuracy curve, so the choice depends only on the timing.
-    curve = [1.0 + 0.05 * i for i in range(tree.size)]
-    (heads_dir / "tree.json").write_text(
-        json.dumps({"paths": [list(p) for p in tree.paths], "expected_tokens_per_step": curve})
-    )
-    loaded = dataclasses.replace(base, heads_file=str(heads_dir / "medusa_lm_head.safetensors"))
+    monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
+    loaded = make_loaded_model()
+    tree = loaded.default_tree
     calls = []
     real = cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -456,7 +447,7 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
     s = SessionManager(loaded=loaded, data_dir=tmp_path)
     s.load()
     record = cal.load_calibration(*cal.model_identity(loaded))
-    assert calls == [1] and record is not None
+    assert calls == [1] and record is not None and record["accuracy_source"].startswith("measured")
     assert "calibrated" in s.info["tree_source"] and s.engine.tree.size == record["tree_size"]
     assert s.engine.tree.paths == tree.paths[: record["tree_size"] - 1]
 
@@ -467,3 +458,9 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
     off = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=4)
     off.load()
     assert calls == [1] and off.engine.tree.size == 4  # an explicit tree is never overridden
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "other-cache"))
+    monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
+    plain = SessionManager(loaded=loaded, data_dir=tmp_path)
+    plain.load()
+    assert calls == [1] and plain.engine.tree.size == tree.size and plain.info["tree_source"] == "default"

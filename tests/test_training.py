@@ -11,6 +11,7 @@ import torch
 
 from medusa_chat.heads import heads_from_state_dict
 from medusa_chat.training.distill import (
+    TASK_OPENERS,
     DistillSettings,
     DistillStore,
     chat_prompt_ids,
@@ -254,6 +255,34 @@ def test_magpie_keeps_clean_distinct_turns(backbone) -> None:
         "Explain how rainbows form in the sky.",
     ]
     assert tok.decode(user_prefix_ids(tok)) == "<|im_start|>user\n"
+
+
+class _RecordingSampler(_FakeSampler):
+    def generate(self, input_ids, attention_mask, generation_config):
+        self.seen = (input_ids, attention_mask)
+        return super().generate(input_ids, attention_mask, generation_config)
+
+
+def test_magpie_task_openers_start_the_user_turn(backbone) -> None:
+    """With opener_frac=1 every row is the user prefix + a task opener (left-padded), and every kept turn
+    starts with that opener; with 0 the rows are the bare prefix (plain Magpie)."""
+    _, tok = backbone
+    rows = [tok(" the rain in spring, please.", add_special_tokens=False)["input_ids"] + [2]] * 6
+    prefix = user_prefix_ids(tok)
+
+    sampler = _RecordingSampler(rows)
+    texts, _ = sample_user_turns(sampler, tok, n=6, seed=5, opener_frac=1.0)
+    assert len(texts) == 6 and all(any(t.startswith(o) for o in TASK_OPENERS) for t in texts)
+    assert len({t.split(" the rain")[0] for t in texts}) > 1  # openers vary within a round
+    ids, mask = sampler.seen
+    for r in range(6):
+        row = ids[r][mask[r].bool()].tolist()
+        assert row[: len(prefix)] == prefix and len(row) > len(prefix)
+        assert not mask[r, : ids.shape[1] - len(row)].any()  # padding on the left only
+
+    plain = _RecordingSampler(rows)
+    sample_user_turns(plain, tok, n=6, seed=5, opener_frac=0.0)
+    assert plain.seen[0].tolist() == [prefix] * 6
 
 
 # ---------------------------------------------------------------------------------------------------------

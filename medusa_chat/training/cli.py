@@ -73,6 +73,14 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="N",
         help="self-generated (Magpie-style) prompts to collect (default 2000; 0 = none)",
     )
+    g.add_argument(
+        "--opener-frac",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="share of Magpie user turns started from a task opener ('Write a', 'Explain', ...) for more "
+        "varied requests (default 0.5; 0 = plain Magpie)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=160, help="reply length limit (default 160)")
     g.add_argument("--batch-size", type=int, default=None, help="generation batch (default 64 CPU, 512 CUDA)")
     g.add_argument(
@@ -194,6 +202,7 @@ def train_main(args: argparse.Namespace) -> int:
             shard_size=1024 if cuda else 256,
             seed=args.seed,
             max_reply_tokens=args.max_tokens,
+            opener_frac=args.opener_frac,
         )
         deadline = time.time() + 60 * args.minutes if args.minutes else None
         log(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -155,6 +156,52 @@ def _norm_key(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
+# First words of a user turn, one per kind of request a chat user makes (not taken from any benchmark): the model
+# writes the rest. Kinds: writing, explaining, advice, reasoning, maths, code, role play, rewriting, extraction,
+# comparison, planning, opinion, counterfactuals, estimation.
+TASK_OPENERS = (
+    "Write a",
+    "Write a short story about",
+    "Write a poem",
+    "Compose an email",
+    "Draft a",
+    "Explain",
+    "Explain how",
+    "Describe",
+    "What is the difference between",
+    "Why do",
+    "How does",
+    "How can I",
+    "What are the",
+    "Give me",
+    "List",
+    "Summarize",
+    "Rewrite the following",
+    "Translate",
+    "Compare",
+    "Imagine you are",
+    "Pretend to be",
+    "As a",
+    "Solve",
+    "Calculate",
+    "If a train",
+    "A store sells",
+    "Write a Python function",
+    "Implement a",
+    "Write a program",
+    "Debug this code:",
+    "What would happen if",
+    "What if",
+    "Estimate how many",
+    "Create a plan",
+    "Suggest",
+    "Design a",
+    "Is it true that",
+    "Discuss",
+    "What do you think about",
+    "Tell me about",
+)
+
 BENCH_GUARD = ("shared/bench", "vicuna_bench_question", "mt_bench", "question.jsonl")
 
 
@@ -267,29 +314,40 @@ def sample_user_turns(
     top_p: float = 0.95,
     temperature: float = 1.0,
     min_chars: int = 12,
+    opener_frac: float = 0.0,
 ) -> tuple[list[str], int]:
     """One Magpie round: sample `n` user turns from the template's user prefix in one batch.
 
     Returns (clean texts, number sampled). A sample is kept only if it ends at EOS within the budget (a cut-off
     question is a bad prompt), contains no other special token, and is not near-empty. The caller re-seeds each
     round with a new seed: with a fixed seed the model repeats itself.
+
+    `opener_frac` of the rows start the user turn with a task opener ("Write a", "Explain", "Imagine you
+    are", ...; `TASK_OPENERS`) that the model then completes. A small model left to itself writes mostly
+    "Can you help me plan ..." requests; its replies to stories, emails, code, maths or role play are what the
+    heads then never see (measured: held-out top-1 .48 on its own prompts, .31 on Vicuna-bench replies).
     """
     device = next(model.parameters()).device
-    cfg, stop, _ = _gen_config(
+    cfg, stop, pad = _gen_config(
         tokenizer, model, max_new_tokens, sample=True, top_p=top_p, temperature=temperature
     )
     stop_set = set(stop)
     special = set(tokenizer.all_special_ids) - stop_set
     prefix = user_prefix_ids(tokenizer)
-    ids = torch.tensor([prefix] * n, dtype=torch.long, device=device)
+    rng = random.Random(seed)
+    openers = [rng.choice(TASK_OPENERS) if rng.random() < opener_frac else "" for _ in range(n)]
+    rows = [prefix + (_ids(tokenizer(o, add_special_tokens=False)) if o else []) for o in openers]
+    ids, mask = _left_pad(rows, pad, device)
     torch.manual_seed(seed)  # seeds CPU and every CUDA device
-    seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+    seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
     texts = []
-    for row in seqs[:, len(prefix) :].tolist():
-        body, clean = _cut_at_eos(row, stop_set)
+    width = ids.shape[1]
+    for row, start in zip(seqs.tolist(), rows, strict=True):
+        body, clean = _cut_at_eos(row[width:], stop_set)
         if not clean or any(t in special for t in body):
             continue
-        text = tokenizer.decode(body[:-1], skip_special_tokens=False).strip()
+        opener_ids = start[len(prefix) :]
+        text = tokenizer.decode(opener_ids + body[:-1], skip_special_tokens=False).strip()
         if len(text) >= min_chars and len(text.split()) >= 3:
             texts.append(text)
     return texts, n
@@ -431,6 +489,7 @@ class DistillSettings:
     seed: int = 0
     max_reply_tokens: int | None = None  # stop once this many reply tokens exist
     max_prompt_tokens: int = 512  # longer prompts are skipped (heads learn from replies; keep batches lean)
+    opener_frac: float = 0.5  # Magpie rows that start from a task opener (see sample_user_turns)
 
 
 def distill(
@@ -519,6 +578,7 @@ def distill(
                 settings.magpie_batch,
                 seed=settings.seed * 1_000_003 + r,
                 max_new_tokens=settings.magpie_max_tokens,
+                opener_frac=settings.opener_frac,
             )
             added = store.add_prompts(texts, source="magpie")
             store.magpie_rounds += 1
