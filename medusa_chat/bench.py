@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,6 +47,16 @@ METHODS = ("hf", "plain", "lookup", "medusa")
 BASELINES = ("hf", "plain", "lookup")
 LOOKUP_TOKENS = 10
 NEAR_TIE = {"float32": 1e-4}  # top-2 logit gap under which a greedy flip counts as a tie (16-bit: 1e-2)
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+
+
+def tie_tolerance(dtype: str, top_logit: float) -> float:
+    """A top-2 gap this small is a tie for arithmetic in `dtype`: the larger of the fixed tolerance and two
+    units in the last place of the top logit (a 16-bit GEMM output is rounded to that grid, so two equally
+    valid evaluation orders can differ by an ulp or two: at a bf16 logit of 16-32 one ulp is 0.125)."""
+    bits = MANTISSA_BITS.get(dtype)
+    ulp = 2.0 ** (math.floor(math.log2(abs(top_logit))) - bits) if bits and top_logit else 0.0
+    return max(NEAR_TIE.get(dtype, 1e-2), 2 * ulp if dtype != "float32" else 0.0)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -324,13 +335,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def top2_gap(loaded: Any, prompt_ids: list[int], reference: list[int], index: int) -> float:
-    """The reference model's top-2 logit gap where its token `index` was chosen: tiny = a near-tie, where
-    different (but equally valid) arithmetic may pick the other token."""
+def top2_gap(loaded: Any, prompt_ids: list[int], reference: list[int], index: int) -> tuple[float, float]:
+    """The reference model's top-2 logit gap where its token `index` was chosen, and the top logit: a tiny
+    gap is a near-tie, where different (but equally valid) arithmetic may pick the other token."""
     ids = torch.tensor([prompt_ids + reference[:index]], dtype=torch.long, device=loaded.device)
     logits = loaded.backbone(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
     top = logits.topk(2).values
-    return float(top[0] - top[1])
+    return float(top[0] - top[1]), float(top[0])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -428,7 +439,6 @@ def run_bench(
     for n in sizes:
         engines[f"medusa@{n}"] = MedusaEngine(loaded, tree.prefix(n))
     ident = describe(loaded)
-    tie_tol = NEAR_TIE.get(ident["dtype"], 1e-2)
 
     def settings_for(max_new: int) -> GenerationSettings:
         return GenerationSettings(
@@ -501,9 +511,9 @@ def run_bench(
             row["first_divergence"] = div
             row["reference"] = ref_method
             if div is not None:
-                gap = top2_gap(loaded, prompt_ids, ref.token_ids, div)
+                gap, top = top2_gap(loaded, prompt_ids, ref.token_ids, div)
                 row["divergence_top2_gap"] = round(gap, 6)
-                row["near_tie"] = gap < tie_tol
+                row["near_tie"] = gap <= tie_tolerance(ident["dtype"], top)
             identical_flags.append(div is None)
             for other in ("plain", "lookup"):
                 if other in runs and other != ref_method:

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -341,7 +341,8 @@ class MedusaEngine:
         prefill_s = time.perf_counter() - t0
 
         reply: list[int] = [first]
-        text, stop_reason, message = self._detok(reply), "", ""
+        detok = StreamDecoder(self.model.tokenizer)
+        text, stop_reason, message = detok.push([first]), "", ""
         yield StepEvent(0, [first], text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         stop_reason = self._finished(reply, eos, settings, text, stop_strings)
         steps, accepted_lengths = 0, []
@@ -397,20 +398,20 @@ class MedusaEngine:
             new_tokens = [tree_tokens[n] for n in path_nodes[1 : accepted + 1]] + [packed[-1]]
             steps += 1
             accepted_lengths.append(accepted)
+            # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
+            new_tokens, stop_reason = _keep_until_end(new_tokens, len(reply), eos, settings.max_new_tokens)
             reply.extend(new_tokens)
-            stop_reason = self._finished(reply, eos, settings, None, stop_strings)
-            reply = self._truncate(reply, eos, settings)
-            new_text = self._detok(reply)
-            if stop_strings:
-                cut = _stop_string_cut(new_text, stop_strings)
+            delta = detok.push(new_tokens)
+            if stop_strings and delta:
+                cut = _stop_string_cut_tail(detok.text, len(delta), stop_strings)
                 if cut is not None:
-                    new_text, stop_reason = new_text[:cut], "stop_string"
+                    delta, stop_reason = delta[: max(0, cut - (len(detok.text) - len(delta)))], "stop_string"
             now = time.perf_counter()
             decode_s = now - decode_t0
             yield StepEvent(
                 step=steps,
                 token_ids=new_tokens,
-                text=new_text[len(text) :] if new_text.startswith(text) else new_text,
+                text=delta,
                 accepted_nodes=path_nodes[: accepted + 1],
                 tree=TreeView(
                     tokens=tree_tokens,
@@ -425,10 +426,13 @@ class MedusaEngine:
                 decode_tokens_per_s=(len(reply) - 1) / decode_s if decode_s > 0 else 0.0,
                 tokens_per_step=(len(reply) - 1) / steps,
             )
-            text = new_text
 
         decode_s = time.perf_counter() - decode_t0
         decode_tokens = len(reply) - 1
+        text = self._detok(reply)  # once per reply: the exact full decode (the stream's deltas add up to it)
+        if stop_strings:
+            cut = _stop_string_cut(text, stop_strings)
+            text = text if cut is None else text[:cut]
         yield ReplySummary(
             text=text,
             token_ids=reply,
@@ -455,14 +459,6 @@ class MedusaEngine:
         return text[:-1] if text.endswith("\ufffd") else text
 
     @staticmethod
-    def _truncate(reply: list[int], eos: set[int], settings: GenerationSettings) -> list[int]:
-        for i, t in enumerate(reply):
-            if t in eos:
-                reply = reply[: i + 1]
-                break
-        return reply[: settings.max_new_tokens]
-
-    @staticmethod
     def _finished(
         reply: list[int],
         eos: set[int],
@@ -482,6 +478,57 @@ class MedusaEngine:
         """Forget the cached prefix (e.g. after a model-level change)."""
         self.cache.crop(0)
         self.cached_ids.clear()
+
+
+class StreamDecoder:
+    """Incremental detokenization in O(new tokens) per step (the TGI/vLLM method).
+
+    Decoding the whole reply every step would cost O(reply) per step. Instead decode a short window twice:
+    from `prefix` to the previous end and from `prefix` to the new end, and emit the difference. Starting the
+    window a step back keeps SentencePiece's leading spaces and multi-token characters right; an incomplete
+    UTF-8 character (U+FFFD at the end) is held back until a later token completes it.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet (a special token, or half a character)
+        delta = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def _keep_until_end(new: list[int], done: int, eos: set[int], max_new: int) -> tuple[list[int], str]:
+    """The new tokens up to and including an EOS, within the reply's length limit; and why it ends ("")."""
+    kept: list[int] = []
+    for t in new:
+        if done + len(kept) >= max_new:
+            return kept, "max_new_tokens"
+        kept.append(t)
+        if t in eos:
+            return kept, "eos"
+    return kept, "max_new_tokens" if done + len(kept) >= max_new else ""
+
+
+def _stop_string_cut_tail(text: str, new_chars: int, stop_strings: tuple[str, ...]) -> int | None:
+    """Index of the first stop string that ends in the last `new_chars` characters of `text` (earlier ones
+    were already checked), without scanning the whole reply."""
+    longest = max(len(s) for s in stop_strings)
+    start = max(0, len(text) - new_chars - longest + 1)
+    cut = _stop_string_cut(text[start:], stop_strings)
+    return None if cut is None else start + cut
 
 
 def _stop_string_cut(text: str, stop_strings: tuple[str, ...]) -> int | None:

