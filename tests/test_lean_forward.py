@@ -25,8 +25,9 @@ def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int =
     vocab = engine.backbone.config.vocab_size
     engine.cache = TreeKVCache(engine.backbone.config.num_hidden_layers, capacity=64)
     engine._mask_prefix, engine._mask = 0, engine._mask[..., :0]
-    prompt = torch.randint(3, vocab, (prompt_len,), generator=g)
-    tree_tokens = torch.randint(3, vocab, (engine.tree.size,), generator=g)
+    dev = engine.device
+    prompt = torch.randint(3, vocab, (prompt_len,), generator=g).to(dev)
+    tree_tokens = torch.randint(3, vocab, (engine.tree.size,), generator=g).to(dev)
     buf = engine.buffers
     out = []
     with torch.inference_mode():
@@ -39,8 +40,8 @@ def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int =
         out.append(runner.forward(tree_tokens, start + buf.depth, engine._tree_mask(start), engine.cache))
         engine.cache.keep(start, buf.leaf_paths[0], 3)
         n = engine.cache.length
-        one = torch.zeros((1, 1, 1, n + 1), dtype=engine.dtype)
-        out.append(runner.forward(tree_tokens[:1], torch.tensor([n]), one, engine.cache))
+        one = torch.zeros((1, 1, 1, n + 1), dtype=engine.dtype, device=dev)
+        out.append(runner.forward(tree_tokens[:1], torch.tensor([n], device=dev), one, engine.cache))
         out.append(engine.cache.buffer[..., : engine.cache.length, :].clone())
     return out
 
@@ -118,3 +119,14 @@ def test_unsupported_models_use_the_transformers_forward() -> None:
     for model in (gpt2, windowed, gelu):
         assert lean_forward_for(model) is None
         assert BackboneRunner(model).path == "transformers"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lean_forward_is_bitwise_transformers_on_cuda_fp16() -> None:
+    base = tiny_loaded("llama")
+    twin = copy.copy(base)
+    twin.backbone = copy.deepcopy(base.backbone).to("cuda", torch.float16)
+    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
+    twin.heads = copy.deepcopy(base.heads).to("cuda", torch.float16)
+    twin.device = torch.device("cuda")
+    _assert_bitwise(twin, Tree.named("mc_sim_7b_63"))
