@@ -222,4 +222,6 @@ def _supported(causal_lm: Any) -> bool:
         return False
     if not hasattr(body.norm, "variance_epsilon") or not hasattr(body, "rotary_emb"):
         return False
+    if any(hasattr(m, "_hf_hook") for m in causal_lm.modules()):
+        return False  # accelerate hooks (offloading, multi-device maps) live in __call__, which we skip
     return True

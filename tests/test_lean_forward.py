@@ -130,3 +130,16 @@ def test_lean_forward_is_bitwise_transformers_on_cuda_fp16() -> None:
     twin.heads = copy.deepcopy(base.heads).to("cuda", torch.float16)
     twin.device = torch.device("cuda")
     _assert_bitwise(twin, Tree.named("mc_sim_7b_63"))
+
+
+def test_models_with_accelerate_hooks_use_the_transformers_forward() -> None:
+    """Offloaded or multi-device models move tensors in accelerate hooks that run in nn.Module.__call__; the
+    lean forward calls `.forward` directly, so such models keep the transformers forward."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    model = _tiny(LlamaConfig(**common))
+    assert lean_forward_for(model) is not None
+    model.model.layers[0].mlp.up_proj._hf_hook = object()  # what accelerate's add_hook_to_module sets
+    model.__dict__.pop("_medusa_lean_forward", None)
+    assert lean_forward_for(model) is None
