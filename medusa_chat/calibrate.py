@@ -430,6 +430,13 @@ def load_calibration(
     return data
 
 
+def calibrated_source(cal: dict[str, Any]) -> str:
+    """Why this tree, for the UIs' tree line: "calibrated (1.8x est.)" or the plain-decoding verdict."""
+    if cal["tree_size"] == 1:
+        return "calibrated: plain decoding is fastest on this device"
+    return f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
+
+
 def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -> str:
     """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
     if cal is None:
@@ -480,7 +487,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
         and 1 <= cal["tree_size"] <= base.size
         and (cal.get("heads_stamp") is None or stamp is None or cal["heads_stamp"] == stamp)
     ):
-        return base.prefix(cal["tree_size"]), f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
+        return base.prefix(cal["tree_size"]), calibrated_source(cal)
     return base, "default"
 
 

@@ -165,7 +165,7 @@ class SessionManager:
 
             tree = self._resolve_tree(*self._tree_request, progress)
             if progress is not None:
-                progress(f"tree {tree.name} ({tree.size} nodes)")
+                progress(f"tree {tree.name} ({tree.size} node{'s' if tree.size != 1 else ''})")
             self.engine = MedusaEngine(self.loaded, tree=tree)
             self.conversation.model = self.loaded.spec.name
             self.baseline_tokens_per_s = _BASELINES.get(self._baseline_key())
@@ -214,7 +214,7 @@ class SessionManager:
         except (OSError, RuntimeError, ValueError) as err:  # a failed timing must not stop the chat
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
             return tree
-        self.tree_source = cal.describe_calibration(record).removeprefix("tree: ")
+        self.tree_source = cal.calibrated_source(record)
         return tree.prefix(record["tree_size"])
 
     @property

@@ -479,7 +479,9 @@ def model_panel_html(info: Mapping[str, object] | None, status: str, progress: S
     tree, size = rest.pop("tree", None), rest.pop("tree_size", None)
     source = rest.pop("tree_source", None)
     if tree is not None:
-        main["tree"] = (f"{tree} ({size} nodes)" if size else str(tree)) + (f", {source}" if source else "")
+        main["tree"] = (f"{tree} ({size} node{'s' if size != 1 else ''})" if size else str(tree)) + (
+            f", {source}" if source else ""
+        )
     if "baseline_tokens_per_s" in rest:
         base = rest.pop("baseline_tokens_per_s")
         main["plain decoding"] = (

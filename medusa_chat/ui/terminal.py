@@ -129,7 +129,12 @@ def info_panel(info: dict[str, Any]) -> Panel:
                 continue  # the model's default tree; the one in use is below
             grid.add_row(key, Text(value.strip()))
         source = f", {info['tree_source']}" if info.get("tree_source") else ""
-        grid.add_row("tree", Text(f"{info.get('tree')} ({info.get('tree_size')} nodes){source}"))
+        grid.add_row(
+            "tree",
+            Text(
+                f"{info.get('tree')} ({info.get('tree_size')} node{'s' if info.get('tree_size') != 1 else ''}){source}"
+            ),
+        )
         grid.add_row("acceptance", Text(str(info.get("accept_mode"))))
     else:
         keys = [k for k in INFO_ORDER if k in info] + [k for k in info if k not in INFO_ORDER]
