@@ -117,10 +117,11 @@ class BackboneRunner:
         self.model = causal_lm
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = self.lean.lm_head if self.lean is not None else causal_lm.get_output_embeddings()
-        if self.lean is None:
-            self.path = "transformers"
-        else:
-            self.path = "lean, oneDNN-packed bf16" if self.lean.packed_any else "lean"
+        self.path = (
+            "transformers"
+            if self.lean is None
+            else "lean" + (", oneDNN-packed bf16" if self.lean.packed_any else "")
+        )
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: TreeKVCache

@@ -183,8 +183,8 @@ class SessionManager:
     def _resolve_tree(
         self, name: str | None, size: int | None, progress: Callable[[str], None] | None = None
     ) -> Tree:
-        # --tree/--tree-size win; else this device's cached calibration (`medusa-chat calibrate`); else the
-        # model's default tree. The reason is shown in the UIs' model panel ("tree_source").
+        # --tree/--tree-size win; else this device's cached calibration; else (on a CPU) calibrate once now;
+        # else the model's default tree. The reason is shown in the UIs' model panel ("tree_source").
         from medusa_chat.calibrate import choose_tree
 
         assert self.loaded is not None
