@@ -33,6 +33,7 @@ import torch
 from medusa_chat.cli import int_list
 from medusa_chat.decoding import (
     BackboneRunner,
+    HydraDrafter,
     TreeKVCache,
     best_path,
     greedy_node_ok,
@@ -40,6 +41,7 @@ from medusa_chat.decoding import (
 )
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.heads import HydraHeads
 from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
@@ -134,6 +136,7 @@ def _tree_step(
     positions: torch.Tensor,
     mask: torch.Tensor,
     buf: TreeBuffers,
+    drafter: HydraDrafter | None = None,
 ) -> None:
     """One verification step as MedusaEngine.generate runs it (greedy), then the cache is put back to `start`.
 
@@ -151,9 +154,12 @@ def _tree_step(
     last = path.gather(0, count.view(1))
     # the bonus token and the next step's guesses, from the last accepted node only (the engine's own code)
     logits, guesses = next_logits_and_guesses(lm_head, heads, hidden.index_select(0, last), buf.top_k)
-    parts = [tokens, path, count[None].to(tokens.dtype), logits.argmax(-1, keepdim=True)]
+    bonus = logits.argmax(-1, keepdim=True)
+    parts = [tokens, path, count[None].to(tokens.dtype), bonus]
     if guesses is not None:
         parts.append(guesses)
+    if drafter is not None:  # Hydra heads draft the next tree from the bonus token (the engine's propose)
+        parts.append(drafter.propose(bonus, hidden.index_select(0, last)))
     torch.cat(parts).tolist()  # the step's single host sync, as in the engine
     cache.keep(start, path, 1)
     cache.crop(start)
@@ -223,6 +229,7 @@ def measure_step_latency(
             pos,
             mask,
             buf,
+            HydraDrafter(heads, backbone, buf) if with_heads and isinstance(heads, HydraHeads) else None,
         )
         for _ in range(warmup):
             _tree_step(*step_args[n])

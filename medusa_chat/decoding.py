@@ -7,7 +7,8 @@
         accept    longest tree path the backbone agrees with (greedy or typical)   (vectorised, on device)
         commit    keep the accepted tokens' KV entries in place, drop the rest      (one index_select)
         bonus     the backbone's own next token after the accepted path = next root (no extra forward)
-        guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus)
+        guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus);
+                  Hydra heads instead draft at the next propose, depth by depth from the root (HydraDrafter)
 
 One host sync per step (to learn how many tokens were accepted), tree buffers built once per tree, and a
 preallocated KV cache whose accepted entries are compacted in place: nothing per step grows with the
@@ -27,8 +28,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
-from medusa_chat.heads import MedusaHeads
-from medusa_chat.lean_forward import lean_forward_for
+from medusa_chat.heads import HydraHeads, MedusaHeads
+from medusa_chat.lean_forward import fast_linear, lean_forward_for, want_packing
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def next_logits_and_guesses(
     With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
     device the vocab projection costs a full read of its weight however few rows it has.
     """
-    if heads is None:
+    if heads is None or isinstance(heads, HydraHeads):  # Hydra heads draft after the root is known
         return lm_head(hidden)[0].float(), None
     if heads.own_lm_head:
         logits = lm_head(hidden)[0].float()
@@ -212,6 +213,65 @@ def next_logits_and_guesses(
         both = lm_head(rows)
         logits, head_logits = both[0].float(), both[1:]
     return logits, head_logits.topk(top_k, dim=-1).indices.flatten()
+
+
+class HydraDrafter:
+    """Fills a tree depth by depth with Hydra heads (heads.py): a node's children are the top-k of head d on
+    the state that folded in every token on the node's path, starting from the root (the bonus token).
+
+    Per step: one cell + ResBlocks + draft-vocabulary projection + top-k per depth, on the nodes of that depth
+    that have children; the index buffers come from the tree (built once), everything stays on the device.
+    The projection is the lm_head's draft-vocabulary rows, in the backbone's dtype (packed for oneDNN like
+    the lm_head where the lean forward packs), so a depth reads ~1/6 of the full lm_head.
+    """
+
+    def __init__(self, heads: HydraHeads, backbone: torch.nn.Module, buf: TreeBuffers) -> None:
+        self.heads = heads
+        self.embed = backbone.get_input_embeddings()
+        weight = backbone.get_output_embeddings().weight
+        if not weight.is_floating_point():
+            raise TypeError(
+                "Hydra heads need a floating-point lm_head (quantized lm_heads are not supported)"
+            )
+        vocab = heads.draft_vocab.to(weight.device)
+        proj = torch.nn.Linear(
+            weight.shape[1], vocab.numel(), bias=False, device=weight.device, dtype=weight.dtype
+        )
+        proj.weight.data.copy_(weight.detach().index_select(0, vocab))
+        proj.requires_grad_(False)
+        self.project = fast_linear(proj, want_packing() and weight.device.type == "cpu")
+        self.proj_dtype = weight.dtype
+        self.draft_vocab = vocab
+        self.levels = buf.levels
+        self.size = buf.tree.size
+        self.dtype = next(heads.parameters()).dtype
+
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
+        tokens = root.new_zeros(self.size)
+        tokens[:1] = root
+        state = self.heads.draft(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
+        for d, level in enumerate(self.levels):
+            x = state.index_select(0, level.internal_rows)
+            for block in self.heads[d]:
+                x = block(x)
+            top = self.project(x.to(self.proj_dtype)).topk(level.top_k, dim=-1).indices
+            child = self.draft_vocab[top[level.child_slot, level.child_rank]]
+            tokens.index_copy_(0, level.child_nodes, child)
+            if d + 1 < len(self.levels):
+                state = self.heads.draft(state.index_select(0, level.child_parent_row), self.embed(child))
+        return tokens
+
+
+def propose(
+    root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: HydraDrafter | None
+) -> torch.Tensor:
+    """The tree's tokens [N]. `draft` is the Medusa heads' flat top-k guesses, or for Hydra heads the last
+    accepted node's hidden state (their guesses depend on the root, known only now)."""
+    if drafter is not None and draft is not None:
+        return drafter.propose(root, draft)
+    flat = torch.cat([root, draft]) if draft is not None else root
+    return flat[buf.candidate_index]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -240,6 +300,11 @@ class MedusaEngine:
             tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
+        self.drafter = (
+            HydraDrafter(self.heads, self.backbone, self.buffers)
+            if isinstance(self.heads, HydraHeads) and tree.size > 1
+            else None
+        )
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
         self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)
@@ -280,8 +345,10 @@ class MedusaEngine:
         return self.runner.forward(ids, positions, mask, self.cache)
 
     def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
         heads = self.heads if self.tree.size > 1 else None
-        return next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
+        logits, guesses = next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
+        return logits, (hidden if self.drafter is not None else guesses)
 
     def _text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -362,8 +429,7 @@ class MedusaEngine:
                 break
             step_t0 = time.perf_counter()
             # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
-            flat = torch.cat([root, guesses]) if guesses is not None else root
-            tokens = flat[buf.candidate_index]
+            tokens = propose(root, guesses, buf, self.drafter)
             # verify
             hidden = self._forward(tokens, start + buf.depth, self._tree_mask(start))
             # accept: only nodes with children need full-vocab logits to judge their children (about a third

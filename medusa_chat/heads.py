@@ -7,6 +7,9 @@ Head k at position t guesses the token at t + 2 + k (head 0 = the token after ne
 
 The module's state dict uses exactly the published key names (`{h}.{l}.linear.weight`, ...), so a saved file
 is readable by the reference implementation and by TGI/vLLM-style servers.
+
+A third layout is this project's own, "hydra" (`HydraHeads`): v2 heads whose guesses also depend on the draft
+tokens before them (Hydra, Ankner et al. 2024), projected onto a frequent-token draft vocabulary.
 """
 
 from __future__ import annotations
@@ -105,6 +108,91 @@ class MedusaHeads(nn.ModuleList):
         return cfg
 
 
+class TokenCell(nn.Module):
+    """Folds one draft token into a running state: u' = u + SiLU(W [u ; e / rms(e)] + b).
+
+    W = 0 at initialisation, so a fresh cell is the identity and Hydra heads start as the Medusa heads they
+    are initialised from. The embedding is RMS-normalised so its scale matches the final-norm hidden state.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, state: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        e = embedding.to(state.dtype)
+        e = e * torch.rsqrt(e.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(e.dtype)
+        return state + F.silu(self.linear(torch.cat([state, e], dim=-1)))
+
+
+class HydraHeads(MedusaHeads):
+    """Sequentially dependent heads (Hydra): head k also sees the draft tokens x_{t+1} .. x_{t+1+k}.
+
+    Medusa head k must guess x_{t+2+k} without knowing the tokens in between, so its guesses for later
+    positions are marginals over every possible path; on the tree, the path *is* known. With u_0 = h_t:
+
+        u_{k+1} = cell(u_k, embed(x_{t+1+k}))          one shared TokenCell (small: 2H x H)
+        logits_k = lm_head[draft_vocab](ResBlocks_k(u_{k+1}))
+
+    x_{t+1} is the root (the backbone's own next token), so even head 0 knows the token before its target.
+    `draft_vocab` is a frequency-ranked subset of the vocabulary (FR-Spec style): the heads then run one small
+    projection per tree depth instead of a full-vocabulary one, and training is as much cheaper. Tokens
+    outside it are never guessed; verification is unchanged, so output is exactly what plain decoding gives.
+
+    The ResBlocks keep the v2 key names (`{h}.{l}.linear.weight`); the cell is `draft.linear.*` and the
+    vocabulary `draft_vocab`. With the cell's weight at zero this computes exactly v2 Medusa heads.
+    """
+
+    def __init__(
+        self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, draft_vocab: torch.Tensor
+    ) -> None:
+        super().__init__(hidden_size, vocab_size, num_heads, num_layers, own_lm_head=False)
+        self.draft = TokenCell(hidden_size)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.int64).clone())
+
+    @property
+    def format(self) -> str:
+        return "hydra"
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.draft_vocab.numel())
+
+    def step(self, k: int, state: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One depth: fold the token before head k's target into `state`; return (new state, head k features)."""
+        state = self.draft(state, embedding)
+        x = state
+        for block in self[k]:
+            x = block(x)
+        return state, x
+
+    def features_teacher_forced(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """Training/evaluation: hidden [B, H], embeddings [B, K, H] of the true x_{t+1..t+K} -> [K, B, H]."""
+        state = hidden.to(self[0][0].linear.weight.dtype)
+        outs = []
+        for k in range(self.num_heads):
+            state, x = self.step(k, state, embeddings[:, k])
+            outs.append(x)
+        return torch.stack(outs)
+
+    def vocab_index(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] long: each token's index in `draft_vocab`, -2 for tokens outside it (never guessed)."""
+        index = torch.full((vocab_size,), -2, dtype=torch.long, device=self.draft_vocab.device)
+        index[self.draft_vocab] = torch.arange(self.draft_vocab_size, device=self.draft_vocab.device)
+        return index
+
+    def config_dict(self, base_model: str) -> dict:
+        cfg = super().config_dict(base_model)
+        cfg["version"] = "hydra"
+        cfg["draft_vocab_size"] = self.draft_vocab_size
+        return cfg
+
+
+HYDRA_KEYS = ("draft.linear.weight", "draft.linear.bias", "draft_vocab")
+
+
 def infer_layout(state_dict: dict[str, torch.Tensor]) -> tuple[int, int, bool, int, int | None]:
     """Read (num_heads, num_layers, own_lm_head, hidden_size, vocab_size) from published keys.
 
@@ -113,6 +201,8 @@ def infer_layout(state_dict: dict[str, torch.Tensor]) -> tuple[int, int, bool, i
     """
     heads: dict[int, set[str]] = {}
     for key in state_dict:
+        if key in HYDRA_KEYS:
+            continue
         first, _, rest = key.partition(".")
         if not first.isdigit() or not rest:
             raise ValueError(f"unexpected key {key!r} (expected '<head>.<layer>.…')")
@@ -136,8 +226,22 @@ def infer_layout(state_dict: dict[str, torch.Tensor]) -> tuple[int, int, bool, i
 
 
 def heads_from_state_dict(state_dict: dict[str, torch.Tensor], vocab_size: int | None = None) -> MedusaHeads:
-    """Build MedusaHeads whose layout matches `state_dict` and load it strictly."""
+    """Build MedusaHeads (or HydraHeads, when the Hydra tensors are there) matching `state_dict`; load strictly."""
     num_heads, num_layers, own, hidden, vocab = infer_layout(state_dict)
+    hydra = [k for k in HYDRA_KEYS if k in state_dict]
+    if hydra:
+        if len(hydra) != len(HYDRA_KEYS) or own:
+            raise ValueError(f"incomplete Hydra heads: has {hydra} of {list(HYDRA_KEYS)}")
+        dv = state_dict["draft_vocab"]
+        if dv.dim() != 1 or dv.is_floating_point() or dv.numel() == 0:
+            raise ValueError("draft_vocab must be a 1-D integer tensor of token ids")
+        if state_dict["draft.linear.weight"].shape != (hidden, 2 * hidden):
+            raise ValueError(f"draft cell weight has shape {tuple(state_dict['draft.linear.weight'].shape)}")
+        heads = HydraHeads(hidden, vocab_size or 0, num_heads, num_layers, dv)
+        heads.load_state_dict(
+            {k: (v if k == "draft_vocab" else v.float()) for k, v in state_dict.items()}, strict=True
+        )
+        return heads
     heads = MedusaHeads(hidden, vocab or vocab_size or 0, num_heads, num_layers, own_lm_head=own)
     heads.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     return heads

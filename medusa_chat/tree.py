@@ -163,6 +163,46 @@ class Tree:
 
 
 @dataclass
+class TreeLevel:
+    """One depth of a tree, for drafters that fill it depth by depth (Hydra heads): the nodes at depth d + 1
+    are the children of some nodes at depth d. Rows refer to the nodes at a depth in tree order."""
+
+    internal_rows: torch.Tensor  # [I] rows (among depth-d nodes) that have children: they get logits
+    child_nodes: torch.Tensor  # [C] node indices at depth d + 1, in tree order (= the rows of depth d + 1)
+    child_slot: torch.Tensor  # [C] each child's parent, as a position in internal_rows
+    child_parent_row: torch.Tensor  # [C] each child's parent, as a row among the depth-d nodes
+    child_rank: torch.Tensor  # [C] each child's rank in its parent's top-k
+    top_k: int
+
+
+def tree_levels(tree: Tree, device: torch.device) -> list[TreeLevel]:
+    at_depth: list[list[int]] = [[] for _ in range(tree.depth + 1)]
+    for node, d in enumerate(tree.depths):
+        at_depth[d].append(node)
+    levels = []
+    for d in range(tree.depth):
+        row = {node: i for i, node in enumerate(at_depth[d])}
+        children = at_depth[d + 1]
+        internal = sorted({tree.parents[c] for c in children}, key=row.__getitem__)
+        slot = {node: i for i, node in enumerate(internal)}
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        levels.append(
+            TreeLevel(
+                internal_rows=t([row[p] for p in internal]),
+                child_nodes=t(children),
+                child_slot=t([slot[tree.parents[c]] for c in children]),
+                child_parent_row=t([row[tree.parents[c]] for c in children]),
+                child_rank=t([tree.ranks[c] for c in children]),
+                top_k=max(tree.ranks[c] for c in children) + 1,
+            )
+        )
+    return levels
+
+
+@dataclass
 class TreeBuffers:
     """Device tensors for one tree, built once and reused every step."""
 
@@ -177,6 +217,7 @@ class TreeBuffers:
     leaf_paths: torch.Tensor  # [num_leaves, depth + 1] long, node indices root..leaf, padded with N
     internal: torch.Tensor  # [I] long: nodes with children (only their logits are needed to verify)
     parent_slot: torch.Tensor  # [N] long: position of each node's parent in `internal` (root: 0, unused)
+    levels: list[TreeLevel]  # depth by depth, for drafters that need the parent's token (Hydra)
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device, dtype: torch.dtype, top_k: int) -> TreeBuffers:
@@ -205,4 +246,5 @@ class TreeBuffers:
             leaf_paths=leaf_paths.to(device),
             internal=torch.tensor(internal, dtype=torch.long, device=device),
             parent_slot=torch.tensor(parent_slot, dtype=torch.long, device=device),
+            levels=tree_levels(tree, device),
         )

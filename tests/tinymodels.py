@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from medusa_chat.heads import MedusaHeads
+from medusa_chat.heads import HydraHeads, MedusaHeads
 from medusa_chat.tree import Tree
 
 VOCAB = 512
@@ -125,6 +125,47 @@ def _distilled_heads(arch: str, num_heads: int = 4) -> MedusaHeads:
     return heads.eval().requires_grad_(False)
 
 
+@functools.cache
+def _distilled_hydra_heads(arch: str, num_heads: int = 4, draft_vocab: int = 384) -> HydraHeads:
+    """Hydra heads trained by the real pipeline (train_heads, teacher forcing) on the same distilled data,
+    warm-started from the Medusa heads; a draft vocabulary smaller than the vocabulary, so tokens outside it
+    occur."""
+    from medusa_chat.training.train_heads import (
+        PositionData,
+        TrainSettings,
+        draft_vocabulary,
+        hidden_states_for,
+        new_heads,
+        train_heads,
+        warm_start_,
+    )
+
+    model = _load_backbone(arch, "none")
+    prompts = torch.tensor(training_prompts())
+    with torch.no_grad():
+        seqs = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=90, do_sample=False
+        )
+    samples = [(i, row.tolist(), prompts.shape[1]) for i, row in enumerate(seqs)]
+    data: PositionData = hidden_states_for(model, samples, store_dtype=torch.float32)
+    s = TrainSettings(
+        num_heads=num_heads,
+        heads_format="hydra",
+        draft_vocab_size=draft_vocab,
+        epochs=15,
+        batch_size=256,
+        lr=1e-2,
+        bf16=False,
+    )
+    lm_head = model.get_output_embeddings()
+    heads = new_heads(s, lm_head, HIDDEN, VOCAB, draft_vocabulary(data, draft_vocab, VOCAB))
+    warm_start_(heads, _distilled_heads(arch, num_heads))
+    torch.manual_seed(0)
+    embed = model.get_input_embeddings().weight.detach()
+    train_heads(heads, lm_head.weight, data, s, torch.device("cpu"), log=lambda m: None, embed_weight=embed)
+    return heads.eval().requires_grad_(False)
+
+
 def training_prompts() -> list[list[int]]:
     """The prompts the tiny heads were distilled on: replies to them accept several tokens per step."""
     g = torch.Generator().manual_seed(42)
@@ -132,8 +173,9 @@ def training_prompts() -> list[list[int]]:
 
 
 @functools.cache
-def tiny_loaded(arch: str = "llama", quant: str = "none") -> TinyLoaded:
-    return TinyLoaded(_load_backbone(arch, quant), _distilled_heads(arch), word_tokenizer())
+def tiny_loaded(arch: str = "llama", quant: str = "none", heads: str = "v2") -> TinyLoaded:
+    trained = _distilled_hydra_heads(arch) if heads == "hydra" else _distilled_heads(arch)
+    return TinyLoaded(_load_backbone(arch, quant), trained, word_tokenizer())
 
 
 def hf_greedy(loaded: TinyLoaded, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

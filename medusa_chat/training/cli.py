@@ -96,9 +96,23 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = _Adder(parser, "heads training")
     g.add_argument(
         "--heads-format",
-        choices=["v1", "v2"],
+        choices=["v1", "v2", "hydra"],
         default="v2",
-        help="v2: shared lm_head, small files (default); v1: a vocab projection per head",
+        help="v2: shared lm_head, small files (default); v1: a vocab projection per head; hydra: v2 heads "
+        "that also see the draft tokens before their target (this project's format, more tokens per step)",
+    )
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="hydra: guess among the N most frequent reply tokens (default 8192)",
+    )
+    g.add_argument(
+        "--init-from",
+        metavar="DIR",
+        default=None,
+        help="warm-start from trained heads of the same shape (e.g. v2 heads -> hydra)",
     )
     g.add_argument("--num-heads", type=int, default=4)
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
@@ -178,6 +192,11 @@ def train_main(args: argparse.Namespace) -> int:
     if (work / "distill" / "manifest.json").exists() and not args.resume:
         print(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         return 2
+    init_from = None
+    if args.init_from:
+        from medusa_chat.loading import load_heads_file
+
+        init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
     if args.prompts:
         try:
             read_prompt_file(args.prompts)  # fail now, not after loading the model
@@ -226,6 +245,7 @@ def train_main(args: argparse.Namespace) -> int:
         num_heads=args.num_heads,
         num_layers=args.num_layers,
         heads_format=args.heads_format,
+        draft_vocab_size=args.draft_vocab,
         epochs=args.epochs,
         batch_size=args.train_batch_size or (4096 if cuda else 256),
         lr=args.lr,
@@ -245,6 +265,8 @@ def train_main(args: argparse.Namespace) -> int:
         resume=args.resume,
         tree_budget=args.tree_budget,
         log=log,
+        embed_weight=model.get_input_embeddings().weight.detach(),
+        init_from=init_from,
         extra_report={
             "distill": {
                 "model": str(args.model),

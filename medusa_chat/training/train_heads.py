@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from medusa_chat.heads import MedusaHeads
+from medusa_chat.heads import HydraHeads, MedusaHeads
 from medusa_chat.training.distill import DistillStore, Log, atomic_torch_save, atomic_write_json
 
 MAX_CACHED_HEADS = 8  # targets are cached for up to this many heads, so K can change without a new pass
@@ -181,7 +181,8 @@ def heldout_mask(sample: torch.Tensor, frac: float) -> torch.Tensor:
 class TrainSettings:
     num_heads: int = 4
     num_layers: int = 1
-    heads_format: str = "v2"  # v2: shared lm_head (small files); v1: one projection per head
+    heads_format: str = "v2"  # v2: shared lm_head (small files); v1: one projection per head; hydra (ours)
+    draft_vocab_size: int = 8192  # hydra only: heads guess among the most frequent reply tokens
     epochs: float = 2.0
     batch_size: int = 256
     lr: float = 1e-3
@@ -207,12 +208,22 @@ def use_bf16(settings: TrainSettings, device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
 
 
-def new_heads(settings: TrainSettings, lm_head: nn.Module, hidden_size: int, vocab_size: int) -> MedusaHeads:
+def new_heads(
+    settings: TrainSettings,
+    lm_head: nn.Module,
+    hidden_size: int,
+    vocab_size: int,
+    draft_vocab: torch.Tensor | None = None,
+) -> MedusaHeads:
     """Paper init: ResBlocks start as the identity (W = 0, in ResBlock), v1 projections copy lm_head."""
     if settings.num_heads > MAX_CACHED_HEADS:
         raise ValueError(f"at most {MAX_CACHED_HEADS} heads (targets are cached for that many)")
-    if settings.heads_format not in ("v1", "v2"):
-        raise ValueError(f"heads format must be v1 or v2, not {settings.heads_format!r}")
+    if settings.heads_format not in ("v1", "v2", "hydra"):
+        raise ValueError(f"heads format must be v1, v2 or hydra, not {settings.heads_format!r}")
+    if settings.heads_format == "hydra":
+        if draft_vocab is None:
+            raise ValueError("Hydra heads need a draft vocabulary (see draft_vocabulary)")
+        return HydraHeads(hidden_size, vocab_size, settings.num_heads, settings.num_layers, draft_vocab)
     heads = MedusaHeads(
         hidden_size, vocab_size, settings.num_heads, settings.num_layers, settings.heads_format == "v1"
     )
@@ -220,11 +231,49 @@ def new_heads(settings: TrainSettings, lm_head: nn.Module, hidden_size: int, voc
     return heads
 
 
-def head_logits(heads: MedusaHeads, hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-    """[B, H] -> [K, B, V]. v2 shares the frozen lm_head (`lm_weight`); v1 uses each head's projection."""
+def head_projection(heads: MedusaHeads, lm_weight: torch.Tensor) -> torch.Tensor:
+    """The frozen projection shared heads use: the lm_head, or its draft-vocabulary rows for Hydra heads."""
+    if isinstance(heads, HydraHeads):
+        return lm_weight.index_select(0, heads.draft_vocab.to(lm_weight.device))
+    return lm_weight
+
+
+def head_targets(heads: MedusaHeads, targets: torch.Tensor, vocab_index: torch.Tensor | None) -> torch.Tensor:
+    """[B, 1 + M] cached targets -> [B, K] class indices for the heads' logits (-1 none, -2 outside the draft
+    vocabulary: a sure miss, left out of the loss)."""
+    t = targets[:, 1 : 1 + heads.num_heads].long()
+    if vocab_index is None:
+        return t
+    return torch.where(t >= 0, vocab_index[t.clamp_min(0)], t)
+
+
+def head_logits(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    proj_weight: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    embed_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, H] -> [K, B, V']. v2 shares the frozen lm_head (`proj_weight`, see head_projection); v1 uses each
+    head's projection. Hydra heads are teacher-forced: head k sees the true tokens x_{t+1..t+1+k}, read from
+    the cached `targets` (columns 0..K-1) and embedded with the backbone's input embeddings."""
+    if isinstance(heads, HydraHeads):
+        if targets is None or embed_weight is None:
+            raise ValueError("Hydra heads need the cached targets and the backbone's input embeddings")
+        inputs = targets[:, : heads.num_heads].long().clamp_min(0)  # past the reply's end: no target anyway
+        emb = F.embedding(inputs, embed_weight)
+        return F.linear(heads.features_teacher_forced(hidden, emb), proj_weight)
     if heads.own_lm_head:
         return heads(hidden)
-    return F.linear(heads.features(hidden), lm_weight)
+    return F.linear(heads.features(hidden), proj_weight)
+
+
+def draft_vocabulary(train: PositionData, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent reply tokens in the training data (ties by id), most frequent first."""
+    t = train.targets[:, 0].long()
+    counts = torch.bincount(t[t >= 0], minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.float64) * 1e-9  # deterministic tie order
+    return counts.topk(min(size, vocab_size)).indices
 
 
 def head_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -308,6 +357,7 @@ def train_heads(
     deadline: float | None = None,
     log: Log = print,
     stop_after_steps: int | None = None,
+    embed_weight: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train `heads` in place on cached positions. Resumable from `checkpoint`; stops by `deadline`.
 
@@ -319,9 +369,10 @@ def train_heads(
     k = settings.num_heads
     bf16 = use_bf16(settings, device)
     heads.to(device).train()
-    lm_weight = lm_weight.detach().to(device)
+    lm_weight = head_projection(heads, lm_weight.detach().to(device))
     if bf16 and not heads.own_lm_head:
         lm_weight = lm_weight.to(torch.bfloat16)  # cast the frozen projection once, not every step
+    vocab_index, embed = _hydra_inputs(heads, embed_weight, device, bf16)
     n = len(train)
     if n == 0:
         raise ValueError("no training positions: generate data first")
@@ -388,9 +439,10 @@ def train_heads(
                 perm, perm_epoch = torch.randperm(n, generator=g).to(hidden.device), epoch
             idx = perm[off * settings.batch_size : (off + 1) * settings.batch_size]
             h = hidden[idx].to(device, non_blocking=True).float()
-            tg = targets[idx].to(device, non_blocking=True)[:, 1 : 1 + k]
+            raw = targets[idx].to(device, non_blocking=True)
+            tg = head_targets(heads, raw, vocab_index)
             with amp:
-                logits = head_logits(heads, h, lm_weight)
+                logits = head_logits(heads, h, lm_weight, raw, embed)
             losses = head_losses(logits, tg)
             loss = (losses * weights).sum()
             opt.zero_grad(set_to_none=True)
@@ -420,7 +472,9 @@ def train_heads(
             bar.update(step, info, total=plan["total"])
             end_of_epoch = step % steps_per_epoch == 0 or step == plan["total"]
             if end_of_epoch and heldout is not None and len(heldout):
-                hl = heldout_loss(heads, lm_weight, heldout, k, device, bf16, settings.head_decay)
+                hl = heldout_loss(
+                    heads, lm_weight, heldout, k, device, bf16, settings.head_decay, vocab_index, embed
+                )
                 epoch_losses.append(hl)
                 if hl < best_loss:
                     best_loss, best_epoch = hl, math.ceil(step / steps_per_epoch)
@@ -463,9 +517,12 @@ def heldout_loss(
     device: torch.device,
     bf16: bool,
     decay: float,
+    vocab_index: torch.Tensor | None = None,
+    embed: torch.Tensor | None = None,
     max_positions: int = 20000,
     batch_size: int = 1024,
 ) -> float:
+    """Weighted held-out loss; `lm_weight` is already the heads' projection (head_projection)."""
     was = heads.training
     heads.eval()
     n = min(len(data), max_positions)
@@ -473,9 +530,10 @@ def heldout_loss(
     w = torch.tensor([decay**i for i in range(k)], device=device)
     for s in range(0, n, batch_size):
         h = data.hidden[s : s + batch_size].to(device).float()
-        tg = data.targets[s : s + batch_size].to(device)[:, 1 : 1 + k]
+        raw = data.targets[s : s + batch_size].to(device)
+        tg = head_targets(heads, raw, vocab_index)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = head_logits(heads, h, lm_weight)
+            logits = head_logits(heads, h, lm_weight, raw, embed)
         tot += float((head_losses(logits, tg) * w).sum()) * h.shape[0]
         cnt += h.shape[0]
     heads.train(was)
@@ -494,6 +552,7 @@ def evaluate_heads(
     max_rank: int = MAX_RANK,
     batch_size: int = 512,
     joint_top: int = JOINT_TOP,
+    embed_weight: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Held-out accuracies in fp32 (as the heads will run on CPU).
 
@@ -505,22 +564,24 @@ def evaluate_heads(
     """
     heads.eval().to(device)
     w = lm_weight.detach().to(device).float()
+    proj = head_projection(heads, w)
+    vocab_index, embed = _hydra_inputs(heads, embed_weight, device, False)
     k = heads.num_heads
     ranks_all, valid_all, loss_sum, loss_cnt = [], [], torch.zeros(k), torch.zeros(k)
     agree = agree_n = 0
     for s in range(0, len(data), batch_size):
         h = data.hidden[s : s + batch_size].to(device).float()
         tg = data.targets[s : s + batch_size].to(device).long()
-        logits = head_logits(heads, h, w)  # [K, B, V]
+        logits = head_logits(heads, h, proj, tg, embed)  # [K, B, V']
         top = logits.topk(max_rank, dim=-1).indices  # [K, B, R]
-        t = tg[:, 1 : 1 + k].T  # [K, B]
+        t = head_targets(heads, tg, vocab_index).T  # [K, B]
         hit = top == t.unsqueeze(-1)
         rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(t, max_rank))
-        valid = t >= 0
+        valid = t != -1  # -2 (outside a Hydra draft vocabulary) is a target the heads always miss
         ranks_all.append(rank.T.to(torch.int16).cpu())
         valid_all.append(valid.T.cpu())
         for i in range(k):
-            v = valid[i]
+            v = t[i] >= 0
             if bool(v.any()):
                 loss_sum[i] += float(F.cross_entropy(logits[i][v], t[i][v], reduction="sum"))
                 loss_cnt[i] += int(v.sum())
@@ -559,6 +620,18 @@ def evaluate_heads(
         "backbone_agreement": round(agree / max(1, agree_n), 5),
         "joint": joint_path_probs(steps, max_rank, joint_top),
     }
+
+
+def _hydra_inputs(
+    heads: MedusaHeads, embed_weight: torch.Tensor | None, device: torch.device, bf16: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(target -> draft-vocab index map, input embeddings on the device) for Hydra heads; (None, None) else."""
+    if not isinstance(heads, HydraHeads):
+        return None, None
+    if embed_weight is None:
+        raise ValueError("Hydra heads need the backbone's input embeddings (embed_weight=)")
+    embed = embed_weight.detach().to(device, torch.bfloat16 if bf16 else torch.float32)
+    return heads.vocab_index(embed.shape[0]).to(device), embed
 
 
 def joint_path_probs(steps: torch.Tensor, max_rank: int, top: int) -> dict[str, Any]:
@@ -606,7 +679,10 @@ def save_heads(
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in heads.state_dict().items()}
+    tensors = {
+        k: v.detach().to("cpu", dtype if v.is_floating_point() else torch.int32).contiguous()
+        for k, v in heads.state_dict().items()
+    }
     tmp = out_dir / f".{HEADS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.chmod(0o644)  # safetensors writes 0600; the folder is meant to be shared
@@ -619,7 +695,28 @@ def save_heads(
 def heads_file_bytes(settings: TrainSettings, hidden: int, vocab: int) -> int:
     per_layer = hidden * hidden + hidden
     proj = hidden * vocab if settings.heads_format == "v1" else 0
-    return settings.num_heads * (settings.num_layers * per_layer + proj) * 2
+    heads = settings.num_heads * (settings.num_layers * per_layer + proj) * 2
+    if settings.heads_format == "hydra":  # the shared token cell (fp16) and the draft vocabulary (int32)
+        return heads + (2 * hidden * hidden + hidden) * 2 + settings.draft_vocab_size * 4
+    return heads
+
+
+def warm_start_(heads: MedusaHeads, trained: MedusaHeads) -> None:
+    """Copy the ResBlocks (and v1 projections; the token cell between Hydra heads) of `trained` into `heads`.
+
+    Shapes must match (K, layers, hidden size). The draft vocabulary is not copied: a Hydra run picks its own
+    from its data, and the cell and ResBlocks do not depend on it."""
+    mine = heads.state_dict()
+    own_keys = [k for k in mine if k[0].isdigit() or k.startswith("draft.linear.")]
+    theirs = {k: v for k, v in trained.state_dict().items() if k in own_keys}
+    needed = [k for k in own_keys if k[0].isdigit()]  # the cell may stay at zero (Medusa -> Hydra)
+    bad = [k for k, v in theirs.items() if v.shape != mine[k].shape]
+    if bad or any(k not in theirs for k in needed):
+        raise ValueError(
+            f"cannot warm-start {heads.num_heads}x{heads.num_layers} {heads.format} heads from "
+            f"{trained.num_heads}x{trained.num_layers} {trained.format} heads"
+        )
+    heads.load_state_dict({**mine, **{k: v.float() for k, v in theirs.items()}})
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -647,13 +744,24 @@ def train_and_save(
     tree_budget: int = 64,
     log: Log = print,
     extra_report: dict[str, Any] | None = None,
+    embed_weight: torch.Tensor | None = None,
+    init_from: MedusaHeads | None = None,
 ) -> dict[str, Any]:
-    """Train one head configuration and write the published folder + accuracy.json + tree.json."""
+    """Train one head configuration and write the published folder + accuracy.json + tree.json.
+
+    Hydra heads need `embed_weight` (the backbone's input embeddings); `init_from` warm-starts from trained
+    heads of the same shape (Medusa v2 heads into Hydra: the ResBlocks are copied, the token cell starts at
+    zero, so training starts from exactly the Medusa heads' accuracy)."""
     from medusa_chat.training.fit_tree import fit_tree, size_summary
 
     weight = lm_head.weight.detach()
     vocab, hidden = weight.shape
-    heads = new_heads(settings, lm_head, hidden, vocab)
+    draft_vocab = None
+    if settings.heads_format == "hydra":
+        draft_vocab = draft_vocabulary(train, settings.draft_vocab_size, vocab)
+    heads = new_heads(settings, lm_head, hidden, vocab, draft_vocab)
+    if init_from is not None:
+        warm_start_(heads, init_from)
     size_mb = heads_file_bytes(settings, hidden, vocab) / 1e6
     log(
         f"training {settings.num_heads} heads x {settings.num_layers} layer(s), {settings.heads_format} "
@@ -670,6 +778,7 @@ def train_and_save(
         heldout=heldout if len(heldout) else None,
         deadline=deadline,
         log=log,
+        embed_weight=embed_weight,
     )
     heads.cpu().float()
     round_heads_(heads)  # evaluate exactly the fp16 weights that are shipped
@@ -687,7 +796,7 @@ def train_and_save(
     }
     if len(heldout):
         t = time.time()
-        ev = evaluate_heads(heads.to(device), weight, heldout, device)
+        ev = evaluate_heads(heads.to(device), weight, heldout, device, embed_weight=embed_weight)
         heads.cpu()
         report["heldout"] = ev
         tree = fit_tree(report, budget=tree_budget, name=f"{out_dir.name}-fitted")

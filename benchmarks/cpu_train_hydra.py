@@ -1,0 +1,111 @@
+"""Train the shipped Hydra heads for the embedded model on a CPU, from hidden states already cached.
+
+The run behind `assets/smollm2-135m` (see assets/README.md for the numbers):
+
+    python benchmarks/cpu_train_hydra.py --cache runs/hydra/hidden:0.03 --cache runs/cpu-openers/work/hidden:0.05 \
+        --init-from runs/hydra/pilot-heads --out runs/hydra/heads --minutes 60
+
+Each `--cache DIR:FRAC` is a folder of hidden-state shards written by `cache_hidden_states` (train-heads'
+`work/hidden`), split by prompt with `FRAC` held out. `--eval-only-cache` adds data that is only evaluated
+(e.g. the backbone's replies to benchmark prompts, to diagnose transfer): never trained on, never used to fit
+the tree. Everything else is `train_and_save`, the pipeline behind `medusa-chat train-heads`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from medusa_chat.loading import load_heads_file, load_model
+from medusa_chat.training.distill import make_logger
+from medusa_chat.training.fit_tree import expected_accept_length
+from medusa_chat.training.train_heads import (
+    PositionData,
+    TrainSettings,
+    evaluate_heads,
+    heldout_mask,
+    load_cache,
+    train_and_save,
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", action="append", required=True, metavar="DIR:FRAC")
+    ap.add_argument("--eval-only-cache", metavar="FILE", default=None, help="a PositionData .pt, evaluated only")
+    ap.add_argument("--init-from", default="assets/smollm2-135m")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-heads", type=int, default=5)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--minutes", type=float, default=None, help="training time budget (the schedule shrinks)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = make_logger(file=out / "training_log.txt")
+    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    train_parts, held_parts = [], []
+    for spec in args.cache:
+        folder, _, frac = spec.rpartition(":")
+        data = load_cache(sorted(Path(folder).glob("shard-*.pt")))
+        mask = heldout_mask(data.sample, float(frac))
+        train_parts.append(data.subset(~mask))
+        held_parts.append(data.subset(mask))
+        log(f"{folder}: {len(data)} positions, {int(mask.sum())} held out")
+    train, held = PositionData.cat(train_parts), PositionData.cat(held_parts)
+    init = load_heads_file(Path(args.init_from))[0].float()
+    settings = TrainSettings(
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        heads_format="hydra",
+        draft_vocab_size=args.draft_vocab,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        bf16=None,
+    )
+    embed = lm.backbone.get_input_embeddings().weight.detach()
+    t0 = time.time()
+    report = train_and_save(
+        lm.backbone.get_output_embeddings(),
+        train,
+        held,
+        settings,
+        out,
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        torch.device("cpu"),
+        checkpoint=out / "checkpoint.pt",
+        resume=args.resume,
+        deadline=time.time() + 60 * args.minutes if args.minutes else None,
+        log=log,
+        embed_weight=embed,
+        init_from=init,
+        extra_report={"init_from": args.init_from, "caches": args.cache},
+    )
+    log(f"trained and saved in {time.time() - t0:.0f} s")
+    if args.eval_only_cache:
+        d = torch.load(args.eval_only_cache, weights_only=True)
+        data = PositionData(d["hidden"], d["targets"], d["sample"])
+        heads = load_heads_file(out)[0].float()
+        ev = evaluate_heads(heads, lm.backbone.get_output_embeddings().weight, data, torch.device("cpu"),
+                            embed_weight=embed)
+        tree = json.loads((out / "tree.json").read_text())
+        est = {n: round(expected_accept_length(tree["paths"][: n - 1], ev), 3) for n in (8, 16, 32, 64)}
+        log(f"eval-only data: top1 {ev['top1']} top5 {ev['top5']}; tokens/step with the fitted tree {est}")
+        report["eval_only"] = {"file": args.eval_only_cache, "top1": ev["top1"], "top5": ev["top5"], "est": est}
+        (out / "eval_only.json").write_text(json.dumps(report["eval_only"], indent=1))
+    (out / "checkpoint.pt").unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Hydra heads (heads.py, HydraDrafter in decoding.py): the format, the depth-by-depth drafter, and the engine
+with them -- greedy output must still be plain greedy decoding, token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_chat.decoding import HydraDrafter, MedusaEngine
+from medusa_chat.errors import HeadsError
+from medusa_chat.events import GenerationSettings
+from medusa_chat.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.loading import load_heads_file
+from medusa_chat.training.train_heads import HEADS_FILE, save_heads, warm_start_
+from medusa_chat.tree import Tree, tree_levels
+from tests.test_decoding import assert_lossless, run
+from tests.tinymodels import tiny_loaded, training_prompts
+
+TREES = ["mc_sim_7b_63", "zephyr_stage2", "chain-1", "chain-4"]
+
+
+def _random_medusa(hidden: int = 32, vocab: int = 100, k: int = 3, layers: int = 2) -> MedusaHeads:
+    torch.manual_seed(0)
+    heads = MedusaHeads(hidden, vocab, k, layers)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    return heads
+
+
+def test_hydra_with_a_zero_cell_is_exactly_the_medusa_heads_it_starts_from() -> None:
+    medusa = _random_medusa()
+    hydra = HydraHeads(32, 100, 3, 2, torch.arange(100))
+    warm_start_(hydra, medusa)
+    h, emb = torch.randn(5, 32), torch.randn(5, 3, 32)
+    assert torch.equal(hydra.features_teacher_forced(h, emb), medusa.features(h))
+    with torch.no_grad():  # once the cell is trained, the draft tokens change the guesses
+        hydra.draft.linear.weight.normal_(0, 0.1)
+    assert not torch.allclose(hydra.features_teacher_forced(h, emb), medusa.features(h))
+
+
+def test_hydra_folder_roundtrip_and_bad_files(tmp_path: Path) -> None:
+    hydra = HydraHeads(32, 100, 3, 2, torch.tensor([5, 7, 1, 99]))
+    warm_start_(hydra, _random_medusa())
+    with torch.no_grad():
+        hydra.draft.linear.weight.normal_(0, 0.1)
+    cfg = save_heads(hydra, tmp_path, "tiny")
+    assert cfg["version"] == "hydra" and cfg["draft_vocab_size"] == 4
+    loaded, path, config = load_heads_file(tmp_path)
+    assert isinstance(loaded, HydraHeads) and loaded.format == "hydra" and config == cfg
+    assert loaded.draft_vocab.tolist() == [5, 7, 1, 99]
+    for key, value in hydra.state_dict().items():
+        want = value.half().float() if value.is_floating_point() else value
+        assert torch.equal(loaded.state_dict()[key], want), key
+    assert loaded.vocab_index(100)[[5, 7, 1, 99, 0]].tolist() == [0, 1, 2, 3, -2]
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path))
+    for missing in ("draft_vocab", "draft.linear.bias"):
+        broken = tmp_path / f"no-{missing}"
+        broken.mkdir()
+        save_file({k: v for k, v in sd.items() if k != missing}, str(broken / HEADS_FILE))
+        (broken / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(HeadsError, match="incomplete Hydra heads"):
+            load_heads_file(broken)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        heads_from_state_dict({**sd, "draft_vocab": sd["draft_vocab"].float()})
+
+
+def test_tree_levels_cover_every_node_once() -> None:
+    tree = Tree.named("mc_sim_7b_63")
+    levels = tree_levels(tree, torch.device("cpu"))
+    assert len(levels) == tree.depth
+    seen = [0]
+    prev_nodes = [0]
+    for level in levels:
+        children = level.child_nodes.tolist()
+        seen += children
+        internal = [prev_nodes[r] for r in level.internal_rows.tolist()]
+        for c, slot, row, rank in zip(
+            children,
+            level.child_slot.tolist(),
+            level.child_parent_row.tolist(),
+            level.child_rank.tolist(),
+            strict=True,
+        ):
+            assert tree.parents[c] == internal[slot] == prev_nodes[row] and tree.ranks[c] == rank
+        assert level.top_k == max(level.child_rank.tolist()) + 1
+        prev_nodes = children
+    assert sorted(seen) == list(range(tree.size))
+
+
+def test_drafter_fills_each_node_from_its_own_path() -> None:
+    """Against a slow reference: a node's token is the rank-r guess of head d-1 on the state that folded in the
+    tokens on the node's path (root first)."""
+    loaded = tiny_loaded("llama", heads="hydra")
+    heads = loaded.heads
+    tree = Tree.named("mc_sim_7b_63")
+    buf = tree.buffers("cpu", torch.float32)
+    drafter = HydraDrafter(heads, loaded.backbone, buf)
+    embed = loaded.backbone.get_input_embeddings()
+    w = loaded.backbone.get_output_embeddings().weight[heads.draft_vocab]
+    torch.manual_seed(3)
+    for _ in range(3):
+        hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
+        with torch.no_grad():
+            tokens = drafter.propose(root, hidden).tolist()
+            assert tokens[0] == int(root)
+            for node in range(1, tree.size):
+                path = tree.path_nodes(node)
+                state = hidden
+                for n in path[:-1]:
+                    state = heads.draft(state, embed(torch.tensor([tokens[n]])))
+                d = tree.depths[node] - 1
+                x = state
+                for block in heads[d]:
+                    x = block(x)
+                top = (x @ w.T).topk(tree.ranks[node] + 1).indices[0]
+                assert tokens[node] == int(heads.draft_vocab[top[tree.ranks[node]]]), node
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("tree_name", TREES)
+def test_greedy_with_hydra_heads_is_lossless(arch: str, tree_name: str) -> None:
+    loaded = tiny_loaded(arch, heads="hydra")
+    engine = MedusaEngine(loaded, Tree.named(tree_name))
+    assert engine.drafter is not None
+    outcomes = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(100 + seed)
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        prompt = torch.randint(3, loaded.vocab_size, (length,), generator=g).tolist()
+        outcomes.append(assert_lossless(loaded, engine, prompt, 40))
+    for prompt in training_prompts()[:3]:
+        outcomes.append(assert_lossless(loaded, engine, prompt, 40))
+    assert outcomes.count("exact") >= 5
+
+
+def test_hydra_heads_accept_more_than_the_medusa_heads_they_started_from() -> None:
+    """The reason for the format: on the data both were trained on, knowing the path's tokens pays."""
+    tree = Tree.named("mc_sim_7b_63")
+    per_format = {}
+    for fmt in ("v2", "hydra"):
+        engine = MedusaEngine(tiny_loaded("llama", heads=fmt), tree)
+        per_format[fmt] = [
+            run(engine, p, max_new_tokens=64)[1].tokens_per_step for p in training_prompts()[:6]
+        ]
+    assert sum(per_format["hydra"]) > sum(per_format["v2"]) + 0.3 * 6, per_format
+
+
+def test_typical_acceptance_with_hydra_heads_is_seeded_and_stops() -> None:
+    engine = MedusaEngine(tiny_loaded("llama", heads="hydra"), Tree.named("mc_sim_7b_63"))
+    prompt = training_prompts()[0]
+    a = run(engine, prompt, max_new_tokens=48, temperature=0.7, seed=5)[1]
+    b = run(engine, prompt, max_new_tokens=48, temperature=0.7, seed=5)[1]
+    assert a.token_ids == b.token_ids and a.new_tokens == 48 and a.tokens_per_step > 1.0
+    stop = __import__("threading").Event()
+    stop.set()
+    items = list(engine.generate(prompt, GenerationSettings(max_new_tokens=48), stop=stop))
+    assert items[-1].stop_reason == "stopped"
