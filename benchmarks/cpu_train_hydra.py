@@ -36,7 +36,9 @@ from medusa_chat.training.train_heads import (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", action="append", required=True, metavar="DIR:FRAC")
-    ap.add_argument("--eval-only-cache", metavar="FILE", default=None, help="a PositionData .pt, evaluated only")
+    ap.add_argument(
+        "--eval-only-cache", metavar="FILE", default=None, help="a PositionData .pt, evaluated only"
+    )
     ap.add_argument("--init-from", default="assets/smollm2-135m")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-heads", type=int, default=5)
@@ -97,12 +99,18 @@ def main() -> None:
         d = torch.load(args.eval_only_cache, weights_only=True)
         data = PositionData(d["hidden"], d["targets"], d["sample"])
         heads = load_heads_file(out)[0].float()
-        ev = evaluate_heads(heads, lm.backbone.get_output_embeddings().weight, data, torch.device("cpu"),
-                            embed_weight=embed)
+        ev = evaluate_heads(
+            heads, lm.backbone.get_output_embeddings().weight, data, torch.device("cpu"), embed_weight=embed
+        )
         tree = json.loads((out / "tree.json").read_text())
         est = {n: round(expected_accept_length(tree["paths"][: n - 1], ev), 3) for n in (8, 16, 32, 64)}
         log(f"eval-only data: top1 {ev['top1']} top5 {ev['top5']}; tokens/step with the fitted tree {est}")
-        report["eval_only"] = {"file": args.eval_only_cache, "top1": ev["top1"], "top5": ev["top5"], "est": est}
+        report["eval_only"] = {
+            "file": args.eval_only_cache,
+            "top1": ev["top1"],
+            "top5": ev["top5"],
+            "est": est,
+        }
         (out / "eval_only.json").write_text(json.dumps(report["eval_only"], indent=1))
     (out / "checkpoint.pt").unlink(missing_ok=True)
 

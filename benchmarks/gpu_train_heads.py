@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whole Medusa-head pipeline on one CUDA GPU, on a wall-clock budget: data -> hidden states -> heads -> trees.
 
-    python benchmarks/gpu_train_heads.py MODEL OUT [--minutes 6] [--data-frac 0.55] [--configs 5x1,5x2]
+    python benchmarks/gpu_train_heads.py MODEL OUT [--minutes 6] [--data-frac 0.55] [--configs 5x2h,5x2]
 
 MODEL is a Hugging Face model folder, or a `.gguf` file (dequantized here; with `--hf-files DIR` the config and
 tokenizer come from DIR and only the weights from the GGUF, and `--expect-hashes FILE` checks that the weights
@@ -81,7 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget for the whole run")
     p.add_argument("--data-frac", type=float, default=0.55, help="share of the budget for data generation")
     p.add_argument(
-        "--configs", default="5x1,5x2", help="heads x ResBlocks to train, each on an equal time share"
+        "--configs",
+        default="5x2h,5x2",
+        help="heads x ResBlocks to train, each on an equal time share; a trailing h = Hydra heads",
     )
     p.add_argument("--max-mb", type=float, default=9.5, help="skip configs whose fp16 file is larger")
     p.add_argument("--batch-size", type=int, default=768, help="reply generation batch")
@@ -157,11 +159,13 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
     return out
 
 
-def parse_configs(spec: str) -> list[tuple[int, int]]:
+def parse_configs(spec: str) -> list[tuple[int, int, str]]:
+    """'5x2h,5x1' -> [(5, 2, 'hydra'), (5, 1, 'v2')]: heads x ResBlocks, 'h' for Hydra heads."""
     out = []
     for part in spec.split(","):
         k, _, layers = part.strip().partition("x")
-        out.append((int(k), int(layers or 1)))
+        fmt = "hydra" if layers.endswith("h") else "v2"
+        out.append((int(k), int(layers.rstrip("h") or 1), fmt))
     return out
 
 
@@ -261,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     lm_head = model.get_output_embeddings()
     hidden_size, vocab = lm_head.weight.shape[1], lm_head.weight.shape[0]
     configs = []
-    for k, layers in parse_configs(args.configs):
+    for k, layers, fmt in parse_configs(args.configs):
         ts = TrainSettings(
             num_heads=k,
             num_layers=layers,
-            heads_format="v2",
+            heads_format=fmt,
             epochs=args.epochs,
             batch_size=args.train_batch,
             lr=args.lr,
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < 20 and i > 0:  # the first configuration always trains (at least a step): save something
             log("time budget: no time left for more head configurations")
             break
-        name = f"heads-{ts.num_heads}x{ts.num_layers}"
+        name = f"heads-{ts.num_heads}x{ts.num_layers}" + ("-hydra" if ts.heads_format == "hydra" else "")
         t = time.time()
         share = left / (len(configs) - i)
         report = train_and_save(
@@ -298,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline=time.time() + share - 8,
             log=log,
             extra_report={"distill": summary["data"]},
+            embed_weight=model.get_input_embeddings().weight.detach(),
         )
         est = report.get("estimated_tokens_per_step", {})
         ev = report.get("heldout", {})

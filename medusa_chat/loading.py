@@ -28,7 +28,7 @@ import torch
 from medusa_chat import hub
 from medusa_chat.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
-from medusa_chat.heads import MedusaHeads, heads_from_state_dict
+from medusa_chat.heads import HydraHeads, MedusaHeads, heads_from_state_dict
 from medusa_chat.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
 from medusa_chat.tree import Tree
 
@@ -84,7 +84,7 @@ class LoadedModel:
             "heads": {
                 "count": self.heads.num_heads,
                 "layers": self.heads.num_layers,
-                "format": self.heads.format,  # "v1" own projections | "v2" shared lm_head
+                "format": self.heads.format,  # "v1" own projections | "v2" shared lm_head | "hydra"
                 "source": self.heads_source,
                 "file": self.heads_file,
                 "dtype": _dtype_name(next(self.heads.parameters()).dtype),
@@ -394,6 +394,11 @@ def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, back
         raise HeadsError(
             f"Medusa heads in {where} project to a vocabulary of {heads.vocab_size} but the backbone {backbone} "
             f"has {vocab}: they were trained for another model"
+        )
+    if isinstance(heads, HydraHeads) and vocab is not None and int(heads.draft_vocab.max()) >= int(vocab):
+        raise HeadsError(
+            f"Hydra heads in {where} draft token ids up to {int(heads.draft_vocab.max())} but the backbone "
+            f"{backbone} has a vocabulary of {vocab}: they were trained for another model"
         )
 
 

