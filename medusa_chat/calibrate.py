@@ -159,7 +159,7 @@ def _tree_step(
     if guesses is not None:
         parts.append(guesses)
     if drafter is not None:  # Hydra heads draft the next tree from the bonus token (the engine's propose)
-        parts.append(drafter.propose(bonus, hidden.index_select(0, last)))
+        parts.append(drafter.propose(bonus, hidden.index_select(0, last), buf))
     torch.cat(parts).tolist()  # the step's single host sync, as in the engine
     cache.keep(start, path, 1)
     cache.crop(start)
@@ -209,6 +209,7 @@ def measure_step_latency(
     runner.forward(prefix, positions, _causal_mask(0, prefix_tokens, dtype, device), cache)
     start = cache.length
     step_args: dict[int, tuple] = {}
+    hydra = HydraDrafter(heads, backbone) if isinstance(heads, HydraHeads) else None
     for n in sizes:
         t = latency_tree(base, n)
         buf = t.buffers(device, dtype)
@@ -229,7 +230,7 @@ def measure_step_latency(
             pos,
             mask,
             buf,
-            HydraDrafter(heads, backbone, buf) if with_heads and isinstance(heads, HydraHeads) else None,
+            hydra if with_heads else None,
         )
         for _ in range(warmup):
             _tree_step(*step_args[n])

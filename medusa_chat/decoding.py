@@ -220,12 +220,13 @@ class HydraDrafter:
     the state that folded in every token on the node's path, starting from the root (the bonus token).
 
     Per step: one cell + ResBlocks + draft-vocabulary projection + top-k per depth, on the nodes of that depth
-    that have children; the index buffers come from the tree (built once), everything stays on the device.
+    that have children; the index buffers come from the tree (`TreeBuffers.levels`, built once per tree), the
+    projection is built once per model, everything stays on the device.
     The projection is the lm_head's draft-vocabulary rows, in the backbone's dtype (packed for oneDNN like
     the lm_head where the lean forward packs), so a depth reads ~1/6 of the full lm_head.
     """
 
-    def __init__(self, heads: HydraHeads, backbone: torch.nn.Module, buf: TreeBuffers) -> None:
+    def __init__(self, heads: HydraHeads, backbone: torch.nn.Module) -> None:
         self.heads = heads
         self.embed = backbone.get_input_embeddings()
         weight = backbone.get_output_embeddings().weight
@@ -242,23 +243,21 @@ class HydraDrafter:
         self.project = fast_linear(proj, want_packing() and weight.device.type == "cpu")
         self.proj_dtype = weight.dtype
         self.draft_vocab = vocab
-        self.levels = buf.levels
-        self.size = buf.tree.size
         self.dtype = next(heads.parameters()).dtype
 
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
-        tokens = root.new_zeros(self.size)
+        tokens = root.new_zeros(buf.tree.size)
         tokens[:1] = root
         state = self.heads.draft(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
-        for d, level in enumerate(self.levels):
+        for d, level in enumerate(buf.levels):
             x = state.index_select(0, level.internal_rows)
             for block in self.heads[d]:
                 x = block(x)
             top = self.project(x.to(self.proj_dtype)).topk(level.top_k, dim=-1).indices
             child = self.draft_vocab[top[level.child_slot, level.child_rank]]
             tokens.index_copy_(0, level.child_nodes, child)
-            if d + 1 < len(self.levels):
+            if d + 1 < len(buf.levels):
                 state = self.heads.draft(state.index_select(0, level.child_parent_row), self.embed(child))
         return tokens
 
@@ -269,7 +268,7 @@ def propose(
     """The tree's tokens [N]. `draft` is the Medusa heads' flat top-k guesses, or for Hydra heads the last
     accepted node's hidden state (their guesses depend on the root, known only now)."""
     if drafter is not None and draft is not None:
-        return drafter.propose(root, draft)
+        return drafter.propose(root, draft, buf)
     flat = torch.cat([root, draft]) if draft is not None else root
     return flat[buf.candidate_index]
 
@@ -292,6 +291,8 @@ class MedusaEngine:
         self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
         self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
         self._token_text: dict[int, str] = {}
+        # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy)
+        self._hydra = HydraDrafter(self.heads, self.backbone) if isinstance(self.heads, HydraHeads) else None
         self.set_tree(tree or model.default_tree)
 
     # ---- tree ---------------------------------------------------------------------------------------------
@@ -300,11 +301,7 @@ class MedusaEngine:
             tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
-        self.drafter = (
-            HydraDrafter(self.heads, self.backbone, self.buffers)
-            if isinstance(self.heads, HydraHeads) and tree.size > 1
-            else None
-        )
+        self.drafter = self._hydra if tree.size > 1 else None
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
         self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)

@@ -101,14 +101,14 @@ def test_drafter_fills_each_node_from_its_own_path() -> None:
     heads = loaded.heads
     tree = Tree.named("mc_sim_7b_63")
     buf = tree.buffers("cpu", torch.float32)
-    drafter = HydraDrafter(heads, loaded.backbone, buf)
+    drafter = HydraDrafter(heads, loaded.backbone)
     embed = loaded.backbone.get_input_embeddings()
     w = loaded.backbone.get_output_embeddings().weight[heads.draft_vocab]
     torch.manual_seed(3)
     for _ in range(3):
         hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
         with torch.no_grad():
-            tokens = drafter.propose(root, hidden).tolist()
+            tokens = drafter.propose(root, hidden, buf).tolist()
             assert tokens[0] == int(root)
             for node in range(1, tree.size):
                 path = tree.path_nodes(node)
