@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from medusa_chat.errors import PromptError
+from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.heads import HydraHeads, MedusaHeads
 from medusa_chat.lean_forward import fast_linear, lean_forward_for, want_packing
@@ -231,8 +231,9 @@ class HydraDrafter:
         self.embed = backbone.get_input_embeddings()
         weight = backbone.get_output_embeddings().weight
         if not weight.is_floating_point():
-            raise TypeError(
-                "Hydra heads need a floating-point lm_head (quantized lm_heads are not supported)"
+            raise HeadsError(
+                "Hydra heads need a floating-point lm_head; this backbone's is quantized: load it with "
+                "--quant none, or use v1/v2 Medusa heads"
             )
         vocab = heads.draft_vocab.to(weight.device)
         proj = torch.nn.Linear(
