@@ -252,9 +252,7 @@ class HydraDrafter:
         tokens[:1] = root
         state = self.heads.draft(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
         for d, level in enumerate(buf.levels):
-            x = state.index_select(0, level.internal_rows)
-            for block in self.heads[d]:
-                x = block(x)
+            x = self.heads.head_features(d, state.index_select(0, level.internal_rows))
             top = self.project(x.to(self.proj_dtype)).topk(level.top_k, dim=-1).indices
             child = self.draft_vocab[top[level.child_slot, level.child_rank]]
             tokens.index_copy_(0, level.child_nodes, child)

@@ -160,13 +160,16 @@ class HydraHeads(MedusaHeads):
     def draft_vocab_size(self) -> int:
         return int(self.draft_vocab.numel())
 
+    def head_features(self, k: int, state: torch.Tensor) -> torch.Tensor:
+        """Head k's ResBlocks on a state that already folded in the tokens before its target."""
+        for block in self[k]:
+            state = block(state)
+        return state
+
     def step(self, k: int, state: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One depth: fold the token before head k's target into `state`; return (new state, head k features)."""
         state = self.draft(state, embedding)
-        x = state
-        for block in self[k]:
-            x = block(x)
-        return state, x
+        return state, self.head_features(k, state)
 
     def features_teacher_forced(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Training/evaluation: hidden [B, H], embeddings [B, K, H] of the true x_{t+1..t+K} -> [K, B, H]."""
