@@ -42,6 +42,7 @@ from medusa_chat.decoding import (
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.heads import HydraHeads
+from medusa_chat.lean_forward import TreePlan
 from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
@@ -216,8 +217,11 @@ def measure_step_latency(
         if heads is not None and n > 1:
             t.check_fits(heads.num_heads)
         # The engine keeps one mask buffer per tree: zero prefix columns, the tree's ancestor block after them.
-        mask = torch.zeros((1, 1, n, start + n), dtype=dtype, device=device)
-        mask[0, 0, :, start:] = buf.attn_bias
+        if runner.lean is not None:
+            mask = TreePlan.build(t.parents, t.depths, device)  # exact per-node attention, as the engine
+        else:
+            mask = torch.zeros((1, 1, n, start + n), dtype=dtype, device=device)
+            mask[0, 0, :, start:] = buf.attn_bias
         tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
         pos = start + buf.depth
         with_heads = heads is not None and n > 1

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from medusa_chat.cpu_linears import linear_rows
 from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.lean_forward import fast_linear, lean_forward_for, want_packing
+from medusa_chat.lean_forward import TreePlan, lean_forward_for
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class TreeKVCache(Cache):
     Each forward writes its new entries after `length` (all layers see the same `length`; the last layer's
     write advances it). Accepting a tree path is one `index_select` + copy over all layers at once. Capacity
     grows by doubling, so the amortised cost per token is constant.
+
+    Exact tree attention (lean_forward.TreePlan) also keeps per-node key rows `[layers, 2, N - 1, kv_heads,
+    capacity, head_dim]`: a copy of the prefix for each non-root node, then the node's path. The prefix part is
+    synced incrementally (`rows_synced`): a step copies only what was committed since the previous one.
     """
 
     def __init__(self, num_layers: int, capacity: int = 1024) -> None:
@@ -70,7 +75,8 @@ class TreeKVCache(Cache):
         self.capacity = capacity
         self.length = 0  # committed entries (visible to the next forward)
         self.buffer: torch.Tensor | None = None
-        self._pending = 0  # entries written by the current forward (same for every layer)
+        self.rows: torch.Tensor | None = None
+        self.rows_synced = 0  # prefix entries already copied into every row
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[-2]
@@ -78,6 +84,7 @@ class TreeKVCache(Cache):
         if self.buffer is None or self.buffer.dtype != k.dtype or self.buffer.device != k.device:
             shape = (self.num_layers, 2, *k.shape[:2], max(self.capacity, end), k.shape[-1])
             self.buffer = k.new_zeros(shape)
+            self.rows = None
         elif end > self.buffer.shape[-2]:
             self._grow(end)
         self.buffer[layer, 0, :, :, start:end] = k
@@ -92,6 +99,29 @@ class TreeKVCache(Cache):
         self.buffer = old.new_zeros((*old.shape[:-2], new_cap, old.shape[-1]))
         self.buffer[..., : old.shape[-2], :] = old
 
+    def tree_rows(self, layer: int, start: int, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value rows [N - 1, kv_heads, >= start + depth + 1, head_dim] of the tree written at `start`:
+        row r = prefix [0, start) then the tree entries of `plan.paths[r]` (root .. node)."""
+        buf = self.buffer
+        rows_n, cap = plan.size - 1, buf.shape[-2]
+        if self.rows is None or self.rows.shape[2] != rows_n or self.rows.shape[-2] != cap:
+            old, keep = self.rows, self.rows_synced
+            self.rows = buf.new_empty((self.num_layers, 2, rows_n, buf.shape[3], cap, buf.shape[-1]))
+            if old is not None and old.shape[2] == rows_n and keep:
+                self.rows[..., :keep, :] = old[..., :keep, :]
+            else:
+                self.rows_synced = 0
+        rows = self.rows[layer]
+        if self.rows_synced < start:  # committed since the last step: append it to every row's prefix
+            rows[:, :, :, self.rows_synced : start] = buf[layer, :, :, :, self.rows_synced : start]
+        # the node's path: [2, kv_heads, N - 1, depth + 1, head_dim] -> rows[..., start : start + depth + 1]
+        path = buf[layer, :, 0].index_select(-2, (start + plan.paths).flatten())
+        path = path.view(2, buf.shape[3], rows_n, plan.depth + 1, buf.shape[-1]).transpose(1, 2)
+        rows[:, :, :, start : start + plan.depth + 1] = path
+        if layer == self.num_layers - 1:
+            self.rows_synced = start
+        return rows[0], rows[1]
+
     def keep(self, start: int, nodes: torch.Tensor, count: int) -> None:
         """After a tree forward written at `start`: keep the `count` entries of `nodes` (tree node indices,
         device tensor) as positions start..start+count-1 and drop the rest of the tree."""
@@ -102,6 +132,7 @@ class TreeKVCache(Cache):
 
     def crop(self, length: int) -> None:  # type: ignore[override]
         self.length = min(self.length, length)
+        self.rows_synced = min(self.rows_synced, self.length)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -111,24 +142,25 @@ class TreeKVCache(Cache):
 # The backbone call: lean forward where supported (see lean_forward.py), else the transformers forward
 # ------------------------------------------------------------------------------------------------------------
 class BackboneRunner:
-    """`forward(ids [T], positions [T], mask [1, 1, T, L], cache) -> last hidden states [T, H]` and the vocab
-    projection `lm_head(rows)`, as the engine and the calibration that times it both run them."""
+    """`forward(ids [T], positions [T], attend, cache) -> last hidden states [T, H]` and the vocab projection
+    `lm_head(rows)`, as the engine and the calibration that times it both run them.
+
+    `attend` is an additive mask [1, 1, T, L], or for a verification step `tree_attend(tree buffers, start)`:
+    the lean forward's exact per-node attention (TreePlan), the transformers forward's ancestor mask.
+    """
 
     def __init__(self, causal_lm: torch.nn.Module) -> None:
         self.model = causal_lm
         self.lean = lean_forward_for(causal_lm)
-        self.lm_head = self.lean.lm_head if self.lean is not None else causal_lm.get_output_embeddings()
-        self.path = (
-            "transformers"
-            if self.lean is None
-            else "lean" + (", oneDNN-packed bf16" if self.lean.packed_any else "")
-        )
+        self.lm_head = causal_lm.get_output_embeddings()
+        self.path = "transformers" if self.lean is None else "lean, exact tree attention"
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: TreeKVCache
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: TreeKVCache
     ) -> torch.Tensor:
         if self.lean is not None:
-            return self.lean(ids, positions, mask, cache)
+            return self.lean(ids, positions, attend, cache)
+        mask = attend
         out = self.model.model(
             input_ids=ids[None],
             position_ids=positions[None],
@@ -229,20 +261,18 @@ class HydraDrafter:
     def __init__(self, heads: HydraHeads, backbone: torch.nn.Module) -> None:
         self.heads = heads
         self.embed = backbone.get_input_embeddings()
-        weight = backbone.get_output_embeddings().weight
-        if not weight.is_floating_point():
+        lm_head = backbone.get_output_embeddings()
+        weight = getattr(lm_head, "weight", None)
+        if weight is not None and not weight.is_floating_point():
             raise HeadsError(
-                "Hydra heads need a floating-point lm_head; this backbone's is quantized: load it with "
-                "--quant none, or use v1/v2 Medusa heads"
+                "Hydra heads need a floating-point lm_head; this backbone's is quantized by bitsandbytes: load "
+                "it with --quant none, or use v1/v2 Medusa heads"
             )
-        vocab = heads.draft_vocab.to(weight.device)
-        proj = torch.nn.Linear(
-            weight.shape[1], vocab.numel(), bias=False, device=weight.device, dtype=weight.dtype
-        )
-        proj.weight.data.copy_(weight.detach().index_select(0, vocab))
-        proj.requires_grad_(False)
-        self.project = fast_linear(proj, want_packing() and weight.device.type == "cpu")
-        self.proj_dtype = weight.dtype
+        device = backbone.get_input_embeddings().weight.device
+        vocab = heads.draft_vocab.to(device)
+        # the lm_head's draft-vocabulary rows, in the lm_head's own kind (dense, packed, int8) and dtype
+        self.project = linear_rows(lm_head, vocab)
+        self.proj_dtype = backbone.get_input_embeddings().weight.dtype
         self.draft_vocab = vocab
         self.dtype = next(heads.parameters()).dtype
 
@@ -301,6 +331,8 @@ class MedusaEngine:
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
         self.drafter = self._hydra if tree.size > 1 else None
+        # the lean forward attends exactly per node (TreePlan); the transformers forward takes the mask
+        self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.runner.lean else None
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
         self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)
@@ -337,8 +369,10 @@ class MedusaEngine:
         return block[None, None]
 
     # ---- model calls --------------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.runner.forward(ids, positions, mask, self.cache)
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan
+    ) -> torch.Tensor:
+        return self.runner.forward(ids, positions, attend, self.cache)
 
     def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
@@ -427,7 +461,8 @@ class MedusaEngine:
             # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
             tokens = propose(root, guesses, buf, self.drafter)
             # verify
-            hidden = self._forward(tokens, start + buf.depth, self._tree_mask(start))
+            attend = self.plan if self.plan is not None else self._tree_mask(start)
+            hidden = self._forward(tokens, start + buf.depth, attend)
             # accept: only nodes with children need full-vocab logits to judge their children (about a third
             # of a published tree); the bonus token needs one more row, at the last accepted node.
             parent_logits = self.lm_head(hidden[buf.internal]).float()

@@ -82,9 +82,11 @@ class MedusaHeads(nn.ModuleList):
             return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats, strict=True)])
         if lm_head is None:
             raise ValueError("v2 Medusa heads share the backbone's lm_head: pass lm_head=")
-        w = lm_head.weight
+        w = getattr(
+            lm_head, "weight", None
+        )  # packed / int8 CPU lm_heads have none: they take any float input
         # One projection for all heads at once; cast to the lm_head's dtype (it may be 16-bit on GPU).
-        return lm_head(feats.to(w.dtype if w.is_floating_point() else feats.dtype))
+        return lm_head(feats.to(w.dtype if w is not None and w.is_floating_point() else feats.dtype))
 
     def init_from_lm_head(self, lm_head: nn.Module) -> None:
         """Paper init for v1: every head's projection starts as a copy of the backbone's lm_head."""

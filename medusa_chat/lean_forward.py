@@ -11,11 +11,18 @@ Projections are called through their modules' `forward`, so bitsandbytes 4-bit/8
 Anything unusual (other architectures, q/k norms, sliding-window layers, tensor-parallel slicing) returns
 None from `lean_forward_for` and the engine uses the transformers forward instead.
 
-bf16 on a CPU: the projections run on weights pre-packed once for oneDNN (`packed_linear`). PyTorch's default
-bf16 GEMV streams the weights at ~9 GB/s on this 2-core Xeon; the packed kernel at ~14 GB/s, and it costs the
-same for 1 to 16 rows, which is what makes a 16-node tree step about as cheap as a 1-token step. Its results
-are bitwise equal to `F.linear` (checked once per model at pack time; on a mismatch nothing is packed).
-Set MEDUSA_CHAT_LEAN=0 to use the transformers forward instead (for comparisons).
+Exact tree attention (`TreePlan`): a tree step must give every node the bits the plain loop gives that token.
+SDPA over the whole tree block with an ancestor mask does not: the masked keys change the kernel's blocking
+and reduction order. So each node attends with the very call the plain step makes for that token: one query
+against [prefix, its ancestors root..itself], contiguous, no mask. The root reads the cache itself; the other
+nodes read per-node key rows (`TreeKVCache.tree_rows`) that hold a copy of the prefix (synced incrementally:
+only tokens committed since the last step are copied) followed by the node's path. Nodes of equal depth
+share one call when SDPA is batch-invariant for this dtype on this machine (`sdpa_batch_invariant`), else
+each node gets its own batch-1 call. Every projection is a row-invariant module (cpu_linears.py), RMSNorm,
+rotary and the MLP's elementwise ops are per-row: so the whole step is exact, and tests pin it.
+
+The projections are the modules' own `forward` (bitsandbytes, packed dense and weight-only int linears work
+unchanged). Set MEDUSA_CHAT_LEAN=0 to use the transformers forward instead (for comparisons).
 """
 
 from __future__ import annotations
@@ -23,17 +30,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 SUPPORTED = {"llama", "mistral"}
-
-
-class KVWriter(Protocol):
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -54,53 +56,6 @@ class _Layer:
     down: Linear
 
 
-PACK_ROWS = 16  # oneDNN's packing hint: measured bitwise equal to F.linear for 1..64 rows, fastest at 1..16
-
-
-def packed_linear(module: nn.Module) -> Linear | None:
-    """A bf16 CPU `nn.Linear` as a oneDNN pre-packed GEMM, or None where that does not apply."""
-    w = getattr(module, "weight", None)
-    if type(module) is not nn.Linear or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
-        return None
-    try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
-    except (AttributeError, RuntimeError):
-        return None
-    bias = None if module.bias is None else module.bias.detach()
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return forward
-
-
-def _same_as_module(module: nn.Module, fast: Linear) -> bool:
-    """Bitwise check of a packed GEMM against the module on 1, 3 and 16 rows."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for rows in (1, 3, 16):
-            x = torch.randn(1, rows, module.in_features, generator=gen).to(module.weight.dtype)
-            if not torch.equal(fast(x), module(x)):
-                return False
-    return True
-
-
-def fast_linear(module: nn.Module, pack: bool) -> Linear:
-    """The cheapest exact way to call this projection: packed when allowed, else its `forward` directly
-    (skipping nn.Module's hook dispatch). bitsandbytes layers keep their own forward."""
-    if pack:
-        fast = packed_linear(module)
-        if fast is not None and _same_as_module(module, fast):
-            return fast
-    return module.forward
-
-
-def want_packing() -> bool:
-    return os.environ.get("MEDUSA_CHAT_PACK", "1") != "0"
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same ops as LlamaRMSNorm.forward (fp32 statistics, scale in the input dtype).
     dtype = x.dtype
@@ -114,43 +69,177 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LeanForward:
-    """`forward(ids [T], positions [T], mask [1, 1, T, L] additive, cache) -> last hidden states [T, H]`."""
+@dataclass
+class TreePlan:
+    """How the nodes of one tree attend in a verification step, built once per tree (see the module doc).
 
-    def __init__(self, causal_lm: Any, pack: bool | None = None) -> None:
+    Nodes are taken in depth order (`order`, root first); `rows` lists the non-root nodes in that order, each
+    with its path's tree slots `paths[r]` (root .. node, padded by repeating the node: never read, a node's
+    key row ends at its own depth). `groups` are the (first row, end row, depth) runs of equal depth.
+    """
+
+    size: int
+    depth: int
+    order: torch.Tensor  # [N] node indices, by depth
+    inverse: torch.Tensor  # [N] position of each node in `order`
+    paths: torch.Tensor  # [N - 1, depth + 1] tree slots of each row's path
+    groups: list[tuple[int, int, int]]
+
+    @classmethod
+    def build(cls, parents: list[int], depths: list[int], device: torch.device) -> TreePlan:
+        n = len(parents)
+        order = sorted(range(n), key=lambda i: (depths[i], i))
+        width = max(depths) + 1
+        paths = []
+        for node in order[1:]:
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path = path[::-1]
+            paths.append(path + [node] * (width - len(path)))
+        groups: list[tuple[int, int, int]] = []
+        for r, node in enumerate(order[1:]):
+            if groups and groups[-1][2] == depths[node]:
+                groups[-1] = (groups[-1][0], r + 1, depths[node])
+            else:
+                groups.append((r, r + 1, depths[node]))
+        t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        inverse = [0] * n
+        for pos, node in enumerate(order):
+            inverse[node] = pos
+        return cls(n, width - 1, t(order), t(inverse), t(paths).view(n - 1, width), groups)
+
+
+_BATCH_INVARIANT: dict[tuple[torch.dtype, str, int, int, int], bool] = {}
+
+
+def sdpa_batch_invariant(
+    dtype: torch.dtype, device: torch.device, kv_heads: int, groups: int, hd: int
+) -> bool:
+    """Does SDPA give each batch element the bits it gives that element alone (this dtype, device, threads)?
+
+    Then nodes of equal depth share one call. Measured, not assumed: fp32 on a 2-thread CPU is not (the kernel
+    splits the work differently), bf16 there is.
+    """
+    key = (dtype, str(device), torch.get_num_threads(), kv_heads * groups, hd)
+    if key not in _BATCH_INVARIANT:
+        gen = torch.Generator().manual_seed(0)
+        ok = True
+        for length in (7, 64, 65, 300):
+            q, k, v = (
+                torch.randn(4, kv_heads, rows, hd, generator=gen).to(device, dtype)
+                for rows in (groups, length, length)
+            )
+            together = F.scaled_dot_product_attention(q, k, v)
+            ok = ok and all(
+                torch.equal(
+                    F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1]),
+                    together[b : b + 1],
+                )
+                for b in range(4)
+            )
+        _BATCH_INVARIANT[key] = ok
+    return _BATCH_INVARIANT[key]
+
+
+class LeanForward:
+    """`forward(ids [T], positions [T], attend, cache) -> last hidden states [T, H]`.
+
+    `attend` is an additive mask [1, 1, T, L] (prefill: any causal block) or a `TreePlan` (a verification
+    step, exact against the plain loop; T = 1 with a root-only plan is the plain step itself).
+    """
+
+    def __init__(self, causal_lm: Any) -> None:
         body = causal_lm.model
-        pack = want_packing() if pack is None else pack
-        self.packed = pack
         cfg = causal_lm.config
         self.embed = body.embed_tokens
-        self.lm_head = fast_linear(causal_lm.get_output_embeddings(), pack)
+        self.lm_head = causal_lm.get_output_embeddings().forward
         self.rotary = body.rotary_emb
         self.final_norm_w = body.norm.weight
         self.final_norm_eps = float(body.norm.variance_epsilon)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.layers = [
             _Layer(
                 norm1_w=layer.input_layernorm.weight,
                 norm1_eps=float(layer.input_layernorm.variance_epsilon),
-                q=fast_linear(layer.self_attn.q_proj, pack),
-                k=fast_linear(layer.self_attn.k_proj, pack),
-                v=fast_linear(layer.self_attn.v_proj, pack),
-                o=fast_linear(layer.self_attn.o_proj, pack),
+                q=layer.self_attn.q_proj.forward,
+                k=layer.self_attn.k_proj.forward,
+                v=layer.self_attn.v_proj.forward,
+                o=layer.self_attn.o_proj.forward,
                 norm2_w=layer.post_attention_layernorm.weight,
                 norm2_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                gate=fast_linear(layer.mlp.gate_proj, pack),
-                up=fast_linear(layer.mlp.up_proj, pack),
-                down=fast_linear(layer.mlp.down_proj, pack),
+                gate=layer.mlp.gate_proj.forward,
+                up=layer.mlp.up_proj.forward,
+                down=layer.mlp.down_proj.forward,
             )
             for layer in body.layers[: cfg.num_hidden_layers]
         ]
+        weight = self.embed.weight
+        self.batch_nodes = sdpa_batch_invariant(
+            self._act_dtype(causal_lm), weight.device, self.kv_heads, self.groups, self.head_dim
+        )
+
+    @staticmethod
+    def _act_dtype(causal_lm: Any) -> torch.dtype:
+        return causal_lm.get_input_embeddings().weight.dtype
+
+    def _attend_tree(
+        self,
+        i: int,
+        start: int,
+        q: torch.Tensor,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+        plan: TreePlan,
+        cache: Any,
+    ) -> torch.Tensor:
+        """q [1, Hq, N, hd] -> [1, Hq, N, hd], each node exactly as the plain step would attend for it."""
+        n, hd, groups, kvh = plan.size, self.head_dim, self.groups, self.kv_heads
+        # queries as the plain step lays them out: one batch element per node, [kv heads, groups, hd]
+        qn = q[0].transpose(0, 1).reshape(n, kvh, groups, hd)
+        if n > 1:
+            qn = qn.index_select(0, plan.order)
+        root = F.scaled_dot_product_attention(
+            qn[:1], k_all[:, :, : start + 1], v_all[:, :, : start + 1], scale=self.scaling
+        )
+        outs = [root]
+        if n > 1:
+            rows_k, rows_v = cache.tree_rows(i, start, plan)
+            for a, b, d in plan.groups:
+                width = start + d + 1
+                if self.batch_nodes:
+                    outs.append(
+                        F.scaled_dot_product_attention(
+                            qn[1 + a : 1 + b],
+                            rows_k[a:b, :, :width],
+                            rows_v[a:b, :, :width],
+                            scale=self.scaling,
+                        )
+                    )
+                else:
+                    outs.extend(
+                        F.scaled_dot_product_attention(
+                            qn[1 + r : 2 + r],
+                            rows_k[r : r + 1, :, :width],
+                            rows_v[r : r + 1, :, :width],
+                            scale=self.scaling,
+                        )
+                        for r in range(a, b)
+                    )
+        out = torch.cat(outs) if len(outs) > 1 else root
+        if n > 1:
+            out = out.index_select(0, plan.inverse)
+        return out.reshape(n, kvh * groups, hd).transpose(0, 1)[None]
 
     def __call__(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVWriter
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
     ) -> torch.Tensor:
         t, hd, groups = ids.shape[0], self.head_dim, self.groups
+        tree = isinstance(attend, TreePlan)
+        start = cache.length  # the tree's first slot (every layer writes its entries from here)
         x = self.embed(ids[None])
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -162,40 +251,38 @@ class LeanForward:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.write(i, k, v)
-            if groups > 1 and t == 1:
+            if tree:
+                out = self._attend_tree(i, start, q, k, v, attend, cache)
+            elif groups > 1 and t == 1:
                 # one query: attend per key/value head with the query heads as rows (no repeat of the cache)
                 out = F.scaled_dot_product_attention(
-                    q.reshape(1, -1, groups, hd), k, v, attn_mask=mask, scale=self.scaling
+                    q.reshape(1, -1, groups, hd), k, v, attn_mask=attend, scale=self.scaling
                 )
-            else:
+            elif groups > 1:
                 # GQA inside SDPA instead of transformers' repeat_kv copy: bitwise the same result (pinned by
                 # tests), without copying the whole cache `groups` times per layer per step.
                 out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=groups > 1
+                    q, k, v, attn_mask=attend, scale=self.scaling, enable_gqa=True
                 )
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self.scaling)
             out = out.reshape(1, -1, t, hd).transpose(1, 2).reshape(1, t, -1)
             x = x + layer.o(out)
             h = _rms_norm(x, layer.norm2_w, layer.norm2_eps)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return _rms_norm(x, self.final_norm_w, self.final_norm_eps)[0]
 
-    @property
-    def packed_any(self) -> bool:
-        return any(not hasattr(f, "__self__") for f in (self.lm_head, self.layers[0].q, self.layers[0].gate))
-
 
 def lean_forward_for(causal_lm: Any) -> LeanForward | None:
     """The lean forward when this model is a plain Llama-family decoder, else None (use transformers').
 
-    Built once per model object (packing copies the bf16 weights once) and shared by every engine and by the
-    calibration that times it.
+    Built once per model object and shared by every engine and by the calibration that times it.
     """
     if os.environ.get("MEDUSA_CHAT_LEAN", "1") == "0" or not _supported(causal_lm):
         return None
-    pack = want_packing()
     built = getattr(causal_lm, "_medusa_lean_forward", None)
-    if not isinstance(built, LeanForward) or built.packed != pack:
-        built = LeanForward(causal_lm, pack)
+    if not isinstance(built, LeanForward):
+        built = LeanForward(causal_lm)
         causal_lm._medusa_lean_forward = built
     return built
 

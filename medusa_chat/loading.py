@@ -34,7 +34,8 @@ from medusa_chat.tree import Tree
 
 Progress = Callable[[str], None]
 
-QUANTS = ("auto", "nf4", "int8", "none")
+QUANTS = ("auto", "nf4", "int8", "int4", "none")
+CPU_QUANTS = ("none", "int8", "int4")  # torch kernels, row-invariant (cpu_linears.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 LARGE_MODEL_PARAMS = 5e9  # "7B and up": unusable on a CPU unless the user insists with --device cpu
@@ -165,10 +166,16 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_quant(quant: str, device: torch.device) -> str:
+    """auto: NF4 on CUDA; on a CPU "auto" stays until the session measures the paths (numeric_path.py).
+    On a CPU int8 and int4 are torch's weight-only kernels; nf4 is bitsandbytes (slow on a CPU)."""
     if quant not in QUANTS:
-        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8 or none)")
+        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8, int4 or none)")
     if quant == "auto":
-        quant = "nf4" if device.type == "cuda" else "none"
+        return "nf4" if device.type == "cuda" else "auto"
+    if device.type == "cpu" and quant in CPU_QUANTS:
+        return quant
+    if quant == "int4":
+        raise DeviceError("--quant int4 is the CPU's 4-bit path; on a GPU use --quant nf4")
     if quant != "none":
         try:
             import bitsandbytes  # noqa: F401
@@ -591,10 +598,36 @@ def load_model(
             f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
             "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
         )
+    if q == "auto":  # a CPU: the fastest exact path on this machine, measured once and cached
+        from medusa_chat.numeric_path import choose_cpu_quant
+
+        q = choose_cpu_quant(spec.name, config, progress=progress)
+    cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
     say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
     backbone = load_backbone(
-        model_dir, dev, compute_dtype, q, ignore_medusa=bool(medusa_keys), trust_remote_code=trust_remote_code
+        model_dir,
+        dev,
+        compute_dtype,
+        "none" if cpu_quant else q,
+        ignore_medusa=bool(medusa_keys),
+        trust_remote_code=trust_remote_code,
     )
+    if cpu_quant:
+        # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
+        # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
+        from medusa_chat.cpu_linears import gguf_q4_1_linears, prepare_cpu_linears
+
+        prebuilt = None
+        if q == "int4" and spec.kind == "embedded":
+            from medusa_chat.embedded import gguf_path
+
+            gguf = gguf_path()
+            if gguf is not None:
+                prebuilt = gguf_q4_1_linears(gguf, backbone.config)
+                notes.append(f"int4 weights: {len(prebuilt)} Q4_1 tensors of {gguf.name} as stored")
+        summary = prepare_cpu_linears(backbone, q, prebuilt, progress=progress)
+        if summary["kept_float"]:
+            notes.append(f"kept in float (no row-invariant kernel): {', '.join(summary['kept_float'][:4])}")
     heads_source = "heads file"
     if heads_mod is None:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
@@ -602,7 +635,7 @@ def load_model(
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
 
     lm_head = backbone.get_output_embeddings()
-    vocab = int(lm_head.weight.shape[0])
+    vocab = int(lm_head.out_features)
     if heads_mod.own_lm_head and heads_mod.vocab_size != vocab:
         raise HeadsError(
             f"Medusa heads in {heads_path} project to {heads_mod.vocab_size} tokens but the backbone's lm_head "

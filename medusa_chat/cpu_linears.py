@@ -1,0 +1,354 @@
+"""Row-invariant linears for CPU decoding: oneDNN-packed fp32/bf16, weight-only int8 and int4 (the embedded
+GGUF's own 4-bit blocks).
+
+Exactness first: a tree step computes many rows at once, the plain loop one. Tree decoding reproduces the plain
+loop bit for bit only if every projection gives a row the same bits whether it is computed alone or among
+others. PyTorch's default fp32 GEMM does not (MKL takes another kernel for 1-3 rows); oneDNN's packed GEMM and
+the weight-only int kernels do. `prepare_cpu_linears` swaps the decoder's projections (and the lm_head) for
+such modules in the model itself, so the transformers forward, HF generate and the lean forward all run the
+same kernels, and the original float weight is dropped (no second copy stays resident).
+
+Speed: at batch 1 a decoding step reads every weight once, so bytes per weight set the speed on a CPU. torch
+ships weight-only kernels for this (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): the weight stays
+packed in memory and is expanded inside the kernel. Both give each row the same bits whether it is computed
+alone or among other rows (batch-invariant), which is what lets a tree step reproduce the plain loop exactly;
+`check_row_invariant` verifies that once per layer shape at load, and a layer that fails it is refused.
+
+- int4: groups of 32 input weights share a scale and a minimum, `w = d * q + m`, q in 0..15. That is exactly
+  GGUF's Q4_1 block, so for the embedded model (SmolLM2-135M-Instruct.Q4_1.gguf) the codes are taken from the
+  file as they are (`gguf_q4_1_linears`), not re-quantized. Other models are quantized the same way here.
+  The kernel computes `(q - 8) * scale + zero`; scale = d and zero = m + 8 d give the same weight.
+- int8: one symmetric scale per output row (`w = s * q`, q in -127..127).
+
+The activations (and the scales, which the kernels take in the activation dtype) are bfloat16: the fp32
+variants of these kernels are reference loops, ~10x slower. bf16 rounds the GGUF's fp16 scales d and m to
+8 significant bits; the 4-bit codes themselves are the file's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from medusa_chat.errors import MedusaChatError
+
+GROUP = 32  # GGUF's block size, and the int4 kernel's group size
+QUANT_MODES = ("int4", "int8")
+ACT_DTYPE = torch.bfloat16
+
+
+class QuantizedLinear(nn.Module):
+    """A weight-only quantized `nn.Linear` (no bias): `forward(x [..., K]) -> [..., N]` in x's dtype."""
+
+    mode = ""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self._mm(x.reshape(-1, shape[-1]).to(ACT_DTYPE))
+        return out.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+class Int4Linear(QuantizedLinear):
+    mode = "int4"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        """codes [N, K] ints in 0..15; scale, minimum [N, K / 32] (w = scale * code + minimum)."""
+        n, k = codes.shape
+        if k % GROUP:
+            raise MedusaChatError(f"int4 needs input features divisible by {GROUP} (got {k})")
+        super().__init__(k, n)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        scale32, min32 = scale.float(), minimum.float()
+        # [K / group, N, 2]: the kernel's (scale, zero) per group with w = (q - 8) * scale + zero
+        sz = torch.stack([scale32, min32 + 8 * scale32], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz.to(ACT_DTYPE))
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, GROUP, self.scales_and_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight the kernel computes with (for tests and the quantization error report)."""
+        eye = torch.eye(self.in_features, dtype=ACT_DTYPE)
+        return self._mm(eye).t().float()
+
+
+class Int8Linear(QuantizedLinear):
+    mode = "int8"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """codes [N, K] int8; scale [N] (w = scale * code)."""
+        n, k = codes.shape
+        super().__init__(k, n)
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(ACT_DTYPE))
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scale)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of 32 (GGUF Q4_1's rule): codes [N, K], scale and minimum [N, K / 32]."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.int32)
+    return codes.view(n, k), scale, lo
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def quantized_linear(module: nn.Linear, mode: str) -> QuantizedLinear:
+    if module.bias is not None:
+        raise MedusaChatError("weight-only quantization here supports linears without bias")
+    if mode == "int4":
+        return Int4Linear(*quantize_q4_1(module.weight))
+    if mode == "int8":
+        return Int8Linear(*quantize_int8(module.weight))
+    raise MedusaChatError(f"unknown CPU quantization {mode!r} (use int4 or int8)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The embedded model's GGUF: Q4_1 blocks as they are
+# ------------------------------------------------------------------------------------------------------------
+# GGUF tensor name -> transformers module path (Llama family), per layer
+GGUF_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1 bytes [rows, cols / 32 * 20] -> codes [rows, cols] (0..15), d and m [rows, cols / 32].
+
+    A block is d (fp16), m (fp16), then 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31.
+    """
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    qs = blocks[..., 4:20]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return (
+        torch.from_numpy(codes.astype(np.int32)),
+        torch.from_numpy(d.astype(np.float32)),
+        torch.from_numpy(m.astype(np.float32)),
+    )
+
+
+def _reverse_permute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows; transformers' GGUF loader undoes it
+    (`reverse_permute_weights`). The same row permutation applies to codes and per-row block scales."""
+    dim = x.shape[0] // n_head // 2
+    return x.reshape(n_head, dim, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape)
+
+
+def gguf_q4_1_linears(path: Path, config: Any) -> dict[str, Int4Linear]:
+    """{module path: Int4Linear} for every Q4_1 projection of a Llama GGUF, codes and scales as stored.
+
+    Every tensor's GGUF type is checked: a projection that is not Q4_1 is not returned (the caller keeps it
+    dequantized, i.e. faithful to the file) and is listed by `gguf_tensor_types`.
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(path))
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    out: dict[str, Int4Linear] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS:
+            continue
+        if t.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        cols, rows = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
+        codes, d, m = unpack_q4_1(t.data, rows, cols)
+        if parts[2] in ("attn_q", "attn_k"):
+            n = heads if parts[2] == "attn_q" else kv_heads
+            codes, d, m = (_reverse_permute_rows(x, n) for x in (codes, d, m))
+        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear(codes, d, m)
+    return out
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Dense packed linears (fp32 / bf16)
+# ------------------------------------------------------------------------------------------------------------
+PACK_ROWS = 16  # oneDNN's packing hint (rows per call it optimises for); bitwise results do not depend on it
+
+
+class PackedLinear(nn.Module):
+    """A dense `nn.Linear` as a oneDNN pre-packed GEMM (fp32 or bf16 on CPU). Row-invariant, unlike the default
+    fp32 GEMM, and as fast or faster (bf16: ~1.5x on CPUs with native bf16). The float weight is not kept."""
+
+    mode = "dense"
+
+    def __init__(self, module: nn.Linear) -> None:
+        super().__init__()
+        w = module.weight.detach()
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.dtype = w.dtype
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        self.bias = None if module.bias is None else module.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def rows(self, index: torch.Tensor) -> nn.Module:
+        """A linear computing only the output rows `index` (exact float rows: one-hot products are exact)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        weight = self.forward(eye).t()  # [out, in]: each entry is 1 * w + 0 * ..., exact
+        lin = nn.Linear(self.in_features, len(index), bias=False, dtype=self.dtype)
+        lin.weight.data.copy_(weight.index_select(0, index))
+        return PackedLinear(lin)
+
+
+def can_pack(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    if type(module) is not nn.Linear or w is None or w.device.type != "cpu":
+        return False
+    if w.dtype == torch.float32:
+        return True
+    if w.dtype == torch.bfloat16:
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def _quant_rows(self: QuantizedLinear, index: torch.Tensor) -> nn.Module:
+    if isinstance(self, Int8Linear):
+        return Int8Linear(self.codes.index_select(0, index), self.scale.index_select(0, index).float())
+    lin = nn.Linear(self.in_features, len(index), bias=False)
+    lin.weight.data.copy_(self.dequantized().index_select(0, index))
+    return Int8Linear(*quantize_int8(lin.weight))
+
+
+QuantizedLinear.rows = _quant_rows  # type: ignore[attr-defined]
+
+
+def linear_rows(module: nn.Module, index: torch.Tensor) -> nn.Module:
+    """A module computing only output rows `index` of `module` (Hydra's draft-vocabulary projection)."""
+    if hasattr(module, "rows"):
+        return module.rows(index)
+    weight = module.weight
+    lin = nn.Linear(weight.shape[1], len(index), bias=False, device=weight.device, dtype=weight.dtype)
+    lin.weight.data.copy_(weight.detach().index_select(0, index.to(weight.device)))
+    lin.requires_grad_(False)
+    return lin
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Putting them into a model
+# ------------------------------------------------------------------------------------------------------------
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent_path) if parent_path else root, name, module)
+
+
+def prepare_cpu_linears(
+    causal_lm: nn.Module,
+    mode: str,
+    prebuilt: dict[str, QuantizedLinear] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Swap the decoder layers' projections and the lm_head for row-invariant CPU modules, in place.
+
+    mode "none": oneDNN-packed dense (fp32, or bf16 where the CPU has oneDNN bf16); "int8" / "int4":
+    weight-only quantized, `prebuilt` ({module path: linear}, the GGUF's own Q4_1 blocks) first, the rest
+    quantized here. With int4/int8 the lm_head becomes int8 per row (its argmax decides every token, so it keeps
+    8 bits), a module of its own: the embedding lookup keeps the (tied) float table.
+    Returns a summary {mode, replaced, from_file, kept_float}.
+    """
+    if mode not in ("none", *QUANT_MODES):
+        raise MedusaChatError(f"unknown CPU quantization {mode!r} (use none, int4 or int8)")
+    prebuilt = prebuilt or {}
+    layers = causal_lm.get_submodule("model.layers")
+    done, from_file, kept = 0, 0, []
+    targets = [
+        (f"model.layers.{i}.{n}", m) for i, layer in enumerate(layers) for n, m in layer.named_modules()
+    ]
+    targets.append(("lm_head", causal_lm.get_output_embeddings()))
+    for path, sub in targets:
+        if type(sub) is not nn.Linear:
+            continue
+        new: nn.Module | None = prebuilt.get(path)
+        if new is not None:
+            if (new.out_features, new.in_features) != tuple(sub.weight.shape):
+                raise MedusaChatError(
+                    f"{path}: the GGUF's weight is {new.out_features}x{new.in_features}, the model's "
+                    f"{tuple(sub.weight.shape)}"
+                )
+            from_file += 1
+        elif mode == "none" or sub.bias is not None:
+            new = PackedLinear(sub) if can_pack(sub) else None
+        elif path == "lm_head" or mode == "int8":
+            new = Int8Linear(*quantize_int8(sub.weight))
+        elif sub.in_features % GROUP == 0:
+            new = Int4Linear(*quantize_q4_1(sub.weight))
+        if new is None:
+            kept.append(path)
+            continue
+        check_row_invariant(new, sub.weight.dtype)
+        _set_module(causal_lm, path, new)
+        done += 1
+    if mode != "none" and hasattr(causal_lm.config, "tie_word_embeddings"):
+        causal_lm.config.tie_word_embeddings = False  # the lm_head is its own (quantized) module now
+    if progress:
+        progress(
+            f"  {done} projections as {mode if mode != 'none' else 'packed dense'} ({from_file} from the file)"
+        )
+    return {"mode": mode, "replaced": done, "from_file": from_file, "kept_float": kept}
+
+
+_INVARIANT: set[tuple[str, int, int, torch.dtype]] = set()
+
+
+def check_row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -> None:
+    """Refuse a kernel whose row results depend on how many rows are computed together (then a tree step
+    could not reproduce the plain loop). Checked once per (kind, shape, dtype)."""
+    key = (type(linear).__name__, linear.in_features, linear.out_features, dtype)
+    if key in _INVARIANT:
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, linear.in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        full = linear(x)
+        for n in (1, 2, 3, 5):
+            if not torch.equal(linear(x[:n]), full[:n]):
+                raise MedusaChatError(
+                    f"the {type(linear).__name__} kernel on this CPU gives different bits for a row computed "
+                    f"among {n} rows: tree decoding could not be exact with it; use another --quant"
+                )
+    _INVARIANT.add(key)
