@@ -137,8 +137,14 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     if value is None:
         return default
     # bool is an int in Python, but `"temperature": true` is a client bug worth reporting
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"{name} must be a number, got {json.dumps(value)}", name)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer literal too large for a float
+        value = math.inf
+    if not math.isfinite(value):
+        raise _bad(f"{name} must be a finite number", name)
     if value > hi or value < lo or (lo_open and value == lo):
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
         raise _bad(f"{name} must be in {interval}, got {value}", name)
@@ -213,6 +219,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _bad(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise _bad("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -250,8 +258,8 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if any(s == "" for s in stops):
         raise _bad("stop strings must not be empty", "stop")
     # max_completion_tokens is OpenAI's current name; max_tokens its deprecated alias
-    max_tokens = _integer(body, "max_completion_tokens", 1)
-    legacy = _integer(body, "max_tokens", 1)
+    max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
+    legacy = _integer(body, "max_tokens", 1, 2**31 - 1)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -486,7 +494,10 @@ class ChatAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
-        req = parse_chat_request(await request.body())
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:  # a chunked upload has no content-length to check beforehand
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+        req = parse_chat_request(raw)
         if req.model != self.model_id:
             raise self._unknown_model(req.model)
         ticket = self._admit()
@@ -591,9 +602,11 @@ class ChatAPI:
     def _build(self) -> FastAPI:
         app = FastAPI(
             title="medusa-chat OpenAI-compatible API",
-            docs_url=None,  # the docs page would load its scripts from a CDN: not offline, not private
+            # no docs pages (they load scripts from a CDN) and no schema: the body is checked by hand, so the
+            # schema would say nothing; the README documents the routes
+            docs_url=None,
             redoc_url=None,
-            openapi_url="/openapi.json",
+            openapi_url=None,
         )
 
         def guarded(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
