@@ -274,6 +274,33 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI, model_id: str) 
     assert len({first, sample(7), sample(99)}) > 1, "different seeds gave the same sample every time"
 
 
+def test_session_complete_is_stateless_and_exclusive(session: SessionManager) -> None:
+    """The session method under the API: it never touches the conversation, waits for (or refuses) a running
+    reply, and releases the lock on a bad prompt."""
+    from medusa_chat.errors import BusyError, PromptError
+    from medusa_chat.events import GenerationSettings
+
+    settings = GenerationSettings(max_new_tokens=5, temperature=0.0)
+    before = list(session.conversation.messages)
+    items = list(session.complete(HELLO, settings))
+    assert isinstance(items[-1], ReplySummary) and items[-1].new_tokens == 5
+    assert session.conversation.messages == before and not session.busy
+    held = session.complete(HELLO, settings)  # holds the lock until read or closed
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BusyError):
+            session.complete(HELLO, settings, wait_s=0.2)
+        assert time.monotonic() - t0 >= 0.19
+        with pytest.raises(BusyError):
+            session.send("the UI cannot start a reply meanwhile")
+    finally:
+        held.close()
+    assert not session.busy and session.conversation.messages == before
+    with pytest.raises(PromptError, match="too long"):
+        session.complete([{"role": "user", "content": "Hello world! " * 400}], settings)
+    assert not session.busy
+
+
 # ---- bad requests -------------------------------------------------------------------------------------------
 def test_bad_requests_get_openai_error_objects(
     server: api.APIServer, client: openai.OpenAI, model_id: str, session: SessionManager
