@@ -344,6 +344,9 @@ def test_bad_requests_get_openai_error_objects(
     assert_error(post(server, {**ok, "model": None}), 400, "model")
     long_prompt = [{"role": "user", "content": "Hello world! " * 400}]  # far beyond the 512-token context
     assert_error(post(server, {**ok, "messages": long_prompt}), 400, "messages", "context_length_exceeded")
+    # a streamed request that cannot start is a plain JSON error with its status, as OpenAI answers it
+    assert_error(post(server, {**ok, "stream": True, "messages": long_prompt}), 400, "messages")
+    assert_error(post(server, {**ok, "stream": True, "model": "gpt-4o"}), 404, "model")
     assert_error(httpx.get(server.url + "/v1/chat/completions", timeout=10), 405)
     assert_error(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404)
     assert_error(httpx.get(server.url + "/v1/models/gpt-4o", timeout=10), 404, code="model_not_found")
