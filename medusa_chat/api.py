@@ -590,9 +590,8 @@ class ChatAPI:
                 if safe > sent:
                     yield chunk({"content": text[sent:safe]})
                     sent = safe
-        except (
-            APIError
-        ) as err:  # the headers are sent: the error goes in the stream (the openai client raises)
+        # The headers are sent already: an error goes into the stream (the openai client raises it).
+        except APIError as err:
             yield _event(err.body())
         except Exception as err:  # noqa: BLE001
             yield _event(_internal(err).body())
