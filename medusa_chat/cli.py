@@ -26,6 +26,7 @@ from medusa_chat.errors import MedusaChatError
 EXTERNAL: dict[str, tuple[str, str, str]] = {
     "chat": ("medusa_chat.ui.terminal", "main", "chat in the terminal (default)"),
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
+    "serve": ("medusa_chat.api", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
     "ask": ("medusa_chat.bench", "ask_main", "answer one prompt and print the reply with speed figures"),
     "bench": ("medusa_chat.bench", "bench_main", "compare Medusa decoding with plain HF generate"),
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
@@ -36,7 +37,7 @@ LOCAL = {
     "models": "list the known models and what is already downloaded",
     "info": "load a model and describe it",
 }
-MODEL_COMMANDS = {"chat", "web", "ask", "bench", "train-heads", "fit-tree", "calibrate", "info"}
+MODEL_COMMANDS = {"chat", "web", "serve", "ask", "bench", "train-heads", "fit-tree", "calibrate", "info"}
 SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 
 

@@ -14,7 +14,7 @@ import inspect
 import math
 import os
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -347,6 +347,73 @@ class SessionManager:
             self._lock.release()
             raise
         return ReplyStream(gen, self._lock.release, self.stop)
+
+    def complete(
+        self,
+        messages: Sequence[dict[str, Any]],
+        settings: GenerationSettings,
+        *,
+        stop: threading.Event | None = None,
+        wait_s: float = 0.0,
+    ) -> ReplyStream:
+        """Answer `messages` (role/content dicts, e.g. from the HTTP API) without touching the conversation.
+
+        Stateless: the conversation, the notices and `last_events`/`last_summary` (what the UIs show) stay as
+        they are; the same exclusive lock as `send` keeps it from interleaving with a UI reply, and the engine's
+        prefix reuse copes with the changed prompt. `stop` (a per-reply flag, so a UI's Stop does not end it)
+        is checked every step; `wait_s` > 0 waits that long for a running reply to finish before BusyError.
+        A prompt that leaves no room in the context window raises PromptError (never truncated silently).
+        """
+        acquired = self._lock.acquire(timeout=wait_s) if wait_s > 0 else self._lock.acquire(blocking=False)
+        if not acquired:
+            raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
+        stop = stop if stop is not None else threading.Event()
+        try:
+            settings.validate()
+            engine = self._require_engine()
+            assert self.loaded is not None
+            try:
+                prompt_ids = self.loaded.build_prompt(list(messages))
+            except PromptError:
+                raise
+            except Exception as err:  # e.g. a jinja TemplateError: "roles must alternate user/assistant"
+                raise PromptError(f"the model's chat template cannot format these messages: {err}") from err
+            limit = int(self.loaded.context_limit)
+            if len(prompt_ids) + 1 >= limit:
+                raise PromptError(
+                    f"the messages are too long: {len(prompt_ids)} prompt tokens, but the model's context "
+                    f"window is {limit}"
+                )
+            gen = self._generate_detached(engine, prompt_ids, dataclasses.replace(settings), stop)
+        except BaseException:
+            self._lock.release()
+            raise
+        return ReplyStream(gen, self._lock.release, stop.set)
+
+    def _generate_detached(
+        self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, stop: threading.Event
+    ) -> Generator[Item, None, None]:
+        gen = engine.generate(prompt_ids, settings, stop)
+        try:
+            yield from gen
+        except GeneratorExit:  # closed between two steps: a clean point, the cache is consistent
+            raise
+        except _OOM as err:
+            with contextlib.suppress(Exception):
+                engine.reset()
+            self._free_memory()
+            raise MedusaChatError(
+                "out of memory while generating: try fewer max tokens, shorter messages, a smaller tree "
+                "(--tree-size 16) or 4-bit weights (--quant nf4)"
+            ) from err
+        except BaseException:
+            # A step may have died half-way through writing the cache: the next prompt starts from scratch.
+            with contextlib.suppress(Exception):
+                engine.reset()
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                gen.close()
 
     def _prompt_ids(self) -> tuple[list[int], int]:
         """The templated prompt, dropping the oldest turns (never the system prompt) until it leaves room for

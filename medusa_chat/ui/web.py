@@ -706,10 +706,12 @@ def launch(
     *,
     block: bool = True,
     quiet: bool = False,
+    api_key: str | None = None,
 ) -> gr.Blocks:
     """Start the web UI. Binds 127.0.0.1 unless `host` says otherwise (with a warning); never shares.
     The model loads in a background thread at once, its progress shown in the browser. With `block=False`
-    the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it)."""
+    the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it).
+    The OpenAI-compatible API (medusa_chat.api) is served at /v1 on the same port and session."""
     warning = host_warning(host)
     if warning:
         print(warning, file=sys.stderr)
@@ -733,8 +735,13 @@ def launch(
         theme=theme(),
         css=render.CSS,
     )
+    from medusa_chat.api import mount_api
+
+    # Mounted on the running server (routes are looked up per request): one process, one model, one session.
+    mount_api(app.app, session, api_key=api_key)
     if not quiet:
         print(f"medusa-chat web UI: {app.local_url}  (Ctrl-C stops it)", flush=True)
+        print(f"OpenAI-compatible API: {app.local_url.rstrip('/')}/v1", flush=True)
     if block:
         app.block_thread()
     return app
@@ -749,6 +756,9 @@ def add_web_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=None, help="port (default: first free one from 7860)")
     parser.add_argument("--open-browser", action="store_true", help="open the app in the default web browser")
+    from medusa_chat.api import add_api_key_argument
+
+    add_api_key_argument(parser)
     return parser
 
 
@@ -757,6 +767,7 @@ add_arguments = add_web_args  # the name medusa_chat.cli looks for
 
 def main(args: argparse.Namespace) -> int:
     """`medusa-chat web`: build the session from the CLI's options and serve it until Ctrl-C."""
+    from medusa_chat.api import resolve_api_key
     from medusa_chat.session import SessionManager
 
     session = SessionManager(
@@ -775,6 +786,7 @@ def main(args: argparse.Namespace) -> int:
             host=getattr(args, "host", None) or "127.0.0.1",
             port=getattr(args, "port", None),
             open_browser=bool(getattr(args, "open_browser", False)),
+            api_key=resolve_api_key(args),
         )
     except KeyboardInterrupt:
         pass
