@@ -289,7 +289,8 @@ def prepare_cpu_linears(
     weight-only quantized, `prebuilt` ({module path: linear}, the GGUF's own Q4_1 blocks) first, the rest
     quantized here. With int4/int8 the lm_head becomes int8 per row (its argmax decides every token, so it keeps
     8 bits), a module of its own: the embedding lookup keeps the (tied) float table.
-    Returns a summary {mode, replaced, from_file, kept_float}.
+    Returns a summary {mode, replaced, from_file, kept_float}; kept_float lists projections left as they were
+    whose GEMM is not row-invariant here (tree steps then equal the plain loop only up to rounding).
     """
     if mode not in ("none", *QUANT_MODES):
         raise MedusaChatError(f"unknown CPU quantization {mode!r} (use none, int4 or int8)")
@@ -317,8 +318,11 @@ def prepare_cpu_linears(
             new = Int8Linear(*quantize_int8(sub.weight))
         elif sub.in_features % GROUP == 0:
             new = Int4Linear(*quantize_q4_1(sub.weight))
-        if new is None:
-            kept.append(path)
+        if new is None:  # no kernel of ours: keep the module if its own GEMM is row-invariant here
+            try:
+                check_row_invariant(sub, sub.weight.dtype)
+            except MedusaChatError:
+                kept.append(path)  # tree steps with it are exact only up to rounding
             continue
         check_row_invariant(new, sub.weight.dtype)
         _set_module(causal_lm, path, new)
@@ -339,10 +343,11 @@ def check_row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -
     """Refuse a kernel whose row results depend on how many rows are computed together (then a tree step
     could not reproduce the plain loop). Checked once per (kind, shape, dtype)."""
     key = (type(linear).__name__, linear.in_features, linear.out_features, dtype)
+    device = getattr(getattr(linear, "weight", None), "device", torch.device("cpu"))
     if key in _INVARIANT:
         return
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, linear.in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, linear.in_features, generator=gen).to(device, dtype)
     with torch.inference_mode():
         full = linear(x)
         for n in (1, 2, 3, 5):
