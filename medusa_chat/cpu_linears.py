@@ -16,7 +16,7 @@ alone or among other rows (batch-invariant), which is what lets a tree step repr
 
 - int4: groups of 32 input weights share a scale and a minimum, `w = d * q + m`, q in 0..15. That is exactly
   GGUF's Q4_1 block, so for the embedded model (SmolLM2-135M-Instruct.Q4_1.gguf) the codes are taken from the
-  file as they are (`gguf_q4_1_linears`), not re-quantized. Other models are quantized the same way here.
+  file as they are (`gguf_blocks`), not re-quantized. Other models are quantized the same way here.
   The kernel computes `(q - 8) * scale + zero`; scale = d and zero = m + 8 d give the same weight.
 - int8: one symmetric scale per output row (`w = s * q`, q in -127..127).
 
@@ -169,29 +169,40 @@ def _reverse_permute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
     return x.reshape(n_head, dim, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape)
 
 
-def gguf_q4_1_linears(path: Path, config: Any) -> dict[str, Int4Linear]:
-    """{module path: Int4Linear} for every Q4_1 projection of a Llama GGUF, codes and scales as stored.
+GGUFBlocks = dict[str, tuple]  # module path -> ("q4_1", codes, d, m) | ("q8_0", codes, d)
 
-    Every tensor's GGUF type is checked: a projection that is not Q4_1 is not returned (the caller keeps it
-    dequantized, i.e. faithful to the file) and is listed by `gguf_tensor_types`.
+
+def gguf_blocks(path: Path, config: Any) -> GGUFBlocks:
+    """The GGUF's own quantized blocks for every projection and the lm_head, as stored.
+
+    Q4_1 projections and a Q8_0 output / token embedding (the lm_head of a tied model) are returned with their
+    codes and scales; every other tensor type is left out, and the caller keeps those weights as the float
+    model converted from the file has them (faithful, only not packed).
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
+    from medusa_chat.qgemm import unpack_q8_0
+
     reader = GGUFReader(str(path))
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    out: dict[str, Int4Linear] = {}
+    out: GGUFBlocks = {}
+    names = {t.name for t in reader.tensors}
     for t in reader.tensors:
-        parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS:
-            continue
-        if t.tensor_type != GGMLQuantizationType.Q4_1:
+        if len(t.shape) != 2:
             continue
         cols, rows = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
-        codes, d, m = unpack_q4_1(t.data, rows, cols)
-        if parts[2] in ("attn_q", "attn_k"):
-            n = heads if parts[2] == "attn_q" else kv_heads
-            codes, d, m = (_reverse_permute_rows(x, n) for x in (codes, d, m))
-        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear(codes, d, m)
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
+            if t.tensor_type != GGMLQuantizationType.Q4_1:
+                continue
+            codes, d, m = unpack_q4_1(t.data, rows, cols)
+            if parts[2] in ("attn_q", "attn_k"):
+                n = heads if parts[2] == "attn_q" else kv_heads
+                codes, d, m = (_reverse_permute_rows(x, n) for x in (codes, d, m))
+            out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = ("q4_1", codes, d, m)
+        elif t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
+            if t.tensor_type == GGMLQuantizationType.Q8_0:
+                out["lm_head"] = ("q8_0", *unpack_q8_0(t.data, rows, cols))
     return out
 
 
@@ -277,10 +288,22 @@ def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent_path) if parent_path else root, name, module)
 
 
+def _block_module(mode: str, weight: torch.Tensor | None, blocks: tuple | None, lm_head: bool) -> nn.Module:
+    """The block-kernel module (qgemm.py) for a projection: the file's blocks when given, else quantized here
+    with the file format's own rule (Q4_1 for int4 projections, Q8_0 for int8 and for every lm_head)."""
+    from medusa_chat.qgemm import Q41Linear, Q80Linear, quantize_q8_0
+
+    if blocks is not None:
+        return Q41Linear(*blocks[1:]) if blocks[0] == "q4_1" else Q80Linear(*blocks[1:])
+    if mode == "int4" and not lm_head:
+        return Q41Linear(*quantize_q4_1(weight))
+    return Q80Linear(*quantize_q8_0(weight))
+
+
 def prepare_cpu_linears(
     causal_lm: nn.Module,
     mode: str,
-    prebuilt: dict[str, QuantizedLinear] | None = None,
+    prebuilt: GGUFBlocks | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Swap the decoder layers' projections and the lm_head for row-invariant CPU modules, in place.
@@ -295,6 +318,9 @@ def prepare_cpu_linears(
     if mode not in ("none", *QUANT_MODES):
         raise MedusaChatError(f"unknown CPU quantization {mode!r} (use none, int4 or int8)")
     prebuilt = prebuilt or {}
+    from medusa_chat.qgemm import available
+
+    block_kernels = available()  # our AVX2 block kernels; else torch's weight-only kernels
     layers = causal_lm.get_submodule("model.layers")
     done, from_file, kept = 0, 0, []
     targets = [
@@ -304,14 +330,15 @@ def prepare_cpu_linears(
     for path, sub in targets:
         if type(sub) is not nn.Linear:
             continue
-        new: nn.Module | None = prebuilt.get(path)
-        if new is not None:
-            if (new.out_features, new.in_features) != tuple(sub.weight.shape):
-                raise MedusaChatError(
-                    f"{path}: the GGUF's weight is {new.out_features}x{new.in_features}, the model's "
-                    f"{tuple(sub.weight.shape)}"
-                )
-            from_file += 1
+        blocks = prebuilt.get(path)
+        new: nn.Module | None = None
+        if blocks is not None and tuple(blocks[1].shape) != tuple(sub.weight.shape):
+            raise MedusaChatError(
+                f"{path}: the GGUF's weight is {tuple(blocks[1].shape)}, the model's {tuple(sub.weight.shape)}"
+            )
+        if mode != "none" and sub.bias is None and sub.in_features % GROUP == 0 and block_kernels:
+            new = _block_module(mode, sub.weight, blocks, path == "lm_head")
+            from_file += blocks is not None
         elif mode == "none" or sub.bias is not None:
             new = PackedLinear(sub) if can_pack(sub) else None
         elif path == "lm_head" or mode == "int8":

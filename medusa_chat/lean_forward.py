@@ -54,6 +54,8 @@ class _Layer:
     gate: Linear
     up: Linear
     down: Linear
+    qkv: Linear | None = None  # q, k, v in one call (block-kernel linears, see qgemm.fuse)
+    gate_up: Linear | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,9 +176,12 @@ class LeanForward:
                 gate=layer.mlp.gate_proj.forward,
                 up=layer.mlp.up_proj.forward,
                 down=layer.mlp.down_proj.forward,
+                qkv=_fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                gate_up=_fused([layer.mlp.gate_proj, layer.mlp.up_proj]),
             )
             for layer in body.layers[: cfg.num_hidden_layers]
         ]
+        self.q_heads = int(cfg.num_attention_heads)
         weight = self.embed.weight
         self.batch_nodes = sdpa_batch_invariant(
             self._act_dtype(causal_lm), weight.device, self.kv_heads, self.groups, self.head_dim
@@ -245,11 +250,19 @@ class LeanForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.norm1_w, layer.norm1_eps)
-            q = layer.q(h).view(1, t, -1, hd).transpose(1, 2)
-            k = layer.k(h).view(1, t, -1, hd).transpose(1, 2)
-            v = layer.v(h).view(1, t, -1, hd).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            if layer.qkv is not None:
+                # one projection and one rotary for q and k together: elementwise, so bitwise the same
+                qkv = layer.qkv(h).view(1, t, -1, hd).transpose(1, 2)
+                rope = self.q_heads + self.kv_heads
+                qk = qkv[:, :rope]
+                qk = (qk * cos) + (_rotate_half(qk) * sin)
+                q, k, v = qk[:, : self.q_heads], qk[:, self.q_heads :], qkv[:, rope:]
+            else:
+                q = layer.q(h).view(1, t, -1, hd).transpose(1, 2)
+                k = layer.k(h).view(1, t, -1, hd).transpose(1, 2)
+                v = layer.v(h).view(1, t, -1, hd).transpose(1, 2)
+                q = (q * cos) + (_rotate_half(q) * sin)
+                k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.write(i, k, v)
             if tree:
                 out = self._attend_tree(i, start, q, k, v, attend, cache)
@@ -269,8 +282,19 @@ class LeanForward:
             out = out.reshape(1, -1, t, hd).transpose(1, 2).reshape(1, t, -1)
             x = x + layer.o(out)
             h = _rms_norm(x, layer.norm2_w, layer.norm2_eps)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                x = x + layer.down(F.silu(gate) * up)
+            else:
+                x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return _rms_norm(x, self.final_norm_w, self.final_norm_eps)[0]
+
+
+def _fused(modules: list[Any]) -> Linear | None:
+    from medusa_chat.qgemm import fuse
+
+    fused = fuse(modules)
+    return fused.forward if fused is not None else None
 
 
 def lean_forward_for(causal_lm: Any) -> LeanForward | None:

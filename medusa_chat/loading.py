@@ -615,16 +615,18 @@ def load_model(
     if cpu_quant:
         # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
         # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
-        from medusa_chat.cpu_linears import gguf_q4_1_linears, prepare_cpu_linears
+        from medusa_chat.cpu_linears import gguf_blocks, prepare_cpu_linears
 
         prebuilt = None
-        if q == "int4" and spec.kind == "embedded":
+        if q != "none" and spec.kind == "embedded":
             from medusa_chat.embedded import gguf_path
 
             gguf = gguf_path()
             if gguf is not None:
-                prebuilt = gguf_q4_1_linears(gguf, backbone.config)
-                notes.append(f"int4 weights: {len(prebuilt)} Q4_1 tensors of {gguf.name} as stored")
+                prebuilt = gguf_blocks(gguf, backbone.config)
+                if q == "int8":  # 8-bit projections are quantized here; the Q8_0 lm_head is the file's
+                    prebuilt = {k: v for k, v in prebuilt.items() if v[0] == "q8_0"}
+                notes.append(f"{len(prebuilt)} quantized tensors of {gguf.name} used as stored")
         summary = prepare_cpu_linears(backbone, q, prebuilt, progress=progress)
         if summary["kept_float"]:
             notes.append(f"kept in float (no row-invariant kernel): {', '.join(summary['kept_float'][:4])}")

