@@ -20,8 +20,10 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,7 @@ TIMING_NOTE = (
     "measured the same way for every method; speedups are ratios of decode tokens/s"
 )
 METHODS = ("hf", "plain", "lookup", "medusa")
-BASELINES = ("hf", "plain", "lookup")
+BASELINES = ("hf", "plain", "lookup", "llamacpp")  # llamacpp: llama-bench on the same GGUF (peer.py)
 LOOKUP_TOKENS = 10
 NEAR_TIE = {"float32": 1e-4}  # top-2 logit gap under which a greedy flip counts as a tie (16-bit: 1e-2)
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
@@ -119,8 +121,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--baselines",
         type=_baselines,
         default=list(BASELINES),
-        metavar="hf,plain,lookup",
-        help="baselines to run beside Medusa (default: all three)",
+        metavar="hf,plain,lookup,llamacpp",
+        help="baselines to run beside Medusa (default: all; llamacpp is skipped with a note without llama-bench)",
+    )
+    parser.add_argument(
+        "--llamacpp-bench",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary for the llamacpp baseline (default: $MEDUSA_CHAT_LLAMA_BENCH or PATH)",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed warm-up runs of every method (default: 1)"
@@ -149,6 +157,10 @@ def load_from_args(args: argparse.Namespace, console: Console | None = None) -> 
     return _load(args, progress=(lambda m: console.print(f"[dim]{m}[/dim]")) if console is not None else None)
 
 
+def _progress(console: Console, quiet: bool) -> Callable[[str], None] | None:
+    return None if quiet else (lambda m: console.print(f"[dim]{m}[/dim]"))
+
+
 def describe(loaded: Any) -> dict[str, Any]:
     from medusa_chat.calibrate import dtype_name
 
@@ -167,7 +179,7 @@ def describe(loaded: Any) -> dict[str, Any]:
 def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.calibrate import choose_tree
+    from medusa_chat.calibrate import resolve_tree
     from medusa_chat.decoding import MedusaEngine
 
     err = Console(stderr=True)
@@ -183,7 +195,9 @@ def ask_main(args: argparse.Namespace) -> int:
     )
     settings.validate()  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
-    tree, source = choose_tree(loaded, getattr(args, "tree", None), getattr(args, "tree_size", None))
+    tree, source = resolve_tree(
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
+    )
     engine = MedusaEngine(loaded, tree)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}
@@ -417,6 +431,7 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     warmup: int = 1
     tree_sizes: list[int] | None = None
+    llamacpp_bench: str | None = None
 
 
 def run_bench(
@@ -432,6 +447,20 @@ def run_bench(
 
     greedy = config.temperature <= 0
     methods = [m for m in METHODS if m == "medusa" or m in config.baselines]
+    peer, peer_note, peer_runs = None, "", []
+    if "llamacpp" in config.baselines:
+        from medusa_chat.peer import llama_bench_for
+
+        peer, peer_note = llama_bench_for(loaded, torch.get_num_threads(), config.llamacpp_bench)
+
+    def run_peer() -> None:
+        nonlocal peer, peer_note
+        if peer is None:
+            return
+        try:
+            peer_runs.append(peer.token_generation(config.max_new_tokens))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            peer, peer_note = None, f"llama.cpp baseline failed: {err}"
     engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
     if "plain" in methods:
         engines["plain"] = MedusaEngine(loaded, plain_tree())
@@ -458,9 +487,11 @@ def run_bench(
         for m in all_methods:
             run(m, encoded[0], min(16, config.max_new_tokens))
 
+    run_peer()  # before the prompts, and again after them: the machine's state at both ends
     totals = {m: _Totals() for m in all_methods}
     rows: list[dict[str, Any]] = []
     identical_flags: list[bool] = []
+    plain_flags: list[bool] = []
     size_identical: dict[int, list[bool]] = {n: [] for n in sizes}
     for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
         order = all_methods[i % len(all_methods) :] + all_methods[: i % len(all_methods)]
@@ -505,6 +536,9 @@ def run_bench(
             ("lookup", "speedup_vs_prompt_lookup"),
         ):
             row[key] = _ratio(med.tokens_per_s, runs[b].tokens_per_s) if b in runs else None
+        if greedy and "plain" in runs:
+            row["identical_to_plain_loop"] = runs["plain"].token_ids == med.token_ids
+            plain_flags.append(row["identical_to_plain_loop"])
         if greedy and ref is not None:
             div = first_divergence(med.token_ids, ref.token_ids)
             row["identical"] = div is None
@@ -535,11 +569,19 @@ def run_bench(
         if console is not None:
             _print_prompt(console, i + 1, len(prompts), row, runs)
 
+    run_peer()
     t = totals
     med_tps = t["medusa"].tokens_per_s
+    peer_tps = statistics.fmean(r["tokens_per_s"] for r in peer_runs) if peer_runs and peer else None
     summary: dict[str, Any] = {
         "prompts": len(rows),
         "identical_fraction": _r(sum(identical_flags) / len(identical_flags)) if identical_flags else None,
+        "identical_to_plain_loop_fraction": _r(sum(plain_flags) / len(plain_flags)) if plain_flags else None,
+        "llamacpp_tokens_per_s": _r(peer_tps, 3),
+        "llamacpp_runs": peer_runs,
+        "llamacpp_note": peer_note or None,
+        "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
+        "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,
         "tokens_per_step": _r(t["medusa"].tokens_per_step),
         "speedup_vs_hf_generate": _ratio(med_tps, t["hf"].tokens_per_s) if "hf" in t else None,
         "speedup_vs_plain_loop": _ratio(med_tps, t["plain"].tokens_per_s) if "plain" in t else None,
@@ -572,7 +614,7 @@ def run_bench(
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
         "accept_mode": "greedy" if greedy else "typical",
-        "baselines": [m for m in methods if m != "medusa"],
+        "baselines": [m for m in methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "load_average": [load_before, _load_average()],  # 1-minute load before/after: > cpu_count = contended
@@ -692,7 +734,21 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             table.add_row(
                 label, _fmt(s[f"{m}_tokens_per_s"], ".1f"), _fmt(tps_step), _fmt(s[key], ".2f", "x")
             )
+    if s.get("llamacpp_tokens_per_s"):
+        table.add_row(
+            "llama.cpp (llama-bench tg, same GGUF)",
+            _fmt(s["llamacpp_tokens_per_s"], ".1f"),
+            "1.00",
+            _fmt(s["speedup_vs_llamacpp"], ".2f", "x"),
+        )
     console.print(table)
+    if s.get("llamacpp_note"):
+        console.print(f"[yellow]{s['llamacpp_note']}[/yellow]")
+    if s.get("identical_to_plain_loop_fraction") is not None:
+        console.print(
+            f"greedy output identical to the engine's plain loop: {s['identical_to_plain_loop_fraction'] * 100:.0f}%"
+            " of prompts"
+        )
     if s["identical_fraction"] is not None:
         ties = f", {s['near_ties']} divergence(s) at near-ties" if s.get("near_ties") else ""
         console.print(
@@ -740,7 +796,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.calibrate import choose_tree
+    from medusa_chat.calibrate import resolve_tree
 
     out = Console()
     err = Console(stderr=True)
@@ -749,7 +805,9 @@ def bench_main(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p
     ).validate()
     loaded = load_from_args(args, err)
-    tree, source = choose_tree(loaded, getattr(args, "tree", None), getattr(args, "tree_size", None))
+    tree, source = resolve_tree(
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, False)
+    )
     config = BenchConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -758,6 +816,7 @@ def bench_main(args: argparse.Namespace) -> int:
         baselines=args.baselines,
         warmup=args.warmup,
         tree_sizes=args.tree_sizes,
+        llamacpp_bench=args.llamacpp_bench,
     )
     doc = run_bench(loaded, tree, prompts, config, None if args.quiet else out, tree_source=source)
     print_summary(out, doc)

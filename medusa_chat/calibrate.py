@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -501,6 +502,48 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     ):
         return base.prefix(cal["tree_size"]), calibrated_source(cal)
     return base, "default"
+
+
+# On a CPU a tree step's cost grows with every node (the exact per-node attention, the projections' extra
+# rows), so trees beyond 16 nodes never pay there; the first-start calibration looks at prefixes up to this.
+CPU_MAX_TREE = 16
+CPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def resolve_tree(
+    loaded: Any,
+    tree_name: str | None = None,
+    tree_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    auto_calibrate: bool | None = None,
+) -> tuple[Tree, str]:
+    """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
+
+    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
+    (about 10 s; cached for every later start and command); else the model's default tree.
+    """
+    if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
+        auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
+    tree, source = choose_tree(loaded, tree_name, tree_size)
+    if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
+        return tree, source
+    base = tree.prefix(min(tree.size, CPU_MAX_TREE))
+    if progress is not None:
+        progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
+    record = calibrate(
+        loaded,
+        base=base,
+        sizes=CPU_SIZES,
+        reps=5,
+        measure_accuracy=True,
+        measure_replies=3,
+        measure_tokens=48,
+        progress=progress,
+    )
+    record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
+    model_name, device, quant, dtype = model_identity(loaded)
+    save_calibration(record, model_name, device, quant, dtype)
+    return tree.prefix(record["tree_size"]), calibrated_source(record)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -183,39 +183,17 @@ class SessionManager:
     def _resolve_tree(
         self, name: str | None, size: int | None, progress: Callable[[str], None] | None = None
     ) -> Tree:
-        # --tree/--tree-size win; else this device's cached calibration; else (on a CPU) calibrate once now;
-        # else the model's default tree. The reason is shown in the UIs' model panel ("tree_source").
-        from medusa_chat.calibrate import choose_tree
+        # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
+        # cached calibration, else (on a CPU) calibrate once now. The reason is shown in the UIs' model panel.
+        from medusa_chat.calibrate import choose_tree, resolve_tree
 
         assert self.loaded is not None
-        tree, self.tree_source = choose_tree(self.loaded, name, size)
-        if self.tree_source == "default" and self.auto_calibrate:
-            tree = self._calibrate_once(tree, progress)
-        return tree
-
-    def _calibrate_once(self, tree: Tree, progress: Callable[[str], None] | None) -> Tree:
-        """On a CPU the best tree size depends on the machine (a 16-node fp32 step costs ~2.3x a 1-token step
-        here, a bf16 one ~1.3x), so the first load calibrates once and caches the choice; later loads read it.
-        Tokens per step are measured with 4 short greedy replies to built-in prompts (the heads' tree.json
-        estimate comes from their own training distribution and over-promises), then each tree size is timed:
-        about 10-30 s, once per model + device + dtype. GPUs keep the default tree."""
-        from medusa_chat import calibrate as cal
-
-        assert self.loaded is not None
-        if self.loaded.device.type != "cpu" or tree.size <= 1:
-            return tree
-        if progress is not None:
-            progress("calibrating the tree size for this CPU once (10-30 s; cached for next time)")
         try:
-            record = cal.calibrate(self.loaded, base=tree, reps=5, measure_accuracy=True)
-            cal.save_calibration(
-                record, record["model"], self.loaded.device, record["quant"], record["dtype"]
-            )
+            tree, self.tree_source = resolve_tree(self.loaded, name, size, progress, self.auto_calibrate)
         except (OSError, RuntimeError, ValueError) as err:  # a failed timing must not stop the chat
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
-            return tree
-        self.tree_source = cal.calibrated_source(record)
-        return tree.prefix(record["tree_size"])
+            tree, self.tree_source = choose_tree(self.loaded, name, size)
+        return tree
 
     @property
     def tree(self) -> Tree | None:

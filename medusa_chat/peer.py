@@ -1,0 +1,91 @@
+"""The peer a CPU user would pick instead: llama.cpp's token generation on the same GGUF, same machine.
+
+`medusa-chat bench --baselines ...,llamacpp` runs llama.cpp's own benchmark tool (`llama-bench`, built from
+llama.cpp or the llama-cpp-python sdist; an optional tool, never a dependency) in the same run as the other
+methods: once before the prompts and once after, with the same thread count, and reports its token-generation
+rate (`-p 0 -n N`: N tokens decoded one at a time after an empty prompt, so its context is shorter than the
+bench prompts'; if anything that favours llama.cpp). Where no binary or no GGUF is available the baseline is
+skipped with a note saying why.
+
+Where to find the binary: `--llamacpp-bench PATH`, else $MEDUSA_CHAT_LLAMA_BENCH, else `llama-bench` on PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class LlamaBench:
+    binary: Path
+    gguf: Path
+    threads: int
+
+    def token_generation(self, tokens: int, reps: int = 3, timeout_s: float = 600) -> dict[str, Any]:
+        """Run `llama-bench -p 0 -n tokens`; returns {tokens_per_s, stddev, build, model_type}."""
+        cmd = [
+            str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-p", "0", "-n", str(tokens),
+            "-r", str(reps), "-o", "json",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"llama-bench failed ({done.returncode}): {tail[0][:200]}")
+        return parse_llama_bench_json(done.stdout)
+
+
+def parse_llama_bench_json(text: str) -> dict[str, Any]:
+    """llama-bench's `-o json` output: a list of test records; the token-generation one has n_gen > 0."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RuntimeError(f"llama-bench printed no JSON: {text[:120]!r}") from err
+    tg = [r for r in records if int(r.get("n_gen", 0)) > 0 and int(r.get("n_prompt", 0)) == 0]
+    if not tg:
+        raise RuntimeError("llama-bench output has no token-generation test")
+    r = tg[0]
+    return {
+        "tokens_per_s": float(r["avg_ts"]),
+        "stddev": float(r.get("stddev_ts", 0.0)),
+        "build": r.get("build_commit"),
+        "model_type": r.get("model_type"),
+        "n_gen": int(r["n_gen"]),
+        "threads": int(r.get("n_threads", 0)),
+    }
+
+
+def find_llama_bench(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    for candidate in (explicit, os.environ.get("MEDUSA_CHAT_LLAMA_BENCH"), shutil.which("llama-bench")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def model_gguf(loaded: Any) -> Path | None:
+    """The GGUF the loaded model was made from (the embedded model's), else None."""
+    spec = getattr(loaded, "spec", None)
+    if getattr(spec, "kind", None) == "embedded":
+        from medusa_chat.embedded import gguf_path
+
+        return gguf_path()
+    return None
+
+
+def llama_bench_for(loaded: Any, threads: int, explicit: str | None = None) -> tuple[LlamaBench | None, str]:
+    """(runner, "") or (None, why the llama.cpp baseline is skipped)."""
+    binary = find_llama_bench(explicit)
+    if binary is None:
+        return None, (
+            "llama.cpp baseline skipped: no llama-bench binary (pass --llamacpp-bench PATH or set "
+            "MEDUSA_CHAT_LLAMA_BENCH; build it from llama.cpp or the llama-cpp-python sdist)"
+        )
+    gguf = model_gguf(loaded)
+    if gguf is None:
+        return None, "llama.cpp baseline skipped: this model was not loaded from a GGUF"
+    return LlamaBench(binary, gguf, threads), ""
