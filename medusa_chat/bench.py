@@ -461,6 +461,7 @@ def run_bench(
             peer_runs.append(peer.token_generation(config.max_new_tokens))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             peer, peer_note = None, f"llama.cpp baseline failed: {err}"
+
     engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
     if "plain" in methods:
         engines["plain"] = MedusaEngine(loaded, plain_tree())

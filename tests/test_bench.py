@@ -128,10 +128,15 @@ def test_bench_json_has_the_documented_fields(
     loaded = make_loaded_model()
     out = tmp_path / "bench.json"
     args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "16"]
+    args += ["--quant", "none"]  # the float path, whose greedy output also equals HF generate bit for bit
     assert cli.main([*args, "--json", str(out), "--warmup", "0", "--tree-sizes", "4,8", "--quiet"]) == 0
     doc = json.loads(out.read_text())
     assert BENCH_TOP <= set(doc)
     assert doc["device"] == "cpu" and doc["quant"] == "none" and doc["dtype"] == "float32"
+    assert doc["summary"]["identical_to_plain_loop_fraction"] == 1.0
+    assert all(row["identical_to_plain_loop"] is True for row in doc["prompts"])
+    # no GGUF behind this model (and no llama-bench here): the peer baseline is skipped with the reason
+    assert "skipped" in doc["summary"]["llamacpp_note"] and doc["summary"]["llamacpp_tokens_per_s"] is None
     assert "decode wall time" in doc["timing"]
     assert len(doc["prompts"]) == 2
     assert doc["prompts"][0]["prompt"] == "Tell me about the planted successor map."  # first turn only
