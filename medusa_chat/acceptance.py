@@ -62,6 +62,7 @@ from medusa_chat.tree import TreeBuffers
 
 ACCEPT_MODES = ("typical", "exact")  # the modes a user picks for temperature > 0 (0 is always greedy)
 
+ACCEPT_LABELS = {"greedy": "greedy", "typical": "typical acceptance", "exact": "exact sampling"}
 ACCEPT_GUARANTEES = {
     "greedy": "identical to plain greedy decoding",
     "typical": "faster, but favours the heads' guesses: not the model's exact sampling distribution",
@@ -324,6 +325,7 @@ def make_acceptor(
 
 __all__ = [
     "ACCEPT_GUARANTEES",
+    "ACCEPT_LABELS",
     "ACCEPT_MODES",
     "Acceptor",
     "ExactAcceptor",
