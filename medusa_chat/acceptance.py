@@ -249,7 +249,8 @@ def _exact_tables(buf: TreeBuffers) -> _ExactTables:
     if hit is not None and hit[0] is buf:
         return hit[1]
     tree, device = buf.tree, buf.internal.device
-    n, internal = tree.size, buf.internal.tolist()
+    # from the host-side tree, as TreeBuffers.build orders `internal` (no device read, not even once per tree)
+    n, internal = tree.size, sorted(set(tree.parents[1:]))
     slot = [len(internal)] * n
     for i, node in enumerate(internal):
         slot[node] = i

@@ -407,3 +407,57 @@ def test_engine_exact_first_tokens_match_an_independent_sampler(make_loaded_mode
     print(f"engine typical vs plain multinomial: chi2={stat_typ:.1f} df={df_typ} p={p_typ:.3g}")
     print("most common: exact", a.most_common(2), "typical", c.most_common(2), "plain", b.most_common(2))
     assert p_typ < ALPHA
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings plumbing: CLI, REPL
+# ------------------------------------------------------------------------------------------------------------
+def test_ask_and_bench_take_accept_exact_and_report_it(
+    make_loaded_model, tmp_path, capsys, monkeypatch
+) -> None:
+    import json
+
+    from medusa_chat import cli
+    from tests.test_bench import model_args
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
+    loaded = make_loaded_model()
+    common = [*model_args(loaded), "--max-new-tokens", "12", "--temperature", "0.7", "--accept", "exact"]
+    assert cli.main(["ask", *common, "--seed", "5", "--json", "Hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["accept_mode"] == "exact" and out["new_tokens"] == 12
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count from one to ten."}) + "\n")
+    doc_path = tmp_path / "bench.json"
+    args = ["bench", *common, "--prompts", str(prompts), "--baselines", "plain", "--warmup", "0"]
+    assert cli.main([*args, "--json", str(doc_path)]) == 0
+    doc = json.loads(doc_path.read_text())
+    assert doc["accept_mode"] == "exact" and doc["summary"]["tokens_per_step"] >= 1.0
+    # exact mode: the plain loop with the same seed wrote the same reply
+    assert doc["summary"]["exact_identical_to_plain_fraction"] == 1.0
+    assert "tokens/step" in capsys.readouterr().out
+    assert cli.main([*args[:-2], "--accept", "lossless"]) != 0  # argparse refuses other rules
+
+
+def test_repl_accept_command(tmp_path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from medusa_chat.ui.terminal import TerminalChat
+    from tests.test_terminal import _fake_session
+
+    session, _ = _fake_session(tmp_path, monkeypatch)
+    lines = ["/accept", "/accept exact", "/temp 0.8", "/accept bogus", "/accept typical"]
+    out = io.StringIO()
+    console = Console(file=out, width=200, no_color=True, highlight=False)
+    TerminalChat(
+        session, console, interactive=False, stdin=io.StringIO("\n".join(lines) + "\n"), out=out
+    ).run()
+    text = out.getvalue()
+    assert "acceptance greedy: identical to plain greedy decoding" in text
+    assert "acceptance at temperature > 0: exact (applies at temperature > 0" in text
+    assert "temperature 0.8 (exact sampling: same distribution as plain sampling)" in text
+    assert "error: accept must be 'typical' or 'exact'" in text
+    assert session.settings.accept == "typical" and session.settings.accept_mode == "typical"
