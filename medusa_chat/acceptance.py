@@ -55,10 +55,14 @@ nodes' rows, a `searchsorted`, and the comparisons: no extra forward pass, no ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from medusa_chat.tree import TreeBuffers
+
+if TYPE_CHECKING:
+    from medusa_chat.events import GenerationSettings
 
 ACCEPT_MODES = ("typical", "exact")  # the modes a user picks for temperature > 0 (0 is always greedy)
 
@@ -213,7 +217,7 @@ class TypicalAcceptor(Acceptor):
 
     def __init__(
         self, temperature: float, top_p: float, epsilon: float, delta: float, generator: torch.Generator
-    ):
+    ) -> None:
         self.temperature, self.top_p = temperature, top_p
         self.epsilon, self.delta = epsilon, delta
         self.generator = generator
@@ -270,7 +274,14 @@ class ExactAcceptor(Acceptor):
 
     mode = "exact"
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator, horizon: int, device):
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator,
+        horizon: int,
+        device: torch.device | str,
+    ) -> None:
         self.temperature, self.top_p = temperature, top_p
         # One uniform per reply position, drawn once from the seeded generator: the whole reply's randomness.
         self.u = torch.rand(horizon, generator=generator, device=device, dtype=torch.float64)
@@ -309,7 +320,7 @@ class ExactAcceptor(Acceptor):
 
 
 def make_acceptor(
-    settings, generator: torch.Generator | None, device: torch.device | str, horizon: int
+    settings: GenerationSettings, generator: torch.Generator | None, device: torch.device | str, horizon: int
 ) -> Acceptor:
     """The acceptor for one reply. `horizon` bounds the reply positions a step can reach (max_new_tokens +
     tree depth + 1); `generator` is the reply's seeded generator (None at temperature 0)."""
