@@ -34,7 +34,9 @@ accepted ones and the bonus, is ``F_k^{-1}(u[k])`` with ``F_k`` the model's dist
 tokens. The drafts only decide *how many* of these values one forward pass can reveal; they never change one.
 Since the ``u[k]`` are independent uniforms, ``F_k^{-1}(u[k])`` has law ``p(. | reply[:k])`` given the past, so
 the reply is distributed exactly as plain sampling. Stronger: it is *pathwise* the reply that the plain loop
-(a root-only tree) produces with the same seed, which the tests check token for token.
+(a root-only tree) produces with the same seed, which the tests check token for token (fp32). All of this holds
+up to the float noise between the tree forward's logits and a plain forward's: ~1e-6 in fp32, bf16 rounding in
+bf16, where a same-seed reply leaves the plain loop's once a uniform lands within that noise of a CDF boundary.
 
 Relation to SpecInfer's multi-draft speculative sampling. With deterministic (point-mass) drafts
 ``q_i = delta(c_i)`` the residual scheme reads: accept child ``c_1`` with probability ``min(1, r_0(c_1) /
@@ -70,7 +72,7 @@ ACCEPT_LABELS = {"greedy": "greedy", "typical": "typical acceptance", "exact": "
 ACCEPT_GUARANTEES = {
     "greedy": "identical to plain greedy decoding",
     "typical": "faster, but favours the heads' guesses: not the model's exact sampling distribution",
-    "exact": "same distribution as plain sampling (same seed: same reply as the plain loop)",
+    "exact": "same distribution as plain sampling (same seed, fp32: same reply as the plain loop)",
 }
 
 

@@ -21,7 +21,7 @@ EXACT_LABEL = "exact sampling"
 MODE_GUARANTEES = {
     "greedy": "the reply is plain greedy decoding, token for token",
     "typical": "fast, but favours the heads' guesses: not the model's exact sampling distribution",
-    "exact": "the reply follows the model's own sampling distribution (same seed: same reply as plain decoding)",
+    "exact": "the reply follows the model's own sampling distribution (up to float rounding)",
 }
 
 # tokens produced by one step -> background colour of that step's text in the shaded reply
