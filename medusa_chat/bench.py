@@ -72,13 +72,24 @@ def _baselines(text: str) -> list[str]:
     return names
 
 
+def add_accept_arg(parser: argparse.ArgumentParser) -> None:
+    """`--accept typical|exact`: the acceptance rule at temperature > 0 (chat, ask, bench)."""
+    parser.add_argument(
+        "--accept",
+        choices=["typical", "exact"],
+        default="typical",
+        help="rule at temperature > 0: typical (the paper's, default: fast, favours the heads' guesses) or "
+        "exact (replies keep the model's own sampling distribution)",
+    )
+
+
 def add_ask_args(parser: argparse.ArgumentParser) -> None:
     """Options of `medusa-chat ask` (model/heads/quant/dtype/device/tree come from the common options)."""
     parser.add_argument(
         "prompt", nargs="?", default="", metavar="PROMPT", help="the message ('-' reads stdin)"
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = typical acceptance"
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = sampling (see --accept)"
     )
     parser.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus sampling for the bonus token (T > 0)"
@@ -87,6 +98,7 @@ def add_ask_args(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for T > 0, so a reply can be repeated")
+    add_accept_arg(parser)
     parser.add_argument("--system", default=None, metavar="TEXT", help="system message before the prompt")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the streamed text"
@@ -114,6 +126,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at T > 0")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (default: %(default)s)")
+    add_accept_arg(parser)
     parser.add_argument(
         "--json", type=Path, default=None, metavar="OUT", help="write the results as JSON to OUT"
     )
@@ -191,7 +204,11 @@ def ask_main(args: argparse.Namespace) -> int:
         )
         return 2
     settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        accept=getattr(args, "accept", "typical"),
     )
     settings.validate()  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
@@ -428,6 +445,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    accept: str = "typical"  # acceptance rule at temperature > 0: typical | exact
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     warmup: int = 1
     tree_sizes: list[int] | None = None
@@ -472,7 +490,11 @@ def run_bench(
 
     def settings_for(max_new: int) -> GenerationSettings:
         return GenerationSettings(
-            max_new_tokens=max_new, temperature=config.temperature, top_p=config.top_p, seed=config.seed
+            max_new_tokens=max_new,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=config.seed,
+            accept=config.accept,
         )
 
     def run(method: str, prompt_ids: list[int], max_new: int) -> Run:
@@ -493,6 +515,8 @@ def run_bench(
     rows: list[dict[str, Any]] = []
     identical_flags: list[bool] = []
     plain_flags: list[bool] = []
+    exact_flags: list[bool] = []
+    exact = not greedy and config.accept == "exact"
     size_identical: dict[int, list[bool]] = {n: [] for n in sizes}
     for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
         order = all_methods[i % len(all_methods) :] + all_methods[: i % len(all_methods)]
@@ -557,6 +581,10 @@ def run_bench(
                 size_identical[n].append(
                     first_divergence(runs[f"medusa@{n}"].token_ids, ref.token_ids) is None
                 )
+        if exact and "plain" in runs:
+            # exact mode couples Medusa to the plain loop: same seed, same reply (acceptance.py)
+            row["identical_to_plain"] = first_divergence(med.token_ids, runs["plain"].token_ids) is None
+            exact_flags.append(row["identical_to_plain"])
         if sizes:
             row["by_tree_size"] = {
                 str(n): {
@@ -600,6 +628,7 @@ def run_bench(
         "plain_s": _r(t["plain"].decode_s, 4) if "plain" in t else None,
         "lookup_s": _r(t["lookup"].decode_s, 4) if "lookup" in t else None,
         "near_ties": sum(1 for r in rows if r.get("near_tie")) if greedy else None,
+        "exact_identical_to_plain_fraction": _r(sum(exact_flags) / len(exact_flags)) if exact_flags else None,
         # Per-prompt medians resist a slow spell of a shared machine better than the totals do.
         "speedup_vs_hf_generate_median": _median(r["speedup_vs_hf_generate"] for r in rows),
         "speedup_vs_plain_loop_median": _median(r["speedup_vs_plain_loop"] for r in rows),
@@ -614,7 +643,8 @@ def run_bench(
         "heads": _heads_label(loaded),
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
-        "accept_mode": "greedy" if greedy else "typical",
+        "accept_mode": settings_for(1).accept_mode,
+        "top_p": config.top_p,
         "baselines": [m for m in methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -756,6 +786,11 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             f"greedy output identical to {'HF generate' if 'hf' in doc['baselines'] else 'the plain loop'}: "
             f"{s['identical_fraction'] * 100:.0f}% of prompts{ties}"
         )
+    if s.get("exact_identical_to_plain_fraction") is not None:
+        console.print(
+            "exact sampling, same seed: reply identical to the plain loop's in "
+            f"{s['exact_identical_to_plain_fraction'] * 100:.0f}% of prompts"
+        )
     if doc.get("tree_sizes"):
         t = Table(title="Medusa by tree size (first N nodes)", title_justify="left")
         for col in ("nodes", "tokens/step", "decode tok/s", "vs HF", "vs plain", "identical"):
@@ -803,7 +838,10 @@ def bench_main(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     prompts = read_prompts(args.prompts, args.limit)
     GenerationSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        accept=getattr(args, "accept", "typical"),
     ).validate()
     loaded = load_from_args(args, err)
     tree, source = resolve_tree(
@@ -814,6 +852,7 @@ def bench_main(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        accept=getattr(args, "accept", "typical"),
         baselines=args.baselines,
         warmup=args.warmup,
         tree_sizes=args.tree_sizes,
@@ -831,6 +870,7 @@ def bench_main(args: argparse.Namespace) -> int:
 __all__ = [
     "Run",
     "add_ask_args",
+    "add_accept_arg",
     "add_arguments",
     "add_bench_args",
     "ask_main",

@@ -4,7 +4,7 @@
     repeat:
         propose   tree tokens = [root, guesses picked by the tree layout]          (gather, on device)
         verify    one backbone forward over all N tree tokens, ancestor-only mask   (the only big compute)
-        accept    longest tree path the backbone agrees with (greedy or typical)   (vectorised, on device)
+        accept    longest tree path the backbone agrees with (greedy/typical/exact)  (vectorised, on device)
         commit    keep the accepted tokens' KV entries in place, drop the rest      (one index_select)
         bonus     the backbone's own next token after the accepted path = next root (no extra forward)
         guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus);
@@ -26,6 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from medusa_chat.acceptance import (  # re-exported: the rules used to live here
+    best_path,
+    greedy_node_ok,
+    make_acceptor,
+    sample,
+    typical_node_ok,
+)
 from medusa_chat.cpu_linears import linear_rows
 from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
@@ -169,58 +176,6 @@ class BackboneRunner:
             use_cache=True,
         )
         return out.last_hidden_state[0]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Acceptance rules (one function each)
-# ------------------------------------------------------------------------------------------------------------
-def greedy_node_ok(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused).
-
-    `logits` rows are indexed by `parent` (the engine passes only the internal nodes' logits)."""
-    return tokens == logits.argmax(dim=-1)[parent]
-
-
-def typical_node_ok(
-    probs: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, epsilon: float, delta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p))), p = parent's distribution.
-
-    Returns ([N] bool accepted, [N] log p(token | parent)) for tie-breaking between equally long paths.
-    """
-    entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(dim=-1)
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-    p_child = probs[parent, tokens]
-    return p_child > threshold[parent], torch.log(p_child.clamp_min(1e-20))
-
-
-def sample(probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Sample one token from a [V] distribution with nucleus (top_p) filtering; stays on the device."""
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
-    return torch.multinomial(probs, 1, generator=generator)[0]
-
-
-def best_path(
-    node_ok: torch.Tensor, leaf_paths: torch.Tensor, node_logp: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the leaf path with the longest accepted prefix. Returns (path node indices [D+1], accepted count).
-
-    `leaf_paths` is padded with N; the padding reads a False appended to `node_ok`. Among paths accepting
-    the same number of tokens, the one with the largest summed log-probability wins (typical mode).
-    """
-    ok = torch.cat([node_ok, node_ok.new_zeros(1)])[leaf_paths[:, 1:]]
-    run = ok.to(torch.int32).cumprod(dim=1)
-    accepted = run.sum(dim=1)
-    score = accepted.to(torch.float32)
-    if node_logp is not None:
-        logp = torch.cat([node_logp, node_logp.new_zeros(1)])[leaf_paths[:, 1:]]
-        score = score * 1e4 + (logp.float() * run).sum(dim=1)
-    best = score.argmax().view(1)
-    # index_select keeps the choice on the device (no host sync until the engine's one .tolist() per step)
-    return leaf_paths.index_select(0, best)[0], accepted.index_select(0, best)[0]
 
 
 def next_logits_and_guesses(
@@ -415,6 +370,8 @@ class MedusaEngine:
                 settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
             generator.manual_seed(seed)
+        # the acceptance rule (greedy / typical / exact, acceptance.py); exact draws the reply's uniforms here
+        acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + tree.depth + 1)
         eos = set(self.model.eos_token_ids)
         stop_strings = tuple(settings.stop_strings) + tuple(self.model.stop_strings)
         t0 = time.perf_counter()
@@ -432,12 +389,7 @@ class MedusaEngine:
         hidden = self._forward(new, positions, self._prefill_mask(reused, len(new)))[-1:]
         self.cached_ids.extend(prompt_ids[reused:])
         root_logits, guesses = self._next_logits_and_guesses(hidden)
-        if greedy:
-            root = root_logits.argmax(-1, keepdim=True)
-        else:
-            root = sample(torch.softmax(root_logits / settings.temperature, -1), settings.top_p, generator)[
-                None
-            ]
+        root = acceptor.first(root_logits)
         first = int(root.item())
         prefill_s = time.perf_counter() - t0
 
@@ -469,25 +421,12 @@ class MedusaEngine:
             # accept: only nodes with children need full-vocab logits to judge their children (about a third
             # of a published tree); the bonus token needs one more row, at the last accepted node.
             parent_logits = self.lm_head(hidden[buf.internal]).float()
-            if greedy:
-                ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot) if len(buf.internal) else None
-                path, count = best_path(ok if ok is not None else tokens != tokens, buf.leaf_paths)
-                last = path.gather(0, count.view(1))
-                last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
-                bonus = last_logits.argmax(-1, keepdim=True)
-            else:
-                if len(buf.internal):
-                    probs = torch.softmax(parent_logits / settings.temperature, dim=-1)
-                    ok, logp = typical_node_ok(
-                        probs, tokens, buf.parent_slot, settings.typical_epsilon, settings.typical_delta
-                    )
-                    path, count = best_path(ok, buf.leaf_paths, logp)
-                else:
-                    path, count = best_path(tokens != tokens, buf.leaf_paths)
-                last = path.gather(0, count.view(1))
-                last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
-                last_probs = torch.softmax(last_logits / settings.temperature, dim=-1)
-                bonus = sample(last_probs, settings.top_p, generator)[None]
+            # judge every node against its parent by the reply's rule, then the path / bonus code all share
+            ok, logp = acceptor.judge(parent_logits, tokens, buf, len(reply))
+            path, count = best_path(ok, buf.leaf_paths, logp)
+            last = path.gather(0, count.view(1))
+            last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
+            bonus = acceptor.bonus(last_logits, last, count)
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
             tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]
@@ -649,5 +588,6 @@ __all__ = [
     "greedy_node_ok",
     "next_logits_and_guesses",
     "plain_tree",
+    "sample",
     "typical_node_ok",
 ]

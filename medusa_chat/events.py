@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationSettings:
     """Per-reply settings. temperature == 0 -> greedy (identical to plain greedy decoding);
-    temperature > 0 -> typical acceptance, bonus token sampled from the temperature-scaled distribution."""
+    temperature > 0 -> `accept` picks the rule: "typical" (the paper's typical acceptance, bonus token sampled;
+    fast but biased towards the heads' guesses) or "exact" (the reply has the model's own sampling
+    distribution with this temperature and top_p; see medusa_chat/acceptance.py)."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -22,10 +24,12 @@ class GenerationSettings:
     typical_delta: float = 0.3  # "posterior_alpha"
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
+    accept: str = "typical"  # the rule for temperature > 0: "typical" | "exact"
 
     @property
     def accept_mode(self) -> str:
-        return "greedy" if self.temperature <= 0 else "typical"
+        """The rule this reply uses: "greedy" at temperature 0 (already exact), else `accept`."""
+        return "greedy" if self.temperature <= 0 else self.accept
 
     def validate(self) -> None:
         from medusa_chat.errors import MedusaChatError
@@ -38,6 +42,8 @@ class GenerationSettings:
             raise MedusaChatError(f"top_p must be in (0, 1] (got {self.top_p})")
         if not (0 <= self.typical_epsilon <= 1 and 0 <= self.typical_delta <= 1):
             raise MedusaChatError("typical epsilon and delta must be in [0, 1]")
+        if self.accept not in ("typical", "exact"):
+            raise MedusaChatError(f"accept must be 'typical' or 'exact' (got {self.accept!r})")
 
 
 @dataclass
@@ -87,7 +93,7 @@ class ReplySummary:
     decode_s: float
     prompt_tokens: int
     reused_prefix_tokens: int  # prompt tokens whose KV cache was kept from the previous reply
-    accept_mode: str  # "greedy" | "typical"
+    accept_mode: str  # "greedy" | "typical" | "exact"
     stop_reason: str  # "eos" | "stop_string" | "max_new_tokens" | "context_limit" | "stopped"
     tree_size: int
     message: str = ""  # human-readable note (e.g. why the context limit stopped the reply)

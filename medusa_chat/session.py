@@ -237,6 +237,8 @@ class SessionManager:
                     value = None if value in (None, "", "none", "None") else int(value)
                 elif key == "stop_strings":
                     value = tuple(str(s) for s in value)
+                elif key == "accept":
+                    value = str(value).strip().lower()
                 else:
                     value = float(value)
                     if not math.isfinite(value):

@@ -16,6 +16,13 @@ from medusa_chat.events import ReplySummary, StepEvent
 
 GREEDY_LABEL = "greedy: identical to plain decoding"
 TYPICAL_LABEL = "typical acceptance"
+EXACT_LABEL = "exact sampling"
+# what each mode guarantees, shown under the label (kept in step with acceptance.ACCEPT_GUARANTEES)
+MODE_GUARANTEES = {
+    "greedy": "the reply is plain greedy decoding, token for token",
+    "typical": "fast, but favours the heads' guesses: not the model's exact sampling distribution",
+    "exact": "the reply follows the model's own sampling distribution (up to float rounding)",
+}
 
 # tokens produced by one step -> background colour of that step's text in the shaded reply
 STEP_SHADES = ["#e2e8f0", "#c7d2fe", "#a5b4fc", "#818cf8", "#6366f1", "#4f46e5"]
@@ -44,15 +51,24 @@ def visible_token(text: str, limit: int = 12) -> str:
     return shown
 
 
-def mode_label(temperature: float | None) -> str:
-    """The acceptance mode the temperature selects, as the UI says it."""
-    return GREEDY_LABEL if not temperature or temperature <= 0 else TYPICAL_LABEL
+def mode_key(temperature: float | None, accept: str | None = "typical") -> str:
+    """The mode key: "greedy" at temperature 0, else the chosen rule ("typical" or "exact")."""
+    return "greedy" if not temperature or temperature <= 0 else ("exact" if accept == "exact" else "typical")
 
 
-def mode_html(temperature: float | None) -> str:
-    mode = mode_label(temperature)
-    cls = "greedy" if mode == GREEDY_LABEL else "typical"
-    return f'<div class="mc-mode mc-mode-{cls}" data-mode="{cls}">Acceptance: <b>{esc(mode)}</b></div>'
+def mode_label(temperature: float | None, accept: str | None = "typical") -> str:
+    """The acceptance mode the temperature (and the rule picked for temperature > 0) selects, as the UI says it."""
+    return {"greedy": GREEDY_LABEL, "typical": TYPICAL_LABEL, "exact": EXACT_LABEL}[
+        mode_key(temperature, accept)
+    ]
+
+
+def mode_html(temperature: float | None, accept: str | None = "typical") -> str:
+    cls = mode_key(temperature, accept)
+    return (
+        f'<div class="mc-mode mc-mode-{cls}" data-mode="{cls}">Acceptance: <b>{esc(mode_label(temperature, accept))}</b>'
+        f'<div class="mc-mode-note">{esc(MODE_GUARANTEES[cls])}</div></div>'
+    )
 
 
 # ---- numbers -------------------------------------------------------------------------------------------------
@@ -541,6 +557,8 @@ CSS = """
 .mc-mode { font-size: 13px; padding: 4px 8px; border-radius: 6px; }
 .mc-mode-greedy { background: #ecfdf5; color: #065f46; }
 .mc-mode-typical { background: #fff7ed; color: #9a3412; }
+.mc-mode-exact { background: #eff6ff; color: #1e40af; }
+.mc-mode-note { font-size: 12px; opacity: 0.85; }
 .mc-tree-panel { display: flex; flex-direction: column; gap: 8px; position: relative; }
 .mc-empty { color: var(--body-text-color-subdued); font-style: italic; padding: 8px 0; }
 .mc-live { position: absolute; right: 0; top: 0; font-size: 11px; background: #dc2626; color: #fff;

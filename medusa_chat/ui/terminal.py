@@ -51,7 +51,9 @@ COMMANDS: dict[str, str] = {
     "/regen": "answer the last message again",
     "/edit TEXT": "replace the last message and answer it",
     "/system [TEXT]": "show or set the system prompt (`/system -` clears it)",
-    "/temp X": "temperature: 0 = greedy (identical to plain decoding), > 0 = typical acceptance",
+    "/temp X": "temperature: 0 = greedy (identical to plain decoding), > 0 = sampling (see /accept)",
+    "/accept typical|exact": "rule at temperature > 0: typical (fast, favours the heads' guesses) or exact "
+    "(the model's own sampling distribution)",
     "/max N": "max new tokens per reply",
     "/topp X": "nucleus sampling top_p (temperature > 0)",
     "/seed N|none": "sampling seed",
@@ -583,11 +585,32 @@ class TerminalChat:
             raise MedusaChatError(f"usage: {usage}")
         self.session.update_settings(**kw)
 
+    def _mode_note(self) -> str:
+        from medusa_chat.acceptance import ACCEPT_GUARANTEES, ACCEPT_LABELS
+
+        mode = self.session.settings.accept_mode
+        return f"{ACCEPT_LABELS[mode]}: {ACCEPT_GUARANTEES[mode]}"
+
     def cmd_temp(self, arg: str) -> None:
         self._set("/temp X", temperature=arg)
-        t = self.session.settings.temperature
-        mode = "greedy: identical to plain decoding" if t <= 0 else "typical acceptance"
-        self.note(f"temperature {t:g} ({mode})")
+        mode = self.session.settings.accept_mode
+        short = {
+            "greedy": "greedy: identical to plain decoding",
+            "typical": "typical acceptance",
+            "exact": "exact sampling: same distribution as plain sampling",
+        }[mode]
+        self.note(f"temperature {self.session.settings.temperature:g} ({short})")
+
+    def cmd_accept(self, arg: str) -> None:
+        if not arg:
+            self.note(
+                f"acceptance {self._mode_note()}; /accept typical|exact picks the rule for temperature > 0"
+            )
+            return
+        self._set("/accept typical|exact", accept=arg)
+        st = self.session.settings
+        later = "" if st.temperature > 0 else f" (applies at temperature > 0; now {st.temperature:g}: greedy)"
+        self.note(f"acceptance at temperature > 0: {st.accept}{later}; now {self._mode_note()}")
 
     def cmd_max(self, arg: str) -> None:
         self._set("/max N", max_new_tokens=arg)
@@ -611,7 +634,7 @@ class TerminalChat:
         st = self.session.settings
         self.note(
             f"settings: temperature {st.temperature:g}, max {st.max_new_tokens}, top_p {st.top_p:g}, "
-            f"seed {st.seed}; tree {self.session.info.get('tree')} ({self.session.info.get('tree_size')} "
+            f"seed {st.seed}, acceptance {st.accept_mode}; tree {self.session.info.get('tree')} ({self.session.info.get('tree_size')} "
             f"nodes); conversation {self.session.conversation.id}"
         )
 
@@ -708,13 +731,20 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         dest="temperature",
-        help="0 = greedy (default), > 0 = typical acceptance",
+        help="0 = greedy (default), > 0 = sampling (rule: --accept)",
     )
     g.add_argument("--max-new-tokens", type=int, default=None, help="max new tokens per reply (default 512)")
     g.add_argument(
         "--top-p", type=float, default=None, dest="top_p", help="nucleus sampling (temperature > 0)"
     )
     g.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    g.add_argument(
+        "--accept",
+        choices=["typical", "exact"],
+        default=None,
+        help="rule at temperature > 0: typical (default: fast, favours the heads' guesses) or exact (the "
+        "model's own sampling distribution)",
+    )
     g.add_argument(
         "--resume", metavar="NAME", default=None, help="continue a saved conversation (id or name)"
     )
@@ -762,7 +792,7 @@ def main(args: argparse.Namespace) -> int:
     _load(session, info_console, interactive)
     settings = {
         name: getattr(args, name)
-        for name in ("temperature", "max_new_tokens", "top_p", "seed")
+        for name in ("temperature", "max_new_tokens", "top_p", "seed", "accept")
         if getattr(args, name, None) is not None
     }
     if settings:

@@ -536,7 +536,14 @@ class WebApp:
                             label="Temperature",
                             elem_id="temperature",
                         )
-                        mode = gr.HTML(render.mode_html(s.temperature), elem_id="mode")
+                        accept = gr.Radio(
+                            ["typical", "exact"],
+                            value=s.accept,
+                            label="Sampling rule at temperature > 0",
+                            info="typical: faster, favours the heads' guesses; exact: the model's own distribution",
+                            elem_id="accept",
+                        )
+                        mode = gr.HTML(render.mode_html(s.temperature, s.accept), elem_id="mode")
                         max_new = gr.Slider(
                             1, 4096, value=s.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new"
                         )
@@ -623,8 +630,15 @@ class WebApp:
             system.blur(self.set_system, system, error_box, api_visibility="private")
 
             quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
-            for evt in (temperature.input, temperature.change):
-                evt(render.mode_html, temperature, mode, api_visibility="private", **quiet)
+            for evt in (temperature.input, temperature.change, accept.change):
+                evt(render.mode_html, [temperature, accept], mode, api_visibility="private", **quiet)
+            accept.change(
+                lambda v: self.update_setting("accept", v),
+                accept,
+                error_box,
+                api_visibility="private",
+                **quiet,
+            )
             temperature.change(
                 lambda v: self.update_setting("temperature", v), temperature, error_box,
                 api_visibility="private", **quiet,
