@@ -34,22 +34,13 @@ import torch
 from medusa_chat.cli import int_list
 from medusa_chat.decoding import (
     BackboneRunner,
-    HydraDrafter,
-    TreeKVCache,
-    best_path,
-    greedy_node_ok,
-    next_logits_and_guesses,
 )
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
-from medusa_chat.heads import HydraHeads
-from medusa_chat.lean_forward import TreePlan
 from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
     from medusa_chat.decoding import MedusaEngine
-    from medusa_chat.heads import MedusaHeads
-    from medusa_chat.tree import TreeBuffers
 
 CALIBRATION_VERSION = 3  # bumped whenever the timed step changes (v3: exact per-node tree attention)
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -120,63 +111,15 @@ def latency_tree(base: Tree, size: int) -> Tree:
     return Tree(tuple(paths), name=f"{base.name}+{size - base.size}")
 
 
-def _causal_mask(start: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive prefill mask [1, 1, count, start + count], as the engine builds it."""
-    q = torch.arange(count, device=device)[:, None]
-    k = torch.arange(count, device=device)[None, :]
-    block = torch.zeros(count, start + count, dtype=dtype, device=device)
-    block[:, start:].masked_fill_(k > q, torch.finfo(dtype).min)
-    return block[None, None]
-
-
-def _tree_step(
-    runner: BackboneRunner,
-    heads: MedusaHeads | None,
-    cache: TreeKVCache,
-    start: int,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
-    buf: TreeBuffers,
-    drafter: HydraDrafter | None = None,
-) -> None:
-    """One verification step as MedusaEngine.generate runs it (greedy), then the cache is put back to `start`.
-
-    Mirrors the engine: full-vocab logits only for internal nodes (those with children) plus one row for the
-    bonus token at the last accepted node; heads on that node's hidden state only.
-    """
-    lm_head = runner.lm_head
-    hidden = runner.forward(tokens, positions, mask, cache)
-    if len(buf.internal):
-        parent_logits = lm_head(hidden[buf.internal]).float()
-        ok = greedy_node_ok(parent_logits, tokens, buf.parent_slot)
-    else:
-        ok = tokens != tokens
-    path, count = best_path(ok, buf.leaf_paths)
-    last = path.gather(0, count.view(1))
-    # the bonus token and the next step's guesses, from the last accepted node only (the engine's own code)
-    logits, guesses = next_logits_and_guesses(lm_head, heads, hidden.index_select(0, last), buf.top_k)
-    bonus = logits.argmax(-1, keepdim=True)
-    parts = [tokens, path, count[None].to(tokens.dtype), bonus]
-    if guesses is not None:
-        parts.append(guesses)
-    if drafter is not None:  # Hydra heads draft the next tree from the bonus token (the engine's propose)
-        parts.append(drafter.propose(bonus, hidden.index_select(0, last), buf))
-    torch.cat(parts).tolist()  # the step's single host sync, as in the engine
-    cache.keep(start, path, 1)
-    cache.crop(start)
-
-
 def model_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
 @torch.inference_mode()
 def measure_step_latency(
-    backbone: torch.nn.Module,
+    loaded: Any,
     sizes: Iterable[int],
     *,
-    heads: MedusaHeads | None = None,
     tree: Tree | None = None,
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
     reps: int = 10,
@@ -184,61 +127,41 @@ def measure_step_latency(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[int, dict[str, float]]:
-    """Time one engine-style decoding step per tree size, with `prefix_tokens` already in the KV cache.
+    """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
-    A step is what `MedusaEngine.generate` does per verification: one backbone forward over the n tree tokens
-    (TreeKVCache, additive float 4D mask, explicit positions), lm_head on the internal nodes and on the last
-    accepted one, greedy acceptance and
-    the in-place KV commit, the heads' top-k on the last accepted node (n > 1 only: a root-only tree needs no
-    guesses) and the one host sync. After each rep the cache is cropped back to the prefix, so every rep sees
+    A step is `MedusaEngine.step` itself (propose, verify, greedy accept, bonus; the lean forward's exact
+    per-node attention on a CPU, the heads' draft for the next step) plus the one host sync and the in-place
+    KV commit `generate` does after it. After each rep the cache is cropped back to the prefix, so every rep sees
     the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
     events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
     pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
     them, the event time equals the wall time: the GPU waits for the launches.)
     """
+    from medusa_chat.acceptance import make_acceptor
+    from medusa_chat.decoding import MedusaEngine
+
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
-    device = model_device(backbone)
-    dtype = backbone.get_input_embeddings().weight.dtype  # the engine's activation dtype (NF4 too)
-    runner = BackboneRunner(backbone)  # the engine's own forward (lean/packed where supported)
+    device = torch.device(loaded.device)
+    backbone = loaded.backbone
     vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
     base = tree or Tree.named("mc_sim_7b_63")
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(seed)
-
-    cache = TreeKVCache(backbone.config.num_hidden_layers, capacity=prefix_tokens + max(sizes) + 8)
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
-    positions = torch.arange(prefix_tokens, device=device)
-    runner.forward(prefix, positions, _causal_mask(0, prefix_tokens, dtype, device), cache)
-    start = cache.length
+    acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
     step_args: dict[int, tuple] = {}
-    hydra = HydraDrafter(heads, backbone) if isinstance(heads, HydraHeads) else None
     for n in sizes:
         t = latency_tree(base, n)
-        buf = t.buffers(device, dtype)
-        if heads is not None and n > 1:
-            t.check_fits(heads.num_heads)
-        # The engine keeps one mask buffer per tree: zero prefix columns, the tree's ancestor block after them.
-        if runner.lean is not None and device.type == "cpu":
-            mask = TreePlan.build(t.parents, t.depths, device)  # exact per-node attention, as the engine
-        else:
-            mask = torch.zeros((1, 1, n, start + n), dtype=dtype, device=device)
-            mask[0, 0, :, start:] = buf.attn_bias
-        tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
-        pos = start + buf.depth
-        with_heads = heads is not None and n > 1
-        step_args[n] = (
-            runner,
-            heads if with_heads else None,
-            cache,
-            start,
-            tokens,
-            pos,
-            mask,
-            buf,
-            hydra if with_heads else None,
+        if loaded.heads is not None and n > 1:
+            t.check_fits(loaded.heads.num_heads)
+        engine = MedusaEngine(loaded, t)  # each size its own cache: per-node key rows are sized per tree
+        hidden = engine._forward(
+            prefix, torch.arange(prefix_tokens, device=device), engine._prefill_mask(0, prefix_tokens)
         )
+        logits, draft = engine._next_logits_and_guesses(hidden[-1:])
+        step_args[n] = (engine, logits.argmax(-1, keepdim=True), draft)
         for _ in range(warmup):
-            _tree_step(*step_args[n])
+            _timed_step(*step_args[n], acceptor)
 
     # Sizes are timed round-robin (one rep of each size per round), so a slow spell of a shared machine (other
     # processes, clock changes) hits every size alike instead of skewing the sizes measured during it.
@@ -251,7 +174,7 @@ def measure_step_latency(
                 torch.cuda.synchronize(device)
                 e0.record()
             t0 = time.perf_counter()
-            _tree_step(*args)
+            _timed_step(*args, acceptor)
             if cuda:
                 e1.record()
                 torch.cuda.synchronize(device)
@@ -268,8 +191,18 @@ def measure_step_latency(
             progress(
                 f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
             )
-    cache.crop(0)
+    for engine, _, _ in step_args.values():
+        engine.reset()
     return results
+
+
+def _timed_step(engine: Any, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> None:
+    """The engine's step, its host sync and commit, then the cache put back (so every rep sees one context)."""
+    start = engine.cache.length
+    tokens, path, count, bonus, _ = engine.step(root, draft, start, acceptor, 0)
+    torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()  # the step's one host sync
+    engine.cache.keep(start, path, 1)
+    engine.cache.crop(start)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -624,9 +557,8 @@ def calibrate(
     if progress:
         progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
     lat = measure_step_latency(
-        loaded.backbone,
+        loaded,
         sizes,
-        heads=loaded.heads,
         tree=base,
         prefix_tokens=prefix_tokens,
         reps=reps,

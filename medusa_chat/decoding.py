@@ -290,6 +290,8 @@ class MedusaEngine:
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
         exact = self.runner.lean is not None and self.device.type == "cpu"
+        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
+        self._logits_once = tree.size <= 16 and (self.drafter is not None or tree.size == 1)
         self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if exact else None
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
@@ -343,6 +345,43 @@ class MedusaEngine:
         if text is None:
             text = self._token_text[token] = self.model.tokenizer.decode([token])
         return text
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def step(
+        self, root: torch.Tensor, draft: torch.Tensor | None, start: int, acceptor: Any, produced: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One decoding step on the device, no host sync: propose -> verify -> accept -> bonus.
+
+        Returns (tree tokens [N], accepted path [D + 1], accepted count, bonus [1], next draft). The caller
+        commits (`cache.keep`) after its one sync. `generate` and the calibration that times steps both run
+        this, so what is timed is what a reply pays.
+        """
+        buf = self.buffers
+        # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
+        tokens = propose(root, draft, buf, self.drafter)
+        # verify: one forward over the N tree tokens
+        attend = self.plan if self.plan is not None else self._tree_mask(start)
+        hidden = self._forward(tokens, start + buf.depth, attend)
+        # accept: nodes with children need full-vocab logits to judge their children, the last accepted node
+        # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
+        # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
+        # the rows they need (about a third of a published tree), the bonus row after acceptance.
+        if self._logits_once:
+            logits = self.lm_head(hidden).float()
+            parent_logits = logits.index_select(0, buf.internal)
+        else:
+            parent_logits = self.lm_head(hidden[buf.internal]).float()
+        # judge every node against its parent by the reply's rule, then the path / bonus code all share
+        ok, logp = acceptor.judge(parent_logits, tokens, buf, produced)
+        path, count = best_path(ok, buf.leaf_paths, logp)
+        last = path.gather(0, count.view(1))
+        if self._logits_once:
+            last_logits = logits.index_select(0, last)[0]
+            draft = hidden.index_select(0, last) if self.drafter is not None else None
+        else:
+            last_logits, draft = self._next_logits_and_guesses(hidden.index_select(0, last))
+        bonus = acceptor.bonus(last_logits, last, count)
+        return tokens, path, count, bonus, draft
 
     # ---- one reply ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -413,20 +452,7 @@ class MedusaEngine:
                 message = f"stopped at the model's context window ({self.context_limit} tokens)"
                 break
             step_t0 = time.perf_counter()
-            # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
-            tokens = propose(root, guesses, buf, self.drafter)
-            # verify
-            attend = self.plan if self.plan is not None else self._tree_mask(start)
-            hidden = self._forward(tokens, start + buf.depth, attend)
-            # accept: only nodes with children need full-vocab logits to judge their children (about a third
-            # of a published tree); the bonus token needs one more row, at the last accepted node.
-            parent_logits = self.lm_head(hidden[buf.internal]).float()
-            # judge every node against its parent by the reply's rule, then the path / bonus code all share
-            ok, logp = acceptor.judge(parent_logits, tokens, buf, len(reply))
-            path, count = best_path(ok, buf.leaf_paths, logp)
-            last = path.gather(0, count.view(1))
-            last_logits, guesses = self._next_logits_and_guesses(hidden.index_select(0, last))
-            bonus = acceptor.bonus(last_logits, last, count)
+            tokens, path, count, bonus, guesses = self.step(root, guesses, start, acceptor, len(reply))
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
             tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]

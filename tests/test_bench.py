@@ -267,8 +267,14 @@ def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Pat
     doc = json.loads(bench_out.read_text())
     assert BENCH_TOP <= set(doc) and BENCH_SUMMARY <= set(doc["summary"])
     assert all(BENCH_PROMPT <= set(row) for row in doc["prompts"])
-    for row in doc["prompts"]:  # fp32 on CPU: identical, or a genuine near-tie that the row names
-        assert row["identical"] or row["near_tie"], row
+    # the guarantee in every numeric path: greedy Medusa is the engine's own plain loop, token for token
+    assert doc["summary"]["identical_to_plain_loop_fraction"] == 1.0
+    assert all(row["identical_to_plain_loop"] for row in doc["prompts"])
+    if doc["quant"] == "none":  # fp32 on CPU: also HF generate, or a genuine near-tie that the row names
+        for row in doc["prompts"]:
+            assert row["identical"] or row["near_tie"], row
+    else:  # 8-bit activation blocks amplify HF's other prefill chunking: no bitwise claim against it
+        assert doc["quant"] in ("int8", "int4")
 
 
 def test_tie_tolerance_is_two_ulps_of_the_top_logit_in_16_bit() -> None:

@@ -225,9 +225,8 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
 def test_measure_step_latency_runs_the_engine_step(make_loaded_model: Any) -> None:
     loaded = make_loaded_model()
     out = measure_step_latency(
-        loaded.backbone,
+        loaded,
         [1, 4, 70],
-        heads=loaded.heads,
         tree=loaded.default_tree,
         prefix_tokens=16,
         reps=2,
