@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
 from medusa_chat.conversations import (
     Conversation,
     ConversationStore,
     Message,
-    atomic_write_text,
     default_data_dir,
     export_conversation,
 )
@@ -116,7 +116,7 @@ def test_atomic_write_survives_kill_mid_write(tmp_path: Path) -> None:
         f"""
         import json, sys
         from pathlib import Path
-        from medusa_chat.conversations import atomic_write_text
+        from medusa_chat.atomic import atomic_write_text
         target = Path({str(target)!r})
         pad = "x" * 2_000_000  # ~2 MB per write, so the kill lands inside a write most of the time
         print("ready", flush=True)
@@ -137,7 +137,79 @@ def test_atomic_write_survives_kill_mid_write(tmp_path: Path) -> None:
     assert data["n"] >= -1
     leftovers = [p for p in tmp_path.iterdir() if p.name != "c.json"]
     # a killed writer may leave its temp file behind, but never under a conversation's name
-    assert all(p.name.startswith(".tmp-") for p in leftovers)
+    assert all(p.name.startswith(TMP_PREFIX) for p in leftovers)
+
+
+def test_file_name_is_the_id_so_saves_never_overwrite_another_conversation(tmp_path: Path) -> None:
+    """A file copied or renamed by hand keeps the other conversation's id inside; loading it under its own
+    name and autosaving must change that file only."""
+    store = ConversationStore(tmp_path / "conversations")
+    a = _conv(1, id="20250101-000000-aaaaaa")
+    store.save(a)
+    original_a = store.path_for(a.id).read_bytes()
+    copy = store.path_for("20250101-000000-cccccc")
+    copy.write_bytes(original_a)  # stored id: aaaaaa
+    odd = store.path_for("20250101-000000-dddddd")  # a stored id that cannot be a file name at all
+    odd.write_text(json.dumps({**a.to_dict(), "id": "../../outside"}))
+    assert sorted(m.id for m in store.list_all()) == [
+        a.id,
+        "20250101-000000-cccccc",
+        "20250101-000000-dddddd",
+    ]
+
+    session = SessionManager(data_dir=tmp_path)  # never loaded: storage needs no model
+    for name in ("20250101-000000-cccccc", "20250101-000000-dddddd"):
+        conv = session.load_conversation(name)
+        assert conv.id == name and conv.messages == a.messages
+        session.set_system(f"edited {name}")  # autosaves
+        assert session.notices == []
+        assert json.loads(store.path_for(name).read_text())["system_prompt"] == f"edited {name}"
+        assert json.loads(store.path_for(name).read_text())["id"] == name  # repaired on save
+    assert store.path_for(a.id).read_bytes() == original_a  # the original is untouched
+    assert sorted(p.name for p in store.root.iterdir()) == sorted(
+        f"{i}.json" for i in (a.id, "20250101-000000-cccccc", "20250101-000000-dddddd")
+    )
+    assert not (tmp_path / "outside.json").exists() and not (tmp_path.parent / "outside.json").exists()
+
+
+def test_broken_conversation_files_give_clear_errors_and_lose_nothing(tmp_path: Path) -> None:
+    session = SessionManager(data_dir=tmp_path)
+    store = session.store
+    good = _conv(1, id="20250101-000000-aaaaaa")
+    store.save(good)
+    broken = {
+        "20250101-000000-bbbbbb": "{not json",
+        "20250101-000000-cccccc": json.dumps({"id": "x", "messages": [{"role": "system", "content": "hi"}]}),
+        "20250101-000000-dddddd": json.dumps({"id": "x", "messages": ["just a string"]}),
+        "20250101-000000-eeeeee": json.dumps(["not", "an", "object"]),
+    }
+    for name, text in broken.items():
+        store.path_for(name).write_text(text)
+    assert [m.id for m in session.list_conversations()] == [good.id]  # broken files are not listed
+    session.load_conversation(good.id)
+    for name, text in broken.items():
+        with pytest.raises(MedusaChatError, match="cannot read conversation file"):
+            session.load_conversation(name)
+        assert session.conversation.id == good.id  # the current conversation stays
+        assert store.path_for(name).read_text() == text  # and the broken file is kept for its owner
+    session.set_system("still saving")  # autosave works after all those errors
+    assert session.notices == [] and store.load(good.id).system_prompt == "still saving"
+    # stats that are not an object are dropped (informational), the turn itself is kept
+    data = good.to_dict()
+    data["messages"][1]["stats"] = ["<img src=x>"]
+    store.path_for("20250101-000000-ffffff").write_text(json.dumps(data))
+    loaded = store.load("20250101-000000-ffffff")
+    assert loaded.messages[1].stats is None and loaded.messages[1].content == "answer 0"
+
+
+def test_autosave_of_an_id_the_store_refuses_is_a_notice_not_an_exception(tmp_path: Path) -> None:
+    session = SessionManager(data_dir=tmp_path)
+    session.conversation = _conv(1, id="not a valid id/..")
+    session.set_system("x")  # autosave: the store refuses the id with MedusaChatError
+    assert any(
+        "could not save the conversation" in n and "invalid conversation id" in n for n in session.notices
+    )
+    assert session.conversation.system_prompt == "x" and len(session.conversation.messages) == 2
 
 
 def test_export_markdown_and_json(tmp_path: Path) -> None:
