@@ -10,6 +10,7 @@ This module knows nothing about models: it stores plain text turns and the per-r
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -224,6 +225,60 @@ class ConversationStore:
             raise MedusaChatError(f"no saved conversation {conv_id!r}") from None
 
 
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def hard_line_breaks(text: str) -> str:
+    """`text` with every line break inside a paragraph made a Markdown hard break (two trailing spaces), so any
+    Markdown viewer shows the lines the model wrote (a haiku, an address, a list without blank lines) instead of
+    joining them. Code fences are left exactly as they are; blank lines and lines that already end in a hard
+    break are unchanged."""
+    lines = text.split("\n")
+    out: list[str] = []
+    fence: str | None = None  # the opening fence's characters while inside a fenced block
+    for i, line in enumerate(lines):
+        match = _FENCE.match(line)
+        if fence is not None:
+            if match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence):
+                fence = None
+            out.append(line)
+            continue
+        if match:
+            fence = match.group(1)
+            out.append(line)
+            continue
+        soft = i + 1 < len(lines) and line.strip() and lines[i + 1].strip() and not _FENCE.match(lines[i + 1])
+        if soft and not line.endswith(("  ", "\\")):
+            line = line.rstrip(" ") + "  "
+        out.append(line)
+    return "\n".join(out)
+
+
+def _number(value: object) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None  # type: ignore[arg-type]
+
+
+def _stats_markdown(stats: dict | None) -> str:
+    """The statistics line under an exported reply, from numbers only: a file edited by hand can hold anything
+    in `stats`, and that must neither break the export nor put markup into it."""
+    if not stats:
+        return ""
+    new, per_step, tps = (
+        _number(stats.get(k)) for k in ("new_tokens", "tokens_per_step", "decode_tokens_per_s")
+    )
+    if not new:
+        return ""
+    bits = [f"{new:.0f} tokens"]
+    if per_step is not None:
+        bits.append(f"{per_step:.2f} tokens/step")
+    if tps is not None:
+        bits.append(f"{tps:.1f} tokens/s")
+    if stats.get("accept_mode") in ("greedy", "typical"):
+        bits.append(str(stats["accept_mode"]))
+    return "<sub>" + ", ".join(bits) + "</sub>"
+
+
 def to_markdown(conv: Conversation) -> str:
     lines = [
         f"# {conv.display_title()}",
@@ -232,18 +287,15 @@ def to_markdown(conv: Conversation) -> str:
         "",
     ]
     if conv.system_prompt:
-        lines += ["**System:**", ""] + [f"> {ln}" for ln in conv.system_prompt.splitlines()] + [""]
+        system = hard_line_breaks(conv.system_prompt)
+        lines += ["**System:**", ""] + [f"> {ln}" for ln in system.splitlines()] + [""]
     for msg in conv.messages:
-        lines += [f"**{msg.role.capitalize()}:**", "", msg.content, ""]
+        lines += [f"**{msg.role.capitalize()}:**", "", hard_line_breaks(msg.content), ""]
         if msg.stopped:
             lines += ["*(stopped)*", ""]
-        if msg.stats and msg.stats.get("new_tokens"):
-            s = msg.stats
-            lines += [
-                f"<sub>{s.get('new_tokens')} tokens, {float(s.get('tokens_per_step', 0)):.2f} tokens/step, "
-                f"{float(s.get('decode_tokens_per_s', 0)):.1f} tokens/s, {s.get('accept_mode', '')}</sub>",
-                "",
-            ]
+        stats_line = _stats_markdown(msg.stats)
+        if stats_line:
+            lines += [stats_line, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

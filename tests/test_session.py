@@ -224,6 +224,38 @@ def test_export_markdown_and_json(tmp_path: Path) -> None:
         export_conversation(conv, tmp_path / "c.txt", "txt")
 
 
+def test_markdown_export_keeps_line_breaks_and_code(tmp_path: Path) -> None:
+    from markdown_it import MarkdownIt
+
+    haiku = "An old silent pond\nA frog jumps into the pond\nSplash! Silence again."
+    code = "```python\nx = 1\ny = 2\n```"
+    conv = Conversation(system_prompt="Be brief.\nAnswer in English.", messages=[
+        Message("user", "a haiku, then code"),
+        Message("assistant", f"{haiku}\n\nSteps:\n1. mix\n2. bake\n{code}\nafter",
+                stats={"new_tokens": 20, "tokens_per_step": 2.5, "decode_tokens_per_s": 30.0, "accept_mode": "greedy"}),
+    ])  # fmt: skip
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    # rendered by a standard CommonMark parser (no "breaks" option): every line of the haiku is its own line
+    rendered = MarkdownIt("commonmark").render(md)
+    assert "An old silent pond<br />\nA frog jumps into the pond<br />\nSplash! Silence again." in rendered
+    assert "Be brief.<br />\nAnswer in English." in rendered
+    assert "<li>mix</li>" in rendered and "<li>bake</li>" in rendered
+    assert (
+        '<code class="language-python">x = 1\ny = 2\n</code>' in rendered
+    )  # code untouched, no trailing spaces
+    assert "\nx = 1\ny = 2\n" in md and "<sub>20 tokens, 2.50 tokens/step, 30.0 tokens/s, greedy</sub>" in md
+
+
+def test_markdown_export_of_hostile_stats_does_not_crash(tmp_path: Path) -> None:
+    conv = _conv(1)
+    conv.messages[1].stats = {"new_tokens": "<img src=x>", "tokens_per_step": "<b>", "accept_mode": "<i>"}
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    assert "<img" not in md and "<b>" not in md and "<sub>" not in md
+    conv.messages[1].stats = {"new_tokens": 7, "tokens_per_step": "nan?", "accept_mode": "<i>"}
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    assert "<sub>7 tokens</sub>" in md
+
+
 def test_turns_put_system_first_and_omit_empty_system() -> None:
     conv = _conv(1)
     assert conv.turns()[0] == {"role": "system", "content": "be brief"}
