@@ -210,10 +210,15 @@ def test_tree_svg_structure(name: str) -> None:
 
 
 def test_prefill_step_has_no_tree_but_a_panel() -> None:
-    ev = prefill_event()
+    ev = prefill_event("Hello")
     assert render.tree_svg(ev) == ""
     panel = render.tree_panel_html([ev])
-    assert "prefill" in panel and "<svg" not in panel
+    assert "<svg" not in panel and 'data-step="0"' in panel
+    assert "<b>Step 0 of 0</b> · prefill: the first token comes from the backbone alone" in panel
+    # the reply box still shows the prefill's token, shaded as the prefill
+    segs = re.findall(r'<span class="mc-seg selected" data-step="0" data-tokens="1" style="background:([^;]+);[^>]*>'
+                      r"([^<]*)</span>", panel)  # fmt: skip
+    assert segs == [(render.PREFILL_SHADE, "Hello")]
 
 
 def test_panel_picks_the_chosen_step_and_shades_the_reply() -> None:

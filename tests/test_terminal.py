@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -87,13 +88,36 @@ def test_status_line_says_measured_or_estimated_and_stopped() -> None:
 def test_stats_info_help_render() -> None:
     s = ReplySummary("x", [1, 2], 2, 1, 1.0, 10.0, 0.1, 0.1, 0.1, 5, 0, "greedy", "eos", 4,
                      accepted_lengths=[0, 2, 2])  # fmt: skip
-    out = _record(stats_table(s, (1.0, "estimated"), ["dropped the 2 oldest messages"]))
-    assert "tokens/step" in out and "0: 1, 2: 2" in out and "dropped the 2 oldest" in out
+    s.prompt_tokens, s.reused_prefix_tokens, s.message = 37, 30, "limit near"
+    out = _record(stats_table(s, (1.75, "measured"), ["dropped the 2 oldest messages"]))
+    rows = dict(
+        re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines() if "  " in line.strip()
+    )
+    # every row is the summary's own number, formatted as the UI promises
+    assert rows == {
+        "new tokens": "2",
+        "decode steps": "1",
+        "tokens/step": "1.00",
+        "decode speed": "10.0 tokens/s",
+        "speedup": "1.75x (measured)",
+        "time to first token": "100 ms",
+        "decode time": "0.10 s",
+        "prompt tokens": "37 (30 reused from cache)",
+        "acceptance": "greedy",
+        "tree size": "4",
+        "ended by": "eos (limit near)",
+        "accepted per step": "0: 1, 2: 2",
+        "note": "dropped the 2 oldest messages",
+    }
     out = _record(
         info_panel({"model": "m", "heads": {"count": 4, "format": "v2"}, "tree": "t", "tree_size": 8})
     )
-    assert "heads" in out and "count 4, format v2" in out and "tree size" in out
-    assert "/tree [N]" in _record(help_table())
+    info = dict(re.split(r"\s{2,}", line.strip(" │╭╮╰╯─"), maxsplit=1) for line in out.splitlines()
+                if "  " in line.strip(" │╭╮╰╯─"))  # fmt: skip
+    assert info["model"] == "m" and info["heads"] == "count 4, format v2" and info["tree size"] == "8"
+    help_out = _record(help_table())
+    for command in ("/help", "/tree [N]", "/export PATH", "/multi", "/temp X"):
+        assert command in help_out  # every command the REPL handles is listed
     assert visible(" a\nb\t") == "·a⏎b⇥"
 
 
@@ -270,14 +294,20 @@ def test_plain_repl_multiline_commands_and_eof(tmp_path: Path, monkeypatch: pyte
 
 
 def test_ctrl_c_at_the_prompt_exits_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    session, _ = _fake_session(tmp_path, monkeypatch)
+    session, sent = _fake_session(tmp_path, monkeypatch)
     chat = TerminalChat(session, Console(file=io.StringIO()), interactive=False, stdin=io.StringIO("x\n"))
 
+    prompts: list[str] = []
+
     def interrupt(prompt: str) -> str:
+        prompts.append(prompt)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(chat, "_input", interrupt)
     assert chat.run() == 0
+    # it ended because of Ctrl-C at the first prompt: nothing was sent, the pending "x" line was never read
+    assert len(prompts) == 1 and sent == [] and session.conversation.messages == []
+    assert chat.stdin.read() == "x\n"
 
 
 def test_ctrl_c_during_a_reply_calls_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
