@@ -28,6 +28,7 @@ from medusa_chat.conversations import (
     Message,
     default_data_dir,
     export_conversation,
+    hard_line_breaks,
 )
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import ReplySummary, StepEvent
@@ -210,6 +211,37 @@ def test_autosave_of_an_id_the_store_refuses_is_a_notice_not_an_exception(tmp_pa
         "could not save the conversation" in n and "invalid conversation id" in n for n in session.notices
     )
     assert session.conversation.system_prompt == "x" and len(session.conversation.messages) == 2
+
+
+def test_atomic_writers_in_parallel_never_mix_and_leave_nothing(tmp_path: Path) -> None:
+    """Two threads replacing one file: each write has its own temporary file (a fixed ".tmp" name would let one
+    writer rename the other's half-written data into place), the result is always one whole version."""
+    target = tmp_path / "calibration.json"
+    versions = {f"writer{w}": "x" * (200_000 + w) for w in range(2)}
+    errors: list[BaseException] = []
+
+    def write(name: str) -> None:
+        try:
+            for _ in range(25):
+                atomic_write_text(target, json.dumps({"by": name, "pad": versions[name]}))
+                data = json.loads(target.read_text())  # every read is a whole version
+                assert data["pad"] == versions[data["by"]]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(name,)) for name in versions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]  # no temporary file left behind
+
+
+def test_conversation_files_are_private(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    path = store.save(_conv(1))
+    assert path.stat().st_mode & 0o777 == 0o600  # a chat is nobody else's business on a shared machine
 
 
 def test_export_markdown_and_json(tmp_path: Path) -> None:
@@ -517,7 +549,16 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     assert kind == "measured" and value == pytest.approx(2.0)
     _drain(s.send("Hello number 10"))
     md = s.export(tmp_path / "out.md").read_text()
-    assert "Hello number 10" in md and s.conversation.messages[-1].content.strip()[:3] in md
+    reply = s.conversation.messages[-1]
+    assert (
+        "**User:**\n\nHello number 10\n" in md
+        and f"**Assistant:**\n\n{hard_line_breaks(reply.content)}\n" in md
+    )
+    tps = reply.stats["decode_tokens_per_s"]
+    assert (
+        f"<sub>9 tokens, {reply.stats['tokens_per_step']:.2f} tokens/step, {tps:.1f} tokens/s, typical</sub>"
+        in md
+    )
 
 
 def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:

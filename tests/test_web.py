@@ -6,6 +6,7 @@ actions, readable errors that leave the app running, and that the server listens
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -155,15 +156,31 @@ def test_stop_ends_the_decode_loop(served: Any, client: Client) -> None:
 
 def test_regenerate_undo_clear(served: Any, client: Client) -> None:
     session: SessionManager = served.medusa_web.session
-    session.update_settings(max_new_tokens=8)
-    n = len(session.conversation.messages)
+    session.update_settings(max_new_tokens=8, temperature=0)
+    before = [(m.role, m.content) for m in session.conversation.messages]
+    n = len(before)
     chat = client.predict(api_name="/regenerate")[0]
-    assert len(chat) == n == len(session.conversation.messages)
-    assert not session.conversation.messages[-1].stopped
+    msgs = session.conversation.messages
+    assert len(chat) == n == len(msgs) and [m.role for m in msgs] == [r for r, _ in before]
+    assert msgs[:-1] == session.store.load(session.conversation.id).messages[:-1]  # autosaved
+    reply = msgs[-1]
+    # the last reply was replaced by a new, complete one (greedy: the backbone's own continuation)
+    assert (
+        not reply.stopped
+        and reply.stats["new_tokens"] == 8
+        and reply.stats["stop_reason"] == "max_new_tokens"
+    )
+    assert text_of(chat[-1]["content"]).startswith(render.chat_html(reply.content))
+    again = client.predict(api_name="/regenerate")[0]
+    assert session.conversation.messages[-1].content == reply.content  # greedy is deterministic
+    body = '<div class="mc-msg-stats">'  # the message, then its statistics line (the timings differ)
+    assert text_of(again[-1]["content"]).split(body)[0] == text_of(chat[-1]["content"]).split(body)[0]
     chat = client.predict(api_name="/undo")[0]
-    assert len(chat) == n - 2
+    assert len(chat) == n - 2 and [(m.role, m.content) for m in session.conversation.messages] == before[:-2]
+    old_id = session.conversation.id
     chat = client.predict(api_name="/clear")[0]
-    assert chat == [] and session.conversation.messages == []
+    assert chat == [] and session.conversation.messages == [] and session.conversation.id != old_id
+    assert [(m.role, m.content) for m in session.store.load(old_id).messages] == before[:-2]  # kept on disk
 
 
 def test_edit_last_message(served: Any) -> None:
@@ -265,7 +282,13 @@ def test_export_and_conversation_list(served: Any) -> None:
     path = Path(update["value"])
     assert error == "" and path.is_file() and path.suffix == ".json"
     assert path.is_relative_to(Path(os.environ["GRADIO_TEMP_DIR"]))
-    assert "Hi there" in path.read_text()
+    exported = json.loads(path.read_text())
+    assert exported["id"] == ui.session.conversation.id
+    assert exported["messages"] == [dataclasses.asdict(m) for m in ui.session.conversation.messages]
+    assert exported["messages"][-2]["content"] == "Hi there"
+    update, error = ui.export("md")
+    md = Path(update["value"]).read_text()
+    assert error == "" and "**User:**\n\nHi there" in md and "**Assistant:**" in md
 
 
 def test_errors_show_as_messages_and_the_app_keeps_running(tmp_path: Path) -> None:
@@ -359,7 +382,7 @@ def _embedded_heads(tmp_path: Path) -> tuple[str | None, str]:
         return None, "trained heads from assets/"
     import torch
 
-    from tests.conftest import random_heads_state, write_heads
+    from tests.tinymodels import random_heads_state, write_heads
 
     state = random_heads_state(4, 1, own_lm_head=False, hidden=576, vocab=49152)
     folder = write_heads(tmp_path / "heads", state, dtype=torch.float32, version2=True)
