@@ -352,9 +352,9 @@ def save_calibration(
     """Write atomically (a half-written file must never be read back as a calibration)."""
     path = calibration_path(model_name, device, quant, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    from medusa_chat.atomic import atomic_write_text  # the package's one atomic writer (unique temp, fsync)
+
+    atomic_write_text(path, json.dumps(result, indent=1))
     return path
 
 

@@ -1,31 +1,32 @@
 """Conversations on disk: one JSON file each, written atomically, listed, loaded, deleted and exported.
 
-Every save goes to a temporary file in the same folder, is fsync'ed, then `os.replace`d over the old file,
-so a crash or a kill at any moment leaves either the old conversation or the new one, never half of one.
+Every save goes through `medusa_chat.atomic` (a temporary file in the same folder, fsync'ed, then
+`os.replace`d over the old file), so a crash or a kill at any moment leaves either the old conversation or the new
+one, never half of one. The file name is the conversation's id: a file whose stored id says something else (copied,
+renamed, edited by hand) is loaded under its file name, so saving it can never overwrite another conversation.
 This module knows nothing about models: it stores plain text turns and the per-reply statistics as dicts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 import re
 import secrets
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
 from medusa_chat.errors import MedusaChatError
 
 FORMAT_VERSION = 1
 APP_NAME = "medusa-chat"
 # Ids become file names: keep them to a safe alphabet so "/load ../../x" can never leave the folder.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,80}$")
-_TMP_PREFIX = ".tmp-"
 
 
 def default_data_dir() -> Path:
@@ -58,10 +59,19 @@ class Message:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Message:
+        """A turn from a file, checked: a hand-edited or foreign file must fail here with a clear error, not
+        later inside a UI (stats that are not a dict are dropped: they are informational)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a message is {type(data).__name__}, not an object")
+        role = data.get("role")
+        if role not in ("user", "assistant"):
+            raise ValueError(f"a message has role {role!r} (expected 'user' or 'assistant')")
+        content = data.get("content", "")
+        stats = data.get("stats")
         return cls(
-            role=str(data["role"]),
-            content=str(data.get("content", "")),
-            stats=data.get("stats"),
+            role=role,
+            content=content if isinstance(content, str) else str(content),
+            stats=stats if isinstance(stats, dict) else None,
             stopped=bool(data.get("stopped", False)),
         )
 
@@ -118,29 +128,6 @@ class ConversationMeta:
     path: Path
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers (and a crash) see the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX + path.name + ".", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())  # the data must be on disk before the rename makes it visible
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # Make the rename itself durable (POSIX); not possible / not needed on Windows.
-    with contextlib.suppress(OSError, AttributeError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 class ConversationStore:
     """A folder of `<id>.json` files."""
 
@@ -156,21 +143,30 @@ class ConversationStore:
         return _ID_RE.match(conv_id) is not None and self.path_for(conv_id).is_file()
 
     def save(self, conv: Conversation) -> Path:
-        conv.updated = _now()
+        """Write `conv` to `<id>.json` (private to this user: 0600). MedusaChatError for an id that cannot be a
+        file name, OSError when the disk refuses; the old file is intact either way."""
         path = self.path_for(conv.id)
-        atomic_write_text(path, json.dumps(conv.to_dict(), ensure_ascii=False, indent=1))
+        conv.updated = _now()
+        atomic_write_text(path, json.dumps(conv.to_dict(), ensure_ascii=False, indent=1), mode=0o600)
         return path
+
+    @staticmethod
+    def _read(path: Path) -> Conversation:
+        conv = Conversation.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        # The file name is the id (see the module docstring): a stored id that differs, or is not a valid id at
+        # all, must not send the next save to another file.
+        conv.id = path.stem
+        return conv
 
     def load(self, conv_id: str) -> Conversation:
         path = self.path_for(conv_id)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return Conversation.from_dict(data)
+            return self._read(path)
         except FileNotFoundError:
             raise MedusaChatError(
                 f"no saved conversation {conv_id!r} (see the list of conversations)"
             ) from None
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
             raise MedusaChatError(f"cannot read conversation file {path}: {err}") from err
 
     def list_all(self) -> list[ConversationMeta]:
@@ -179,10 +175,10 @@ class ConversationStore:
         if not self.root.is_dir():
             return out
         for path in self.root.glob("*.json"):
-            if path.name.startswith(_TMP_PREFIX) or not _ID_RE.match(path.stem):
+            if path.name.startswith(TMP_PREFIX) or not _ID_RE.match(path.stem):
                 continue  # a temp file left by a crash mid-write: never a conversation
             try:
-                conv = Conversation.from_dict(json.loads(path.read_text(encoding="utf-8")))
+                conv = self._read(path)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             out.append(
@@ -229,6 +225,60 @@ class ConversationStore:
             raise MedusaChatError(f"no saved conversation {conv_id!r}") from None
 
 
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def hard_line_breaks(text: str) -> str:
+    """`text` with every line break inside a paragraph made a Markdown hard break (two trailing spaces), so any
+    Markdown viewer shows the lines the model wrote (a haiku, an address, a list without blank lines) instead of
+    joining them. Code fences are left exactly as they are; blank lines and lines that already end in a hard
+    break are unchanged."""
+    lines = text.split("\n")
+    out: list[str] = []
+    fence: str | None = None  # the opening fence's characters while inside a fenced block
+    for i, line in enumerate(lines):
+        match = _FENCE.match(line)
+        if fence is not None:
+            if match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence):
+                fence = None
+            out.append(line)
+            continue
+        if match:
+            fence = match.group(1)
+            out.append(line)
+            continue
+        soft = i + 1 < len(lines) and line.strip() and lines[i + 1].strip() and not _FENCE.match(lines[i + 1])
+        if soft and not line.endswith(("  ", "\\")):
+            line = line.rstrip(" ") + "  "
+        out.append(line)
+    return "\n".join(out)
+
+
+def _number(value: object) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None  # type: ignore[arg-type]
+
+
+def _stats_markdown(stats: dict | None) -> str:
+    """The statistics line under an exported reply, from numbers only: a file edited by hand can hold anything
+    in `stats`, and that must neither break the export nor put markup into it."""
+    if not stats:
+        return ""
+    new, per_step, tps = (
+        _number(stats.get(k)) for k in ("new_tokens", "tokens_per_step", "decode_tokens_per_s")
+    )
+    if not new:
+        return ""
+    bits = [f"{new:.0f} tokens"]
+    if per_step is not None:
+        bits.append(f"{per_step:.2f} tokens/step")
+    if tps is not None:
+        bits.append(f"{tps:.1f} tokens/s")
+    if stats.get("accept_mode") in ("greedy", "typical"):
+        bits.append(str(stats["accept_mode"]))
+    return "<sub>" + ", ".join(bits) + "</sub>"
+
+
 def to_markdown(conv: Conversation) -> str:
     lines = [
         f"# {conv.display_title()}",
@@ -237,18 +287,15 @@ def to_markdown(conv: Conversation) -> str:
         "",
     ]
     if conv.system_prompt:
-        lines += ["**System:**", ""] + [f"> {ln}" for ln in conv.system_prompt.splitlines()] + [""]
+        system = hard_line_breaks(conv.system_prompt)
+        lines += ["**System:**", ""] + [f"> {ln}" for ln in system.splitlines()] + [""]
     for msg in conv.messages:
-        lines += [f"**{msg.role.capitalize()}:**", "", msg.content, ""]
+        lines += [f"**{msg.role.capitalize()}:**", "", hard_line_breaks(msg.content), ""]
         if msg.stopped:
             lines += ["*(stopped)*", ""]
-        if msg.stats and msg.stats.get("new_tokens"):
-            s = msg.stats
-            lines += [
-                f"<sub>{s.get('new_tokens')} tokens, {float(s.get('tokens_per_step', 0)):.2f} tokens/step, "
-                f"{float(s.get('decode_tokens_per_s', 0)):.1f} tokens/s, {s.get('accept_mode', '')}</sub>",
-                "",
-            ]
+        stats_line = _stats_markdown(msg.stats)
+        if stats_line:
+            lines += [stats_line, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -328,15 +328,6 @@ def cached_repos() -> dict[str, CachedRepo]:
     return out
 
 
-def cached_snapshot(repo: str, revision: str = "main") -> Path | None:
-    """The cached snapshot folder for `repo` at `revision` (a branch/tag via refs/, or a commit hash)."""
-    storage = hub_cache_dir() / ("models--" + repo.replace("/", "--"))
-    ref = storage / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    folder = storage / "snapshots" / commit
-    return folder if folder.is_dir() else None
-
-
 # ---- fetching -------------------------------------------------------------------------------------------------
 def _how_to_get(repo: str) -> str:
     return (

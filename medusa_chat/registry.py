@@ -8,12 +8,11 @@ repo). Local folders are inspected right away, because that is cheap and gives b
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from medusa_chat.errors import ModelNotFoundError
+from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 
 KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded")
 TEMPLATES = ("vicuna_v1.1", "tokenizer")
@@ -162,14 +161,6 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and not Path(name).expanduser().exists()
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def heads_folder_kind(folder: Path) -> str | None:
     """ "v1-heads"/"v2-heads" for a local folder holding a heads file, None if it holds none.
 
@@ -177,7 +168,14 @@ def heads_folder_kind(folder: Path) -> str | None:
     """
     if not any((folder / f).is_file() for f in HEADS_FILES):
         return None
-    version = str(_read_json(folder / "config.json").get("version"))
+    # The loader's JSON reader (one for the package; imported here, not at the top, because loading imports
+    # this module). A broken config is only a missing hint here: the loader reports it when it loads the heads.
+    from medusa_chat.loading import _read_json
+
+    try:
+        version = str(_read_json(folder / "config.json").get("version"))
+    except MedusaChatError:
+        version = ""
     return "v2-heads" if version in ("2", "hydra") else "v1-heads"  # Hydra heads share the lm_head too
 
 

@@ -655,7 +655,10 @@ class SessionManager:
         conv = self.conversation
         if not conv.messages and not self.store.exists(conv.id):
             return
+        # Autosave runs inside a reply's cleanup and before its generation: it must never raise. A disk error
+        # (OSError) or a conversation the store refuses (MedusaChatError) becomes a notice; the conversation
+        # stays in memory, whole, and /save or the next change tries again.
         try:
             self.store.save(conv)
-        except OSError as err:
+        except (OSError, MedusaChatError) as err:
             self.notices.append(f"could not save the conversation ({err}); it is still here in memory")

@@ -1,375 +1,38 @@
-"""Shared fixtures: tiny backbones with a real tokenizer, Medusa heads in every published layout, a Hub cache.
+"""Fixtures over the one tiny-model factory, tests/tinymodels.py (its docstring says what each model is).
 
-Everything is built once per test session in a temp folder, in well under a second per item.
-
-Backbones (`tiny_llama_dir`, `tiny_mistral_dir`): LlamaForCausalLM / MistralForCausalLM, hidden 64, 2 layers,
-vocab 512, saved with a byte-level BPE tokenizer trained here (Llama: ChatML template like SmolLM2, no BOS;
-Mistral: Zephyr template, adds `<s>`). Their weights are random with a *planted* structure so that Medusa
-heads can be genuinely right: the embeddings are random unit vectors and `lm_head` maps token i to a fixed
-random successor `succ[i]`; the transformer layers are random and scaled so that the context still moves the
-logits a lot and flips the argmax in a few % of steps (a wrong KV cache or tree mask shows), while top-2 logit
-gaps stay well above float noise (measured minimum ~3e-3: no near-ties in greedy-equality tests). Greedy output
-never produces a special token (EOS included): replies run to max_new_tokens. `read_successor(model_dir)`
-returns `succ`.
-
-Heads written in the exact published layouts (state-dict keys, dtypes, file names, config.json):
-- `v1_pt_heads_dir`: `medusa_lm_head.pt` (torch.save of bf16 tensors), 5 heads, config saying 2 heads.
-- `v1_safetensors_heads_dir`: `medusa_lm_head.safetensors` (fp16), 4 heads, plus a 12-node `tree.json`.
-- `v2_heads_dir`: config `"version": "2"` + ResBlocks only (fp16), 3 heads x 2 layers.
-- `medusa2_bin_dir`: Medusa-2 full Llama, 2 `pytorch_model-*.bin` fp16 shards + index, `medusa_head.*` keys.
-- `medusa2_safetensors_dir`: Medusa-2 full Mistral, 2 `model-*.safetensors` shards + index.
-`heads_state(folder)` returns the tensors a heads folder or Medusa-2 checkpoint holds (float32, published head
-keys) for hand-computed checks.
-
-`hub_cache` (function scope): a standard HF cache (`models--org--name/{blobs,snapshots/<rev>,refs/main}`)
-under a temp HF_HUB_CACHE with HF_HUB_OFFLINE=1, holding `tiny-org/tiny-llama`, `tiny-org/tiny-llama-medusa`
-(v1 heads), `tiny-org/tiny-medusa2` (full Mistral), and `tiny-org/tiny-llama-partial` (weights missing);
-`hub_cache.add(repo_id, files)` adds more.
-
-Builders usable from any test: build_tokenizer, build_tiny_backbone, planted_heads_state, random_heads_state,
-write_heads, write_medusa2, write_hub_repo, folder_files, heads_state, read_successor.
-
-`make_loaded_model(arch="llama", heads="v1", num_heads=4, num_layers=1, accuracy="planted", quant="none",
-dtype="auto", fresh=False) -> LoadedModel` (fixture returning a factory): a real `loading.load_model` result on
-CPU. accuracy="planted": v1 heads whose top-1 is right ~80/65/50/45% of the time (decreasing per head, right
-token usually in the top few), so tree steps accept several tokens; "random": random non-zero heads (almost
-nothing accepted). heads: "v1" | "v2" (v2 heads are always random: a 64-dim ResBlock cannot learn the successor
-map) | "medusa2" (full checkpoint, planted heads inside). Results are cached per arguments: treat them as
-read-only or pass fresh=True.
+Session-scoped, built once in a temp folder: `tiny_llama_dir`, `tiny_mistral_dir` (planted backbones),
+`v1_pt_heads_dir`, `v1_safetensors_heads_dir`, `v2_heads_dir`, `medusa2_bin_dir`, `medusa2_safetensors_dir`
+(heads in the published layouts), `make_loaded_model` (real LoadedModels). Per test: `hub_cache`, a private copy
+of a standard HF cache holding the tiny repos, with HF_HUB_OFFLINE=1.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-HIDDEN = 64
-VOCAB = 512
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-N_SPECIAL = len(SPECIALS)
-LAYER_SCALE = 11.0  # o_proj/down_proj scale: context flips ~5% of argmaxes (see module docstring)
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-ZEPHYR_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + eos_token }}"
-    "{% elif message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + eos_token }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + eos_token }}{% endif %}"
-    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}{% endfor %}"
-)
-
-CORPUS = (
-    """\
-Medusa adds a few small heads to a language model so that it can guess several tokens at once.
-The backbone checks every guess in one pass and keeps the longest prefix it agrees with.
-Give me three tips for staying healthy: drink water, exercise every day, and sleep well.
-Eat more vegetables and fruit, walk outside, and keep a regular sleep schedule.
-A chat between a curious user and an artificial intelligence assistant.
-The assistant gives helpful, detailed, and polite answers to the user's questions.
-USER: What is the capital of France? ASSISTANT: The capital of France is Paris.
-Hello world! How are you today? I am fine, thank you. What are you doing this weekend?
-The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.
-Python is a programming language that lets you work quickly and integrate systems effectively.
-Numbers like 1, 2, 3, 42 and 2024 appear in text, as do symbols such as #, $, % and &.
-Large language models read all their weights for every token, so decoding is memory bound.
-"""
-    * 3
+from medusa_chat.loading import LoadedModel
+from tests.tinymodels import (
+    PlantedModels,
+    build_planted_models,
+    folder_files,
+    load_planted,
+    planted_heads_state,
+    random_heads_state,
+    write_heads,
+    write_hub_repo,
+    write_medusa2,
 )
 
 # The first load of a model on a CPU calibrates its tree once (session.py); tests pin their trees instead, and
 # the one test of that feature turns it on explicitly. Subprocesses (pty, browser) inherit this.
 os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
-
-
-# ---- builders (plain functions: other test modules may call them too) --------------------------------------------
-def build_tokenizer(flavor: str) -> Any:
-    """A byte-level BPE tokenizer with exactly VOCAB tokens; "chatml" (Llama fixture) or "zephyr" (Mistral)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS.splitlines(), trainer)
-    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
-    if flavor == "zephyr":
-        # Llama/Mistral tokenizers put <s> in front of every encoded text.
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", SPECIALS.index("<s>"))]
-        )
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
-        )
-        fast.chat_template = ZEPHYR_TEMPLATE
-    else:
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<|im_start|>",
-            eos_token="<|im_end|>",
-            unk_token="<unk>",
-            pad_token="<|im_end|>",
-        )
-        fast.chat_template = CHATML_TEMPLATE
-    fast.model_max_length = 512
-    return fast
-
-
-def planted_successor(seed: int) -> torch.Tensor:
-    """One long random cycle over the ordinary tokens; special tokens lead into it (never out of it)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(VOCAB - N_SPECIAL, generator=g) + N_SPECIAL
-    succ = torch.empty(VOCAB, dtype=torch.long)
-    succ[perm] = torch.roll(perm, -1)
-    succ[:N_SPECIAL] = perm[:N_SPECIAL]
-    return succ
-
-
-def build_tiny_backbone(arch: str, seed: int) -> tuple[Any, torch.Tensor]:
-    """A tiny random model with the planted successor structure (see the module docstring)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    if arch == "llama":
-        common.update(bos_token_id=SPECIALS.index("<|im_start|>"), eos_token_id=SPECIALS.index("<|im_end|>"))
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
-        common.update(bos_token_id=SPECIALS.index("<s>"), eos_token_id=SPECIALS.index("</s>"))
-        config, cls = MistralConfig(sliding_window=None, **common), MistralForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    emb = torch.randn(VOCAB, HIDDEN, generator=g)
-    emb /= emb.norm(dim=1, keepdim=True)
-    succ = planted_successor(seed)
-    out = torch.empty(VOCAB, HIDDEN)
-    out[succ[N_SPECIAL:]] = emb[N_SPECIAL:]  # row succ[i] = emb[i]: h ~ emb[i] scores succ[i] highest
-    out[:N_SPECIAL] = -emb[:N_SPECIAL]  # special tokens are never the argmax
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(emb)
-        model.get_output_embeddings().weight.copy_(out)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(LAYER_SCALE)
-            layer.mlp.down_proj.weight.mul_(LAYER_SCALE)
-    return model, succ
-
-
-def save_backbone(model: Any, tokenizer: Any, path: Path, succ: torch.Tensor | None = None) -> Path:
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    if succ is not None:
-        (path / "planted_successor.json").write_text(json.dumps(succ.tolist()))
-    return path
-
-
-def read_successor(path: Path) -> torch.Tensor:
-    return torch.tensor(json.loads((Path(path) / "planted_successor.json").read_text()))
-
-
-def planted_heads_state(
-    model: Any,
-    succ: torch.Tensor,
-    num_heads: int,
-    num_layers: int = 1,
-    noise: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9),
-    seed: int = 0,
-) -> dict[str, torch.Tensor]:
-    """v1 heads (published keys) whose head k scores succ^(k+2)(token) highest, blurred by noise[k].
-
-    ResBlocks are small random matrices (non-zero), so the head input is ~ the final hidden state.
-    """
-    g = torch.Generator().manual_seed(seed)
-    emb = model.get_input_embeddings().weight.detach().float()
-    state: dict[str, torch.Tensor] = {}
-    target = succ.clone()  # succ^(k+2): token at t+2+k
-    for k in range(num_heads):
-        target = succ[target]
-        proj = torch.zeros(VOCAB, HIDDEN)
-        # row target[i] = emb[i] for ordinary i (target is a bijection on ordinary tokens)
-        proj[target[N_SPECIAL:]] = emb[N_SPECIAL:]
-        proj[:N_SPECIAL] = -emb[:N_SPECIAL]
-        sigma = noise[min(k, len(noise) - 1)]
-        proj += sigma * torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5 * 2
-        for layer in range(num_layers):
-            state[f"{k}.{layer}.linear.weight"] = 0.02 * torch.randn(HIDDEN, HIDDEN, generator=g)
-            state[f"{k}.{layer}.linear.bias"] = 0.01 * torch.randn(HIDDEN, generator=g)
-        state[f"{k}.{num_layers}.weight"] = proj
-    return state
-
-
-def random_heads_state(
-    num_heads: int,
-    num_layers: int = 1,
-    own_lm_head: bool = True,
-    hidden: int = HIDDEN,
-    vocab: int = VOCAB,
-    seed: int = 1,
-) -> dict[str, torch.Tensor]:
-    """Random, non-zero heads in the published key layout (v1 with projections, v2 without)."""
-    g = torch.Generator().manual_seed(seed)
-    state: dict[str, torch.Tensor] = {}
-    for k in range(num_heads):
-        for layer in range(num_layers):
-            state[f"{k}.{layer}.linear.weight"] = 0.05 * torch.randn(hidden, hidden, generator=g)
-            state[f"{k}.{layer}.linear.bias"] = 0.05 * torch.randn(hidden, generator=g)
-        if own_lm_head:
-            state[f"{k}.{num_layers}.weight"] = 0.05 * torch.randn(vocab, hidden, generator=g)
-    return state
-
-
-def write_heads(
-    folder: Path,
-    state: dict[str, torch.Tensor],
-    *,
-    fmt: str = "safetensors",
-    dtype: torch.dtype = torch.float16,
-    base_model: str = "",
-    config_num_heads: int | None = None,
-    version2: bool = False,
-    tree: list[list[int]] | None = None,
-) -> Path:
-    """A heads folder as published: config.json + medusa_lm_head.{pt,safetensors} (+ optional tree.json)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    num_heads = len({k.split(".")[0] for k in state})
-    num_layers = len({k.split(".")[1] for k in state if k.startswith("0.") and k.endswith("linear.weight")})
-    config: dict[str, Any] = {
-        "base_model_name_or_path": base_model,
-        "medusa_num_heads": num_heads if config_num_heads is None else config_num_heads,
-        "medusa_num_layers": num_layers,
-        "transformers_version": "4.34.0",
-    }
-    if version2:
-        config["version"] = "2"
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    cast = {k: v.to(dtype).contiguous() for k, v in state.items()}
-    if fmt == "pt":
-        torch.save(cast, folder / "medusa_lm_head.pt")
-    else:
-        from safetensors.torch import save_file
-
-        save_file(cast, str(folder / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
-    if tree is not None:
-        (folder / "tree.json").write_text(json.dumps({"name": f"{folder.name}-tree", "paths": tree}))
-    return folder
-
-
-def heads_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors a heads folder (or a Medusa-2 checkpoint) holds, as float32, with published head keys."""
-    from medusa_chat.loading import checkpoint_medusa_keys, find_heads_file, read_state_file
-
-    folder = Path(folder)
-    if any((folder / f).is_file() for f in ("medusa_lm_head.pt", "medusa_lm_head.safetensors")):
-        return {k: v.float() for k, v in read_state_file(find_heads_file(folder)).items()}
-    out = {}
-    for fname, keys in checkpoint_medusa_keys(folder).items():
-        for k, v in read_state_file(folder / fname, keys).items():
-            out[k.removeprefix("medusa_head.")] = v.float()
-    return out
-
-
-def write_medusa2(
-    folder: Path,
-    model: Any,
-    tokenizer: Any,
-    heads: dict[str, torch.Tensor],
-    *,
-    fmt: str = "bin",
-    dtype: torch.dtype = torch.float16,
-) -> Path:
-    """A Medusa-2 full checkpoint: 2 shards + index, backbone keys plus `medusa_head.{h}...` (in the last shard)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    num_layers = len({k.split(".")[1] for k in heads if k.startswith("0.") and k.endswith("linear.weight")})
-    config.update(
-        architectures=["MedusaModelLlama" if config["model_type"] == "llama" else "MedusaModelMistral"],
-        medusa_num_heads=len({k.split(".")[0] for k in heads}),
-        medusa_num_layers=num_layers,
-        dtype="float16",
-    )
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    backbone = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()}
-    keys = sorted(backbone)
-    half = len(keys) // 2
-    shards = [{k: backbone[k] for k in keys[:half]}, {k: backbone[k] for k in keys[half:]}]
-    shards[1].update({f"medusa_head.{k}": v.to(dtype).contiguous() for k, v in heads.items()})
-    if fmt == "bin":
-        names = [f"pytorch_model-0000{i + 1}-of-00002.bin" for i in range(2)]
-        index_name = "pytorch_model.bin.index.json"
-    else:
-        names = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
-        index_name = "model.safetensors.index.json"
-    weight_map: dict[str, str] = {}
-    total = 0
-    for name, shard in zip(names, shards, strict=True):
-        if fmt == "bin":
-            torch.save(shard, folder / name)
-        else:
-            from safetensors.torch import save_file
-
-            save_file(shard, str(folder / name), metadata={"format": "pt"})
-        for k, v in shard.items():
-            weight_map[k] = name
-            total += v.numel() * v.element_size()
-    (folder / index_name).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    return folder
-
-
-def write_hub_repo(
-    cache: Path, repo_id: str, files: dict[str, Path | bytes], commit: str | None = None
-) -> Path:
-    """Put files into a standard huggingface_hub cache layout; returns the snapshot folder."""
-    storage = cache / ("models--" + repo_id.replace("/", "--"))
-    commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot = storage / "snapshots" / commit
-    blobs = storage / "blobs"
-    blobs.mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for name, src in files.items():
-        data = src if isinstance(src, bytes) else Path(src).read_bytes()
-        blob = blobs / hashlib.sha256(data).hexdigest()
-        if not blob.exists():
-            blob.write_bytes(data)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (storage / "refs").mkdir(exist_ok=True)
-    (storage / "refs" / "main").write_text(commit)
-    return snapshot
-
-
-def folder_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, Path | bytes]:
-    return {p.name: p for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name not in skip}
 
 
 # ---- session fixtures ---------------------------------------------------------------------------------------------
@@ -379,30 +42,24 @@ def fixtures_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def _tiny_models(fixtures_root: Path) -> dict[str, tuple[Any, torch.Tensor, Any, Path]]:
-    out = {}
-    for arch, seed, flavor in (("llama", 0, "chatml"), ("mistral", 1, "zephyr")):
-        model, succ = build_tiny_backbone(arch, seed)
-        tok = build_tokenizer(flavor)
-        path = save_backbone(model, tok, fixtures_root / f"tiny-{arch}", succ)
-        out[arch] = (model, succ, tok, path)
-    return out
+def _tiny_models(fixtures_root: Path) -> PlantedModels:
+    return build_planted_models(fixtures_root)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(_tiny_models: dict) -> Path:
+def tiny_llama_dir(_tiny_models: PlantedModels) -> Path:
     """Tiny planted LlamaForCausalLM folder (safetensors + ChatML tokenizer)."""
     return _tiny_models["llama"][3]
 
 
 @pytest.fixture(scope="session")
-def tiny_mistral_dir(_tiny_models: dict) -> Path:
+def tiny_mistral_dir(_tiny_models: PlantedModels) -> Path:
     """Tiny planted MistralForCausalLM folder (safetensors + Zephyr-template tokenizer that adds <s>)."""
     return _tiny_models["mistral"][3]
 
 
 @pytest.fixture(scope="session")
-def v1_pt_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
+def v1_pt_heads_dir(_tiny_models: PlantedModels, fixtures_root: Path) -> Path:
     """Published Medusa-1 layout: medusa_lm_head.pt (bf16 pickle), 5 heads, config.json claiming 2."""
     model, succ, _, path = _tiny_models["llama"]
     state = planted_heads_state(model, succ, num_heads=5)
@@ -417,7 +74,7 @@ def v1_pt_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def v1_safetensors_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
+def v1_safetensors_heads_dir(_tiny_models: PlantedModels, fixtures_root: Path) -> Path:
     """Medusa-1 heads as medusa_lm_head.safetensors (fp16), 4 heads, with a tree.json of 12 nodes."""
     model, succ, _, path = _tiny_models["llama"]
     state = planted_heads_state(model, succ, num_heads=4, seed=3)
@@ -426,7 +83,7 @@ def v1_safetensors_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def v2_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
+def v2_heads_dir(_tiny_models: PlantedModels, fixtures_root: Path) -> Path:
     """v2 layout (TGI): config version "2", ResBlocks only (fp16), 3 heads x 2 layers."""
     path = _tiny_models["llama"][3]
     state = random_heads_state(num_heads=3, num_layers=2, own_lm_head=False, seed=5)
@@ -434,7 +91,7 @@ def v2_heads_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def medusa2_bin_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
+def medusa2_bin_dir(_tiny_models: PlantedModels, fixtures_root: Path) -> Path:
     """Medusa-2 full Llama: fp16 pytorch_model-0000{1,2}-of-00002.bin + index, 4 planted medusa heads."""
     model, succ, tok, _ = _tiny_models["llama"]
     heads = planted_heads_state(model, succ, num_heads=4, seed=7)
@@ -442,7 +99,7 @@ def medusa2_bin_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def medusa2_safetensors_dir(_tiny_models: dict, fixtures_root: Path) -> Path:
+def medusa2_safetensors_dir(_tiny_models: PlantedModels, fixtures_root: Path) -> Path:
     """Medusa-2 full Mistral: fp16 model-0000{1,2}-of-00002.safetensors + index, 3 heads."""
     model, succ, tok, _ = _tiny_models["mistral"]
     heads = planted_heads_state(model, succ, num_heads=3, seed=9)
@@ -502,44 +159,7 @@ def hub_cache(_hub_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 # ---- LoadedModel factory --------------------------------------------------------------------------------------------
-_LOADED: dict[tuple, Any] = {}
-
-
 @pytest.fixture(scope="session")
-def make_loaded_model(_tiny_models: dict, fixtures_root: Path) -> Callable[..., Any]:
-    """Factory for real LoadedModels on the tiny backbones; see the module docstring for the arguments."""
-    from medusa_chat.loading import load_model
-
-    def make(
-        arch: str = "llama",
-        heads: str = "v1",
-        num_heads: int = 4,
-        num_layers: int = 1,
-        accuracy: str = "planted",
-        quant: str = "none",
-        dtype: str = "auto",
-        fresh: bool = False,
-    ) -> Any:
-        key = (arch, heads, num_heads, num_layers, accuracy, quant, dtype)
-        if key in _LOADED and not fresh:
-            return _LOADED[key]
-        model, succ, tok, path = _tiny_models[arch]
-        name = "-".join(str(k) for k in key[:5])
-        if heads == "v2" or accuracy == "random":
-            state = random_heads_state(num_heads, num_layers, own_lm_head=heads != "v2")
-        else:
-            state = planted_heads_state(model, succ, num_heads, num_layers)
-        if heads == "medusa2":
-            folder = fixtures_root / f"loaded-{name}"
-            if not folder.exists():
-                write_medusa2(folder, model, tok, state, fmt="safetensors", dtype=torch.float32)
-            loaded = load_model(model=str(folder), quant=quant, dtype=dtype, device="cpu")
-        else:
-            folder = fixtures_root / f"loaded-heads-{name}"
-            if not folder.exists():
-                write_heads(folder, state, dtype=torch.float32, base_model=str(path), version2=heads == "v2")
-            loaded = load_model(model=str(path), heads=str(folder), quant=quant, dtype=dtype, device="cpu")
-        _LOADED[key] = loaded
-        return loaded
-
-    return make
+def make_loaded_model(_tiny_models: PlantedModels, fixtures_root: Path) -> Callable[..., LoadedModel]:
+    """Factory for real LoadedModels on the planted backbones: `tinymodels.load_planted` (arguments there)."""
+    return functools.partial(load_planted, _tiny_models, fixtures_root)

@@ -1,13 +1,16 @@
 """The web UI in a real browser (Debian chromium driven by playwright), on the tiny conftest model.
 
 Types a message, sends it, watches the reply stream, the meter change and the accepted-tree SVG appear; flips the
-temperature label; presses Stop during a long reply and sees it end. Screenshots go to the test's tmp folder,
-and a copy to out/web-ui.png (gitignored) for people to look at.
+temperature label; presses Stop during a long reply and sees it end; sends HTML/Markdown injection payloads as a
+user message and opens a saved conversation whose model replies and statistics carry them, and checks that no
+element, dialog or outside request comes of it. Screenshots go to the test's tmp folder, and a copy to
+out/web-ui.png (gitignored) for people to look at.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -28,8 +31,10 @@ if not Path(CHROMIUM).is_file():
     )
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser test skipped: pip install playwright")
 
+from medusa_chat.conversations import Conversation, Message  # noqa: E402
 from medusa_chat.session import SessionManager  # noqa: E402
 from medusa_chat.ui import web  # noqa: E402
+from tests.test_render import INJECTIONS, MARKDOWN_TAGS  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")]
 
@@ -194,3 +199,67 @@ def test_stop_ends_a_long_reply(page: Any, served: Any, tmp_path: Path) -> None:
     assert "stopped" in bot_text(page)
     assert not session.busy
     shoot(page, tmp_path, "web-ui-stopped.png")
+
+
+# Every element inside the rendered chat messages, with its attribute names (run in the page).
+MESSAGE_ELEMENTS_JS = """() => Array.from(document.querySelectorAll('#chat .mc-msg, #chat .mc-msg *, #chat .mc-msg-stats'))
+    .map(e => [e.tagName.toLowerCase(), Array.from(e.attributes).map(a => a.name)])"""
+# Elements that load or run something, anywhere in the chat column (gradio's own icons are inline SVG, some
+# with a <style> inside: those are the app's, not the messages').
+ACTIVE_JS = """() => Array.from(document.querySelectorAll(
+    '#chat img, #chat script, #chat iframe, #chat object, #chat embed, #chat link, #chat style:not(svg style), #chat video,'
+    + ' #chat audio, #chat source, #chat [onerror], #chat [onload], #chat [onclick], #chat [onmouseover]'))
+    .map(e => e.outerHTML.slice(0, 120))"""
+
+
+def assert_chat_is_inert(page: Any) -> None:
+    time.sleep(1.0)  # an <img onerror> fires asynchronously, once its load fails: give it the time
+    assert page.evaluate(ACTIVE_JS) == []
+    for tag, attrs in page.evaluate(MESSAGE_ELEMENTS_JS):
+        assert tag in MARKDOWN_TAGS, f"<{tag}> from message text became an element"
+        assert not [a for a in attrs if a.startswith("on") or a in ("src", "srcset", "style")], (tag, attrs)
+    assert page.dialogs == [], f"a dialog opened: {page.dialogs}"
+    assert page.outside == [], f"the page tried to reach other hosts: {page.outside[:5]}"
+
+
+def test_injection_payloads_stay_text(page: Any, served: Any, tmp_path: Path) -> None:
+    session: SessionManager = served.medusa_web.session
+    set_number(page, "max-new", 6)
+    wait_until(lambda: session.settings.max_new_tokens == 6, what="max new tokens to reach the session")
+    # 1. the payloads as user messages (the issue's exact message first; two messages: the tiny model's context
+    # window is 512 tokens)
+    for chunk in (INJECTIONS[:4], INJECTIONS[4:]):
+        before = len(session.conversation.messages)
+        page.fill("#msg textarea", "\n\n".join(chunk))
+        page.click("#send")
+        wait_until(
+            lambda n=before: len(session.conversation.messages) == n + 2 and not session.busy, what="a reply"
+        )
+        page.wait_for_function("document.querySelector('#meter').innerText.includes('max new tokens')")
+    chat = page.inner_text("#chat")
+    assert "<img src=x onerror=alert(1)> `<img src=y onerror=alert(2)>` <script>alert(3)</script>" in chat
+    assert "[image: secret]" in chat and "<iframe src=https://evil.example></iframe>" in chat
+    assert_chat_is_inert(page)
+
+    # 2. the payloads as model replies and statistics, from a conversation file opened in the UI
+    conv = Conversation(title="hostile <img src=t onerror=alert(12)>", messages=[
+        Message("user", "say it"),
+        Message("assistant", "haiku line one\nline two\nline three\n\n" + "\n\n".join(INJECTIONS), stopped=True,
+                stats={"new_tokens": "<img src=s onerror=alert(13)>", "tokens_per_step": "<b>x</b>",
+                       "speedup": 1.25, "speedup_kind": "<img src=k onerror=alert(14)>"}),
+    ])  # fmt: skip
+    session.store.save(conv)
+    page.get_by_role("button", name="Refresh").click()
+    dropdown = page.locator("#conv-list input")
+    dropdown.click()
+    page.get_by_role("option", name=re.compile("hostile")).click()
+    page.get_by_role("button", name="Open").click()
+    page.wait_for_function("document.querySelector('#chat').innerText.includes('haiku line one')")
+    wait_until(lambda: session.conversation.id == conv.id, what="the conversation to open")
+    chat = page.inner_text("#chat")
+    assert "haiku line one\nline two\nline three" in chat  # the reply's line breaks, kept
+    # a statistic that is not a number is left out; the speedup kind is a string: shown, as text
+    assert "alert(13)" not in chat and "1.25× <img src=k onerror=alert(14)>" in chat
+    assert "<script>alert(3)</script>" in chat
+    assert_chat_is_inert(page)
+    shoot(page, tmp_path, "web-ui-injection.png")

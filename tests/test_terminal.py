@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -24,6 +25,7 @@ from medusa_chat.conversations import Message
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
 from medusa_chat.session import SessionManager
 from medusa_chat.ui.terminal import (
+    ReplyMarkdown,
     TailView,
     TerminalChat,
     accepted_tokens_text,
@@ -31,6 +33,7 @@ from medusa_chat.ui.terminal import (
     info_panel,
     stats_table,
     status_text,
+    strip_controls,
     tree_renderable,
     visible,
 )
@@ -85,13 +88,36 @@ def test_status_line_says_measured_or_estimated_and_stopped() -> None:
 def test_stats_info_help_render() -> None:
     s = ReplySummary("x", [1, 2], 2, 1, 1.0, 10.0, 0.1, 0.1, 0.1, 5, 0, "greedy", "eos", 4,
                      accepted_lengths=[0, 2, 2])  # fmt: skip
-    out = _record(stats_table(s, (1.0, "estimated"), ["dropped the 2 oldest messages"]))
-    assert "tokens/step" in out and "0: 1, 2: 2" in out and "dropped the 2 oldest" in out
+    s.prompt_tokens, s.reused_prefix_tokens, s.message = 37, 30, "limit near"
+    out = _record(stats_table(s, (1.75, "measured"), ["dropped the 2 oldest messages"]))
+    rows = dict(
+        re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines() if "  " in line.strip()
+    )
+    # every row is the summary's own number, formatted as the UI promises
+    assert rows == {
+        "new tokens": "2",
+        "decode steps": "1",
+        "tokens/step": "1.00",
+        "decode speed": "10.0 tokens/s",
+        "speedup": "1.75x (measured)",
+        "time to first token": "100 ms",
+        "decode time": "0.10 s",
+        "prompt tokens": "37 (30 reused from cache)",
+        "acceptance": "greedy",
+        "tree size": "4",
+        "ended by": "eos (limit near)",
+        "accepted per step": "0: 1, 2: 2",
+        "note": "dropped the 2 oldest messages",
+    }
     out = _record(
         info_panel({"model": "m", "heads": {"count": 4, "format": "v2"}, "tree": "t", "tree_size": 8})
     )
-    assert "heads" in out and "count 4, format v2" in out and "tree size" in out
-    assert "/tree [N]" in _record(help_table())
+    info = dict(re.split(r"\s{2,}", line.strip(" │╭╮╰╯─"), maxsplit=1) for line in out.splitlines()
+                if "  " in line.strip(" │╭╮╰╯─"))  # fmt: skip
+    assert info["model"] == "m" and info["heads"] == "count 4, format v2" and info["tree size"] == "8"
+    help_out = _record(help_table())
+    for command in ("/help", "/tree [N]", "/export PATH", "/multi", "/temp X"):
+        assert command in help_out  # every command the REPL handles is listed
     assert visible(" a\nb\t") == "·a⏎b⇥"
 
 
@@ -100,6 +126,128 @@ def test_tail_view_keeps_the_end_of_a_long_reply() -> None:
     console.print(TailView(Group(Markdown("\n\n".join(f"para {i}" for i in range(10))), Text("status"))))
     out = console.export_text()
     assert out.startswith("↑") and "para 9" in out and "status" in out and "para 1\n" not in out
+
+
+# Model text that tries to drive the terminal: retitle it (OSC, both terminators), clear it, move the cursor,
+# switch charsets, reset it, ring the bell, overwrite the line, an 8-bit CSI, a DCS string, a C1 control.
+HOSTILE = (
+    "safe\x1b]0;pwned title\x07 a\x1b]8;;http://evil.example\x1b\\link\x1b]8;;\x1b\\ b\x1b[2J\x1b[H c\x1b[31;1mred"
+    "\x1b[0m d\x1b(0e\x1bc f\x07g\x08h\ri\x7fj\x9b31mk\x1bP1$r0m\x1b\\l\x85m\tn\no"
+)
+CONTROL_BYTES = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
+
+
+def test_strip_controls_removes_every_sequence_and_control_but_newline_and_tab() -> None:
+    out = strip_controls(HOSTILE)
+    assert out == "safe alink b cred de fghijklm\tn\no"  # the text between the sequences, nothing else
+    assert not any(c in out for c in CONTROL_BYTES)
+    # streamed in pieces that cut sequences in half: still no control byte reaches the terminal
+    pieces = [HOSTILE[i : i + 3] for i in range(0, len(HOSTILE), 3)]
+    joined = "".join(strip_controls(p) for p in pieces)
+    assert not any(c in joined for c in CONTROL_BYTES) and "safe" in joined and joined.endswith("\tn\no")
+    assert (
+        strip_controls("plain text, ünïcödé, 中文, emoji 🙂\n\ttab")
+        == "plain text, ünïcödé, 中文, emoji 🙂\n\ttab"
+    )
+
+
+def _hostile_events() -> list[StepEvent]:
+    tv = TreeView(
+        tokens=[10, 11], texts=["\x1b[2J", "\x1b]0;t\x07x"], parents=[-1, 0], depths=[0, 1], ranks=[0, 0]
+    )
+    return [
+        StepEvent(0, [9], HOSTILE[:20], [], None, 0.1, 1, 0.1, 0.0, 0.0),
+        StepEvent(1, [10, 11], HOSTILE[20:], [0, 1], tv, 0.05, 3, 0.15, 60.0, 2.0),
+    ]
+
+
+def _hostile_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SessionManager:
+    session = SessionManager(data_dir=tmp_path)
+
+    def send(message: str):
+        events = _hostile_events()
+        summary = ReplySummary(HOSTILE, [9, 10, 11], 3, 1, 2.0, 40.0, 0.1, 0.1, 0.1, 5, 0, "greedy", "eos", 4,
+                               message="\x1b]0;note\x07ended")  # fmt: skip
+        session.last_events, session.last_summary = events, summary
+        session.conversation.messages += [Message("user", message), Message("assistant", HOSTILE)]
+        session.conversation.title = "title\x1b[2J"
+        session._autosave()
+        return iter([*events, summary])
+
+    monkeypatch.setattr(session, "send", send)
+    return session
+
+
+def test_plain_mode_prints_model_text_without_control_sequences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = _hostile_session(tmp_path, monkeypatch)
+    out = io.StringIO()
+    console = Console(file=out, width=100, no_color=True, highlight=False)
+    lines = ["hello", "/tree", "/stats", "/list", "/load 1", "/system"]
+    code = TerminalChat(
+        session, console, interactive=False, stdin=io.StringIO("\n".join(lines) + "\n"), out=out
+    ).run()
+    text = out.getvalue()
+    assert code == 0, text
+    assert "safe alink b cred de fghijklm\tn\no" in text  # the reply itself, as text
+    assert "ended" in text and "title" in text
+    bad = sorted({f"{ord(c):#x}" for c in text if c in CONTROL_BYTES})
+    assert bad == [], f"control characters reached the terminal: {bad}"
+
+
+def test_live_mode_on_a_terminal_strips_model_controls_but_keeps_rich_styling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interactive path (Rich Live + Markdown) on a console that believes it is a terminal: Rich's own
+    styling sequences are there, none of the model's."""
+    session = _hostile_session(tmp_path, monkeypatch)
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=True, color_system="truecolor", height=40)
+    chat = TerminalChat(session, console, interactive=True, out=out)
+    chat.stream_reply(lambda: session.send("hi"))
+    chat.cmd_tree("")
+    chat.cmd_load("1")
+    text = out.getvalue()
+    assert "\x1b[" in text  # Rich did draw (styles, Live cursor moves): the check below is not vacuous
+    for seq in (
+        "\x1b]0;",
+        "\x1b]8;;http://evil",
+        "\x1b[2J",
+        "\x1b[31;1m",
+        "\x1bc",
+        "\x1b(0",
+        "\x07",
+        "\x9b",
+        "\x1bP",
+    ):
+        assert seq not in text, f"{seq!r} from the model reached the terminal"
+    assert "safe" in text and "red" in text
+
+
+def _render_lines(markup: str, width: int = 60) -> list[str]:
+    console = Console(record=True, width=width, color_system=None, file=io.StringIO())
+    console.print(ReplyMarkdown(markup))
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def test_reply_markdown_keeps_the_models_line_breaks() -> None:
+    haiku = "An old silent pond\nA frog jumps into the pond\nSplash! Silence again."
+    assert _render_lines(haiku) == haiku.splitlines()  # plain Rich Markdown joins these into one line
+    listing = "Steps:\n1. mix\n2. bake\nDone **now**\n\n```\nline a\nline b\n```"
+    lines = [line.strip() for line in _render_lines(listing) if line.strip()]
+    # still Markdown (list numbers drawn by Rich, bold without asterisks), every line on its own row
+    assert lines == ["Steps:", "1 mix", "2 bake", "Done now", "line a", "line b"]
+
+
+def test_reply_markdown_shows_html_as_typed() -> None:
+    payload = "Repeat this exactly: <img src=x onerror=alert(1)> <script>alert(3)</script> <b>bold?</b>"
+    text = " ".join(_render_lines(payload, width=200))
+    assert (
+        "<img src=x onerror=alert(1)>" in text
+        and "<script>alert(3)</script>" in text
+        and "<b>bold?</b>" in text
+    )
 
 
 def _fake_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[SessionManager, list[str]]:
@@ -146,14 +294,20 @@ def test_plain_repl_multiline_commands_and_eof(tmp_path: Path, monkeypatch: pyte
 
 
 def test_ctrl_c_at_the_prompt_exits_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    session, _ = _fake_session(tmp_path, monkeypatch)
+    session, sent = _fake_session(tmp_path, monkeypatch)
     chat = TerminalChat(session, Console(file=io.StringIO()), interactive=False, stdin=io.StringIO("x\n"))
 
+    prompts: list[str] = []
+
     def interrupt(prompt: str) -> str:
+        prompts.append(prompt)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(chat, "_input", interrupt)
     assert chat.run() == 0
+    # it ended because of Ctrl-C at the first prompt: nothing was sent, the pending "x" line was never read
+    assert len(prompts) == 1 and sent == [] and session.conversation.messages == []
+    assert chat.stdin.read() == "x\n"
 
 
 def test_ctrl_c_during_a_reply_calls_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

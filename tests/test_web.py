@@ -6,6 +6,8 @@ actions, readable errors that leave the app running, and that the server listens
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import re
@@ -26,7 +28,7 @@ from gradio_client import Client  # noqa: E402
 
 from medusa_chat.errors import DeviceError  # noqa: E402
 from medusa_chat.session import SessionManager  # noqa: E402
-from medusa_chat.ui import web  # noqa: E402
+from medusa_chat.ui import render, web  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -113,8 +115,8 @@ def test_send_streams_updates_and_meter_numbers(served: Any, client: Client) -> 
     chat, meter, tree = final[0], final[2], final[3]
     assert chat[-1]["role"] == "assistant" and chat[-2]["role"] == "user"
     reply = session.conversation.messages[-1]
-    assert reply.role == "assistant" and web.chat_markdown(reply.content).strip() in text_of(
-        chat[-1]["content"]
+    assert reply.role == "assistant" and text_of(chat[-1]["content"]).startswith(
+        render.chat_html(reply.content)
     )
     values = meter_values(meter)
     assert set(values) == METER_KEYS and all(math.isfinite(v) for v in values.values())
@@ -154,15 +156,31 @@ def test_stop_ends_the_decode_loop(served: Any, client: Client) -> None:
 
 def test_regenerate_undo_clear(served: Any, client: Client) -> None:
     session: SessionManager = served.medusa_web.session
-    session.update_settings(max_new_tokens=8)
-    n = len(session.conversation.messages)
+    session.update_settings(max_new_tokens=8, temperature=0)
+    before = [(m.role, m.content) for m in session.conversation.messages]
+    n = len(before)
     chat = client.predict(api_name="/regenerate")[0]
-    assert len(chat) == n == len(session.conversation.messages)
-    assert not session.conversation.messages[-1].stopped
+    msgs = session.conversation.messages
+    assert len(chat) == n == len(msgs) and [m.role for m in msgs] == [r for r, _ in before]
+    assert msgs[:-1] == session.store.load(session.conversation.id).messages[:-1]  # autosaved
+    reply = msgs[-1]
+    # the last reply was replaced by a new, complete one (greedy: the backbone's own continuation)
+    assert (
+        not reply.stopped
+        and reply.stats["new_tokens"] == 8
+        and reply.stats["stop_reason"] == "max_new_tokens"
+    )
+    assert text_of(chat[-1]["content"]).startswith(render.chat_html(reply.content))
+    again = client.predict(api_name="/regenerate")[0]
+    assert session.conversation.messages[-1].content == reply.content  # greedy is deterministic
+    body = '<div class="mc-msg-stats">'  # the message, then its statistics line (the timings differ)
+    assert text_of(again[-1]["content"]).split(body)[0] == text_of(chat[-1]["content"]).split(body)[0]
     chat = client.predict(api_name="/undo")[0]
-    assert len(chat) == n - 2
+    assert len(chat) == n - 2 and [(m.role, m.content) for m in session.conversation.messages] == before[:-2]
+    old_id = session.conversation.id
     chat = client.predict(api_name="/clear")[0]
-    assert chat == [] and session.conversation.messages == []
+    assert chat == [] and session.conversation.messages == [] and session.conversation.id != old_id
+    assert [(m.role, m.content) for m in session.store.load(old_id).messages] == before[:-2]  # kept on disk
 
 
 def test_edit_last_message(served: Any) -> None:
@@ -209,20 +227,39 @@ def test_send_while_loading_shows_progress(make_loaded_model: Callable[..., Any]
     outputs = list(ui.send("hello", False))
     loading = [o[2] for o in outputs if isinstance(o[2], str) and "loading model" in o[2]]
     assert loading and any("downloading weights" in m for m in loading)
-    assert outputs[0][0][-1]["content"] == "hello"  # the message shows at once, before the model is ready
+    assert outputs[0][0][-1]["content"] == render.chat_html(
+        "hello"
+    )  # shown at once, before the model is ready
     assert ui.loader.status == "ready" and "Model ready" in ui.model_panel()
     assert meter_values(outputs[-1][2])["new_tokens"] == 4
 
 
-def test_chat_markdown_shows_html_as_text() -> None:
-    assert (
-        web.chat_markdown("<img src=x onerror=alert(1)> **hi**")
-        == "&lt;img src=x onerror=alert(1)&gt; **hi**"
-    )
-    assert (
-        web.chat_markdown("use `<br>` or\n```html\n<p>x</p>\n```") == "use `<br>` or\n```html\n<p>x</p>\n```"
-    )
-    assert web.chat_markdown("a < b\n```\n<open fence") == "a &lt; b\n```\n<open fence"
+def test_history_from_a_hostile_conversation_file_is_escaped(tmp_path: Path) -> None:
+    """A conversation file is data from outside (shared, synced, edited): its text and its statistics reach the
+    page only as escaped text, and odd values do not break the chat view."""
+    payload = "<img src=x onerror=alert(1)> ![t](http://evil.example/t.png)"
+    conv = {
+        "id": "20250101-000000-aaaaaa",
+        "title": payload,
+        "messages": [
+            {"role": "user", "content": payload},
+            {"role": "assistant", "content": "line 1\nline 2 " + payload, "stopped": True,
+             "stats": {"new_tokens": payload, "tokens_per_step": "<b>", "speedup": 1.5, "speedup_kind": payload}},
+        ],
+    }  # fmt: skip
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    (folder / "20250101-000000-aaaaaa.json").write_text(json.dumps(conv))
+    ui = web.WebApp(SessionManager(data_dir=tmp_path))
+    ui.session.load_conversation("20250101-000000-aaaaaa")
+    history = ui.history()
+    assert [m["role"] for m in history] == ["user", "assistant"]
+    for message in history:
+        assert "<img" not in message["content"] and "onerror=alert(1)&gt;" in message["content"]
+        assert "http://evil.example/t.png" in message["content"]  # there, as a link target only
+    reply = history[1]["content"]
+    assert "line 1<br" in reply and "■ stopped" in reply and "1.50× &lt;img" in reply and "<b>" not in reply
+    assert ("(untitled)" not in (label := ui.conversation_choices()[0][0])) and payload[:10] in label
 
 
 def test_measure_baseline_makes_the_speedup_measured(served: Any, client: Client) -> None:
@@ -245,7 +282,13 @@ def test_export_and_conversation_list(served: Any) -> None:
     path = Path(update["value"])
     assert error == "" and path.is_file() and path.suffix == ".json"
     assert path.is_relative_to(Path(os.environ["GRADIO_TEMP_DIR"]))
-    assert "Hi there" in path.read_text()
+    exported = json.loads(path.read_text())
+    assert exported["id"] == ui.session.conversation.id
+    assert exported["messages"] == [dataclasses.asdict(m) for m in ui.session.conversation.messages]
+    assert exported["messages"][-2]["content"] == "Hi there"
+    update, error = ui.export("md")
+    md = Path(update["value"]).read_text()
+    assert error == "" and "**User:**\n\nHi there" in md and "**Assistant:**" in md
 
 
 def test_errors_show_as_messages_and_the_app_keeps_running(tmp_path: Path) -> None:
@@ -339,7 +382,7 @@ def _embedded_heads(tmp_path: Path) -> tuple[str | None, str]:
         return None, "trained heads from assets/"
     import torch
 
-    from tests.conftest import random_heads_state, write_heads
+    from tests.tinymodels import random_heads_state, write_heads
 
     state = random_heads_state(4, 1, own_lm_head=False, hidden=576, vocab=49152)
     folder = write_heads(tmp_path / "heads", state, dtype=torch.float32, version2=True)

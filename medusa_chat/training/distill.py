@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from medusa_chat.atomic import atomic_write, atomic_write_json
 
 Log = Callable[[str], None]
 
@@ -56,20 +57,9 @@ def make_logger(prefix: str = "", stream: Any = None, file: Path | None = None) 
     return log
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8"))
-
-
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save through the package's one atomic writer (a killed run never leaves a truncated shard)."""
+    atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
 def resolve_model_path(model: str | Path) -> Path:

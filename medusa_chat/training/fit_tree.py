@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from medusa_chat.atomic import atomic_write_json
+
 PathT = tuple[int, ...]
 Gain = Callable[[PathT], float]
 SIZES = (8, 16, 32, 64)
@@ -156,7 +158,5 @@ def fit_tree_for_heads(heads_dir: str | Path, budget: int = 64, prefer_joint: bo
         raise FileNotFoundError(f"{acc_path} not found: train-heads writes it (held-out rank accuracies)")
     report = json.loads(acc_path.read_text(encoding="utf-8"))
     tree = fit_tree(report, budget=budget, name=f"{heads_dir.name}-fitted", prefer_joint=prefer_joint)
-    tmp = heads_dir / ".tree.json.tmp"
-    tmp.write_text(json.dumps(tree, indent=1))
-    tmp.replace(heads_dir / "tree.json")
+    atomic_write_json(heads_dir / "tree.json", tree)
     return tree

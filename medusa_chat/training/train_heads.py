@@ -23,7 +23,6 @@ uses) up to len - 2. Targets past the end of the reply are -1 (ignored).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -35,8 +34,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
 from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.training.distill import DistillStore, Log, atomic_torch_save, atomic_write_json
+from medusa_chat.training.distill import DistillStore, Log, atomic_torch_save
 
 MAX_CACHED_HEADS = 8  # targets are cached for up to this many heads, so K can change without a new pass
 MAX_RANK = 10  # rank-r accuracies for r < MAX_RANK (published trees use ranks 0-9)
@@ -681,17 +681,16 @@ def save_heads(
     heads: MedusaHeads, out_dir: Path, base_model: str, dtype: torch.dtype = torch.float16
 ) -> dict[str, Any]:
     """Write `config.json` + `medusa_lm_head.safetensors` (published keys, fp16) into `out_dir`."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
         k: v.detach().to("cpu", dtype if v.is_floating_point() else torch.int32).contiguous()
         for k, v in heads.state_dict().items()
     }
-    tmp = out_dir / f".{HEADS_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.chmod(0o644)  # safetensors writes 0600; the folder is meant to be shared
-    tmp.replace(out_dir / HEADS_FILE)
+    # Serialised in memory and written by the one atomic writer (a file readable like any other: the folder is
+    # meant to be shared, where safetensors' own save_file would leave it 0600).
+    atomic_write_bytes(out_dir / HEADS_FILE, save(tensors, metadata={"format": "pt"}))
     cfg = heads.config_dict(base_model)
     atomic_write_json(out_dir / "config.json", cfg)
     return cfg
@@ -722,14 +721,6 @@ def warm_start_(heads: MedusaHeads, trained: MedusaHeads) -> None:
             f"{trained.num_heads}x{trained.num_layers} {trained.format} heads"
         )
     heads.load_state_dict({**mine, **{k: v.float() for k, v in theirs.items()}})
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_json(path, obj)
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -805,7 +796,7 @@ def train_and_save(
         heads.cpu()
         report["heldout"] = ev
         tree = fit_tree(report, budget=tree_budget, name=f"{out_dir.name}-fitted")
-        write_json(out_dir / "tree.json", tree)
+        atomic_write_json(out_dir / "tree.json", tree)
         report["estimated_tokens_per_step"] = size_summary(tree)
         report["estimated_tokens_per_step_chain"] = round(
             1 + sum(math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(settings.num_heads)), 4
@@ -815,6 +806,6 @@ def train_and_save(
             f"chain {ev['chain_top1_conditional']} backbone agreement {ev['backbone_agreement']}"
         )
         log(f"estimated tokens/step (greedy, fitted tree): {report['estimated_tokens_per_step']}")
-    write_json(out_dir / "accuracy.json", report)
+    atomic_write_json(out_dir / "accuracy.json", report)
     report["config"] = cfg
     return report

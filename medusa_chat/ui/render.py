@@ -1,9 +1,10 @@
-"""Pure rendering for the web UI: step events -> HTML / inline SVG strings.
+"""Pure rendering for the web UI: chat messages, step events -> HTML / inline SVG strings.
 
 No gradio, no torch: every function takes plain data (the dataclasses in `medusa_chat.events`, dicts,
-numbers) and returns a string, so it is cheap to test. Every piece of text that came from the model (token
-texts, reply text, model info) goes through `esc` (html.escape): a token that reads
-`<img src=x onerror=alert(1)>` is shown as those characters, never parsed as markup.
+numbers) and returns a string, so it is cheap to test. Every piece of text that came from the model or from a
+file (token texts, reply text, message statistics, model info) goes through `esc` (html.escape) or through
+`chat_html`, whose Markdown renderer has raw HTML turned off: a reply that reads `<img src=x onerror=alert(1)>`
+is shown as those characters, never parsed as markup, and nothing in a message makes the browser fetch anything.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from markdown_it import MarkdownIt
 
 from medusa_chat.events import ReplySummary, StepEvent
 
@@ -49,6 +53,76 @@ def visible_token(text: str, limit: int = 12) -> str:
     if len(shown) > limit:
         shown = shown[: limit - 1] + "…"
     return shown
+
+
+# ---- chat messages ---------------------------------------------------------------------------------------------
+def _render_image(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """`![alt](url)` becomes a link, never an <img>: an image in a reply would be fetched the moment it is shown,
+    which lets a reply (or a prompt-injected document it quotes) send data to any server ("markdown image
+    exfiltration"). A link is fetched only if the person clicks it."""
+    token = tokens[idx]
+    src = str(token.attrGet("src") or "")
+    alt = "".join(child.content for child in token.children or ()) or src
+    return (
+        f'<a class="mc-image-link" href="{esc(src)}" rel="noopener noreferrer nofollow" target="_blank" '
+        f'title="image, not loaded: {esc(src)}">[image: {esc(alt)}]</a>'
+    )
+
+
+def _render_link_open(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    # Links open in a new tab without a referrer or a handle back to this page.
+    href = str(tokens[idx].attrGet("href") or "")
+    return f'<a href="{esc(href)}" rel="noopener noreferrer nofollow" target="_blank">'
+
+
+def _chat_markdown_parser() -> MarkdownIt:
+    # CommonMark with raw HTML off (tags are text), GitHub-style line breaks (a newline in a reply is a line
+    # break, as the model meant it), tables and strikethrough; links keep markdown-it's scheme check, which
+    # refuses javascript:, vbscript:, file: and non-image data: URLs.
+    md = MarkdownIt("commonmark", {"html": False, "breaks": True, "linkify": False, "typographer": False})
+    md.enable(["strikethrough", "table"])
+    md.add_render_rule("image", _render_image)
+    md.add_render_rule("link_open", _render_link_open)
+    return md
+
+
+_CHAT_MD = _chat_markdown_parser()
+
+
+def chat_html(text: str) -> str:
+    """A chat message (user's or model's) as safe HTML for the Chatbot, which shows it as is (the app turns the
+    browser-side Markdown off: it would parse raw HTML). Markdown formatting works; markup in the text is shown
+    as the characters written; no element that loads anything is produced."""
+    return '<div class="mc-msg">' + _CHAT_MD.render(text) + "</div>"
+
+
+def _stat_number(value: object, digits: int) -> str | None:
+    """A statistic from a conversation file, formatted, or None when it is not a finite number (a hand-edited
+    file can hold anything there)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return f"{value:.{digits}f}"
+
+
+def message_stats_html(stats: Mapping[str, object] | None, stopped: bool) -> str:
+    """The line under a reply: stopped mark, tokens, tokens/step, tok/s, speedup; every value escaped."""
+    bits = []
+    if stopped:
+        bits.append("■ stopped")
+    if isinstance(stats, Mapping):
+        for key, fmt in (("new_tokens", "{} tokens"), ("tokens_per_step", "{} tok/step"),
+                         ("decode_tokens_per_s", "{} tok/s")):  # fmt: skip
+            digits = {"new_tokens": 0, "tokens_per_step": 2, "decode_tokens_per_s": 1}[key]
+            shown = _stat_number(stats.get(key), digits)
+            if shown is not None and float(shown) != 0:
+                bits.append(fmt.format(shown))
+        speed = _stat_number(stats.get("speedup"), 2)
+        if speed is not None and float(speed) != 0:
+            kind = stats.get("speedup_kind")
+            bits.append(f"{speed}× {kind if isinstance(kind, str) else ''}".rstrip())
+    if not bits:
+        return ""
+    return f'<div class="mc-msg-stats">{esc(" · ".join(bits))}</div>'
 
 
 def mode_key(temperature: float | None, accept: str | None = "typical") -> str:
@@ -612,6 +686,15 @@ CSS = """
 .mc-spinner { width: 12px; height: 12px; border: 2px solid #c7d2fe; border-top-color: #4f46e5; border-radius: 50%;
   display: inline-block; animation: mc-spin 0.8s linear infinite; }
 @keyframes mc-spin { to { transform: rotate(360deg); } }
+/* the chat bubble is white-space: pre-wrap (made for plain text): the HTML's own newlines between tags must not
+   show as extra blank lines; line breaks are <br> elements, code blocks keep theirs */
+.mc-msg { white-space: normal; }
+.mc-msg pre, .mc-msg code { white-space: pre-wrap; }
+.mc-msg p { margin: 0 0 .5em 0; }
+.mc-msg p:last-child { margin-bottom: 0; }
+.mc-msg-stats { margin-top: 6px; font-size: 12px; font-style: italic; color: var(--body-text-color-subdued); }
+.mc-image-link { font-style: italic; }
+.mc-cursor { opacity: .6; }
 .mc-error { background: #fef2f2; color: #991b1b; border: 1px solid #fecaca; border-radius: 8px;
   padding: 8px 10px; font-size: 14px; }
 #mc-title h1 { margin: 0; font-size: 24px; }

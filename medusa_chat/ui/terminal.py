@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import select
 import signal
 import sys
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from markdown_it import MarkdownIt
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.markdown import Markdown
@@ -97,9 +99,44 @@ INFO_ORDER = (
 # ------------------------------------------------------------------------------------------------------------
 # Pure rendering: events -> Rich renderables (tested with Console(record=True))
 # ------------------------------------------------------------------------------------------------------------
+# Terminal control sequences in text that came from the model or from a file: a reply containing "\x1b]0;..." or
+# "\x1b[2J" would retitle or clear the user's terminal (or worse: some terminals answer queries into the input).
+# Whole sequences go first, so no half of one is left printed; then every other C0/C1 control except newline and
+# tab. An unterminated string sequence (OSC, DCS, ...) is cut to the end of the text: a reply streams in pieces,
+# and the part of a sequence in the next piece no longer has its ESC, so it prints as harmless characters.
+_CONTROLS = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI ... final byte (colours, cursor moves, clears, queries)
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC/DCS/SOS/PM/APC
+    r"|\x1b[ -/]*[0-~]"  # other escape sequences (charset switches, RIS "ESC c", save/restore cursor)
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"  # any remaining C0 control but \t and \n, DEL, any C1 control
+)
+
+
+def strip_controls(text: str) -> str:
+    """`text` without terminal control sequences or control characters (newline and tab are kept)."""
+    return _CONTROLS.sub("", text)
+
+
+class ReplyMarkdown(Markdown):
+    """Rich Markdown for chat text: the model's line breaks are kept (a single newline is a hard break, as in
+    GitHub comments, so a haiku or a list without blank lines keeps its lines), raw HTML is shown as the
+    characters written instead of being dropped, and control sequences are stripped."""
+
+    def __init__(self, markup: str, **kwargs: Any) -> None:
+        markup = strip_controls(markup)
+        super().__init__(markup, **kwargs)
+        # Rich's parser renders inline HTML as nothing at all; with html off it is plain text, as typed.
+        parser = MarkdownIt("commonmark", {"html": False}).enable("strikethrough").enable("table")
+        self.parsed = parser.parse(markup)
+        for token in self.parsed:
+            for child in token.children or ():
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+
 def visible(token_text: str) -> str:
-    """A token's text with whitespace made visible, for trees and token views."""
-    return token_text.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·") or "∅"
+    """A token's text with whitespace made visible (and controls stripped), for trees and token views."""
+    return strip_controls(token_text.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·")) or "∅"
 
 
 def _fmt(value: Any) -> str:
@@ -129,7 +166,7 @@ def info_panel(info: dict[str, Any]) -> Panel:
             key, _, value = line.partition(" ")
             if key == "tree":
                 continue  # the model's default tree; the one in use is below
-            grid.add_row(key, Text(value.strip()))
+            grid.add_row(key, Text(strip_controls(value.strip())))
         source = f", {info['tree_source']}" if info.get("tree_source") else ""
         grid.add_row(
             "tree",
@@ -143,7 +180,7 @@ def info_panel(info: dict[str, Any]) -> Panel:
         for key in keys:
             if info[key] is None or key == "baseline_tokens_per_s":
                 continue
-            grid.add_row(key.replace("_", " "), Text(_fmt(info[key])))
+            grid.add_row(key.replace("_", " "), Text(strip_controls(_fmt(info[key]))))
     return Panel(grid, title="medusa-chat", subtitle="/help for commands", expand=False, border_style="cyan")
 
 
@@ -186,7 +223,7 @@ def accepted_tokens_text(events: Iterable[StepEvent]) -> Text:
         style = STEP_STYLES[i % 2] + (" bold bright_white" if len(ev.token_ids) > 1 else "")
         if ev.step == 0:
             style += " italic"
-        out.append(ev.text.replace("\n", "⏎ ") if ev.text else "∅", style=style)
+        out.append(strip_controls(ev.text).replace("\n", "⏎ ") if ev.text else "∅", style=style)
     return out
 
 
@@ -243,7 +280,10 @@ def stats_table(summary: ReplySummary, speedup: tuple[float, str], notices: list
         ("prompt tokens", f"{summary.prompt_tokens} ({summary.reused_prefix_tokens} reused from cache)"),
         ("acceptance", summary.accept_mode),
         ("tree size", summary.tree_size),
-        ("ended by", summary.stop_reason + (f" ({summary.message})" if summary.message else "")),
+        (
+            "ended by",
+            summary.stop_reason + (f" ({strip_controls(summary.message)})" if summary.message else ""),
+        ),
     ]
     if summary.accepted_lengths:
         counts: dict[int, int] = {}
@@ -254,7 +294,7 @@ def stats_table(summary: ReplySummary, speedup: tuple[float, str], notices: list
     for name, value in rows:
         table.add_row(name, Text(str(value)))
     for note in notices or []:
-        table.add_row("note", Text(note, style="yellow"))
+        table.add_row("note", Text(strip_controls(note), style="yellow"))
     return table
 
 
@@ -412,11 +452,12 @@ class TerminalChat:
         finally:
             self.save_history()
 
+    # Errors and notes can quote conversation titles, file contents and model text: stripped like replies.
     def error(self, message: str) -> None:
-        self.console.print(Text(f"error: {message}", style="bold red"))
+        self.console.print(Text(f"error: {strip_controls(message)}", style="bold red"))
 
     def note(self, message: str, style: str = "dim") -> None:
-        self.console.print(Text(message, style=style))
+        self.console.print(Text(strip_controls(message), style=style))
 
     def handle(self, text: str) -> bool:
         """Run one input; False means exit."""
@@ -508,7 +549,7 @@ class TerminalChat:
         summary: ReplySummary | None = None
 
         def view() -> RenderableType:
-            return Group(Markdown(text or "..."), self._status(last, summary))
+            return Group(ReplyMarkdown(text or "..."), self._status(last, summary))
 
         # Rich Live redraws from its own thread; the loop only swaps the renderable. A modest frame rate keeps
         # the redraw (Markdown of the whole reply) from competing with the decode loop for the GIL. While
@@ -537,13 +578,13 @@ class TerminalChat:
                 summary = item
             else:
                 events.append(item)
-                self.out.write(item.text)
+                self.out.write(strip_controls(item.text))  # the model's text, never its escape codes
                 self.out.flush()
         self.out.write("\n")
         if summary is not None:
             self.out.write(f"[{self._status(None, summary).plain.strip()}]\n")
             if summary.message:
-                self.out.write(f"[{summary.message}]\n")
+                self.out.write(f"[{strip_controls(summary.message)}]\n")
         self.out.flush()
         return summary
 
@@ -676,7 +717,7 @@ class TerminalChat:
         for msg in conv.messages[-4:]:
             who = "you" if msg.role == "user" else "assistant"
             tail = " [stopped]" if msg.stopped else ""
-            self.console.print(Text(f"{who}: ", style="bold"), Text(msg.content[:300] + tail))
+            self.console.print(Text(f"{who}: ", style="bold"), Text(strip_controls(msg.content[:300]) + tail))
 
     def cmd_list(self, arg: str) -> None:
         metas = self.session.list_conversations()
@@ -691,7 +732,7 @@ class TerminalChat:
             table.add_row(
                 str(i),
                 m.id,
-                Text(m.title),
+                Text(strip_controls(m.title)),
                 str(m.messages),
                 m.updated.replace("T", " ")[:19],
                 style="bold" if m.id == current else None,

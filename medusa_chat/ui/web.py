@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
 TREE_CHOICES_DEFAULT = "model default"
+STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams
 
 
 def friendly_error(err: BaseException) -> str:
@@ -56,19 +56,6 @@ def friendly_error(err: BaseException) -> str:
             "conversation (Clear), or 4-bit weights (--quant nf4)"
         )
     return f"unexpected error ({type(err).__name__}): {err}"
-
-
-_CODE = re.compile(r"(```[\s\S]*?(?:```|$)|`[^`\n]*`)")
-
-
-def chat_markdown(text: str) -> str:
-    """Message text for the Chatbot: Markdown stays Markdown, but raw HTML is shown as the characters that were
-    typed or generated (`<img ...>` reads as text, not as a broken image); code spans and fences are left alone."""
-    parts = _CODE.split(text)
-    return "".join(
-        part if i % 2 else part.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-        for i, part in enumerate(parts)
-    )
 
 
 def _message_text(content: Any) -> str:
@@ -148,28 +135,11 @@ class WebApp:
             return draft
         out: list[dict[str, str]] = []
         for m in self.session.conversation.messages:
-            content = chat_markdown(m.content)
+            content = render.chat_html(m.content)
             if m.role == "assistant":
-                content = content + self._stats_line(m.stats, m.stopped)
+                content += render.message_stats_html(m.stats, m.stopped)
             out.append({"role": m.role, "content": content})
         return out
-
-    @staticmethod
-    def _stats_line(stats: dict | None, stopped: bool) -> str:
-        bits = []
-        if stopped:
-            bits.append("■ stopped")
-        if stats:
-            if stats.get("new_tokens"):
-                bits.append(f"{stats['new_tokens']} tokens")
-            if stats.get("tokens_per_step"):
-                bits.append(f"{stats['tokens_per_step']:.2f} tok/step")
-            if stats.get("decode_tokens_per_s"):
-                bits.append(f"{stats['decode_tokens_per_s']:.1f} tok/s")
-            if stats.get("speedup"):
-                kind = stats.get("speedup_kind") or ""
-                bits.append(f"{stats['speedup']:.2f}× {kind}".rstrip())
-        return ("\n\n*" + " · ".join(bits) + "*") if bits else ""
 
     def meter(self, status: str = "") -> str:
         speed: float | None = None
@@ -228,7 +198,7 @@ class WebApp:
         msg = friendly_error(err)
         if not isinstance(err, MedusaChatError):
             traceback.print_exception(err)
-        gr.Warning(msg)
+        gr.Warning(render.esc(msg))  # gradio shows toasts as HTML; a message may quote a file name or a title
         return render.error_html(msg)
 
     # ---- streaming a reply ----------------------------------------------------------------------------------
@@ -258,7 +228,7 @@ class WebApp:
         reset_edit = (False, gr.update(value="Send"), gr.update(visible=False))
         # Show the user's message at once, even while the model is still loading.
         base = self.history()
-        shown = chat_markdown(message)
+        shown = render.chat_html(message)
         if kind == "send":
             draft = [*base, {"role": "user", "content": shown}]
         elif kind == "edit":
@@ -297,7 +267,7 @@ class WebApp:
                 if now - last_yield >= STREAM_INTERVAL_S or item.step == 0:
                     last_yield = now
                     yield (
-                        draft + [{"role": "assistant", "content": chat_markdown(text) + " ▌"}],
+                        draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}],
                         skip,
                         self.meter("streaming…"),
                         self.tree_panel(live=True),
@@ -321,7 +291,7 @@ class WebApp:
                 self.streaming = False
                 stream.close()
         for notice in getattr(self.session, "notices", []) or []:
-            gr.Info(notice)
+            gr.Info(render.esc(notice))
         reason = self.summary.stop_reason if self.summary is not None else "stopped"
         status = {
             "eos": "finished",
@@ -329,7 +299,7 @@ class WebApp:
             "context_limit": "context full",
         }.get(reason, reason.replace("_", " "))
         if self.summary is not None and self.summary.message:
-            gr.Info(self.summary.message)
+            gr.Info(render.esc(self.summary.message))
         yield (self.history(), skip, self.meter(status), self.tree_panel(),
                self.step_slider(), "", self.conv_dropdown(), skip, skip, skip)  # fmt: skip
 
@@ -424,7 +394,9 @@ class WebApp:
                                   int(size) if size else None)  # fmt: skip
         except Exception as err:  # noqa: BLE001
             return self.model_panel(), self._warn(err)
-        gr.Info(f"Tree: {self.session.info.get('tree')} ({self.session.info.get('tree_size')} nodes)")
+        gr.Info(
+            render.esc(f"Tree: {self.session.info.get('tree')} ({self.session.info.get('tree_size')} nodes)")
+        )
         return self.model_panel(), ""
 
     def measure_baseline(self) -> tuple[str, str, str]:
@@ -489,6 +461,13 @@ class WebApp:
                         height=520,
                         show_label=False,
                         buttons=["copy", "copy_all"],
+                        # Messages arrive as HTML made by render.chat_html (Markdown rendered on the server with
+                        # raw HTML off, images as links). The browser-side Markdown would parse raw HTML in
+                        # the text (only sanitised, so <img src=http://...> would still load), so it is off;
+                        # gradio's sanitiser stays on as a second line; no LaTeX rendering of "$" in replies.
+                        render_markdown=False,
+                        sanitize_html=True,
+                        latex_delimiters=[],
                         placeholder="Ask anything. Replies stream here; the meter and the tree update live.",
                     )
                     error_box = gr.HTML("", elem_id="error-box", container=False, padding=False)
