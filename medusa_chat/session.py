@@ -38,8 +38,7 @@ if TYPE_CHECKING:
 
 Item = StepEvent | ReplySummary
 
-# torch >= 2.5 has torch.OutOfMemoryError; older versions only the CUDA one (the same class).
-_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+_OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, the package's floor)
 
 # The fixed prompt of `measure_baseline`: asks for a long answer so the measurement is not cut short by EOS.
 BASELINE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -136,6 +135,9 @@ class SessionManager:
         self.notices: list[str] = []
         self.baseline_tokens_per_s: float | None = None
         self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
+        # This device's calibrated step latency by tree size: read when the tree or the calibration changes,
+        # not per step (the speedup is shown while a reply streams).
+        self._latency_by_size: dict[int, float] = {}
         if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
             auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
         self.auto_calibrate = auto_calibrate
@@ -189,9 +191,20 @@ class SessionManager:
 
         assert self.loaded is not None
         tree, self.tree_source = choose_tree(self.loaded, name, size)
+        self._latency_by_size = self._read_latencies()
         if self.tree_source == "default" and self.auto_calibrate:
             tree = self._calibrate_once(tree, progress)
         return tree
+
+    def _read_latencies(self, record: dict[str, Any] | None = None) -> dict[int, float]:
+        """{tree size: step latency} from `record` or this device's cached calibration ({} when none)."""
+        from medusa_chat.calibrate import load_calibration, model_identity
+
+        try:
+            cal = record if record is not None else load_calibration(*model_identity(self.loaded))
+            return {int(row["size"]): float(row["latency_s"]) for row in (cal or {}).get("sizes", [])}
+        except Exception:  # noqa: BLE001 - a calibration is an optional hint; never let it break a load
+            return {}
 
     def _calibrate_once(self, tree: Tree, progress: Callable[[str], None] | None) -> Tree:
         """On a CPU the best tree size depends on the machine (a 16-node fp32 step costs ~2.3x a 1-token step
@@ -215,6 +228,7 @@ class SessionManager:
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
             return tree
         self.tree_source = cal.calibrated_source(record)
+        self._latency_by_size = self._read_latencies(record)
         return tree.prefix(record["tree_size"])
 
     @property
@@ -553,18 +567,12 @@ class SessionManager:
         return tokens_per_step / self._step_cost_ratio(), "estimated"
 
     def _step_cost_ratio(self) -> float:
-        """How much a step of the current tree costs relative to a one-token step, from this device's cached
-        calibration (`medusa-chat calibrate`); 1.0 when unknown. On a CPU a 64-node step can cost 3x a plain
-        one, so tokens/step alone would promise a speedup that is not there."""
+        """How much a step of the current tree costs relative to a one-token step, from this device's
+        calibration (`medusa-chat calibrate`, read when the tree was chosen); 1.0 when unknown. On a CPU a
+        64-node step can cost 3x a plain one, so tokens/step alone would promise a speedup that is not there."""
         if self.loaded is None or self.engine is None:
             return 1.0
-        from medusa_chat.calibrate import load_calibration, model_identity
-
-        try:
-            cal = load_calibration(*model_identity(self.loaded))
-        except Exception:  # a calibration is an optional hint; never let it break a reply
-            return 1.0
-        sizes = {row["size"]: row["latency_s"] for row in (cal or {}).get("sizes", [])}
+        sizes = self._latency_by_size
         size = self.engine.tree.size
         if 1 not in sizes or size not in sizes or sizes[1] <= 0:
             return 1.0
