@@ -710,12 +710,3 @@ def load_from_args(args: Any, progress: Progress | None = None) -> LoadedModel:
         progress=progress,
         trust_remote_code=args.trust_remote_code,
     )
-
-
-def choose_tree(loaded: LoadedModel, tree: str | None = None, tree_size: int | None = None) -> Tree:
-    """`--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N`, checked against the heads."""
-    chosen = Tree.named(tree) if tree else loaded.default_tree
-    if tree_size is not None:
-        chosen = chosen.prefix(tree_size)
-    chosen.check_fits(loaded.heads.num_heads)
-    return chosen

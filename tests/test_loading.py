@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa_chat.calibrate import choose_tree
 from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
 from medusa_chat.errors import DeviceError, HeadsError, ModelNotFoundError, PromptError, TreeError
-from medusa_chat.loading import LoadedModel, choose_tree, estimate_params, load_model, summary_lines
+from medusa_chat.loading import LoadedModel, estimate_params, load_model, summary_lines
 from tests.conftest import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 from tests.test_heads import hand_logits
 
@@ -280,11 +281,12 @@ def test_info_and_summary(make_loaded_model) -> None:
     assert "4 Medusa heads" in text and "quantization none" in text
 
 
-def test_choose_tree(make_loaded_model) -> None:
+def test_choose_tree(make_loaded_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))  # no calibration: the default tree
     loaded = make_loaded_model()
-    assert choose_tree(loaded).size == loaded.default_tree.size
-    assert choose_tree(loaded, "mc_sim_7b_63", tree_size=16).size == 16
-    assert choose_tree(loaded, "chain-3").depth == 3
+    assert choose_tree(loaded) == (loaded.default_tree, "default")
+    assert choose_tree(loaded, "mc_sim_7b_63", tree_size=16)[0].size == 16
+    assert choose_tree(loaded, "chain-3")[0].depth == 3
     two = make_loaded_model(num_heads=2)
     assert two.default_tree.depth == 2
     with pytest.raises(TreeError, match="only 2 Medusa heads"):
