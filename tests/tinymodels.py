@@ -1,6 +1,7 @@
 """Tiny real models for fast engine tests: random Llama/Mistral backbones (fp32 or NF4 via bitsandbytes on
-CPU), a real word-level tokenizer, and v2 Medusa heads self-distilled for a few seconds on the backbone's own
-greedy output (so tree steps really accept several tokens)."""
+CPU) and GPT-2 / GPT-NeoX ones (run by the transformers forward), a real word-level tokenizer, and v2 Medusa
+heads self-distilled for a few seconds on the backbone's own greedy output (so tree steps really accept
+several tokens)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import (
     AutoModelForCausalLM,
     BitsAndBytesConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedModel,
@@ -56,7 +59,7 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 @functools.cache
 def _backbone_dir(arch: str) -> Path:
-    torch.manual_seed({"llama": 0, "mistral": 1}[arch])
+    torch.manual_seed({"llama": 0, "mistral": 1, "gpt2": 2, "gpt_neox": 3}[arch])
     common = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -69,7 +72,24 @@ def _backbone_dir(arch: str) -> Path:
         eos_token_id=None,
         pad_token_id=None,
     )
-    config = LlamaConfig(**common) if arch == "llama" else MistralConfig(sliding_window=None, **common)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "mistral":
+        config = MistralConfig(sliding_window=None, **common)
+    elif arch == "gpt2":  # learned absolute positions, fused qkv, `transformer` as the decoder
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=1024,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    else:  # gpt_neox: parallel attention + MLP, partial rotary, `gpt_neox` as the decoder
+        common.pop("num_key_value_heads")
+        config = GPTNeoXConfig(**common)
     model = AutoModelForCausalLM.from_config(config)
     # Larger weights than the default init make the random model's greedy output less repetitive.
     with torch.no_grad():
@@ -98,18 +118,23 @@ def _load_backbone(arch: str, quant: str) -> PreTrainedModel:
 def _distilled_heads(arch: str, num_heads: int = 4) -> MedusaHeads:
     """Train v2 heads on the fp32 backbone's own greedy continuations (Medusa-1 self-distillation, tiny)."""
     model = _load_backbone(arch, "none")
-    prompts = torch.tensor(training_prompts())
+    # The GPT-2 / GPT-NeoX tests only need steps that accept some tokens: a smaller, quicker distillation.
+    small = arch in ("gpt2", "gpt_neox")
+    prompts = torch.tensor(training_prompts()[: 12 if small else None])
     with torch.no_grad():
         seqs = model.generate(
-            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=90, do_sample=False
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=50 if small else 90,
+            do_sample=False,
         )
-        hidden = model.model(seqs).last_hidden_state
+        hidden = model.base_model(seqs).last_hidden_state
     heads = MedusaHeads(HIDDEN, VOCAB, num_heads, 1, own_lm_head=False)
     lm_head = model.get_output_embeddings()
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     start = prompts.shape[1] - 1
     torch.manual_seed(0)
-    for _ in range(150):
+    for _ in range(80 if small else 150):
         logits = heads(hidden[:, start : -num_heads - 1], lm_head)  # [K, B, T, V]
         loss = sum(
             (0.8**k)
