@@ -95,11 +95,6 @@ class Tree:
             raise TreeError(f"tree file {path}: expected a list of paths or {{'paths': [...]}}")
         return cls.from_paths(paths, name=path.stem)
 
-    def save(self, path: str | Path, **extra: object) -> None:
-        Path(path).write_text(
-            json.dumps({"name": self.name, "paths": [list(p) for p in self.paths], **extra})
-        )
-
     # ---- properties ---------------------------------------------------------------------------------------
     @property
     def size(self) -> int:

@@ -74,9 +74,9 @@ def test_tree_deeper_than_heads_is_refused() -> None:
         Tree.from_paths([[0], [5]]).check_fits(num_heads=4, top_k=3)
 
 
-def test_tree_file_round_trip_and_unknown_name(tmp_path) -> None:
-    path = tmp_path / "mine.json"
-    Tree.from_paths([[0], [1], [0, 0]]).save(path)
+def test_tree_files_and_unknown_name(tmp_path) -> None:
+    path = tmp_path / "mine.json"  # the form fit-tree / train-heads write (tree.json)
+    path.write_text(json.dumps({"name": "mine", "paths": [[0], [1], [0, 0]]}))
     assert Tree.named(str(path)).paths == ((0,), (1,), (0, 0))
     path.write_text(json.dumps([[0], [0, 1]]))  # a bare list of paths also works
     assert Tree.load(path).size == 3
