@@ -17,6 +17,7 @@ conversation.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -162,6 +163,26 @@ class BackboneRunner:
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = causal_lm.get_output_embeddings()
         self.path = "transformers" if self.lean is None else "lean, exact tree attention"
+
+    @staticmethod
+    def unsupported(causal_lm: torch.nn.Module) -> str | None:
+        """Why the transformers forward cannot verify trees on this backbone, or None.
+
+        A tree step gives each node its own position (`position_ids`) and its ancestors only (a 4D mask), and
+        writes into the engine's cache (`cache`). A decoder whose forward takes no position ids (e.g. BLOOM,
+        whose ALiBi biases come from a 2D mask) would place the tree's tokens in a row: wrong output.
+        """
+        body = getattr(causal_lm, "base_model", None)
+        params = inspect.signature(body.forward).parameters if body is not None else {}
+        missing = [name for name in ("position_ids", "cache", "attention_mask") if name not in params]
+        if body is None or missing:
+            kind = getattr(getattr(causal_lm, "config", None), "model_type", type(causal_lm).__name__)
+            return (
+                f"{kind} models cannot be tree-decoded: their forward takes no {', '.join(missing) or 'decoder'}"
+                " (tree verification gives every node its own position and ancestor mask); supported are "
+                "decoders like Llama, Mistral, Qwen2, Gemma, GPT-2 and GPT-NeoX"
+            )
+        return None
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: TreeKVCache

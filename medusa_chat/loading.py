@@ -612,6 +612,11 @@ def load_model(
         ignore_medusa=bool(medusa_keys),
         trust_remote_code=trust_remote_code,
     )
+    from medusa_chat.decoding import BackboneRunner
+
+    problem = BackboneRunner.unsupported(backbone)
+    if problem is not None:  # refused here, not at the first reply
+        raise MedusaChatError(f"{spec.name}: {problem}")
     if cpu_quant:
         # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
         # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
