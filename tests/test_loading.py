@@ -11,7 +11,14 @@ import torch
 
 from medusa_chat.calibrate import choose_tree
 from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
-from medusa_chat.errors import DeviceError, HeadsError, ModelNotFoundError, PromptError, TreeError
+from medusa_chat.errors import (
+    DeviceError,
+    HeadsError,
+    MedusaChatError,
+    ModelNotFoundError,
+    PromptError,
+    TreeError,
+)
 from medusa_chat.loading import LoadedModel, estimate_params, load_model, summary_lines
 from tests.conftest import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 from tests.test_heads import hand_logits
@@ -306,6 +313,29 @@ def test_vocab_mismatch(tiny_llama_dir: Path, tmp_path: Path) -> None:
         HeadsError, match=r"medusa_lm_head\.pt project to a vocabulary of 1000 but .* has 512"
     ):
         load_model(model=str(tiny_llama_dir), heads=str(bad), device="cpu")
+
+
+def test_backbone_that_cannot_verify_trees_is_refused_at_load(tmp_path: Path) -> None:
+    """A decoder whose forward takes no position ids (here BART's, used as a causal LM) would place a tree's
+    nodes in a row and answer wrongly at the first reply; the loader names the problem instead."""
+    from transformers import AutoModelForCausalLM, BartConfig
+
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        is_decoder=True,
+        is_encoder_decoder=False,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bart")
+    heads = write_heads(tmp_path / "heads", random_heads_state(2))
+    with pytest.raises(MedusaChatError, match=r"bart models cannot be tree-decoded: .*position_ids"):
+        load_model(model=str(tmp_path / "bart"), heads=str(heads), quant="none", device="cpu")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
