@@ -412,18 +412,20 @@ def heads_stamp(loaded: Any) -> str | None:
 
 
 def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
-    """The tree `ask`/`bench` (and the UIs) should use, and why: (tree, source).
+    """The tree chat, `info`, `ask`, `bench` and the API use, and why: (tree, source). The one place this is
+    decided, so every command reports and runs the same tree.
 
-    --tree / --tree-size win (loading.choose_tree); otherwise a cached calibration for this model + device,
-    if it was made for the model's default tree; otherwise the model's default tree. source is "--tree",
-    "--tree-size", "calibrated (1.8x est.)" or "default".
+    `--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N` wins, checked against the
+    heads; otherwise a cached calibration for this model + device, if it was made for the model's default
+    tree and these heads; otherwise the model's default tree. source is "--tree", "--tree-size",
+    "calibrated (1.8x est.)" or "default".
     """
-    from medusa_chat.loading import choose_tree as explicit_tree
-
     if tree_name or tree_size is not None:
-        return explicit_tree(
-            loaded, tree_name, tree_size
-        ), "--tree-size" if tree_size is not None else "--tree"
+        chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
+        if tree_size is not None:
+            chosen = chosen.prefix(tree_size)
+        chosen.check_fits(loaded.heads.num_heads)
+        return chosen, "--tree-size" if tree_size is not None else "--tree"
     base = loaded.default_tree
     cal = load_calibration(*model_identity(loaded))
     stamp = heads_stamp(loaded)

@@ -53,7 +53,8 @@ def int_list(text: str) -> list[int]:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """The options every model-using sub-command takes (names match loading.load_from_args/choose_tree)."""
+    """The options every model-using sub-command takes (names match loading.load_from_args and
+    calibrate.choose_tree)."""
     from medusa_chat.registry import DEFAULT_MODEL, MODELS
 
     g = parser.add_argument_group("model")
@@ -228,22 +229,28 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.loading import choose_tree, load_from_args, summary_lines
+    from medusa_chat.calibrate import choose_tree
+    from medusa_chat.decoding import BackboneRunner
+    from medusa_chat.loading import load_from_args, summary_lines
 
     def say(text: str) -> None:
         print(text, file=sys.stderr)
 
-    loaded = load_from_args(args, progress=say)
-    tree = choose_tree(loaded, args.tree, args.tree_size)
+    loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
+    tree, source = choose_tree(loaded, args.tree, args.tree_size)  # the tree chat would use, and why
+    auto = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"  # as SessionManager decides
+    if source == "default" and auto and loaded.device.type == "cpu" and tree.size > 1:
+        source = "default; the first chat on this CPU calibrates its size once"
     info = loaded.info()
-    info["tree"] = {"name": tree.name, "size": tree.size, "depth": tree.depth}
+    info["tree"] = {"name": tree.name, "size": tree.size, "depth": tree.depth, "source": source}
+    info["forward"] = BackboneRunner(loaded.backbone).path
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
     for line in summary_lines(info):
         print(line)
-    if tree.name != info["default_tree"]["name"] or tree.size != info["default_tree"]["size"]:
-        print(f"tree used  {tree.name} ({tree.size} nodes, depth {tree.depth})")
+    print(f"tree used  {tree.name} ({tree.size} nodes, depth {tree.depth}; {source})")
+    print(f"forward    {info['forward']}")
     return 0
 
 

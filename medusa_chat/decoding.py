@@ -17,6 +17,7 @@ conversation.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -111,16 +112,21 @@ class TreeKVCache(Cache):
         row r = prefix [0, start) then the tree entries of `plan.paths[r]` (root .. node)."""
         buf = self.buffer
         rows_n, cap = plan.size - 1, buf.shape[-2]
-        if self.rows is None or self.rows.shape[2] != rows_n or self.rows.shape[-2] != cap:
+        # Rows are interchangeable (each holds the same prefix; a step writes its node's path after it), so a
+        # smaller plan (a prefix of the tree near the end of the context window, or a smaller tree) uses the
+        # first rows of the buffer it finds: only more rows or more capacity reallocate.
+        if self.rows is None or self.rows.shape[2] < rows_n or self.rows.shape[-2] != cap:
             old, keep = self.rows, self.rows_synced
-            self.rows = buf.new_empty((self.num_layers, 2, rows_n, buf.shape[3], cap, buf.shape[-1]))
-            if old is not None and old.shape[2] == rows_n and keep:
+            count = max(rows_n, old.shape[2] if old is not None else 0)
+            self.rows = buf.new_empty((self.num_layers, 2, count, buf.shape[3], cap, buf.shape[-1]))
+            if old is not None and old.shape[2] == count and keep:
                 self.rows[..., :keep, :] = old[..., :keep, :]
             else:
                 self.rows_synced = 0
-        rows = self.rows[layer]
+        every = self.rows[layer]
         if self.rows_synced < start:  # committed since the last step: append it to every row's prefix
-            rows[:, :, :, self.rows_synced : start] = buf[layer, :, :, :, self.rows_synced : start]
+            every[:, :, :, self.rows_synced : start] = buf[layer, :, :, :, self.rows_synced : start]
+        rows = every[:, :rows_n]
         # the node's path: [2, kv_heads, N - 1, depth + 1, head_dim] -> rows[..., start : start + depth + 1]
         path = buf[layer, :, 0].index_select(-2, (start + plan.paths).flatten())
         path = path.view(2, buf.shape[3], rows_n, plan.depth + 1, buf.shape[-1]).transpose(1, 2)
@@ -158,20 +164,42 @@ class BackboneRunner:
 
     def __init__(self, causal_lm: torch.nn.Module) -> None:
         self.model = causal_lm
+        # The decoder stack without the lm_head, whatever the architecture calls it (`model` for Llama,
+        # `transformer` for GPT-2, `gpt_neox` for GPT-NeoX): the engine needs its hidden states, not logits.
+        self.body = causal_lm.base_model
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = causal_lm.get_output_embeddings()
         self.path = "transformers" if self.lean is None else "lean, exact tree attention"
+
+    @staticmethod
+    def unsupported(causal_lm: torch.nn.Module) -> str | None:
+        """Why the transformers forward cannot verify trees on this backbone, or None.
+
+        A tree step gives each node its own position (`position_ids`) and its ancestors only (a 4D mask), and
+        writes into the engine's cache (`cache`). A decoder whose forward takes no position ids (e.g. BLOOM,
+        whose ALiBi biases come from a 2D mask) would place the tree's tokens in a row: wrong output.
+        """
+        body = getattr(causal_lm, "base_model", None)
+        params = inspect.signature(body.forward).parameters if body is not None else {}
+        missing = [name for name in ("position_ids", "cache", "attention_mask") if name not in params]
+        if body is None or missing:
+            kind = getattr(getattr(causal_lm, "config", None), "model_type", type(causal_lm).__name__)
+            return (
+                f"{kind} models cannot be tree-decoded: their forward takes no {', '.join(missing) or 'decoder'}"
+                " (tree verification gives every node its own position and ancestor mask); supported are "
+                "decoders like Llama, Mistral, Qwen2, Gemma, GPT-2 and GPT-NeoX"
+            )
+        return None
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: TreeKVCache
     ) -> torch.Tensor:
         if self.lean is not None:
             return self.lean(ids, positions, attend, cache)
-        mask = attend
-        out = self.model.model(
+        out = self.body(
             input_ids=ids[None],
             position_ids=positions[None],
-            attention_mask=mask,
+            attention_mask=attend,
             cache=cache,
             use_cache=True,
         )
@@ -289,26 +317,45 @@ class MedusaEngine:
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
-        exact = self.runner.lean is not None and self.device.type == "cpu"
-        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
-        self._logits_once = tree.size <= 16 and (self.drafter is not None or tree.size == 1)
-        self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if exact else None
+        self._exact = self.runner.lean is not None and self.device.type == "cpu"
+        self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self._exact else None
+        # Smaller prefixes of the tree, used only near the end of the context window (`_tree_for_room`); each
+        # size is built once per tree, not per step.
+        self._prefixes: dict[int, tuple[Tree, TreeBuffers, TreePlan | None]] = {
+            tree.size: (tree, self.buffers, self.plan)
+        }
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
         self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)
         self._mask_prefix = 0  # columns [0, _mask_prefix) are known to be zero (visible prefix)
 
-    def _tree_mask(self, start: int) -> torch.Tensor:
-        """Additive mask [1, 1, N, start + N]: every node sees the whole prefix, then its tree ancestors.
+    def _tree_for_room(self, room: int) -> tuple[Tree, TreeBuffers, TreePlan | None]:
+        """The tree to verify when only `room` positions are left in the context window: the whole tree, or its
+        first `room` nodes (a node at depth d sits at position start + d, and d < room for the first `room`
+        nodes, so no position reaches the window's end). The prefix keeps the full tree's top-k, because the
+        heads' guesses were laid out for it (`candidate_index`)."""
+        size = max(1, min(self.tree.size, room))
+        state = self._prefixes.get(size)
+        if state is None:
+            tree = self.tree.prefix(size)
+            buf = tree.buffers(self.device, self.dtype, self.buffers.top_k)
+            plan = TreePlan.build(tree.parents, tree.depths, self.device) if self._exact else None
+            state = self._prefixes[size] = (tree, buf, plan)
+        return state
+
+    def _tree_mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
+        """Additive mask [1, 1, n, start + n] for the tree of `buf` (default: the engine's tree, n = its size, or
+        a prefix of it): every node sees the whole prefix, then its tree ancestors.
 
         The buffer is reused across steps: only the columns that became prefix since the last step are
-        zeroed and the N x N tree block is copied in, so the cost does not grow with the conversation.
+        zeroed and the n x n tree block is copied in, so the cost does not grow with the conversation.
         """
-        n = self.tree.size
+        buf = buf or self.buffers
+        n = buf.tree.size
         width = start + n
         if self._mask.shape[-1] < width:
             grown = torch.full(
-                (1, 1, n, max(width, 2 * self._mask.shape[-1], 256)),
+                (1, 1, self.tree.size, max(width, 2 * self._mask.shape[-1], 256)),
                 0.0,
                 dtype=self.dtype,
                 device=self.device,
@@ -317,9 +364,10 @@ class MedusaEngine:
             self._mask_prefix = 0
         if start > self._mask_prefix:
             self._mask[..., self._mask_prefix : start] = 0.0
-        self._mask[0, 0, :, start:width] = self.buffers.attn_bias
+        # a prefix's rows and columns are the first n of the full tree's (growth order), so one buffer serves all
+        self._mask[0, 0, :n, start:width] = buf.attn_bias
         self._mask_prefix = start
-        return self._mask[..., :width]
+        return self._mask[..., :n, :width]
 
     def _prefill_mask(self, start: int, count: int) -> torch.Tensor:
         q = torch.arange(count, device=self.device)[:, None]
@@ -348,25 +396,36 @@ class MedusaEngine:
 
     # ---- one step -----------------------------------------------------------------------------------------
     def step(
-        self, root: torch.Tensor, draft: torch.Tensor | None, start: int, acceptor: Any, produced: int
+        self,
+        root: torch.Tensor,
+        draft: torch.Tensor | None,
+        start: int,
+        acceptor: Any,
+        produced: int,
+        buf: TreeBuffers | None = None,
+        plan: TreePlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One decoding step on the device, no host sync: propose -> verify -> accept -> bonus.
 
         Returns (tree tokens [N], accepted path [D + 1], accepted count, bonus [1], next draft). The caller
         commits (`cache.keep`) after its one sync. `generate` and the calibration that times steps both run
-        this, so what is timed is what a reply pays.
+        this, so what is timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
+        context window, `_tree_for_room`); by default the whole tree.
         """
-        buf = self.buffers
+        if buf is None:
+            buf, plan = self.buffers, self.plan
+        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
+        logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
         tokens = propose(root, draft, buf, self.drafter)
         # verify: one forward over the N tree tokens
-        attend = self.plan if self.plan is not None else self._tree_mask(start)
+        attend = plan if plan is not None else self._tree_mask(start, buf)
         hidden = self._forward(tokens, start + buf.depth, attend)
         # accept: nodes with children need full-vocab logits to judge their children, the last accepted node
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
-        if self._logits_once:
+        if logits_once:
             logits = self.lm_head(hidden).float()
             parent_logits = logits.index_select(0, buf.internal)
         else:
@@ -375,7 +434,7 @@ class MedusaEngine:
         ok, logp = acceptor.judge(parent_logits, tokens, buf, produced)
         path, count = best_path(ok, buf.leaf_paths, logp)
         last = path.gather(0, count.view(1))
-        if self._logits_once:
+        if logits_once:
             last_logits = logits.index_select(0, last)[0]
             draft = hidden.index_select(0, last) if self.drafter is not None else None
         else:
@@ -395,7 +454,6 @@ class MedusaEngine:
         settings.validate()
         if not prompt_ids:
             raise PromptError("the prompt is empty: type a message first")
-        tree, buf = self.tree, self.buffers
         if len(prompt_ids) + 1 >= self.context_limit:
             raise PromptError(
                 f"the prompt is {len(prompt_ids)} tokens but the model's context window is {self.context_limit}: "
@@ -410,9 +468,12 @@ class MedusaEngine:
             )
             generator.manual_seed(seed)
         # the acceptance rule (greedy / typical / exact, acceptance.py); exact draws the reply's uniforms here
-        acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + tree.depth + 1)
+        acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
         eos = set(self.model.eos_token_ids)
-        stop_strings = tuple(settings.stop_strings) + tuple(self.model.stop_strings)
+        stop_strings = tuple(s for s in (*settings.stop_strings, *self.model.stop_strings) if s)
+        # The reply ends at max_new_tokens or where prompt + reply fill the context window, whichever is first.
+        room = self.context_limit - len(prompt_ids)
+        limit = min(settings.max_new_tokens, room)
         t0 = time.perf_counter()
 
         # ---- prefill: reuse the cached prefix of the previous reply when the prompt extends it ----
@@ -431,15 +492,17 @@ class MedusaEngine:
         root = acceptor.first(root_logits)
         first = int(root.item())
         prefill_s = time.perf_counter() - t0
+        message = ""
 
-        reply: list[int] = [first]
+        reply, stop_reason = _keep_until_end([first], 0, eos, limit)
+        stop_reason = _limit_reason(stop_reason, len(reply), settings.max_new_tokens)
         detok = StreamDecoder(self.model.tokenizer)
-        text, stop_reason, message = detok.push([first]), "", ""
-        yield StepEvent(0, [first], text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
-        stop_reason = self._finished(reply, eos, settings, text, stop_strings)
+        # Streamed text that could be the start of a stop string is held back until a later step settles it.
+        text, held, hit = _release(detok.push(reply), stop_strings, final=bool(stop_reason))
+        stop_reason = "stop_string" if hit else stop_reason
+        yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths = 0, []
         decode_t0 = time.perf_counter()
-        width = buf.leaf_paths.shape[1]
 
         # ---- decode: one tree verification per step ----
         while not stop_reason:
@@ -447,12 +510,11 @@ class MedusaEngine:
                 stop_reason = "stopped"
                 break
             start = self.cache.length
-            if start + tree.size > self.context_limit:
-                stop_reason = "context_limit"
-                message = f"stopped at the model's context window ({self.context_limit} tokens)"
-                break
+            # near the end of the context window a prefix of the tree still fits: the reply runs to the end
+            tree, buf, plan = self._tree_for_room(self.context_limit - start)
+            width = buf.leaf_paths.shape[1]
             step_t0 = time.perf_counter()
-            tokens, path, count, bonus, guesses = self.step(root, guesses, start, acceptor, len(reply))
+            tokens, path, count, bonus, guesses = self.step(root, guesses, start, acceptor, len(reply), buf, plan)
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
             tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]
@@ -465,13 +527,11 @@ class MedusaEngine:
             steps += 1
             accepted_lengths.append(accepted)
             # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
-            new_tokens, stop_reason = _keep_until_end(new_tokens, len(reply), eos, settings.max_new_tokens)
+            new_tokens, stop_reason = _keep_until_end(new_tokens, len(reply), eos, limit)
             reply.extend(new_tokens)
-            delta = detok.push(new_tokens)
-            if stop_strings and delta:
-                cut = _stop_string_cut_tail(detok.text, len(delta), stop_strings)
-                if cut is not None:
-                    delta, stop_reason = delta[: max(0, cut - (len(detok.text) - len(delta)))], "stop_string"
+            stop_reason = _limit_reason(stop_reason, len(reply), settings.max_new_tokens)
+            delta, held, hit = _release(held + detok.push(new_tokens), stop_strings, final=bool(stop_reason))
+            stop_reason = "stop_string" if hit else stop_reason
             now = time.perf_counter()
             decode_s = now - decode_t0
             yield StepEvent(
@@ -499,6 +559,12 @@ class MedusaEngine:
         if stop_strings:
             cut = _stop_string_cut(text, stop_strings)
             text = text if cut is None else text[:cut]
+        if held and text.endswith(held):
+            # Stopped by the flag between two steps: no step is left to release the held text in, and a
+            # stopped reply keeps exactly what was shown (as a reply whose stream is abandoned does).
+            text = text[: -len(held)]
+        if stop_reason == "context_limit":
+            message = f"stopped at the model's context window ({self.context_limit} tokens)"
         yield ReplySummary(
             text=text,
             token_ids=reply,
@@ -513,7 +579,7 @@ class MedusaEngine:
             reused_prefix_tokens=reused,
             accept_mode=settings.accept_mode,
             stop_reason=stop_reason,
-            tree_size=tree.size,
+            tree_size=self.tree.size,
             message=message,
             accepted_lengths=accepted_lengths,
         )
@@ -523,22 +589,6 @@ class MedusaEngine:
         text = self.model.tokenizer.decode(ids, skip_special_tokens=True)
         # An incomplete multi-byte character decodes as U+FFFD: hold it back until the next token completes it.
         return text[:-1] if text.endswith("\ufffd") else text
-
-    @staticmethod
-    def _finished(
-        reply: list[int],
-        eos: set[int],
-        settings: GenerationSettings,
-        text: str | None,
-        stop_strings: tuple[str, ...],
-    ) -> str:
-        if any(t in eos for t in reply[: settings.max_new_tokens]):
-            return "eos"
-        if len(reply) >= settings.max_new_tokens:
-            return "max_new_tokens"
-        if text is not None and stop_strings and _stop_string_cut(text, stop_strings) is not None:
-            return "stop_string"
-        return ""
 
     def reset(self) -> None:
         """Forget the cached prefix (e.g. after a model-level change)."""
@@ -588,13 +638,40 @@ def _keep_until_end(new: list[int], done: int, eos: set[int], max_new: int) -> t
     return kept, "max_new_tokens" if done + len(kept) >= max_new else ""
 
 
-def _stop_string_cut_tail(text: str, new_chars: int, stop_strings: tuple[str, ...]) -> int | None:
-    """Index of the first stop string that ends in the last `new_chars` characters of `text` (earlier ones
-    were already checked), without scanning the whole reply."""
-    longest = max(len(s) for s in stop_strings)
-    start = max(0, len(text) - new_chars - longest + 1)
-    cut = _stop_string_cut(text[start:], stop_strings)
-    return None if cut is None else start + cut
+def _limit_reason(reason: str, made: int, max_new: int) -> str:
+    """`_keep_until_end` reports any length limit as "max_new_tokens"; a reply shorter than max_new_tokens
+    that hit it was stopped by the context window."""
+    return "context_limit" if reason == "max_new_tokens" and made < max_new else reason
+
+
+def _release(pending: str, stop_strings: tuple[str, ...], final: bool) -> tuple[str, str, bool]:
+    """Split the not yet streamed text into (stream now, hold back, a stop string was found).
+
+    A stop string can span two steps ("US" then "ER:"); streaming its first half would show text the final
+    reply cuts off. So the longest end of `pending` that could still grow into a stop string is held back;
+    the next step's text is appended to it and settles it (released, or cut with the stop string). `final`
+    (the reply ends this step for another reason) releases everything. Everything before a stop string was
+    released or held in an earlier step, so searching `pending` (held + new text) finds the same first
+    occurrence as searching the whole reply, at O(new text + longest stop string) per step.
+    """
+    if not stop_strings:
+        return pending, "", False
+    cut = _stop_string_cut(pending, stop_strings)
+    if cut is not None:
+        return pending[:cut], "", True
+    keep = 0 if final else _partial_stop_suffix(pending, stop_strings)
+    return pending[: len(pending) - keep], pending[len(pending) - keep :], False
+
+
+def _partial_stop_suffix(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a stop string (0 if none)."""
+    best = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def _stop_string_cut(text: str, stop_strings: tuple[str, ...]) -> int | None:

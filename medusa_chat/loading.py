@@ -612,6 +612,11 @@ def load_model(
         ignore_medusa=bool(medusa_keys),
         trust_remote_code=trust_remote_code,
     )
+    from medusa_chat.decoding import BackboneRunner
+
+    problem = BackboneRunner.unsupported(backbone)
+    if problem is not None:  # refused here, not at the first reply
+        raise MedusaChatError(f"{spec.name}: {problem}")
     if cpu_quant:
         # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
         # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
@@ -712,12 +717,3 @@ def load_from_args(args: Any, progress: Progress | None = None) -> LoadedModel:
         progress=progress,
         trust_remote_code=args.trust_remote_code,
     )
-
-
-def choose_tree(loaded: LoadedModel, tree: str | None = None, tree_size: int | None = None) -> Tree:
-    """`--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N`, checked against the heads."""
-    chosen = Tree.named(tree) if tree else loaded.default_tree
-    if tree_size is not None:
-        chosen = chosen.prefix(tree_size)
-    chosen.check_fits(loaded.heads.num_heads)
-    return chosen

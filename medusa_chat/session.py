@@ -38,8 +38,7 @@ if TYPE_CHECKING:
 
 Item = StepEvent | ReplySummary
 
-# torch >= 2.5 has torch.OutOfMemoryError; older versions only the CUDA one (the same class).
-_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+_OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, the package's floor)
 
 # The fixed prompt of `measure_baseline`: asks for a long answer so the measurement is not cut short by EOS.
 BASELINE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -136,6 +135,9 @@ class SessionManager:
         self.notices: list[str] = []
         self.baseline_tokens_per_s: float | None = None
         self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
+        # This device's calibrated step latency by tree size: read when the tree or the calibration changes,
+        # not per step (the speedup is shown while a reply streams).
+        self._latency_by_size: dict[int, float] = {}
         if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
             auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
         self.auto_calibrate = auto_calibrate
@@ -193,7 +195,18 @@ class SessionManager:
         except (OSError, RuntimeError, ValueError) as err:  # a failed timing must not stop the chat
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
             tree, self.tree_source = choose_tree(self.loaded, name, size)
+        self._latency_by_size = self._read_latencies()  # read once here, not per streamed step
         return tree
+
+    def _read_latencies(self) -> dict[int, float]:
+        """{tree size: step latency} from this device's cached calibration ({} when none)."""
+        from medusa_chat.calibrate import load_calibration, model_identity
+
+        try:
+            cal = load_calibration(*model_identity(self.loaded))
+            return {int(row["size"]): float(row["latency_s"]) for row in (cal or {}).get("sizes", [])}
+        except Exception:  # noqa: BLE001 - a calibration is an optional hint; never let it break a load
+            return {}
 
     @property
     def tree(self) -> Tree | None:
@@ -533,18 +546,12 @@ class SessionManager:
         return tokens_per_step / self._step_cost_ratio(), "estimated"
 
     def _step_cost_ratio(self) -> float:
-        """How much a step of the current tree costs relative to a one-token step, from this device's cached
-        calibration (`medusa-chat calibrate`); 1.0 when unknown. On a CPU a 64-node step can cost 3x a plain
-        one, so tokens/step alone would promise a speedup that is not there."""
+        """How much a step of the current tree costs relative to a one-token step, from this device's
+        calibration (`medusa-chat calibrate`, read when the tree was chosen); 1.0 when unknown. On a CPU a
+        64-node step can cost 3x a plain one, so tokens/step alone would promise a speedup that is not there."""
         if self.loaded is None or self.engine is None:
             return 1.0
-        from medusa_chat.calibrate import load_calibration, model_identity
-
-        try:
-            cal = load_calibration(*model_identity(self.loaded))
-        except Exception:  # a calibration is an optional hint; never let it break a reply
-            return 1.0
-        sizes = {row["size"]: row["latency_s"] for row in (cal or {}).get("sizes", [])}
+        sizes = self._latency_by_size
         size = self.engine.tree.size
         if 1 not in sizes or size not in sizes or sizes[1] <= 0:
             return 1.0

@@ -7,8 +7,9 @@ kept in *growth order*: every path's parent comes before it, so every prefix of 
 
 `TreeBuffers` holds everything a decoding step needs about the tree, built once on the device:
 the ancestor mask, per-node depth (position offset), each node's index into the flat candidate vector
-`[root, head0 top-k, head1 top-k, ...]`, each node's parent, and one row per leaf listing the nodes on its
-path (padded with the sentinel index N, which `accept` treats as "not accepted").
+`[root, head0 top-k, head1 top-k, ...]`, each node's parent as a slot among the nodes with children (only
+those need logits), and one row per leaf listing the nodes on its path (padded with the sentinel index N,
+which `best_path` treats as "not accepted").
 """
 
 from __future__ import annotations
@@ -93,11 +94,6 @@ class Tree:
         if not isinstance(paths, list):
             raise TreeError(f"tree file {path}: expected a list of paths or {{'paths': [...]}}")
         return cls.from_paths(paths, name=path.stem)
-
-    def save(self, path: str | Path, **extra: object) -> None:
-        Path(path).write_text(
-            json.dumps({"name": self.name, "paths": [list(p) for p in self.paths], **extra})
-        )
 
     # ---- properties ---------------------------------------------------------------------------------------
     @property
@@ -213,7 +209,6 @@ class TreeBuffers:
     )  # [N, N] additive: 0 where a node may attend (itself + ancestors), dtype-min elsewhere
     depth: torch.Tensor  # [N] long: position offset of each node
     candidate_index: torch.Tensor  # [N] long: index into flat [root, head0 top-k, head1 top-k, ...]
-    parent: torch.Tensor  # [N] long, root's parent = 0 (never read for the root)
     leaf_paths: torch.Tensor  # [num_leaves, depth + 1] long, node indices root..leaf, padded with N
     internal: torch.Tensor  # [I] long: nodes with children (only their logits are needed to verify)
     parent_slot: torch.Tensor  # [N] long: position of each node's parent in `internal` (root: 0, unused)
@@ -242,7 +237,6 @@ class TreeBuffers:
             attn_bias=attn_bias.to(device),
             depth=torch.tensor(tree.depths, dtype=torch.long, device=device),
             candidate_index=torch.tensor(cand, dtype=torch.long, device=device),
-            parent=torch.tensor([0] + tree.parents[1:], dtype=torch.long, device=device),
             leaf_paths=leaf_paths.to(device),
             internal=torch.tensor(internal, dtype=torch.long, device=device),
             parent_slot=torch.tensor(parent_slot, dtype=torch.long, device=device),

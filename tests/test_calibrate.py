@@ -221,6 +221,36 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     assert (tree.name, source) == ("chain-2", "--tree")
 
 
+def test_info_reports_the_tree_and_path_chat_uses(
+    cache_dir: Path,
+    make_loaded_model: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`medusa-chat info` and a chat session decide the tree in the same place (calibrate.choose_tree): with
+    a cached calibration both use its size, and info names the same numeric path and forward."""
+    from medusa_chat import cli
+    from medusa_chat.session import SessionManager
+
+    monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
+    loaded = make_loaded_model()
+    base = loaded.default_tree
+    size = min(4, base.size - 1)
+    record = {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4}
+    save_calibration(record, *cal.model_identity(loaded))
+    argv = ["info", "--model", loaded.model_dir, "--heads", str(loaded.spec.heads), "--device", "cpu"]
+    assert cli.main([*argv, "--quant", loaded.quant, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    session = SessionManager(loaded=loaded, data_dir=cache_dir / "data")
+    session.load()
+    assert info["tree"]["size"] == session.engine.tree.size == size
+    assert info["tree"]["name"] == session.engine.tree.name
+    assert info["tree"]["source"] == session.info["tree_source"] == "calibrated (1.4x est.)"
+    assert (info["quant"], info["forward"]) == (session.info["quant"], session.engine.runner.path)
+    assert cli.main([*argv, "--quant", loaded.quant, "--tree-size", "2"]) == 0
+    assert "tree used  " + base.prefix(2).name + " (2 nodes" in capsys.readouterr().out
+
+
 # ---- measurement (smoke: numbers positive, cache restored) ----------------------------------------------------------
 def test_measure_step_latency_runs_the_engine_step(make_loaded_model: Any) -> None:
     loaded = make_loaded_model()

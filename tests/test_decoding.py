@@ -23,8 +23,10 @@ from tests.tinymodels import TinyLoaded, hf_greedy, tiny_loaded, training_prompt
 TREES = ["mc_sim_7b_63", "vicuna_7b_stage2", "zephyr_stage2", "chain-0", "chain-1", "chain-4"]
 
 
-def run(engine: MedusaEngine, prompt: list[int], **kw) -> tuple[list[StepEvent], ReplySummary]:
-    items = list(engine.generate(prompt, GenerationSettings(**kw)))
+def run(
+    engine: MedusaEngine, prompt: list[int], max_new_tokens: int = 512, **kw
+) -> tuple[list[StepEvent], ReplySummary]:
+    items = list(engine.generate(prompt, GenerationSettings(max_new_tokens=max_new_tokens, **kw)))
     return items[:-1], items[-1]
 
 
@@ -218,7 +220,140 @@ def test_eos_max_tokens_and_context_limit() -> None:
     short = replace(loaded, context_limit=40)
     _, summary = run(MedusaEngine(short, Tree.named("chain-4")), list(range(3, 23)), max_new_tokens=100)
     assert summary.stop_reason == "context_limit" and "context window" in summary.message
-    assert 20 + summary.new_tokens <= 40
+    assert 20 + summary.new_tokens == 40  # prompt + reply fill the window exactly
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_reply_runs_to_the_end_of_the_context_window(lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Near the end of the window the engine verifies a prefix of the tree that still fits, instead of
+    stopping up to tree-size - 1 tokens early: the reply is plain greedy decoding up to the last position,
+    and each prefix size is built once (not per step, not per reply)."""
+    if not lean:
+        monkeypatch.setenv("MEDUSA_CHAT_LEAN", "0")  # the transformers forward with the additive tree mask
+    loaded = tiny_loaded("llama")
+    short = replace(loaded, context_limit=90)
+    engine = MedusaEngine(short, Tree.named("mc_sim_7b_63"))  # 64 nodes: more than the room left
+    assert (engine.runner.lean is not None) == lean
+    for prompt in (training_prompts()[0], list(range(3, 23))):
+        events, summary = run(engine, prompt, max_new_tokens=100)
+        assert summary.stop_reason == "context_limit", summary.stop_reason
+        assert len(prompt) + summary.new_tokens == 90
+        assert summary.token_ids == hf_greedy(loaded, prompt, 90 - len(prompt))[0]
+        sizes = [len(e.tree.tokens) for e in events[1:]]
+        assert sizes[0] == 64 and min(sizes) < 64  # room for the whole tree first, then prefixes
+        assert all(e.tree.parents == engine.tree.prefix(len(e.tree.tokens)).parents for e in events[1:])
+    built = dict(engine._prefixes)
+    run(engine, training_prompts()[0], max_new_tokens=100)
+    assert all(engine._prefixes[n] is built[n] for n in built)  # reused, not rebuilt
+    # an untouched window: the full tree every step
+    events, summary = run(engine, [5, 6, 7], max_new_tokens=20)
+    assert summary.stop_reason == "max_new_tokens" and {len(e.tree.tokens) for e in events[1:]} == {64}
+
+
+def _reference(engine: MedusaEngine, prompt: list[int], n: int) -> tuple[list[StepEvent], str, list[int]]:
+    """A reply without stop strings: its events, text, and where each step's text ends in it."""
+    events, summary = run(engine, prompt, max_new_tokens=n)
+    assert "".join(e.text for e in events) == summary.text
+    return events, summary.text, _streamed_ends(events)
+
+
+def _streamed_ends(events: list[StepEvent]) -> list[int]:
+    """Length of the text streamed up to and including each step."""
+    ends, total = [], 0
+    for e in events:
+        total += len(e.text)
+        ends.append(total)
+    return ends
+
+
+def test_stop_string_spanning_two_steps_is_never_streamed() -> None:
+    """A stop string whose first half ends one step and second half starts the next: the first half is held
+    back (never streamed), then cut with the stop string; the deltas always add up to the final text."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    prompt = training_prompts()[1]
+    events, full, ends = _reference(engine, prompt, 60)
+    # a step boundary: `stop` = the last 3 characters of step k's text + the first 3 of step k + 1's
+    k = next(
+        i
+        for i in range(2, len(events) - 1)
+        if len(events[i].text) >= 3
+        and len(events[i + 1].text) >= 3
+        and full.find(full[ends[i] - 3 : ends[i] + 3]) == ends[i] - 3
+    )
+    stop = full[ends[k] - 3 : ends[k] + 3]
+    got, summary = run(engine, prompt, max_new_tokens=60, stop_strings=(stop,))
+    assert summary.stop_reason == "stop_string" and summary.text == full[: ends[k] - 3]
+    assert len(got) == k + 2  # it ended at the step that completed the stop string
+    streamed = ""
+    for e in got:
+        streamed += e.text
+        assert summary.text.startswith(streamed)  # the stop string's first half was never streamed
+    assert streamed == summary.text
+
+
+def test_a_held_back_stop_string_start_is_released_when_settled() -> None:
+    """Text that could start a stop string is held only until a later step shows it does not: then it is
+    released (within the reply, and at its end), and the stream still adds up to the whole reply."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    prompt = training_prompts()[1]
+    events, full, ends = _reference(engine, prompt, 60)
+    k = next(i for i in range(2, len(events) - 1) if len(events[i].text) >= 3)
+    never = full[ends[k] - 3 : ends[k]] + "\u2603"  # starts like step k's end, never occurs (no snowman)
+    last = full[-2:] + "\u2603"  # the reply's own end could start it: released when the reply ends
+    for stops, model_stops in (((never, last), ()), ((last,), (never,))):  # the model's own (Vicuna's USER:)
+        lm = replace(loaded, stop_strings=model_stops)
+        got, summary = run(MedusaEngine(lm, Tree.named("mc_sim_7b_63")), prompt, 60, stop_strings=stops)
+        assert summary.stop_reason == "max_new_tokens" and summary.text == full
+        assert "".join(e.text for e in got) == full  # everything held was released
+        streamed = _streamed_ends(got)
+        assert streamed[k] == ends[k] - 3  # held at step k (exactly the 3 characters that start `never`) ...
+        assert streamed[k + 1] >= ends[k]  # ... released at step k + 1
+
+
+def test_a_stopped_reply_keeps_exactly_the_streamed_text() -> None:
+    """The stop flag ends a reply between two steps: text held back for a possible stop string was never
+    shown, and the reply keeps exactly what was shown."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    prompt = training_prompts()[1]
+    events, full, ends = _reference(engine, prompt, 60)
+    stop = threading.Event()
+    got = []
+    settings = GenerationSettings(max_new_tokens=60, stop_strings=(full[ends[2] - 3 : ends[2]] + "\u2603",))
+    for item in engine.generate(prompt, settings, stop):
+        got.append(item)
+        if isinstance(item, StepEvent) and item.step == 2:
+            stop.set()
+    summary = got[-1]
+    assert summary.stop_reason == "stopped" and len(got) == 4
+    assert "".join(e.text for e in got[:-1]) == summary.text == full[: ends[2] - 3]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_gpt2_and_gpt_neox_backbones_decode_losslessly(arch: str) -> None:
+    """Architectures without a lean forward run through the transformers forward of their decoder
+    (`base_model`: `transformer`, `gpt_neox`) with the engine's cache, 4D tree mask and positions: greedy
+    output is plain greedy decoding, also with tree prefixes at the end of the context window (where GPT-2's
+    learned position table would fail on a position past the window)."""
+    loaded = tiny_loaded(arch)
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63"))
+    assert engine.runner.lean is None and engine.runner.path == "transformers"
+    accepted = []
+    for prompt in [*training_prompts()[:3], [5, 6, 7]]:
+        assert assert_lossless(loaded, engine, prompt, 30) == "exact"
+        accepted += engine_accepted(engine, prompt)
+    assert max(accepted) >= 2  # multi-token paths were committed through the transformers cache path
+    short = replace(loaded, context_limit=50)
+    prompt = training_prompts()[0]
+    _, summary = run(MedusaEngine(short, Tree.named("mc_sim_7b_63")), prompt, max_new_tokens=100)
+    assert summary.stop_reason == "context_limit" and len(prompt) + summary.new_tokens == 50
+    assert summary.token_ids == hf_greedy(loaded, prompt, 50 - len(prompt))[0]
+
+
+def engine_accepted(engine: MedusaEngine, prompt: list[int]) -> list[int]:
+    return run(engine, prompt, max_new_tokens=30)[1].accepted_lengths
 
 
 def test_empty_and_over_long_prompts_are_clear_errors() -> None:

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig
 
 from medusa_chat.decoding import BackboneRunner, MedusaEngine, TreeKVCache
 from medusa_chat.lean_forward import LeanForward, lean_forward_for
@@ -103,6 +103,16 @@ def test_unsupported_models_use_the_transformers_forward() -> None:
     for model in (gpt2, windowed, gelu):
         assert lean_forward_for(model) is None
         assert BackboneRunner(model).path == "transformers"
+        assert BackboneRunner.unsupported(model) is None  # the transformers forward verifies trees there
+
+
+def test_backbones_that_cannot_verify_trees_are_named() -> None:
+    """BLOOM's forward takes no position ids (ALiBi from a 2D mask): a tree would be read as a row of tokens.
+    The loader refuses such a backbone with this message instead of failing or answering wrongly later."""
+    bloom = _tiny(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4))
+    why = BackboneRunner.unsupported(bloom)
+    assert why is not None and "bloom" in why and "position_ids" in why and "GPT-2" in why
+    assert BackboneRunner.unsupported(tiny_loaded("llama").backbone) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

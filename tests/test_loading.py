@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa_chat.calibrate import choose_tree
 from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
-from medusa_chat.errors import DeviceError, HeadsError, ModelNotFoundError, PromptError, TreeError
-from medusa_chat.loading import LoadedModel, choose_tree, estimate_params, load_model, summary_lines
+from medusa_chat.errors import (
+    DeviceError,
+    HeadsError,
+    MedusaChatError,
+    ModelNotFoundError,
+    PromptError,
+    TreeError,
+)
+from medusa_chat.loading import LoadedModel, estimate_params, load_model, summary_lines
 from tests.test_heads import hand_logits
 from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 
@@ -280,11 +288,12 @@ def test_info_and_summary(make_loaded_model) -> None:
     assert "4 Medusa heads" in text and "quantization none" in text
 
 
-def test_choose_tree(make_loaded_model) -> None:
+def test_choose_tree(make_loaded_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))  # no calibration: the default tree
     loaded = make_loaded_model()
-    assert choose_tree(loaded).size == loaded.default_tree.size
-    assert choose_tree(loaded, "mc_sim_7b_63", tree_size=16).size == 16
-    assert choose_tree(loaded, "chain-3").depth == 3
+    assert choose_tree(loaded) == (loaded.default_tree, "default")
+    assert choose_tree(loaded, "mc_sim_7b_63", tree_size=16)[0].size == 16
+    assert choose_tree(loaded, "chain-3")[0].depth == 3
     two = make_loaded_model(num_heads=2)
     assert two.default_tree.depth == 2
     with pytest.raises(TreeError, match="only 2 Medusa heads"):
@@ -304,6 +313,29 @@ def test_vocab_mismatch(tiny_llama_dir: Path, tmp_path: Path) -> None:
         HeadsError, match=r"medusa_lm_head\.pt project to a vocabulary of 1000 but .* has 512"
     ):
         load_model(model=str(tiny_llama_dir), heads=str(bad), device="cpu")
+
+
+def test_backbone_that_cannot_verify_trees_is_refused_at_load(tmp_path: Path) -> None:
+    """A decoder whose forward takes no position ids (here BART's, used as a causal LM) would place a tree's
+    nodes in a row and answer wrongly at the first reply; the loader names the problem instead."""
+    from transformers import AutoModelForCausalLM, BartConfig
+
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        is_decoder=True,
+        is_encoder_decoder=False,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bart")
+    heads = write_heads(tmp_path / "heads", random_heads_state(2))
+    with pytest.raises(MedusaChatError, match=r"bart models cannot be tree-decoded: .*position_ids"):
+        load_model(model=str(tmp_path / "bart"), heads=str(heads), quant="none", device="cpu")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])

@@ -563,6 +563,7 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
 
 def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:
     """tokens/step alone over-promises where a tree step costs more than a one-token step (a CPU)."""
+    from medusa_chat import calibrate as cal
     from medusa_chat.calibrate import CALIBRATION_VERSION, model_identity, save_calibration
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
@@ -572,8 +573,16 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
     sizes = [{"size": 1, "latency_s": 0.040}, {"size": 8, "latency_s": 0.100}]
     record = {"version": CALIBRATION_VERSION, "tree": s.engine.tree.name, "tree_size": 1, "sizes": sizes}
     save_calibration(record, *model_identity(s.loaded))
-    value, kind = s.speedup(50.0, 2.0)
+    # The calibration is read when the tree is chosen, not on every step of a streaming reply ...
+    assert s.speedup(50.0, 2.0) == (2.0, "estimated")
+    s.set_tree(None, 8)  # ... so a tree change picks up the new one
+    reads: list[tuple] = []
+    real = cal.load_calibration
+    monkeypatch.setattr(cal, "load_calibration", lambda *a: reads.append(a) or real(*a))
+    for _ in range(20):
+        value, kind = s.speedup(50.0, 2.0)
     assert kind == "estimated" and value == pytest.approx(2.0 * 0.040 / 0.100)
+    assert reads == []  # nothing read from disk per step
 
 
 def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Path, monkeypatch) -> None:

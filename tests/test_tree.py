@@ -31,7 +31,9 @@ def test_buffers_mask_positions_and_candidates() -> None:
     assert buf.depth.tolist() == [0, 1, 1, 2, 2, 2]
     # flat = [root, head0 top-3, head1 top-3]: [1, 0] is head1 rank 0 -> 1 + 3 + 0.
     assert buf.candidate_index.tolist() == [0, 1, 2, 4, 4, 5]
-    assert buf.parent.tolist() == [0, 0, 0, 1, 2, 1]
+    # only nodes with children get logits; each node's parent is named by its slot among them
+    assert buf.internal.tolist() == [0, 1, 2]
+    assert buf.parent_slot.tolist() == [0, 0, 0, 1, 2, 1]
     # leaves: [1,0] (node 4), [0,0] (node 3), [0,1] (node 5); rows root..leaf padded with N=6.
     assert sorted(buf.leaf_paths.tolist()) == [[0, 1, 3], [0, 1, 5], [0, 2, 4]]
 
@@ -72,9 +74,9 @@ def test_tree_deeper_than_heads_is_refused() -> None:
         Tree.from_paths([[0], [5]]).check_fits(num_heads=4, top_k=3)
 
 
-def test_tree_file_round_trip_and_unknown_name(tmp_path) -> None:
-    path = tmp_path / "mine.json"
-    Tree.from_paths([[0], [1], [0, 0]]).save(path)
+def test_tree_files_and_unknown_name(tmp_path) -> None:
+    path = tmp_path / "mine.json"  # the form fit-tree / train-heads write (tree.json)
+    path.write_text(json.dumps({"name": "mine", "paths": [[0], [1], [0, 0]]}))
     assert Tree.named(str(path)).paths == ((0,), (1,), (0, 0))
     path.write_text(json.dumps([[0], [0, 1]]))  # a bare list of paths also works
     assert Tree.load(path).size == 3
