@@ -478,10 +478,11 @@ def run_lossless(
 def latency_table(
     model: nn.Module, heads: MedusaHeads, tree: Tree, sizes: list[int], args: argparse.Namespace
 ) -> dict[int, dict[str, float]]:
+    device = next(model.parameters()).device
+    dtype = model.get_input_embeddings().weight.dtype
     return measure_step_latency(
-        model,
+        _Loaded(model, heads, device, dtype, "none", default_tree=tree),  # the engine's own step is timed
         sizes,
-        heads=heads,
         tree=tree,
         prefix_tokens=args.prefix,
         reps=args.reps,
