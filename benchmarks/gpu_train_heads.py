@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from medusa_chat.atomic import atomic_write_json  # noqa: E402
 from medusa_chat.training.distill import (  # noqa: E402
     DistillSettings,
     DistillStore,
@@ -61,7 +62,6 @@ from medusa_chat.training.train_heads import (  # noqa: E402
     heldout_mask,
     load_cache,
     train_and_save,
-    write_json,
 )
 
 HF_SMALL_FILES = (
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_summary() -> None:
         summary["elapsed_s"] = round(time.time() - t0, 1)
-        write_json(out / "summary.json", summary)
+        atomic_write_json(out / "summary.json", summary)
 
     # ---- model ----------------------------------------------------------------------------------------
     model_dir = prepare_model(args.model, work, args.hf_files, log)

@@ -235,12 +235,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
-    def rows(self, index: torch.Tensor) -> nn.Module:
-        """A linear computing only the output rows `index` (exact float rows: one-hot products are exact)."""
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [out, in] (exact: each entry is 1 * w + 0 * ...)."""
         eye = torch.eye(self.in_features, dtype=self.dtype)
-        weight = self.forward(eye).t()  # [out, in]: each entry is 1 * w + 0 * ..., exact
+        out = self.forward(eye)
+        return (out - self.bias if self.bias is not None else out).t()
+
+    def rows(self, index: torch.Tensor) -> nn.Module:
+        """A linear computing only the output rows `index`."""
         lin = nn.Linear(self.in_features, len(index), bias=False, dtype=self.dtype)
-        lin.weight.data.copy_(weight.index_select(0, index))
+        lin.weight.data.copy_(self.dequantized().index_select(0, index))
         return PackedLinear(lin)
 
 
@@ -354,6 +358,7 @@ def prepare_cpu_linears(
         check_row_invariant(new, sub.weight.dtype)
         _set_module(causal_lm, path, new)
         done += 1
+    causal_lm._medusa_tied_lm_head = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
     if mode != "none" and hasattr(causal_lm.config, "tie_word_embeddings"):
         causal_lm.config.tie_word_embeddings = False  # the lm_head is its own (quantized) module now
     if progress:
@@ -361,6 +366,22 @@ def prepare_cpu_linears(
             f"  {done} projections as {mode if mode != 'none' else 'packed dense'} ({from_file} from the file)"
         )
     return {"mode": mode, "replaced": done, "from_file": from_file, "kept_float": kept}
+
+
+def weight_accounting(model: nn.Module) -> tuple[int, int]:
+    """(weights, bytes) that nn.Module's own counters miss in the swapped projections: their logical weight
+    count (none of them holds a Parameter) and a packed dense weight's bytes (held outside the buffers)."""
+    weights = extra = 0
+    # a tied lm_head is the embedding's weight: counted once as a parameter (its packed copy still costs bytes)
+    tied_head = model.get_output_embeddings() if getattr(model, "_medusa_tied_lm_head", False) else None
+    for m in model.modules():
+        logical = m.in_features * m.out_features if hasattr(m, "in_features") else 0
+        if isinstance(m, PackedLinear):
+            extra += logical * torch.finfo(m.dtype).bits // 8
+        elif not (hasattr(m, "dequantized") and not list(m.parameters(recurse=False))):
+            continue  # not a swapped projection
+        weights += 0 if m is tied_head else logical  # quantized buffers are already in the footprint
+    return weights, extra
 
 
 _INVARIANT: set[tuple[str, int, int, torch.dtype]] = set()

@@ -468,7 +468,9 @@ class MedusaEngine:
             )
             generator.manual_seed(seed)
         # the acceptance rule (greedy / typical / exact, acceptance.py); exact draws the reply's uniforms here
-        acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
+        acceptor = make_acceptor(
+            settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1
+        )
         eos = set(self.model.eos_token_ids)
         stop_strings = tuple(s for s in (*settings.stop_strings, *self.model.stop_strings) if s)
         # The reply ends at max_new_tokens or where prompt + reply fill the context window, whichever is first.
@@ -514,7 +516,9 @@ class MedusaEngine:
             tree, buf, plan = self._tree_for_room(self.context_limit - start)
             width = buf.leaf_paths.shape[1]
             step_t0 = time.perf_counter()
-            tokens, path, count, bonus, guesses = self.step(root, guesses, start, acceptor, len(reply), buf, plan)
+            tokens, path, count, bonus, guesses = self.step(
+                root, guesses, start, acceptor, len(reply), buf, plan
+            )
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
             tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]

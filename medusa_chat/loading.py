@@ -73,7 +73,10 @@ class LoadedModel:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
         heads_params = sum(p.numel() for p in self.heads.parameters())
         heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
-        backbone_bytes = int(self.backbone.get_memory_footprint())
+        from medusa_chat.cpu_linears import weight_accounting
+
+        swapped_weights, swapped_bytes = weight_accounting(self.backbone)  # packed / quantized CPU projections
+        backbone_bytes = int(self.backbone.get_memory_footprint()) + swapped_bytes
         cuda_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         archs = getattr(self.backbone.config, "architectures", None) or [type(self.backbone).__name__]
         return {
@@ -95,7 +98,7 @@ class LoadedModel:
             "quant": self.quant,
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
-            "params": int(self.backbone.num_parameters()),
+            "params": int(self.backbone.num_parameters()) + swapped_weights,
             "memory": {
                 "backbone_bytes": backbone_bytes,
                 "heads_bytes": heads_bytes,

@@ -330,7 +330,12 @@ def test_cli_info_json_and_text(
     ]
     assert cli.main([*args, "--json", "--tree-size", "5"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["heads"]["count"] == 4 and info["quant"] == "none" and info["tree"]["size"] == 5
+    # --quant auto on a CPU: the path measured fastest here (the same choice chat makes, cached)
+    assert (
+        info["heads"]["count"] == 4
+        and info["quant"] in ("none", "int8", "int4")
+        and info["tree"]["size"] == 5
+    )
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "4 Medusa heads" in out and "heads-v1-st-tree" in out

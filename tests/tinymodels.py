@@ -482,7 +482,9 @@ def _backbone_dir(arch: str) -> Path:
 
     torch.manual_seed({"llama": 0, "mistral": 1, "gpt2": 2, "gpt_neox": 3}[arch])
     ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if arch == "gpt2":  # learned absolute positions, fused qkv, `transformer` as the decoder (transformers forward)
+    if (
+        arch == "gpt2"
+    ):  # learned absolute positions, fused qkv, `transformer` as the decoder (transformers forward)
         from transformers import GPT2Config
 
         config = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=1024, **ids)
