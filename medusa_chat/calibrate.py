@@ -652,12 +652,12 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from medusa_chat.bench import load_from_args
+    from medusa_chat.loading import load_from_args  # not bench's wrapper: bench imports this module
 
     err = Console(stderr=True)
     out = Console()
     try:
-        loaded = load_from_args(args, err)
+        loaded = load_from_args(args, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
         base = Tree.named(args.tree) if getattr(args, "tree", None) else loaded.default_tree
         if getattr(args, "tree_size", None):
             base = base.prefix(min(args.tree_size, base.size))
