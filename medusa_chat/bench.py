@@ -21,7 +21,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import torch
 
 from medusa_chat.cli import int_list
 from medusa_chat.errors import MedusaChatError, PromptError
-from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.events import GenerationSettings, StepEvent
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -80,28 +79,6 @@ def add_accept_arg(parser: argparse.ArgumentParser) -> None:
         default="typical",
         help="rule at temperature > 0: typical (the paper's, default: fast, favours the heads' guesses) or "
         "exact (replies keep the model's own sampling distribution)",
-    )
-
-
-def add_ask_args(parser: argparse.ArgumentParser) -> None:
-    """Options of `medusa-chat ask` (model/heads/quant/dtype/device/tree come from the common options)."""
-    parser.add_argument(
-        "prompt", nargs="?", default="", metavar="PROMPT", help="the message ('-' reads stdin)"
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = sampling (see --accept)"
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling for the bonus token (T > 0)"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed for T > 0, so a reply can be repeated")
-    add_accept_arg(parser)
-    parser.add_argument("--system", default=None, metavar="TEXT", help="system message before the prompt")
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of the streamed text"
     )
 
 
@@ -157,11 +134,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """cli.py hook: one module serves two sub-commands, told apart by the parser's prog ("medusa-chat ask")."""
-    if parser.prog.split()[-1] == "ask":
-        add_ask_args(parser)
-    else:
-        add_bench_args(parser)
+    """cli.py hook: the options of `medusa-chat bench`."""
+    add_bench_args(parser)
 
 
 def load_from_args(args: argparse.Namespace, console: Console | None = None) -> LoadedModel:
@@ -175,7 +149,7 @@ def _progress(console: Console, quiet: bool) -> Callable[[str], None] | None:
 
 
 def describe(loaded: Any) -> dict[str, Any]:
-    from medusa_chat.calibrate import dtype_name
+    from medusa_chat.tree_choice import dtype_name
 
     spec = getattr(loaded, "spec", None)
     return {
@@ -184,71 +158,6 @@ def describe(loaded: Any) -> dict[str, Any]:
         "dtype": dtype_name(getattr(loaded, "dtype", loaded.backbone.get_input_embeddings().weight.dtype)),
         "quant": getattr(loaded, "quant", "none"),
     }
-
-
-# ------------------------------------------------------------------------------------------------------------
-# ask
-# ------------------------------------------------------------------------------------------------------------
-def ask_main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from medusa_chat.calibrate import resolve_tree
-    from medusa_chat.decoding import MedusaEngine
-
-    err = Console(stderr=True)
-    prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
-    if not prompt.strip():
-        print(
-            'error: the prompt is empty: give the message as an argument, e.g. medusa-chat ask "Hello"',
-            file=sys.stderr,
-        )
-        return 2
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        accept=getattr(args, "accept", "typical"),
-    )
-    settings.validate()  # before the (slow) load: a bad option fails at once
-    loaded = load_from_args(args, None if args.json else err)
-    tree, source = resolve_tree(
-        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
-    )
-    engine = MedusaEngine(loaded, tree)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    prompt_ids = loaded.build_prompt(messages)
-    summary: ReplySummary | None = None
-    for item in engine.generate(prompt_ids, settings):
-        if isinstance(item, StepEvent):
-            if not args.json and item.text:
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
-        else:
-            summary = item
-    assert summary is not None  # the engine always ends with a summary
-    if args.json:
-        out = {
-            **summary.to_dict(),
-            **describe(loaded),
-            "tree": tree.name,
-            "tree_size": tree.size,
-            "tree_source": source,
-        }
-        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
-        return 0
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    err.print(
-        f"[dim]{summary.new_tokens} tokens, {summary.tokens_per_step:.2f} tokens/step, "
-        f"{summary.decode_tokens_per_s:.1f} tokens/s, first token {summary.time_to_first_token_s * 1000:.0f} ms, "
-        f"tree {tree.size} nodes ({source}), {summary.accept_mode}, stop: {summary.stop_reason}[/dim]"
-    )
-    if summary.message:
-        err.print(f"[yellow]{summary.message}[/yellow]")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -832,7 +741,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.calibrate import resolve_tree
+    from medusa_chat.tree_choice import resolve_tree
 
     out = Console()
     err = Console(stderr=True)
@@ -869,11 +778,9 @@ def bench_main(args: argparse.Namespace) -> int:
 
 __all__ = [
     "Run",
-    "add_ask_args",
     "add_accept_arg",
     "add_arguments",
     "add_bench_args",
-    "ask_main",
     "bench_main",
     "first_divergence",
     "read_prompts",

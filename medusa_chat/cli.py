@@ -27,7 +27,7 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "chat": ("medusa_chat.ui.terminal", "main", "chat in the terminal (default)"),
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
     "serve": ("medusa_chat.api", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
-    "ask": ("medusa_chat.bench", "ask_main", "answer one prompt and print the reply with speed figures"),
+    "ask": ("medusa_chat.ask", "ask_main", "answer one prompt and print the reply with speed figures"),
     "bench": ("medusa_chat.bench", "bench_main", "compare Medusa decoding with plain HF generate"),
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
@@ -229,9 +229,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.calibrate import choose_tree
     from medusa_chat.decoding import BackboneRunner
     from medusa_chat.loading import load_from_args, summary_lines
+    from medusa_chat.tree_choice import choose_tree
 
     def say(text: str) -> None:
         print(text, file=sys.stderr)

@@ -75,7 +75,9 @@ class LoadedModel:
         heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
         from medusa_chat.cpu_linears import weight_accounting
 
-        swapped_weights, swapped_bytes = weight_accounting(self.backbone)  # packed / quantized CPU projections
+        swapped_weights, swapped_bytes = weight_accounting(
+            self.backbone
+        )  # packed / quantized CPU projections
         backbone_bytes = int(self.backbone.get_memory_footprint()) + swapped_bytes
         cuda_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         archs = getattr(self.backbone.config, "architectures", None) or [type(self.backbone).__name__]

@@ -39,8 +39,8 @@ VERSION = 2  # v2: block kernels (qgemm) and cycled layers
 
 
 def _cache_file(model_name: str) -> Path:
-    from medusa_chat.calibrate import _slug, device_name
     from medusa_chat.embedded import cache_root
+    from medusa_chat.tree_choice import _slug, device_name
 
     key = "__".join(_slug(x) for x in (model_name, device_name("cpu"), torch.__version__))
     return cache_root() / "numeric_path" / f"{key}.json"

@@ -187,7 +187,7 @@ class SessionManager:
     ) -> Tree:
         # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
         # cached calibration, else (on a CPU) calibrate once now. The reason is shown in the UIs' model panel.
-        from medusa_chat.calibrate import choose_tree, resolve_tree
+        from medusa_chat.tree_choice import choose_tree, resolve_tree
 
         assert self.loaded is not None
         try:
@@ -200,7 +200,7 @@ class SessionManager:
 
     def _read_latencies(self) -> dict[int, float]:
         """{tree size: step latency} from this device's cached calibration ({} when none)."""
-        from medusa_chat.calibrate import load_calibration, model_identity
+        from medusa_chat.tree_choice import load_calibration, model_identity
 
         try:
             cal = load_calibration(*model_identity(self.loaded))

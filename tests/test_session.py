@@ -563,7 +563,6 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
 
 def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:
     """tokens/step alone over-promises where a tree step costs more than a one-token step (a CPU)."""
-    from medusa_chat import calibrate as cal
     from medusa_chat.calibrate import CALIBRATION_VERSION, model_identity, save_calibration
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
@@ -577,8 +576,10 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
     assert s.speedup(50.0, 2.0) == (2.0, "estimated")
     s.set_tree(None, 8)  # ... so a tree change picks up the new one
     reads: list[tuple] = []
-    real = cal.load_calibration
-    monkeypatch.setattr(cal, "load_calibration", lambda *a: reads.append(a) or real(*a))
+    from medusa_chat import tree_choice
+
+    real = tree_choice.load_calibration
+    monkeypatch.setattr(tree_choice, "load_calibration", lambda *a: reads.append(a) or real(*a))
     for _ in range(20):
         value, kind = s.speedup(50.0, 2.0)
     assert kind == "estimated" and value == pytest.approx(2.0 * 0.040 / 0.100)

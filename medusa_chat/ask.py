@@ -1,0 +1,100 @@
+"""`medusa-chat ask`: one prompt, the reply streamed to stdout, speed figures (or one JSON object) after it.
+
+Same model, numeric path and tree as every other entry point (`tree_choice.resolve_tree`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from medusa_chat.bench import _progress, add_accept_arg, describe, load_from_args
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+
+
+def add_ask_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `medusa-chat ask` (model/heads/quant/dtype/device/tree come from the common options)."""
+    parser.add_argument(
+        "prompt", nargs="?", default="", metavar="PROMPT", help="the message ('-' reads stdin)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = sampling (see --accept)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling for the bonus token (T > 0)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed for T > 0, so a reply can be repeated")
+    add_accept_arg(parser)
+    parser.add_argument("--system", default=None, metavar="TEXT", help="system message before the prompt")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the streamed text"
+    )
+
+
+def ask_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.tree_choice import resolve_tree
+
+    err = Console(stderr=True)
+    prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
+    if not prompt.strip():
+        print(
+            'error: the prompt is empty: give the message as an argument, e.g. medusa-chat ask "Hello"',
+            file=sys.stderr,
+        )
+        return 2
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        accept=getattr(args, "accept", "typical"),
+    )
+    settings.validate()  # before the (slow) load: a bad option fails at once
+    loaded = load_from_args(args, None if args.json else err)
+    tree, source = resolve_tree(
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
+    )
+    engine = MedusaEngine(loaded, tree)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    prompt_ids = loaded.build_prompt(messages)
+    summary: ReplySummary | None = None
+    for item in engine.generate(prompt_ids, settings):
+        if isinstance(item, StepEvent):
+            if not args.json and item.text:
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+        else:
+            summary = item
+    assert summary is not None  # the engine always ends with a summary
+    if args.json:
+        out = {
+            **summary.to_dict(),
+            **describe(loaded),
+            "tree": tree.name,
+            "tree_size": tree.size,
+            "tree_source": source,
+        }
+        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+        return 0
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    err.print(
+        f"[dim]{summary.new_tokens} tokens, {summary.tokens_per_step:.2f} tokens/step, "
+        f"{summary.decode_tokens_per_s:.1f} tokens/s, first token {summary.time_to_first_token_s * 1000:.0f} ms, "
+        f"tree {tree.size} nodes ({source}), {summary.accept_mode}, stop: {summary.stop_reason}[/dim]"
+    )
+    if summary.message:
+        err.print(f"[yellow]{summary.message}[/yellow]")
+    return 0
+
+
+add_arguments = add_ask_args  # the hook cli.py looks for in a sub-command's module
