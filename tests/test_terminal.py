@@ -24,12 +24,10 @@ from rich.text import Text
 from medusa_chat.conversations import Message
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
 from medusa_chat.session import SessionManager
-from medusa_chat.ui.terminal import (
+from medusa_chat.ui.rich_render import (
     ReplyMarkdown,
     TailView,
-    TerminalChat,
     accepted_tokens_text,
-    help_table,
     info_panel,
     stats_table,
     status_text,
@@ -37,6 +35,7 @@ from medusa_chat.ui.terminal import (
     tree_renderable,
     visible,
 )
+from medusa_chat.ui.terminal import TerminalChat, help_table
 
 
 def _record(renderable) -> str:
