@@ -910,6 +910,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     add_api_key_argument(parser)
+    from medusa_chat.bench import add_accept_arg
+
+    add_accept_arg(parser)  # the acceptance rule for requests with temperature > 0 (typical | exact)
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -941,6 +944,7 @@ def serve_main(args: argparse.Namespace) -> int:
         tree_size=getattr(args, "tree_size", None),
         trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
     )
+    session.update_settings(accept=getattr(args, "accept", None) or "typical")
     # Bind first: a taken port is reported before minutes of model loading, not after.
     server = APIServer(create_app(session, api_key=api_key, max_queue=max_queue), host, args.port)
     session.load(progress=lambda text: print(text, file=sys.stderr, flush=True))

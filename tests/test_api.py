@@ -650,3 +650,19 @@ def test_serve_command_end_to_end(make_loaded_model: Callable[..., Any], tmp_pat
         proc.send_signal(2)
         code = proc.wait(20)
     assert code == 0
+
+
+def test_the_servers_acceptance_rule_applies_to_sampled_requests(
+    client: openai.OpenAI, model_id: str, session: SessionManager
+) -> None:
+    """`serve --accept exact` sets the session's rule; sampled requests use it (greedy ones stay greedy)."""
+    session.update_settings(accept="exact")
+    try:
+        out = client.chat.completions.create(
+            model=model_id, messages=HELLO, max_tokens=12, temperature=0.8, seed=5
+        )
+        assert out.model_extra["medusa"]["accept_mode"] == "exact"
+        greedy = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, temperature=0)
+        assert greedy.model_extra["medusa"]["accept_mode"] == "greedy"
+    finally:
+        session.update_settings(accept="typical")
