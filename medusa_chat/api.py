@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from medusa_chat.decoding import partial_stop_suffix  # the engine's stream holds back the same way
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 
@@ -289,19 +290,6 @@ def usage(summary: ReplySummary) -> dict[str, int]:
         "completion_tokens": summary.new_tokens,
         "total_tokens": summary.prompt_tokens + summary.new_tokens,
     }
-
-
-def partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string. A stream holds it back
-    until the next step settles it, so the streamed text never shows the start of a stop string that the
-    final reply cuts off (and equals the non-streamed reply)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 class ChatAPI:

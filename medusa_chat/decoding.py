@@ -663,12 +663,13 @@ def _release(pending: str, stop_strings: tuple[str, ...], final: bool) -> tuple[
     cut = _stop_string_cut(pending, stop_strings)
     if cut is not None:
         return pending[:cut], "", True
-    keep = 0 if final else _partial_stop_suffix(pending, stop_strings)
+    keep = 0 if final else partial_stop_suffix(pending, stop_strings)
     return pending[: len(pending) - keep], pending[len(pending) - keep :], False
 
 
-def _partial_stop_suffix(text: str, stop_strings: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper prefix of a stop string (0 if none)."""
+def partial_stop_suffix(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a stop string (0 if none): what a
+    stream holds back until the next step settles it (the engine's and the HTTP API's streams)."""
     best = 0
     for s in stop_strings:
         for k in range(min(len(s) - 1, len(text)), best, -1):
