@@ -922,16 +922,7 @@ def serve_main(args: argparse.Namespace) -> int:
     warning = host_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr)
-    session = SessionManager(
-        model=getattr(args, "model", None) or "smollm2-135m",
-        heads=getattr(args, "heads", None),
-        quant=getattr(args, "quant", None) or "auto",
-        dtype=getattr(args, "dtype", None) or "auto",
-        device=getattr(args, "device", None) or "auto",
-        tree=getattr(args, "tree", None),
-        tree_size=getattr(args, "tree_size", None),
-        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-    )
+    session = SessionManager.from_args(args)
     session.update_settings(accept=getattr(args, "accept", None) or "typical")
     # Bind first: a taken port is reported before minutes of model loading, not after.
     server = APIServer(create_app(session, api_key=api_key, max_queue=max_queue), host, args.port)

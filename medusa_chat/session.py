@@ -145,6 +145,20 @@ class SessionManager:
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
 
+    @classmethod
+    def from_args(cls, args: Any) -> SessionManager:
+        """A session from the common model options (cli.add_model_options), as web and serve build it."""
+        return cls(
+            model=getattr(args, "model", None) or "smollm2-135m",
+            heads=getattr(args, "heads", None),
+            quant=getattr(args, "quant", None) or "auto",
+            dtype=getattr(args, "dtype", None) or "auto",
+            device=getattr(args, "device", None) or "auto",
+            tree=getattr(args, "tree", None),
+            tree_size=getattr(args, "tree_size", None),
+            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+        )
+
     # ---- model ----------------------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:
         """Load the model and build the engine; a no-op when already done."""

@@ -763,16 +763,7 @@ def main(args: argparse.Namespace) -> int:
     from medusa_chat.api import resolve_api_key
     from medusa_chat.session import SessionManager
 
-    session = SessionManager(
-        model=getattr(args, "model", None) or "smollm2-135m",
-        heads=getattr(args, "heads", None),
-        quant=getattr(args, "quant", None) or "auto",
-        dtype=getattr(args, "dtype", None) or "auto",
-        device=getattr(args, "device", None) or "auto",
-        tree=getattr(args, "tree", None),
-        tree_size=getattr(args, "tree_size", None),
-        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-    )
+    session = SessionManager.from_args(args)
     try:
         launch(
             session,
