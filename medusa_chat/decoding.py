@@ -101,6 +101,20 @@ class TreeKVCache(Cache):
             self.length = end
         return self.buffer[layer, 0, :, :, :end], self.buffer[layer, 1, :, :, :end]
 
+    def reserve(
+        self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The whole buffer, allocated or grown so that slots [0, end) exist: the native step
+        (block_forward.py) writes its entries into it itself and then advances `length`."""
+        buf = self.buffer
+        if buf is None or buf.dtype != dtype or buf.device != device or buf.shape[3] != kv_heads:
+            shape = (self.num_layers, 2, 1, kv_heads, max(self.capacity, end), head_dim)
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self.rows = None
+        elif end > buf.shape[-2]:
+            self._grow(end)
+        return self.buffer
+
     def _grow(self, needed: int) -> None:
         old = self.buffer
         new_cap = max(needed, 2 * old.shape[-2])
@@ -169,7 +183,7 @@ class BackboneRunner:
         self.body = causal_lm.base_model
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = causal_lm.get_output_embeddings()
-        self.path = "transformers" if self.lean is None else "lean, exact tree attention"
+        self.path = "transformers" if self.lean is None else getattr(self.lean, "path", "lean, exact tree attention")
 
     @staticmethod
     def unsupported(causal_lm: torch.nn.Module) -> str | None:

@@ -86,6 +86,10 @@ class TreePlan:
     inverse: torch.Tensor  # [N] position of each node in `order`
     paths: torch.Tensor  # [N - 1, depth + 1] tree slots of each row's path
     groups: list[tuple[int, int, int]]
+    # for the native step (block_forward.py): node i's path root .. i in tree order, int32 [N, depth + 1]
+    # (padded), and its length depth + 1
+    blocks: torch.Tensor | None = None
+    block_len: torch.Tensor | None = None
 
     @classmethod
     def build(cls, parents: list[int], depths: list[int], device: torch.device) -> TreePlan:
@@ -109,7 +113,23 @@ class TreePlan:
         inverse = [0] * n
         for pos, node in enumerate(order):
             inverse[node] = pos
-        return cls(n, width - 1, t(order), t(inverse), t(paths).view(n - 1, width), groups)
+        blocks = []
+        for node in range(n):
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            blocks.append(path[::-1] + [0] * (width - len(path)))
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731 - host-side, read by the C step
+        return cls(
+            n,
+            width - 1,
+            t(order),
+            t(inverse),
+            t(paths).view(n - 1, width),
+            groups,
+            i32(blocks),
+            i32([d + 1 for d in depths]),
+        )
 
 
 _BATCH_INVARIANT: dict[tuple[torch.dtype, str, int, int, int], bool] = {}
@@ -297,16 +317,20 @@ def _fused(modules: list[Any]) -> Linear | None:
     return fused.forward if fused is not None else None
 
 
-def lean_forward_for(causal_lm: Any) -> LeanForward | None:
+def lean_forward_for(causal_lm: Any) -> Any:
     """The lean forward when this model is a plain Llama-family decoder, else None (use transformers').
 
-    Built once per model object and shared by every engine and by the calibration that times it.
+    Where every projection is a GGUF-block linear (int8/int4 on a CPU), the whole step runs natively in C
+    instead (block_forward.NativeForward, same call signature). Built once per model object and shared by every
+    engine and by the calibration that times it.
     """
     if os.environ.get("MEDUSA_CHAT_LEAN", "1") == "0" or not _supported(causal_lm):
         return None
     built = getattr(causal_lm, "_medusa_lean_forward", None)
-    if not isinstance(built, LeanForward):
-        built = LeanForward(causal_lm)
+    if built is None:
+        from medusa_chat.block_forward import native_forward_for
+
+        built = native_forward_for(causal_lm) or LeanForward(causal_lm)
         causal_lm._medusa_lean_forward = built
     return built
 

@@ -26,6 +26,10 @@ import torch
 from torch import nn
 
 QK = 32
+SOURCES = ("qgemm.c", "decoder.c")
+# -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
+# its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _ERROR = ""
@@ -45,24 +49,14 @@ def _build(out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) found")
-    src = resources.files("medusa_chat.csrc").joinpath("qgemm.c").read_text()
     with tempfile.TemporaryDirectory() as tmp:
-        c_file = Path(tmp) / "qgemm.c"
-        c_file.write_text(src)
+        c_files = []
+        for name in SOURCES:
+            c_file = Path(tmp) / name
+            c_file.write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
+            c_files.append(str(c_file))
         so = Path(tmp) / "qgemm.so"
-        cmd = [
-            cc,
-            "-O3",
-            "-mavx2",
-            "-mfma",
-            "-mf16c",
-            "-fopenmp",
-            "-shared",
-            "-fPIC",
-            str(c_file),
-            "-o",
-            str(so),
-        ]
+        cmd = [cc, *CFLAGS, *c_files, "-o", str(so)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"compiling the qgemm kernel failed: {done.stderr.strip()[:300]}")
@@ -86,8 +80,10 @@ def load() -> ctypes.CDLL | None:
         return None
     from medusa_chat.embedded import cache_root
 
-    src = resources.files("medusa_chat.csrc").joinpath("qgemm.c").read_bytes()
-    digest = hashlib.sha256(src).hexdigest()[:16]
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for name in SOURCES:
+        h.update(resources.files("medusa_chat.csrc").joinpath(name).read_bytes())
+    digest = h.hexdigest()[:16]
     path = cache_root() / "kernels" / f"qgemm-{digest}.so"
     try:
         if not path.is_file():
@@ -100,6 +96,10 @@ def load() -> ctypes.CDLL | None:
     lib.q4_1_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
     lib.q8_0_gemm.argtypes = [p, i, i, p, p, i, p, p, p, p]
     lib.q4_1_gemm.restype = lib.q8_0_gemm.restype = None
+    lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
+    lib.decoder_forward.restype = None
+    lib.decoder_scratch_bytes.argtypes = [p, i, i]
+    lib.decoder_scratch_bytes.restype = ctypes.c_size_t
     _LIB = lib
     return lib
 

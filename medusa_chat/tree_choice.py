@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 3  # bumped whenever the timed step changes (v3: exact per-node tree attention)
+CALIBRATION_VERSION = 4  # bumped whenever the timed step changes (v4: the native C step)
 
 
 def _slug(text: str) -> str:

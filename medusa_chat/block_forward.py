@@ -1,0 +1,194 @@
+"""The backbone step in C, for Llama-family models whose projections are GGUF blocks (the CPU default).
+
+`NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
+states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
+rotary, the KV write and attention. Python only looks up the embeddings and the rotary tables.
+
+Why: a step of SmolLM2-135M in 8-bit reads ~140 MB of weights (~13 ms on 2 cores); eager PyTorch added ~10 ms
+of per-op dispatch around those reads and ~50 us per SDPA call, and exact tree attention needs one call per node
+per layer. Natively a step costs about its weight reads, and a tree's extra nodes cost little: the weights are
+read once for all rows and attention of all nodes is one pass over the cached keys.
+
+Exactness is by construction (see decoder.c): every row is computed the same way whatever rows are beside it,
+and a tree node attends over exactly the key sequence the plain step at its position has. So tree steps
+reproduce the engine's plain loop bit for bit, and a token's K/V are the same whether it was prefilled in a
+block or decoded alone (a reply's output does not depend on how its prompt was chunked). This is its own
+numeric path (its own attention and norm kernels): outputs are close to, not bitwise, the transformers
+forward on the same weights. `attend` is a TreePlan for a verification step; any mask tensor means a causal
+block (the engine's prefill). MEDUSA_CHAT_NATIVE=0 turns it off (the lean PyTorch forward is used instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+from medusa_chat.lean_forward import TreePlan
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _BLin(ctypes.Structure):
+    _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("m", _p)]
+
+
+class _DLayer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", _p),
+        ("norm2", _p),
+        ("eps1", _f),
+        ("eps2", _f),
+        ("qkv", _BLin),
+        ("o", _BLin),
+        ("gate_up", _BLin),
+        ("down", _BLin),
+    ]
+
+
+class _DModel(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", _i),
+        ("hidden", _i),
+        ("n_heads", _i),
+        ("n_kv", _i),
+        ("head_dim", _i),
+        ("inter", _i),
+        ("scale", _f),
+        ("final_eps", _f),
+        ("final_norm", _p),
+        ("layers", ctypes.POINTER(_DLayer)),
+    ]
+
+
+def _blin(module: Any) -> _BLin:
+    from medusa_chat.qgemm import Q41Linear
+
+    q41 = isinstance(module, Q41Linear)
+    return _BLin(
+        1 if q41 else 0,
+        module.out_features,
+        module.in_features,
+        module.qs.data_ptr(),
+        module.d.data_ptr(),
+        module.m.data_ptr() if q41 else None,
+    )
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).contiguous()
+
+
+class NativeForward:
+    """All decoder layers of a GGUF-block Llama in one C call per step (module doc)."""
+
+    path = "native C step, exact tree attention"
+
+    def __init__(self, causal_lm: Any, lib: ctypes.CDLL, fused: list[tuple[Any, Any]]) -> None:
+        body, cfg = causal_lm.model, causal_lm.config
+        self.lib = lib
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.hidden = int(cfg.hidden_size)
+        layers = body.layers[: cfg.num_hidden_layers]
+        # keep every tensor whose address the C structs hold alive for as long as this object
+        self._keep: list[Any] = []
+        c_layers = (_DLayer * len(layers))()
+        for i, (layer, (qkv, gate_up)) in enumerate(zip(layers, fused, strict=True)):
+            n1, n2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
+            self._keep += [n1, n2, qkv, gate_up]
+            c_layers[i] = _DLayer(
+                n1.data_ptr(),
+                n2.data_ptr(),
+                float(layer.input_layernorm.variance_epsilon),
+                float(layer.post_attention_layernorm.variance_epsilon),
+                _blin(qkv),
+                _blin(layer.self_attn.o_proj),
+                _blin(gate_up),
+                _blin(layer.mlp.down_proj),
+            )
+        final = _f32(body.norm.weight)
+        self._keep += [final, c_layers]
+        self.model = _DModel(
+            len(layers),
+            self.hidden,
+            int(cfg.num_attention_heads),
+            self.kv_heads,
+            self.head_dim,
+            int(cfg.intermediate_size),
+            self.head_dim**-0.5,
+            float(body.norm.variance_epsilon),
+            final.data_ptr(),
+            c_layers,
+        )
+        self._model_ref = ctypes.byref(self.model)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
+    ) -> torch.Tensor:
+        t = ids.shape[0]
+        start = cache.length
+        x = self.embed(ids).to(torch.float32).contiguous()  # [T, H], overwritten with the output in place
+        cos, sin = self.rotary(x[None], positions[None])
+        cos, sin = cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+        kv = cache.reserve(start + t, self.kv_heads, self.head_dim, torch.float32, x.device)
+        if isinstance(attend, TreePlan):
+            blocks, lens = attend.blocks, attend.block_len
+            blk, blen, stride, longest = blocks.data_ptr(), lens.data_ptr(), blocks.shape[1], attend.depth + 1
+        else:  # the engine's prefill mask: a causal block after the cached prefix
+            blk = blen = None
+            stride, longest = 0, t
+        need = self.lib.decoder_scratch_bytes(self._model_ref, t, start + longest)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 4, dtype=torch.uint8)
+        self.lib.decoder_forward(
+            self._model_ref,
+            t,
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[-2],
+            start,
+            blk,
+            blen,
+            stride,
+            self._scratch.data_ptr(),
+        )
+        cache.length = start + t
+        return x
+
+
+def native_forward_for(causal_lm: Any) -> NativeForward | None:
+    """The native step when every projection of this (supported, CPU) Llama is a GGUF-block linear of our
+    kernel and the shapes suit it; else None (the lean PyTorch forward is used)."""
+    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+        return None
+    from medusa_chat.qgemm import BlockLinear, fuse, load
+
+    lib = load()
+    cfg = causal_lm.config
+    body = causal_lm.model
+    if lib is None or body.embed_tokens.weight.device.type != "cpu":
+        return None
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if hd % 8 or cfg.num_attention_heads % cfg.num_key_value_heads:
+        return None
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return None
+    fused = []
+    for layer in body.layers[: cfg.num_hidden_layers]:
+        att, mlp = layer.self_attn, layer.mlp
+        mods = [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(m, BlockLinear) for m in mods):
+            return None
+        qkv, gate_up = fuse(mods[:3]), fuse(mods[4:6])
+        if qkv is None or gate_up is None:
+            return None
+        fused.append((qkv, gate_up))
+    return NativeForward(causal_lm, lib, fused)

@@ -1,0 +1,271 @@
+// The whole backbone step of a Llama-family decoder whose projections are GGUF blocks (Q4_1 / Q8_0), in C.
+//
+// Why: at batch 1 on a CPU a step of a small model is ~10 ms of weight reads, and eager PyTorch adds another
+// ~10 ms of per-op dispatch (30 layers x ~60 small ops) plus ~50 us per SDPA call, one call per tree node per
+// layer for exact tree attention. Here a step is one call: per layer two RMSNorms, the fused q/k/v, o,
+// gate/up and down projections (qgemm.c), rotary, the KV write and attention, with nothing around them.
+//
+// Exactness by construction: every row (a prompt token, a tree node, the plain loop's one token) is computed
+// by the same instruction sequence whatever the other rows are.
+//   - projections: qgemm.c is row-invariant (activation blocks quantized per row, fixed accumulation);
+//   - RMSNorm, rotary, SiLU, residuals: per row, fixed vector order;
+//   - attention: row r attends to the keys [0, start) then its own list of block slots (its tree path root ..
+//     itself, or 0 .. r in a causal block). Each score is one fixed dot product, the softmax sum and the
+//     weighted sum of values run over that key sequence in order. A tree node at depth d therefore sees
+//     exactly the key sequence, and gets exactly the bits, of the plain step at position start + d; and a token
+//     gets the same K/V whether it was prefilled in a block or decoded alone.
+// Work is split across threads by rows, heads and key ranges, never inside one row's reduction.
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn, int N,
+               float *y, int8_t *qx, float *dx, float *sx);
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, int N, float *y, int8_t *qx,
+               float *dx, float *sx);
+
+typedef struct {
+    int kind;  // 0 = Q8_0, 1 = Q4_1
+    int N, K;  // out, in features
+    const void *qs;
+    const float *d, *m;  // m: Q4_1 minimums (NULL for Q8_0)
+} BLin;
+
+typedef struct {
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    BLin qkv, o, gate_up, down;  // q|k|v and gate|up fused along the output dimension
+} DLayer;
+
+typedef struct {
+    int n_layers, hidden, n_heads, n_kv, head_dim, inter;
+    float scale, final_eps;
+    const float *final_norm;
+    const DLayer *layers;
+} DModel;
+
+#define RC 16    // attention rows per chunk (bounds the score buffer)
+#define JB 64    // keys per task when scoring the shared prefix
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    s = _mm_add_ss(s, sh);
+    return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 lanes (Cephes' polynomial, ~1 ulp); lanes are independent, so a value's result never depends
+// on its neighbours or on where a vector starts.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// A tail shorter than 8 goes through the same vector code (padded), so every element is computed alike.
+static inline __m256 load_tail(const float *p, int n, float pad) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = i < n ? p[i] : pad;
+    return _mm256_loadu_ps(t);
+}
+
+static inline void store_tail(float *p, __m256 v, int n) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < n; i++) p[i] = t[i];
+}
+
+// hd % 8 == 0 (checked by the caller)
+static inline float dot(const float *a, const float *b, int hd) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+}
+
+// LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32.
+static void rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * H;
+        float *o = out + (size_t)t * H;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= H; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
+        if (i < H) {
+            const __m256 v = load_tail(xr + i, H - i, 0.0f);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const float r = 1.0f / sqrtf(hsum8(acc) / (float)H + eps);
+        for (int j = 0; j < H; j++) o[j] = w[j] * (xr[j] * r);
+    }
+}
+
+static void linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
+    if (l->kind == 1)
+        q4_1_gemm(x, M, l->K, (const uint8_t *)l->qs, l->d, l->m, l->N, y, qx, dx, sx);
+    else
+        q8_0_gemm(x, M, l->K, (const int8_t *)l->qs, l->d, l->N, y, qx, dx, sx);
+}
+
+// HF's rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
+static void rope(float *x, const float *cs, const float *sn, int hd) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cs[i] + (-b) * sn[i];
+        x[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+}
+
+// Block keys of row r: its own list (tree path) or, with no list, the causal block 0 .. r.
+static inline int block_len(const int *blen, int r) { return blen ? blen[r] : r + 1; }
+static inline int block_slot(const int *blk, int stride, int r, int b) { return blk ? blk[(size_t)r * stride + b] : b; }
+
+// Attention of rows [r0, r0 + R) for one layer. q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd].
+static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const float *kc, const float *vc,
+                         size_t cap, int start, int r0, int R, const int *blk, const int *blen, int stride,
+                         float *S, size_t s_stride, float *out) {
+    const int hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, G = nh / nkv;
+    const float scale = m->scale;
+    // 1. scores against the shared prefix [0, start): each key is read once for every row and head of its group
+    const int nj = (start + JB - 1) / JB;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)start * R * nh >= 4096)
+    for (int kh = 0; kh < nkv; kh++)
+        for (int jb = 0; jb < nj; jb++) {
+            const int j1 = (jb + 1) * JB < start ? (jb + 1) * JB : start;
+            for (int j = jb * JB; j < j1; j++) {
+                const float *k = kc + ((size_t)kh * cap + j) * hd;
+                for (int r = 0; r < R; r++)
+                    for (int g = 0; g < G; g++) {
+                        const int h = kh * G + g;
+                        S[((size_t)r * nh + h) * s_stride + j] = dot(qkv + (size_t)(r0 + r) * qkv_n + h * hd, k, hd) * scale;
+                    }
+            }
+        }
+    // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum, 4. weighted sum of values
+#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= 4096)
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < nh; h++) {
+            const int row = r0 + r, kh = h / G, nb = block_len(blen, row), L = start + nb;
+            const float *q = qkv + (size_t)row * qkv_n + h * hd;
+            float *s = S + ((size_t)r * nh + h) * s_stride;
+            for (int b = 0; b < nb; b++)
+                s[start + b] = dot(q, kc + ((size_t)kh * cap + start + block_slot(blk, stride, row, b)) * hd, hd) * scale;
+            float mx = -INFINITY;
+            for (int j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+            const __m256 vm = _mm256_set1_ps(mx);
+            __m256 sum = _mm256_setzero_ps();
+            int j = 0;
+            for (; j + 8 <= L; j += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+                _mm256_storeu_ps(s + j, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            if (j < L) {
+                __m256 p = exp8(_mm256_sub_ps(load_tail(s + j, L - j, mx), vm));
+                store_tail(s + j, p, L - j);
+                p = load_tail(s + j, L - j, 0.0f);  // padding lanes add +0: the sum's bits are unchanged
+                sum = _mm256_add_ps(sum, p);
+            }
+            const float inv = 1.0f / hsum8(sum);
+            float *o = out + (size_t)row * nh * hd + h * hd;
+            for (int d0 = 0; d0 < hd; d0 += 32) {
+                const int w = hd - d0 < 32 ? (hd - d0) / 8 : 4;
+                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int jj = 0; jj < L; jj++) {
+                    const int slot = jj < start ? jj : start + block_slot(blk, stride, row, jj - start);
+                    const float *v = vc + ((size_t)kh * cap + slot) * hd + d0;
+                    const __m256 p = _mm256_set1_ps(s[jj]);
+                    for (int u = 0; u < w; u++) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), acc[u]);
+                }
+                const __m256 vi = _mm256_set1_ps(inv);
+                for (int u = 0; u < w; u++) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], vi));
+            }
+        }
+}
+
+size_t decoder_scratch_bytes(const DModel *m, int T, int max_len) {
+    const size_t H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
+    const size_t qkv_n = (nh + 2 * nkv) * hd, maxk = I > H ? I : (nh * hd > H ? nh * hd : H);
+    const size_t floats = T * H + T * qkv_n + T * nh * hd + T * H + T * 2 * I + T * I +
+                          (size_t)RC * nh * (size_t)max_len + 2 * (T * maxk / 32 + 1);
+    return floats * sizeof(float) + T * maxk + 64;
+}
+
+// x [T, hidden]: the token embeddings in, the final-normed hidden states out. cos/sin [T, head_dim] per row.
+// kv: the cache [n_layers, 2, n_kv, cap, head_dim]; rows are written at slots start .. start + T - 1.
+// blk [T, stride] / blen [T]: each row's block keys (slot offsets from start, in order), or NULL for causal.
+void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const float *sin_t, float *kv, int cap,
+                     int start, const int *blk, const int *blen, int stride, void *scratch) {
+    const int H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
+    const int qd = nh * hd, kvd = nkv * hd, qkv_n = qd + 2 * kvd;
+    const int maxk = I > H ? I : (qd > H ? qd : H);
+    int max_len = 0;
+    for (int r = 0; r < T; r++) {
+        const int L = start + block_len(blen, r);
+        max_len = L > max_len ? L : max_len;
+    }
+    float *h = (float *)scratch, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * qkv_n, *tmp = att + (size_t)T * qd,
+          *gu = tmp + (size_t)T * H, *act = gu + (size_t)T * 2 * I, *S = act + (size_t)T * I,
+          *dx = S + (size_t)RC * nh * max_len, *sx = dx + (size_t)T * maxk / 32 + 1;
+    int8_t *qx = (int8_t *)(sx + (size_t)T * maxk / 32 + 1);
+    const size_t layer_stride = (size_t)2 * nkv * cap * hd, half_stride = (size_t)nkv * cap * hd;
+
+    for (int li = 0; li < m->n_layers; li++) {
+        const DLayer *L = &m->layers[li];
+        float *kc = kv + li * layer_stride, *vc = kc + half_stride;
+        rms_norm(x, L->norm1, L->eps1, T, H, h);
+        linear(&L->qkv, h, T, qkv, qx, dx, sx);
+        for (int r = 0; r < T; r++) {
+            float *row = qkv + (size_t)r * qkv_n;
+            const float *cs = cos_t + (size_t)r * hd, *sn = sin_t + (size_t)r * hd;
+            for (int hh = 0; hh < nh + nkv; hh++) rope(row + hh * hd, cs, sn, hd);
+            for (int kh = 0; kh < nkv; kh++) {
+                memcpy(kc + ((size_t)kh * cap + start + r) * hd, row + qd + kh * hd, hd * sizeof(float));
+                memcpy(vc + ((size_t)kh * cap + start + r) * hd, row + qd + kvd + kh * hd, hd * sizeof(float));
+            }
+        }
+        for (int r0 = 0; r0 < T; r0 += RC)
+            attend_chunk(m, qkv, qkv_n, kc, vc, cap, start, r0, T - r0 < RC ? T - r0 : RC, blk, blen, stride, S,
+                         (size_t)max_len, att);
+        linear(&L->o, att, T, tmp, qx, dx, sx);
+        for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+        rms_norm(x, L->norm2, L->eps2, T, H, h);
+        linear(&L->gate_up, h, T, gu, qx, dx, sx);
+        for (int r = 0; r < T; r++) {
+            const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+            float *a = act + (size_t)r * I;
+            int i = 0;
+            for (; i + 8 <= I; i += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + i);
+                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+                _mm256_storeu_ps(a + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+            }
+            if (i < I) {
+                const __m256 gv = load_tail(g + i, I - i, 0.0f);
+                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+                store_tail(a + i, _mm256_mul_ps(sg, load_tail(u + i, I - i, 0.0f)), I - i);
+            }
+        }
+        linear(&L->down, act, T, tmp, qx, dx, sx);
+        for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+    }
+    rms_norm(x, m->final_norm, m->final_eps, T, H, h);
+    memcpy(x, h, (size_t)T * H * sizeof(float));
+}
