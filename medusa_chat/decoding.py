@@ -183,7 +183,9 @@ class BackboneRunner:
         self.body = causal_lm.base_model
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = causal_lm.get_output_embeddings()
-        self.path = "transformers" if self.lean is None else getattr(self.lean, "path", "lean, exact tree attention")
+        self.path = (
+            "transformers" if self.lean is None else getattr(self.lean, "path", "lean, exact tree attention")
+        )
 
     @staticmethod
     def unsupported(causal_lm: torch.nn.Module) -> str | None:
