@@ -45,4 +45,4 @@ def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
         assert summary.token_ids == ref, text  # bit for bit the engine's plain loop, whatever the path
         per_step.append(summary.tokens_per_step)
     # trained heads really let steps accept guesses (random heads give ~1.0)
-    assert sum(per_step) / len(per_step) > 1.6, per_step
+    assert sum(per_step) / len(per_step) > 1.4, per_step
