@@ -27,6 +27,7 @@ from torch import nn
 
 QK = 32
 SOURCES = ("qgemm.c", "decoder.c")
+HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
 # its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -51,6 +52,8 @@ def _build(out: Path) -> None:
         raise RuntimeError("no C compiler (cc/gcc/clang) found")
     with tempfile.TemporaryDirectory() as tmp:
         c_files = []
+        for name in HEADERS:
+            (Path(tmp) / name).write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
         for name in SOURCES:
             c_file = Path(tmp) / name
             c_file.write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
@@ -81,7 +84,7 @@ def load() -> ctypes.CDLL | None:
     from medusa_chat.embedded import cache_root
 
     h = hashlib.sha256(" ".join(CFLAGS).encode())
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         h.update(resources.files("medusa_chat.csrc").joinpath(name).read_bytes())
     digest = h.hexdigest()[:16]
     path = cache_root() / "kernels" / f"qgemm-{digest}.so"

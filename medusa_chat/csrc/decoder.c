@@ -16,6 +16,7 @@
 //     gets the same K/V whether it was prefilled in a block or decoded alone.
 // Work is split across threads by rows, heads and key ranges, never inside one row's reduction.
 #include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -48,16 +49,6 @@ typedef struct {
 
 #define RC 16    // attention rows per chunk (bounds the score buffer)
 #define JB 64    // keys per task when scoring the shared prefix
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    s = _mm_add_ss(s, sh);
-    return _mm_cvtss_f32(s);
-}
 
 // exp(x) for 8 lanes (Cephes' polynomial, ~1 ulp); lanes are independent, so a value's result never depends
 // on its neighbours or on where a vector starts.

@@ -13,21 +13,12 @@
 // accumulated with the same instruction sequence whatever the number of rows (8 lanes per block, blocks in
 // order, one fixed horizontal sum), so a row's result never depends on the rows computed beside it.
 #include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 
 #define QK 32
 #define MR 8  // rows per register tile
 #define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    s = _mm_add_ss(s, sh);
-    return _mm_cvtss_f32(s);
-}
 
 
 // Activation rows quantized per block of 32 the way llama.cpp does (Q8_1): q = round(x / d), d = max|x| / 127,
@@ -100,7 +91,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++)
 #pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum(acc[c][r]) + accm[c][r];
+        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum8(acc[c][r]) + accm[c][r];
 }
 
 static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, const float *dx, int nb, int r0,
@@ -134,7 +125,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++)
 #pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum(acc[c][r]);
+        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum8(acc[c][r]);
 }
 
 // Columns per tile for a row tile of mr rows: about 8 accumulators (16 ymm registers in all). Q8_0 holds two
