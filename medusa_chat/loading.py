@@ -606,7 +606,9 @@ def load_model(
     if q == "auto":  # a CPU: the fastest exact path on this machine, measured once and cached
         from medusa_chat.numeric_path import choose_cpu_quant
 
-        q = choose_cpu_quant(spec.name, config, progress=progress)
+        # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they
+        # are named (a heads repo naming its backbone, or the backbone with --heads).
+        q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress)
     cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
     say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
     backbone = load_backbone(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import functools
 import json
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +36,11 @@ from tests.tinymodels import (
 # The first load of a model on a CPU calibrates its tree once (session.py); tests pin their trees instead, and
 # the one test of that feature turns it on explicitly. Subprocesses (pty, browser) inherit this.
 os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
+# Derived files (numeric-path choice, calibrations, converted GGUF, kernels) go to a cache private to this test
+# run, as on a fresh machine: a developer's own cache must neither change what the tests see nor be written by them.
+_TEST_CACHE = tempfile.mkdtemp(prefix="medusa-chat-test-cache-")
+os.environ["MEDUSA_CHAT_CACHE"] = _TEST_CACHE
+atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 
 
 # ---- session fixtures ---------------------------------------------------------------------------------------------

@@ -277,6 +277,7 @@ def test_download_only_needed_files_then_reuse_offline(
     # Offline afterwards: the same names load from the cache (refs/main was written).
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     again = load_model(model="org/tiny", heads="org/tiny-medusa", device="cpu")
+    assert again.quant == loaded.quant  # one numeric-path choice per backbone, however it is named
     with torch.no_grad():
         ids = torch.tensor([again.build_prompt([{"role": "user", "content": "hi"}])])
         torch.testing.assert_close(again.backbone(ids).logits, loaded.backbone(ids).logits)
