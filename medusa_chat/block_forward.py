@@ -32,7 +32,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _BLin(ctypes.Structure):
-    _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("m", _p)]
+    _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("aux", _p)]
 
 
 class _DLayer(ctypes.Structure):
@@ -73,7 +73,7 @@ def _blin(module: Any) -> _BLin:
         module.in_features,
         module.qs.data_ptr(),
         module.d.data_ptr(),
-        module.m.data_ptr() if q41 else None,
+        module.m.data_ptr() if q41 else module.s.data_ptr(),
     )
 
 
@@ -136,7 +136,9 @@ class NativeForward:
         x = self.embed(ids).to(torch.float32).contiguous()  # [T, H], overwritten with the output in place
         cos, sin = self.rotary(x[None], positions[None])
         cos, sin = cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
-        kv = cache.reserve(start + t, self.kv_heads, self.head_dim, torch.float32, x.device)
+        kv = cache.reserve(
+            start + t, self.kv_heads, self.head_dim, torch.float16, x.device
+        )  # fp16: decoder.c
         if isinstance(attend, TreePlan):
             blocks, lens = attend.blocks, attend.block_len
             blk, blen, stride, longest = blocks.data_ptr(), lens.data_ptr(), blocks.shape[1], attend.depth + 1

@@ -111,7 +111,8 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     scale = (hi - lo) / 15
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.int32)
-    return codes.view(n, k), scale, lo
+    # the file stores d and m as fp16 (and so does the block kernel, qgemm.py): round them as the file would
+    return codes.view(n, k), scale.half().float(), lo.half().float()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ This module imports neither rich nor gradio (see docs/CONTRACTS.md).
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 import warnings
@@ -693,6 +694,11 @@ def load_model(
     except TreeError as err:
         raise TreeError(f"default tree of {spec.name}: {err}") from err
 
+    # The loaded model is hundreds of thousands of long-lived Python objects; the garbage collector would scan
+    # them again and again while a reply allocates small objects (~3% of a CPU decoding step). Frozen, they
+    # are skipped: they live as long as the process anyway.
+    gc.collect()
+    gc.freeze()
     return LoadedModel(
         spec=spec,
         backbone=backbone,

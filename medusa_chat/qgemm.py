@@ -26,13 +26,20 @@ import torch
 from torch import nn
 
 QK = 32
+GROUP = 8  # output rows per interleaved group (the kernel's vector width)
 SOURCES = ("qgemm.c", "decoder.c")
 HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
 # its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-_LIB: ctypes.CDLL | None = None
-_TRIED = False
+# Integer dot-product instructions, used where this CPU has them (qgemm.c: the same exact integer block sums in
+# fewer instructions, so results are bitwise the same as the AVX2 build's)
+ISA_FLAGS = {
+    "avx2": (),
+    "avxvnni": ("-mavxvnni",),
+    "avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+}
+_LIBS: dict[str, ctypes.CDLL | None] = {}
 _ERROR = ""
 
 
@@ -46,7 +53,23 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(out: Path) -> None:
+def best_isa(flags: set[str] | None = None) -> str:
+    """The widest integer-dot instruction set of this CPU the kernel has a path for (MEDUSA_CHAT_QGEMM_ISA
+    overrides it, e.g. `avx2` to measure the plain AVX2 path on a VNNI machine)."""
+    forced = os.environ.get("MEDUSA_CHAT_QGEMM_ISA")
+    if forced:
+        if forced not in ISA_FLAGS:
+            raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(ISA_FLAGS)} (got {forced!r})")
+        return forced
+    flags = _cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512vnni"
+    if "avx_vnni" in flags:
+        return "avxvnni"
+    return "avx2"
+
+
+def _build(out: Path, flags: tuple[str, ...]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) found")
@@ -59,7 +82,7 @@ def _build(out: Path) -> None:
             c_file.write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
             c_files.append(str(c_file))
         so = Path(tmp) / "qgemm.so"
-        cmd = [cc, *CFLAGS, *c_files, "-o", str(so)]
+        cmd = [cc, *flags, *c_files, "-o", str(so)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"compiling the qgemm kernel failed: {done.stderr.strip()[:300]}")
@@ -69,41 +92,45 @@ def _build(out: Path) -> None:
         os.replace(tmp_out, out)
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; None where it cannot run here."""
-    global _LIB, _TRIED, _ERROR
-    if _TRIED:
-        return _LIB
-    _TRIED = True
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library for `isa` (default: this CPU's best), building it on first use; None where it
+    cannot run here."""
+    global _ERROR
     if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0":
         _ERROR = "disabled by MEDUSA_CHAT_QGEMM=0"
         return None
-    if not {"avx2", "fma"} <= _cpu_flags():
+    cpu = _cpu_flags()
+    if not {"avx2", "fma"} <= cpu:
         _ERROR = "this CPU lacks AVX2/FMA"
         return None
+    isa = isa or best_isa(cpu)
+    if isa in _LIBS:
+        return _LIBS[isa]
     from medusa_chat.embedded import cache_root
 
-    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    flags = (*CFLAGS, *ISA_FLAGS[isa])
+    h = hashlib.sha256(" ".join(flags).encode())
     for name in (*SOURCES, *HEADERS):
         h.update(resources.files("medusa_chat.csrc").joinpath(name).read_bytes())
-    digest = h.hexdigest()[:16]
-    path = cache_root() / "kernels" / f"qgemm-{digest}.so"
+    path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
+    lib = None
     try:
         if not path.is_file():
-            _build(path)
+            _build(path, flags)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         _ERROR = str(err)
-        return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.q4_1_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
-    lib.q8_0_gemm.argtypes = [p, i, i, p, p, i, p, p, p, p]
-    lib.q4_1_gemm.restype = lib.q8_0_gemm.restype = None
-    lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
-    lib.decoder_forward.restype = None
-    lib.decoder_scratch_bytes.argtypes = [p, i, i]
-    lib.decoder_scratch_bytes.restype = ctypes.c_size_t
-    _LIB = lib
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.q4_1_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q8_0_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q4_1_gemm.restype = lib.q8_0_gemm.restype = None
+        lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
+        lib.decoder_forward.restype = None
+        lib.decoder_scratch_bytes.argtypes = [p, i, i]
+        lib.decoder_scratch_bytes.restype = ctypes.c_size_t
+        lib.qgemm_isa.restype = i
+    _LIBS[isa] = lib
     return lib
 
 
@@ -164,7 +191,7 @@ class BlockLinear(nn.Module):
     def _grow_scratch(self, rows: int) -> None:
         """Scratch for the 8-bit activation blocks (codes, block scales, scaled sums), kept between calls."""
         rows = max(rows, 16)
-        self._qx = torch.empty(rows * self.in_features, dtype=torch.int8)
+        self._qx = torch.empty(2 * rows * self.in_features, dtype=torch.int8)  # codes, and codes + 128 (Q8_0)
         self._dx = torch.empty(2, rows * self.in_features // QK, dtype=torch.float32)
         self._scratch = (self._qx.data_ptr(), self._dx[0].data_ptr(), self._dx[1].data_ptr())
         self._scratch_rows = rows
@@ -174,7 +201,15 @@ class BlockLinear(nn.Module):
 
 
 class Q41Linear(BlockLinear):
-    """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m."""
+    """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m.
+
+    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups of 8, each group's blocks
+    interleaved so that one 32-byte load holds 4 codes of every row of the group. The buffers keep the shapes of
+    the plain layout (qs [N, K / 2], d and m [N, K / 32]) and a group occupies the same bytes as its 8 rows, so
+    slicing or concatenating at multiples of 8 rows (`fuse`) still works. N is padded to a multiple of 8 with
+    zero weights, never read back (`out_features` is the true N). d and m are fp16 as in the file: a block costs
+    the file's 20 bytes, so a step streams no more bytes than llama.cpp's does (the step is memory-bound).
+    """
 
     kind = "q4_1"
 
@@ -182,11 +217,14 @@ class Q41Linear(BlockLinear):
         """codes [N, K] in 0..15 (block element order), d and m [N, K / 32]."""
         n, k = codes.shape
         super().__init__(n, k)
-        c = codes.to(torch.uint8).view(n, k // QK, QK)
-        packed = c[..., :16] | (c[..., 16:] << 4)  # GGUF's nibble order
-        self.register_buffer("qs", packed.reshape(n, k // 2).contiguous())
-        self.register_buffer("d", d.float().contiguous())
-        self.register_buffer("m", m.float().contiguous())
+        pad = -n % GROUP
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            d, m = torch.cat([d, d.new_zeros(pad, k // QK)]), torch.cat([m, m.new_zeros(pad, k // QK)])
+        qs, d8, m8 = interleave_q4_1(codes, d.float(), m.float())  # d, m stored as fp16, as in the file
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d8)
+        self.register_buffer("m", m8)
         self._bind()
 
     def _bind(self) -> None:
@@ -203,50 +241,121 @@ class Q41Linear(BlockLinear):
         k, qs, d, mn, n = self._args
         self._fn(x, m, k, qs, d, mn, n, y, *self._scratch)
 
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K], d, m [N, K / 32]) in the plain layout."""
+        codes, d, m = deinterleave_q4_1(self.qs, self.d, self.m)
+        n = self.out_features
+        return codes[:n], d[:n], m[:n]
+
     def dequantized(self) -> torch.Tensor:
-        q = self.qs.view(self.out_features, -1, 16)
-        codes = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
-        return (self.d[..., None] * codes + self.m[..., None]).view(self.out_features, self.in_features)
+        codes, d, m = self.blocks()
+        w = d[..., None] * codes.float().view(self.out_features, -1, QK) + m[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> Q41Linear:
+        codes, d, m = self.blocks()
+        return Q41Linear(codes.index_select(0, index), d.index_select(0, index), m.index_select(0, index))
+
+
+def interleave_q4_1(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain Q4_1 blocks (codes [N, K], N % 8 == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
+
+    Within a group of 8 rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
+    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the 8 rows' d, then their m."""
+    n, k = codes.shape
+    g, nb = n // GROUP, k // QK
+    c = codes.to(torch.uint8).view(g, GROUP, nb, 2, 4, 4)  # [group, row, block, half, j, t]
+    packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [group, row, block, j, t]
+    qs = packed.permute(0, 2, 3, 1, 4).contiguous().view(n, k // 2)
+    d8 = d.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    m8 = m.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    return qs, d8, m8
+
+
+def deinterleave_q4_1(
+    qs: torch.Tensor, d8: torch.Tensor, m8: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_q4_1`."""
+    n, nb = d8.shape
+    g = n // GROUP
+    p = qs.reshape(g, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [group, row, block, j, t]
+    codes = torch.stack([p & 0x0F, p >> 4], dim=3).reshape(n, nb * QK)  # [group, row, block, half, j, t]
+    d = d8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
+    m = m8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
+    return codes, d, m
 
 
 class Q80Linear(BlockLinear):
-    """GGUF Q8_0: per 32 weights a scale d, w = d * q, q in -128..127."""
+    """GGUF Q8_0: per 32 weights a scale d, w = d * q, q in -127..127.
+
+    Interleaved in groups of 8 output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
+    plus `s` [N, K / 32] int16: each block's sum of codes (the VNNI product's correction term, qgemm.c)."""
 
     kind = "q8_0"
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         n, k = codes.shape
         super().__init__(n, k)
-        self.register_buffer("qs", codes.to(torch.int8).contiguous())
-        self.register_buffer("d", d.float().contiguous())
+        pad = -n % GROUP
+        if pad:
+            codes, d = torch.cat([codes, codes.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, k // QK)])
+        qs, d8, s8 = interleave_q8_0(codes.to(torch.int8), d.float())
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d8)
+        self.register_buffer("s", s8)
         self._bind()
 
     def _bind(self) -> None:
-        self._args = (self.in_features, self.qs.data_ptr(), self.d.data_ptr(), self.out_features)
+        self._args = (
+            self.in_features,
+            self.qs.data_ptr(),
+            self.d.data_ptr(),
+            self.s.data_ptr(),
+            self.out_features,
+        )
 
     def _call(self, x: int, m: int, y: int) -> None:
-        k, qs, d, n = self._args
-        self._fn(x, m, k, qs, d, n, y, *self._scratch)
+        k, qs, d, ws, n = self._args
+        self._fn(x, m, k, qs, d, ws, n, y, *self._scratch)
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K] int8, d [N, K / 32]) in the plain layout."""
+        codes, d = deinterleave_q8_0(self.qs, self.d)
+        return codes[: self.out_features], d[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
-        w = self.d[..., None] * self.qs.view(self.out_features, -1, QK).float()
+        codes, d = self.blocks()
+        w = d[..., None] * codes.float().view(self.out_features, -1, QK)
         return w.view(self.out_features, self.in_features)
 
     def rows(self, index: torch.Tensor) -> Q80Linear:
-        return Q80Linear(self.qs.index_select(0, index), self.d.index_select(0, index))
+        codes, d = self.blocks()
+        return Q80Linear(codes.index_select(0, index), d.index_select(0, index))
 
 
-def _q41_rows(self: Q41Linear, index: torch.Tensor) -> nn.Module:
-    out = Q41Linear.__new__(Q41Linear)
-    BlockLinear.__init__(out, len(index), self.in_features)
-    out.register_buffer("qs", self.qs.index_select(0, index))
-    out.register_buffer("d", self.d.index_select(0, index))
-    out.register_buffer("m", self.m.index_select(0, index))
-    out._bind()
-    return out
+def interleave_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain Q8_0 blocks (codes [N, K] int8, N % 8 == 0; d [N, K / 32]) -> the kernel's interleaved layout:
+    within a group of 8 rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
+    the 8 rows' d and block sums of codes."""
+    n, k = codes.shape
+    g, nb = n // GROUP, k // QK
+    c = codes.view(g, GROUP, nb, 8, 4)  # [group, row, block, j, t]
+    qs = c.permute(0, 2, 3, 1, 4).contiguous().view(n, k)
+    sums = codes.view(n, nb, QK).sum(-1, dtype=torch.int16)  # |sum| <= 32 * 127: 16 bits hold it
+    d8 = d.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    s8 = sums.view(g, GROUP, nb).transpose(1, 2).contiguous().view(n, nb)
+    return qs, d8, s8
 
 
-Q41Linear.rows = _q41_rows  # type: ignore[attr-defined]
+def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_q8_0` (the block sums follow from the codes)."""
+    n, nb = d8.shape
+    g = n // GROUP
+    codes = qs.reshape(g, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
+    d = d8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
+    return codes, d
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +365,9 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.view(n, k // QK, QK)
     d = g.abs().amax(-1) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k), d
+    return (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(
+        n, k
+    ), d.half().float()  # d: fp16
 
 
 def unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,9 +388,11 @@ def fuse(modules: list[nn.Module]) -> BlockLinear | None:
     ):
         return None
     cls = type(first)
+    if any(m.out_features % GROUP for m in modules):
+        return None  # interleaved groups of 8 rows: only whole groups can be laid end to end
     fused = cls.__new__(cls)
     BlockLinear.__init__(fused, sum(m.out_features for m in modules), first.in_features)
-    for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d"):
+    for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d", "s"):
         whole = torch.cat([getattr(m, name) for m in modules])
         fused.register_buffer(name, whole)
         offset = 0

@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 4  # bumped whenever the timed step changes (v4: the native C step)
+CALIBRATION_VERSION = 5  # bumped whenever the timed step changes (v5: interleaved Q4_1 kernel)
 
 
 def _slug(text: str) -> str:

@@ -8,9 +8,9 @@ of a standard HF cache holding the tiny repos, with HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
-import atexit
 import os
 import shutil
 import tempfile

@@ -2,7 +2,8 @@
 
 - The kernel computes what its definition says (8-bit activation blocks, exact integer block sums, fp32
   scales), checked against a torch reference of the same arithmetic; it is row-invariant (the property tree
-  decoding's exactness needs); fused projections equal the separate ones.
+  decoding's exactness needs); fused projections equal the separate ones; the VNNI builds give the AVX2
+  build's bits; row counts that are not whole interleaved groups are padded invisibly.
 - `gguf_blocks` reads the embedded GGUF's Q4_1 and Q8_0 tensors as stored: dequantized, they are bit for bit
   the float model transformers converts from the same file (so the int4 path runs the file's own weights).
 """
@@ -52,6 +53,50 @@ def test_kernels_compute_their_definition_and_are_row_invariant(n: int, k: int) 
         assert torch.allclose(y, x @ lin.dequantized().t(), rtol=0.05, atol=0.05 * y.abs().max().item())
 
 
+def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VNNI builds compute the same exact integer block sums as the AVX2 build, then the same float ops:
+    a machine's choice of instructions must not change a single output bit (nor its layout assumptions)."""
+    flags = qgemm._cpu_flags()
+    isas = ["avx2"]
+    if "avx_vnni" in flags:
+        isas.append("avxvnni")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        isas.append("avx512vnni")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 96, generator=g) * 0.05  # 200 rows: 25 groups of 8; 96 = 3 blocks
+    x = torch.randn(11, 96, generator=g) * 3
+    outs: dict[str, list[torch.Tensor]] = {}
+    for isa in isas:
+        monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
+        assert qgemm.load() is not None, qgemm.unavailable_reason()
+        q4 = qgemm.Q41Linear(*quantize_q4_1(w))
+        q8 = qgemm.Q80Linear(*qgemm.quantize_q8_0(w))
+        outs[isa] = [q4(x), q8(x), q4(x[:3]), q8(x[:1])]
+    for isa in isas[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[isa], outs["avx2"], strict=True)), isa
+
+
+def test_odd_row_counts_are_padded_and_round_trip() -> None:
+    """Rows are stored in interleaved groups of 8: a count that is not a multiple of 8 is padded, the padding
+    never shows, and the plain blocks come back exactly (`rows`, `dequantized`)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(13, 64, generator=g)
+    codes, d, m = quantize_q4_1(w)
+    q4 = qgemm.Q41Linear(codes, d, m)
+    c8, d8 = qgemm.quantize_q8_0(w)
+    q8 = qgemm.Q80Linear(c8, d8)
+    x = torch.randn(3, 64, generator=g)
+    for lin, ref in ((q4, _reference(x, codes, d, m)), (q8, _reference(x, c8, d8, None))):
+        y = lin(x)
+        assert y.shape == (3, 13) and torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4)
+    assert [torch.equal(a, b) for a, b in zip(q4.blocks(), (codes, d, m), strict=True)] == [True] * 3
+    assert [torch.equal(a, b) for a, b in zip(q8.blocks(), (c8, d8), strict=True)] == [True] * 2
+    idx = torch.tensor([12, 0, 5])
+    assert torch.equal(q4.rows(idx)(x), y := q4(x)[:, idx]) and y.shape == (3, 3)
+    assert torch.equal(q8.rows(idx)(x), q8(x)[:, idx])
+    assert qgemm.fuse([q4, qgemm.Q41Linear(codes[:8], d[:8], m[:8])]) is None  # 13 rows: not whole groups
+
+
 def test_fused_projections_equal_the_separate_ones() -> None:
     g = torch.Generator().manual_seed(1)
     mods = [qgemm.Q41Linear(*quantize_q4_1(torch.randn(n, 64, generator=g))) for n in (64, 32, 32)]
@@ -62,6 +107,10 @@ def test_fused_projections_equal_the_separate_ones() -> None:
     assert torch.equal(fused(x), torch.cat(separate, dim=-1))
     assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))  # originals now views
     assert mods[1].qs.data_ptr() == fused.qs[64:].data_ptr()  # no second copy of the weights
+    q8 = [qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(n, 64, generator=g))) for n in (16, 8)]
+    separate = [m(x) for m in q8]
+    fused8 = qgemm.fuse(q8)
+    assert fused8 is not None and torch.equal(fused8(x), torch.cat(separate, dim=-1))
     assert qgemm.fuse([mods[0], qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(8, 64)))]) is None
 
 

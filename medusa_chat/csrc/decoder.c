@@ -22,16 +22,17 @@
 #include <stdint.h>
 #include <string.h>
 
-void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn, int N,
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx);
-void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, int N, float *y, int8_t *qx,
-               float *dx, float *sx);
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
+               int8_t *qx, float *dx, float *sx);
 
 typedef struct {
     int kind;  // 0 = Q8_0, 1 = Q4_1
     int N, K;  // out, in features
     const void *qs;
-    const float *d, *m;  // m: Q4_1 minimums (NULL for Q8_0)
+    const uint16_t *d;  // fp16 scales
+    const void *aux;    // Q4_1: the minimums (fp16); Q8_0: the block sums of the codes (int16)
 } BLin;
 
 typedef struct {
@@ -49,6 +50,9 @@ typedef struct {
 
 #define RC 16    // attention rows per chunk (bounds the score buffer)
 #define JB 64    // keys per task when scoring the shared prefix
+// Attention is bound by reading the cached K/V (fp32, from L3 once the step's weights have passed through the
+// caches), so it is split across threads from a few hundred scores on: two cores read twice as fast.
+#define ATT_PAR_MIN 512
 
 // exp(x) for 8 lanes (Cephes' polynomial, ~1 ulp); lanes are independent, so a value's result never depends
 // on its neighbours or on where a vector starts.
@@ -83,11 +87,43 @@ static inline void store_tail(float *p, __m256 v, int n) {
     for (int i = 0; i < n; i++) p[i] = t[i];
 }
 
-// hd % 8 == 0 (checked by the caller)
-static inline float dot(const float *a, const float *b, int hd) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+// The KV cache holds fp16 (as llama.cpp's does by default): attention of a step is bound by reading the cached
+// keys and values, and half the bytes read in about half the time. Every read converts exactly to fp32, and a
+// key or value is rounded once, when written, so all paths see the same values.
+typedef uint16_t kv_t;
+static inline __m256 load_kv(const kv_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void store_kv(kv_t *dst, const float *src, int hd) {
+    for (int i = 0; i < hd; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
+// q . k, hd % 8 == 0 (checked by the caller)
+static inline float dot(const float *q, const kv_t *k, int hd) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load_kv(k));
+    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_kv(k + i), acc);
     return hsum8(acc);
+}
+
+// dot(q, k_i) for the 8 consecutive keys k .. k + 7 * hd, each bit for bit what `dot` gives: the same FMA chain
+// per key, then the 8 horizontal sums done side by side in hsum8's order (lanes i + (i + 4) first, then
+// pairs, then the two halves; see simd.h), so a key scores the same whether it is scored here (a cached
+// prefix key) or by `dot` (a key of the current block).
+static inline __m256 dot8(const float *q, const kv_t *k, int hd) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load_kv(k + (size_t)i * hd));
+    for (int e = 8; e < hd; e += 8) {
+        const __m256 qe = _mm256_loadu_ps(q + e);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qe, load_kv(k + (size_t)i * hd + e), a[i]);
+    }
+    // c[i] = [lo(a_i) + hi(a_i) | lo(a_{i+4}) + hi(a_{i+4})]
+    __m256 c[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+    return _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
 }
 
 // LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32.
@@ -109,9 +145,9 @@ static void rms_norm(const float *x, const float *w, float eps, int T, int H, fl
 
 static void linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
     if (l->kind == 1)
-        q4_1_gemm(x, M, l->K, (const uint8_t *)l->qs, l->d, l->m, l->N, y, qx, dx, sx);
+        q4_1_gemm(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx);
     else
-        q8_0_gemm(x, M, l->K, (const int8_t *)l->qs, l->d, l->N, y, qx, dx, sx);
+        q8_0_gemm(x, M, l->K, (const int8_t *)l->qs, l->d, (const int16_t *)l->aux, l->N, y, qx, dx, sx);
 }
 
 // HF's rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
@@ -128,20 +164,56 @@ static void rope(float *x, const float *cs, const float *sn, int hd) {
 static inline int block_len(const int *blen, int r) { return blen ? blen[r] : r + 1; }
 static inline int block_slot(const int *blk, int stride, int r, int b) { return blk ? blk[(size_t)r * stride + b] : b; }
 
+// o[d0 .. d0 + 8W) = inv * sum_jj p[jj] * v[key jj][d0 ..], keys in order (the prefix, then the row's block
+// keys). W is a compile-time constant at every call, so the W accumulators live in registers: with a runtime
+// width they went through memory, and this loop cost more than the layer's projections.
+static inline __attribute__((always_inline)) void weighted_values(const float *p, int L, int start, const int *blk,
+                                                                   int stride, int row, const kv_t *vh, int hd,
+                                                                   int d0, float inv, float *o, const int W) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < W; u++) acc[u] = _mm256_setzero_ps();
+    for (int jj = 0; jj < start; jj++) {
+        const kv_t *v = vh + (size_t)jj * hd + d0;
+        const __m256 pj = _mm256_set1_ps(p[jj]);
+#pragma GCC unroll 8
+        for (int u = 0; u < W; u++) acc[u] = _mm256_fmadd_ps(pj, load_kv(v + 8 * u), acc[u]);
+    }
+    for (int jj = start; jj < L; jj++) {
+        const kv_t *v = vh + (size_t)(start + block_slot(blk, stride, row, jj - start)) * hd + d0;
+        const __m256 pj = _mm256_set1_ps(p[jj]);
+#pragma GCC unroll 8
+        for (int u = 0; u < W; u++) acc[u] = _mm256_fmadd_ps(pj, load_kv(v + 8 * u), acc[u]);
+    }
+    const __m256 vi = _mm256_set1_ps(inv);
+#pragma GCC unroll 8
+    for (int u = 0; u < W; u++) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], vi));
+}
+
 // Attention of rows [r0, r0 + R) for one layer. q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd].
-static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const float *kc, const float *vc,
+static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, const kv_t *vc,
                          size_t cap, int start, int r0, int R, const int *blk, const int *blen, int stride,
                          float *S, size_t s_stride, float *out) {
     const int hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, G = nh / nkv;
     const float scale = m->scale;
     // 1. scores against the shared prefix [0, start): each key is read once for every row and head of its group
     const int nj = (start + JB - 1) / JB;
-#pragma omp parallel for collapse(2) schedule(static) if ((long)start * R * nh >= 4096)
+#pragma omp parallel for collapse(2) schedule(static) if ((long)start * R * nh >= ATT_PAR_MIN)
     for (int kh = 0; kh < nkv; kh++)
         for (int jb = 0; jb < nj; jb++) {
             const int j1 = (jb + 1) * JB < start ? (jb + 1) * JB : start;
-            for (int j = jb * JB; j < j1; j++) {
-                const float *k = kc + ((size_t)kh * cap + j) * hd;
+            int j = jb * JB;
+            for (; j + 8 <= j1; j += 8) {
+                const kv_t *k = kc + ((size_t)kh * cap + j) * hd;
+                for (int r = 0; r < R; r++)
+                    for (int g = 0; g < G; g++) {
+                        const int h = kh * G + g;
+                        const __m256 d8 = dot8(qkv + (size_t)(r0 + r) * qkv_n + h * hd, k, hd);
+                        _mm256_storeu_ps(S + ((size_t)r * nh + h) * s_stride + j, _mm256_mul_ps(d8, _mm256_set1_ps(scale)));
+                    }
+            }
+            for (; j < j1; j++) {
+                const kv_t *k = kc + ((size_t)kh * cap + j) * hd;
                 for (int r = 0; r < R; r++)
                     for (int g = 0; g < G; g++) {
                         const int h = kh * G + g;
@@ -150,7 +222,7 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const flo
             }
         }
     // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum, 4. weighted sum of values
-#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= 4096)
+#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= ATT_PAR_MIN)
     for (int r = 0; r < R; r++)
         for (int h = 0; h < nh; h++) {
             const int row = r0 + r, kh = h / G, nb = block_len(blen, row), L = start + nb;
@@ -176,18 +248,21 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const flo
             }
             const float inv = 1.0f / hsum8(sum);
             float *o = out + (size_t)row * nh * hd + h * hd;
-            for (int d0 = 0; d0 < hd; d0 += 32) {
-                const int w = hd - d0 < 32 ? (hd - d0) / 8 : 4;
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int jj = 0; jj < L; jj++) {
-                    const int slot = jj < start ? jj : start + block_slot(blk, stride, row, jj - start);
-                    const float *v = vc + ((size_t)kh * cap + slot) * hd + d0;
-                    const __m256 p = _mm256_set1_ps(s[jj]);
-                    for (int u = 0; u < w; u++) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), acc[u]);
-                }
-                const __m256 vi = _mm256_set1_ps(inv);
-                for (int u = 0; u < w; u++) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], vi));
+            const kv_t *vh = vc + (size_t)kh * cap * hd;
+            int d0 = 0;
+#define WV(W) weighted_values(s, L, start, blk, stride, row, vh, hd, d0, inv, o, W)
+            for (; d0 + 64 <= hd; d0 += 64) WV(8);
+            switch ((hd - d0) / 8) {  // hd % 8 == 0
+                case 7: WV(7); break;
+                case 6: WV(6); break;
+                case 5: WV(5); break;
+                case 4: WV(4); break;
+                case 3: WV(3); break;
+                case 2: WV(2); break;
+                case 1: WV(1); break;
+                default: break;
             }
+#undef WV
         }
 }
 
@@ -196,13 +271,13 @@ size_t decoder_scratch_bytes(const DModel *m, int T, int max_len) {
     const size_t qkv_n = (nh + 2 * nkv) * hd, maxk = I > H ? I : (nh * hd > H ? nh * hd : H);
     const size_t floats = T * H + T * qkv_n + T * nh * hd + T * H + T * 2 * I + T * I +
                           (size_t)RC * nh * (size_t)max_len + 2 * (T * maxk / 32 + 1);
-    return floats * sizeof(float) + T * maxk + 64;
+    return floats * sizeof(float) + 2 * T * maxk + 64;  // qx: the codes and (Q8_0 VNNI) codes + 128
 }
 
 // x [T, hidden]: the token embeddings in, the final-normed hidden states out. cos/sin [T, head_dim] per row.
-// kv: the cache [n_layers, 2, n_kv, cap, head_dim]; rows are written at slots start .. start + T - 1.
+// kv: the cache [n_layers, 2, n_kv, cap, head_dim] in fp16; rows are written at slots start .. start + T - 1.
 // blk [T, stride] / blen [T]: each row's block keys (slot offsets from start, in order), or NULL for causal.
-void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const float *sin_t, float *kv, int cap,
+void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const float *sin_t, kv_t *kv, int cap,
                      int start, const int *blk, const int *blen, int stride, void *scratch) {
     const int H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
     const int qd = nh * hd, kvd = nkv * hd, qkv_n = qd + 2 * kvd;
@@ -220,7 +295,7 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
 
     for (int li = 0; li < m->n_layers; li++) {
         const DLayer *L = &m->layers[li];
-        float *kc = kv + li * layer_stride, *vc = kc + half_stride;
+        kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
         rms_norm(x, L->norm1, L->eps1, T, H, h);
         linear(&L->qkv, h, T, qkv, qx, dx, sx);
         for (int r = 0; r < T; r++) {
@@ -228,8 +303,8 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
             const float *cs = cos_t + (size_t)r * hd, *sn = sin_t + (size_t)r * hd;
             for (int hh = 0; hh < nh + nkv; hh++) rope(row + hh * hd, cs, sn, hd);
             for (int kh = 0; kh < nkv; kh++) {
-                memcpy(kc + ((size_t)kh * cap + start + r) * hd, row + qd + kh * hd, hd * sizeof(float));
-                memcpy(vc + ((size_t)kh * cap + start + r) * hd, row + qd + kvd + kh * hd, hd * sizeof(float));
+                store_kv(kc + ((size_t)kh * cap + start + r) * hd, row + qd + kh * hd, hd);
+                store_kv(vc + ((size_t)kh * cap + start + r) * hd, row + qd + kvd + kh * hd, hd);
             }
         }
         for (int r0 = 0; r0 < T; r0 += RC)

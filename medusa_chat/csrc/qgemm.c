@@ -1,183 +1,260 @@
-// Weight-only quantized GEMM for small batches (a decoding step: 1 to a few dozen rows), AVX2 + FMA.
+// Weight-only quantized GEMM for small batches (a decoding step: 1 to a few dozen rows), AVX2 + FMA, with
+// AVX-VNNI / AVX512-VNNI dot products where the CPU has them (the build passes -mavxvnni etc.: qgemm.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with w stored as GGUF blocks of 32 along k:
-//   Q4_1: w = d * q + mn, q in 0..15 (16 bytes: low nibbles = block elements 0..15, high = 16..31)
-//   Q8_0: w = d * q, q in -128..127
-// The weights are the file's blocks as stored; the activations are quantized to 8 bits per block of 32
-// (llama.cpp's own scheme for these formats), and the block dot products are exact integer sums.
+//   Q4_1: w = d * q + mn, q in 0..15
+//   Q8_0: w = d * q, q in -127..127
+// The weights are the file's blocks; the activations are quantized to 8 bits per block of 32 (llama.cpp's own
+// scheme for these formats), and the block dot products are exact integer sums.
 //
-// Why a kernel of our own: at batch 1 the step is memory-bound, and torch's CPU weight-only kernels re-read
-// or re-expand the weight for every row, so a 4-row tree step costs ~2x a 1-row step. Here each weight block
-// is read and expanded once and applied to up to 8 rows held in registers: a small tree costs about what one
-// token costs. Row invariance (the tree step must reproduce the plain step bit for bit): every row's sum is
-// accumulated with the same instruction sequence whatever the number of rows (8 lanes per block, blocks in
-// order, one fixed horizontal sum), so a row's result never depends on the rows computed beside it.
+// Layout: output columns in groups of 8, each group's blocks interleaved (qgemm.py, interleave_*): per block,
+// 32-byte vectors where register j holds for each column c of the group the 4 codes of block elements
+// 4j..4j+3 at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements 16+4j..16+4j+3). One
+// multiply-add of such a register with the row's 4 activation codes broadcast gives the partial dots of all 8
+// columns at once, so there is no horizontal sum, and the 8 columns' scales apply with one vector FMA.
+//
+// Why a kernel of our own: at batch 1 the step is bound by these products, and torch's CPU weight-only kernels
+// re-read or re-expand the weight for every row, so a 4-row tree step costs ~2x a 1-row step. Here each weight
+// block is read and expanded once and applied to up to 4 rows. Row invariance (the tree step must reproduce the
+// plain step bit for bit): each row's outputs are computed by the same instruction sequence whatever the number
+// of rows (exact integer block sums, then acc = fma(d * dx, dot, acc) over the blocks in order), so a row's
+// result never depends on the rows computed beside it.
 #include <immintrin.h>
-#include "simd.h"
 #include <stdint.h>
+#include <string.h>
 
 #define QK 32
-#define MR 8  // rows per register tile
+#define GC 8    // output columns per interleaved group (one 8-lane vector)
+#define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
 #define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define HAVE_VNNI 0
+#endif
+
+int qgemm_isa(void) { return HAVE_VNNI; }
 
 // Activation rows quantized per block of 32 the way llama.cpp does (Q8_1): q = round(x / d), d = max|x| / 127,
 // plus s = d * sum(q) for Q4_1's minimum term. Integer dot products then cost a few instructions per 32 weights
-// (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant.
-static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx) {
+// (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant; the
+// max and the integer sum are exact in any order, and the rounding is the FPU's round-to-nearest-even.
+// qu (optional): the same codes plus 128, as unsigned bytes (the VNNI Q8_0 product's unsigned operand).
+static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu) {
     const int nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) {
-                const float a = xb[j] < 0 ? -xb[j] : xb[j];
-                amax = a > amax ? a : amax;
-            }
+            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                         v3 = _mm256_loadu_ps(xb + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            int8_t *qb = q + (size_t)r * K + (size_t)b * QK;
-            for (int j = 0; j < QK; j++) {
-                const int v = (int)__builtin_lrintf(xb[j] * id);
-                qb[j] = (int8_t)v;
-                sum += v;
-            }
+            const __m256 vid = _mm256_set1_ps(id);
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid)),
+                          i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
+            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            const __m256i codes = _mm256_permutevar8x32_epi32(p, perm);
+            _mm256_storeu_si256((__m256i *)(q + (size_t)r * K + (size_t)b * QK), codes);
+            if (qu)
+                _mm256_storeu_si256((__m256i *)(qu + (size_t)r * K + (size_t)b * QK),
+                                    _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)));
             dx[(size_t)r * nb + b] = d;
-            sx[(size_t)r * nb + b] = d * (float)sum;
+            sx[(size_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
         }
     }
 }
 
-static inline __m256 dot_i8(__m256i w_u8, __m256i x_s8, __m256i ones) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, x_s8), ones));
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-// A tile: NC output columns x MR rows, each (row, column) with its own accumulator. Several columns per tile
-// give a 1-row step independent FMA chains to overlap (a single column's chain of block FMAs is latency-bound);
-// several rows share each weight block's load and unpacking. Every (row, column) pair runs the same instruction
-// sequence in every tile shape (acc = fma(d_w * d_x, dot, acc) over the blocks in order, one horizontal sum), so
-// the tiling never changes a result's bits. NC and MR are compile-time constants at each call (always_inline).
+// 8 fp16 values (the blocks' scales, stored as in the file) to fp32: exact
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void store_cols(float *out, __m256 v, int w) {
+    if (w == GC) {
+        _mm256_storeu_ps(out, v);
+    } else {
+        float t[GC];
+        _mm256_storeu_ps(t, v);
+        for (int c = 0; c < w; c++) out[c] = t[c];
+    }
+}
+
+// Q4_1, one group of 8 columns x MR_ rows. Codes are 0..15 (unsigned operand), activations -127..127.
+// Without VNNI, the 8 maddubs partials of a block add up exactly in 16 bits (|sum| <= 8 * 2 * 15 * 127 < 32768).
 static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, const float *dx, const float *sx,
-                                                             int nb, int r0, const uint8_t *qs, const float *d,
-                                                             const float *mn, float *y, int N, int n0,
-                                                             const int NC, const int MR_) {
-    __m256 acc[4][MR];
-    float accm[4][MR];
+                                                             int nb, int r0, const uint8_t *qs, const uint16_t *d,
+                                                             const uint16_t *mn, float *y, int N, int n0,
+                                                             const int MR_) {
+    __m256 acc[TR];
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) acc[c][r] = _mm256_setzero_ps(), accm[c][r] = 0.0f;
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if !HAVE_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
+#endif
     for (int b = 0; b < nb; b++) {
-        __m256i w[4];
+        const uint8_t *wb = qs + (size_t)b * 128;
+        __m256i lo[4], hi[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + ((size_t)(n0 + c) * nb + b) * 16));
-            w[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            lo[j] = _mm256_and_si256(raw, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
-#pragma GCC unroll 8
+        const __m256 db = load_f16(d + (size_t)b * GC), mb = load_f16(mn + (size_t)b * GC);
+#pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) {
             const size_t xb = (size_t)(r0 + r) * nb + b;
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
-#pragma GCC unroll 4
-            for (int c = 0; c < NC; c++) {
-                const size_t wb = (size_t)(n0 + c) * nb + b;
-                acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[wb] * dx[xb]), dot_i8(w[c], xq, ones), acc[c][r]);
-                accm[c][r] += mn[wb] * sx[xb];
-            }
+            const int8_t *q = qx + xb * QK;
+#if HAVE_VNNI
+            // two independent chains (low and high halves), added at the end: exact integers either way
+            __m256i s0 = DPBUSD(_mm256_setzero_si256(), lo[0], bcast4(q));
+            __m256i s1 = DPBUSD(_mm256_setzero_si256(), hi[0], bcast4(q + 16));
+            s0 = DPBUSD(s0, lo[1], bcast4(q + 4));
+            s1 = DPBUSD(s1, hi[1], bcast4(q + 20));
+            s0 = DPBUSD(s0, lo[2], bcast4(q + 8));
+            s1 = DPBUSD(s1, hi[2], bcast4(q + 24));
+            s0 = DPBUSD(s0, lo[3], bcast4(q + 12));
+            s1 = DPBUSD(s1, hi[3], bcast4(q + 28));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+#else
+            __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(q));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[1], bcast4(q + 4)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[2], bcast4(q + 8)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[3], bcast4(q + 12)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(q + 16)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[1], bcast4(q + 20)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[2], bcast4(q + 24)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[3], bcast4(q + 28)));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[xb])), dot, acc[r]);
+            acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[xb]), acc[r]);
         }
     }
+    const int w = N - n0 < GC ? N - n0 : GC;
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum8(acc[c][r]) + accm[c][r];
+    for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
-static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, const float *dx, int nb, int r0,
-                                                             const int8_t *qs, const float *d, float *y, int N,
-                                                             int n0, const int NC, const int MR_) {
-    __m256 acc[4][MR];
+// Q8_0, one group of 8 columns x MR_ rows; both operands are signed.
+//   VNNI: the unsigned operand is the activation shifted by 128 (xu = x + 128, kept beside qx by quantize_rows),
+//         and 128 * (the column's block sum of codes, `ws`) is subtracted again: exact.
+//   AVX2: the sign moves from w to x (|w| * sign(x, w)), pairs summed in 32 bits (two pairs could pass 16).
+static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, const int8_t *qxu, const float *dx,
+                                                             int nb, int r0, const int8_t *qs, const uint16_t *d,
+                                                             const int16_t *ws, float *y, int N, int n0,
+                                                             const int MR_) {
+    __m256 acc[TR];
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) acc[c][r] = _mm256_setzero_ps();
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+#if !HAVE_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)qxu, (void)ws;
+#else
+    (void)qx;
+#endif
     for (int b = 0; b < nb; b++) {
-        __m256i w[4], aw[4];
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            w[c] = _mm256_loadu_si256((const __m256i *)(qs + ((size_t)(n0 + c) * nb + b) * QK));
-            aw[c] = _mm256_sign_epi8(w[c], w[c]);  // |w| as unsigned bytes; the sign moves to x
-        }
+        const int8_t *wb = qs + (size_t)b * 256;
+        __m256i w[8];
 #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+        const __m256 db = load_f16(d + (size_t)b * GC);
+#if HAVE_VNNI
+        const __m256i corr =
+            _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)b * GC))), 7);
+#endif
+#pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) {
             const size_t xb = (size_t)(r0 + r) * nb + b;
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
-#pragma GCC unroll 4
-            for (int c = 0; c < NC; c++) {
-                const __m256i xs = _mm256_sign_epi8(xq, w[c]);
-                acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(size_t)(n0 + c) * nb + b] * dx[xb]),
-                                            dot_i8(aw[c], xs, ones), acc[c][r]);
+#if HAVE_VNNI
+            const int8_t *q = qxu + xb * QK;
+            __m256i s0 = DPBUSD(_mm256_setzero_si256(), bcast4(q), w[0]);
+            __m256i s1 = DPBUSD(_mm256_setzero_si256(), bcast4(q + 4), w[1]);
+#pragma GCC unroll 3
+            for (int j = 2; j < 8; j += 2) {
+                s0 = DPBUSD(s0, bcast4(q + 4 * j), w[j]);
+                s1 = DPBUSD(s1, bcast4(q + 4 * j + 4), w[j + 1]);
             }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr));
+#else
+            const int8_t *q = qx + xb * QK;
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(bcast4(q + 4 * j), w[j]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(s);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[xb])), dot, acc[r]);
         }
     }
+    const int w = N - n0 < GC ? N - n0 : GC;
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++)
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) y[(size_t)(r0 + r) * N + n0 + c] = hsum8(acc[c][r]);
+    for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
-// Columns per tile for a row tile of mr rows: about 8 accumulators (16 ymm registers in all). Q8_0 holds two
-// registers per column (w and |w|), so it takes half as many columns; and a very tall Q8_0 matrix (the
-// lm_head, 49152 x 576) streamed faster one column at a time on the machines measured (Zen 3).
-static inline int q4_1_cols(int mr, int N) { (void)N; return mr <= 2 ? 4 : (mr <= 4 ? 2 : 1); }
-static inline int q8_0_cols(int mr, int N) { return N >= 16384 ? 1 : (mr <= 4 ? 2 : 1); }
-
-#define DISPATCH(CALL)                                                                 \
-    switch (mr) {                                                                      \
-        case 1: if (nc == 4) CALL(4, 1); else if (nc == 2) CALL(2, 1); else CALL(1, 1); break; \
-        case 2: if (nc == 4) CALL(4, 2); else if (nc == 2) CALL(2, 2); else CALL(1, 2); break; \
-        case 3: if (nc == 2) CALL(2, 3); else CALL(1, 3); break;                       \
-        case 4: if (nc == 2) CALL(2, 4); else CALL(1, 4); break;                       \
-        case 5: CALL(1, 5); break;                                                     \
-        case 6: CALL(1, 6); break;                                                     \
-        case 7: CALL(1, 7); break;                                                     \
-        default: CALL(1, 8); break;                                                    \
+#define ROW_TILES(CALL)                                                     \
+    for (int r0 = 0; r0 < M; r0 += TR) {                                    \
+        switch (M - r0 < TR ? M - r0 : TR) {                                \
+            case 1: CALL(1); break;                                         \
+            case 2: CALL(2); break;                                         \
+            case 3: CALL(3); break;                                         \
+            default: CALL(4); break;                                        \
+        }                                                                   \
     }
 
-// Columns in groups of 4 (the unit of work per thread); in a group, tiles of COLS(mr) columns for each
-// row tile, and column by column where a tile would pass the group's or the matrix's end.
-#define TILED(CALL, COLS)                                                                  \
-    _Pragma("omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)")          \
-    for (int n0 = 0; n0 < N; n0 += 4) {                                                \
-        const int n1 = n0 + 4 < N ? n0 + 4 : N;                                        \
-        for (int r0 = 0; r0 < M; r0 += MR) {                                           \
-            const int mr = M - r0 < MR ? M - r0 : MR, tc = COLS(mr, N);                \
-            for (int col = n0, nc; col < n1; col += nc) {                              \
-                nc = col + tc <= n1 ? tc : 1;                                          \
-                DISPATCH(CALL)                                                         \
-            }                                                                          \
-        }                                                                              \
-    }
-
-// x [M, K] fp32 row-major, qs [N, K / 2] bytes, d and mn [N, K / 32] fp32, y [M, N] fp32;
-// work: M * K bytes + 2 * M * K / 32 floats of scratch for the quantized rows.
-void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn, int N,
+// x [M, K] fp32 row-major; qs, d, mn: ceil(N / 8) interleaved groups (K / 2 * 8 bytes, K / 32 * 8 fp16 each);
+// y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
-    const int nb = K / QK;
-    quantize_rows(x, M, K, qx, dx, sx);
-#define Q41(NCc, MRc) q4_1_tile(qx, dx, sx, nb, r0, qs, d, mn, y, N, col, NCc, MRc)
-    TILED(Q41, q4_1_cols)
+    const int nb = K / QK, ng = (N + GC - 1) / GC;
+    quantize_rows(x, M, K, qx, dx, sx, NULL);
+#pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
+    for (int g = 0; g < ng; g++) {
+        const uint8_t *gq = qs + (size_t)g * nb * 128;
+        const uint16_t *gd = d + (size_t)g * nb * GC, *gm = mn + (size_t)g * nb * GC;
+#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GC, MRc)
+        ROW_TILES(Q41)
 #undef Q41
+    }
 }
 
-// x [M, K] fp32, qs [N, K] int8, d [N, K / 32] fp32, y [M, N] fp32; scratch as above.
-void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, int N, float *y, int8_t *qx,
-               float *dx, float *sx) {
-    const int nb = K / QK;
-    quantize_rows(x, M, K, qx, dx, sx);
-#define Q80(NCc, MRc) q8_0_tile(qx, dx, nb, r0, qs, d, y, N, col, NCc, MRc)
-    TILED(Q80, q8_0_cols)
+// x [M, K] fp32; qs, d, ws: ceil(N / 8) interleaved groups (K * 8 bytes, K / 32 * 8 fp16 scales, K / 32 * 8
+// int16 block sums of the codes); y [M, N] fp32; scratch as above.
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
+               int8_t *qx, float *dx, float *sx) {
+    const int nb = K / QK, ng = (N + GC - 1) / GC;
+    int8_t *qxu = qx + (size_t)M * K;
+    quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+#pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
+    for (int g = 0; g < ng; g++) {
+        const int8_t *gq = qs + (size_t)g * nb * 256;
+        const uint16_t *gd = d + (size_t)g * nb * GC;
+        const int16_t *gs = ws + (size_t)g * nb * GC;
+#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq, gd, gs, y, N, g * GC, MRc)
+        ROW_TILES(Q80)
 #undef Q80
+    }
 }
