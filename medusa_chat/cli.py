@@ -67,9 +67,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", default=None, metavar="ORG/NAME|PATH", help="Medusa heads to use with --model")
     g.add_argument(
         "--quant",
-        choices=["auto", "nf4", "int8", "none"],
+        choices=["auto", "none", "int8", "int4", "nf4"],  # loading.QUANTS (not imported here: it loads torch)
         default="auto",
-        help="weight quantization (auto: NF4 on CUDA, none on CPU)",
+        help="weight quantization (auto: NF4 on CUDA; on a CPU the fastest of none/int8/int4, measured once "
+        "and cached; int8/int4 on a CPU: GGUF Q8_0/Q4_1 blocks, the embedded model's own from its file)",
     )
     g.add_argument(
         "--dtype",

@@ -526,3 +526,17 @@ def test_embedded_model_answers_coherently(tmp_path: Path) -> None:
     hits = [w for w in ("water", "exercise", "sleep", "diet", "eat", "hydrat", "active") if w in reply]
     assert len(hits) >= 2, reply
     assert any(marker in reply for marker in ("1.", "2.", "- ", "first")), reply
+
+
+def test_cli_quant_choices_are_the_loaders() -> None:
+    """`--quant int4` must reach the loader from every sub-command (the CLI keeps its own list: no torch import)."""
+    import argparse
+
+    from medusa_chat.cli import add_model_options
+    from medusa_chat.loading import QUANTS
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)
+    action = next(a for a in parser._actions if a.dest == "quant")
+    assert set(action.choices) == set(QUANTS)
+    assert parser.parse_args(["--quant", "int4"]).quant == "int4"
