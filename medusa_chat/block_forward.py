@@ -29,6 +29,7 @@ import torch
 from medusa_chat.lean_forward import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 
 
 class _BLin(ctypes.Structure):
@@ -127,6 +128,27 @@ class NativeForward:
         )
         self._model_ref = ctypes.byref(self.model)
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
+        # than the rotary module's few ops per step, and a position's values never depend on the batch it
+        # came in (a prefill, a tree, one token)
+        self._cos = self._sin = torch.empty(0, self.head_dim)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(self.rotary, "rope_type", "default") not in STATIC_ROPE:  # depends on the call's length
+            probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
+            cos, sin = self.rotary(probe, positions[None])
+            return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 1024)
+            every = torch.arange(size, device=positions.device)
+            probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
+            cos, sin = self.rotary(probe, every[None])
+            self._cos, self._sin = (
+                cos[0].to(torch.float32).contiguous(),
+                sin[0].to(torch.float32).contiguous(),
+            )
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
@@ -134,8 +156,7 @@ class NativeForward:
         t = ids.shape[0]
         start = cache.length
         x = self.embed(ids).to(torch.float32).contiguous()  # [T, H], overwritten with the output in place
-        cos, sin = self.rotary(x[None], positions[None])
-        cos, sin = cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+        cos, sin = self._rotary(positions)
         kv = cache.reserve(
             start + t, self.kv_heads, self.head_dim, torch.float16, x.device
         )  # fp16: decoder.c

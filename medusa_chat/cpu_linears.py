@@ -305,6 +305,37 @@ def _block_module(mode: str, weight: torch.Tensor | None, blocks: tuple | None, 
     return Q80Linear(*quantize_q8_0(weight))
 
 
+class BlockLinearWithBias(nn.Module):
+    """A block-kernel linear plus a float bias (the heads' linears have biases; the kernel has none)."""
+
+    def __init__(self, block: nn.Module, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.block = block
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def block_quantized_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` (the Hydra heads) whose fp32 linears run as Q8_0 blocks on the block kernel.
+
+    Why: drafting a tree depth reads the cell and two ResBlocks (~5 MB in fp32) at batch 1, which on a CPU
+    costs about as much as the backbone's extra tree rows; in 8 bits it reads a quarter. Drafts only choose
+    which tokens the backbone verifies, so the output is unchanged (exactness never depends on the drafter);
+    Q8_0's per-32 scales keep the guesses essentially the fp32 heads'. The original module is left as it is."""
+    import copy
+
+    from medusa_chat.qgemm import QK, Q80Linear, quantize_q8_0
+
+    out = copy.deepcopy(module)
+    for path, sub in list(out.named_modules()):
+        if type(sub) is nn.Linear and sub.weight.dtype == torch.float32 and sub.in_features % QK == 0:
+            _set_module(out, path, BlockLinearWithBias(Q80Linear(*quantize_q8_0(sub.weight)), sub.bias))
+    return out
+
+
 def prepare_cpu_linears(
     causal_lm: nn.Module,
     mode: str,

@@ -34,7 +34,7 @@ from medusa_chat.acceptance import (  # re-exported: the rules used to live here
     sample,
     typical_node_ok,
 )
-from medusa_chat.cpu_linears import linear_rows
+from medusa_chat.cpu_linears import block_quantized_copy, linear_rows
 from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.heads import HydraHeads, MedusaHeads
@@ -274,6 +274,11 @@ class HydraDrafter:
         self.proj_dtype = backbone.get_input_embeddings().weight.dtype
         self.draft_vocab = vocab
         self.dtype = next(heads.parameters()).dtype
+        from medusa_chat.qgemm import BlockLinear
+
+        if isinstance(lm_head, BlockLinear) and self.dtype == torch.float32:
+            # the backbone runs on the block kernel (int8/int4 on a CPU): so do the heads' linears (8 bits)
+            self.heads = block_quantized_copy(heads)
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""

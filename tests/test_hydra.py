@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.decoding import HydraDrafter, MedusaEngine
+from medusa_chat.decoding import HydraDrafter, MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
 from medusa_chat.heads import HydraHeads, MedusaHeads, heads_from_state_dict
@@ -121,6 +121,47 @@ def test_drafter_fills_each_node_from_its_own_path() -> None:
                     x = block(x)
                 top = (x @ w.T).topk(tree.ranks[node] + 1).indices[0]
                 assert tokens[node] == int(heads.draft_vocab[top[tree.ranks[node]]]), node
+
+
+def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> None:
+    """With an int8/int4 backbone on the block kernel, the drafter runs a Q8_0 copy of the heads' linears (the
+    loaded heads are untouched); each node still comes from its own path, and greedy output is still exactly
+    the plain loop's."""
+    import copy
+
+    from medusa_chat import qgemm
+    from medusa_chat.cpu_linears import BlockLinearWithBias, prepare_cpu_linears
+
+    if not qgemm.available():
+        pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
+    base = tiny_loaded("llama", heads="hydra")
+    loaded = copy.copy(base)
+    loaded.backbone = copy.deepcopy(base.backbone)
+    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
+    prepare_cpu_linears(loaded.backbone, "int8")
+    heads = loaded.heads
+    drafter = HydraDrafter(heads, loaded.backbone)
+    quantized = [m for m in drafter.heads.modules() if isinstance(m, BlockLinearWithBias)]
+    assert len(quantized) == 1 + heads.num_heads * heads.num_layers  # the cell and every ResBlock
+    assert not any(isinstance(m, BlockLinearWithBias) for m in heads.modules())
+    tree = Tree.named("mc_sim_7b_63")
+    buf = tree.buffers("cpu", torch.float32)
+    embed = loaded.backbone.get_input_embeddings()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
+        tokens = drafter.propose(root, hidden, buf).tolist()
+        for node in range(1, tree.size):
+            state = hidden
+            for n in tree.path_nodes(node)[:-1]:
+                state = drafter.heads.draft(state, embed(torch.tensor([tokens[n]])))
+            x = drafter.heads.head_features(tree.depths[node] - 1, state)
+            top = drafter.project(x).topk(tree.ranks[node] + 1).indices[0]
+            assert tokens[node] == int(heads.draft_vocab[top[tree.ranks[node]]]), node
+    prompt = training_prompts()[0][:12]
+    _, medusa = run(MedusaEngine(loaded, tree), prompt, max_new_tokens=24)
+    _, plain = run(MedusaEngine(loaded, plain_tree()), prompt, max_new_tokens=24)
+    assert medusa.token_ids == plain.token_ids and medusa.tokens_per_step > 1.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
