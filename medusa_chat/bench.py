@@ -380,14 +380,19 @@ def run_bench(
 
         peer, peer_note = llama_bench_for(loaded, torch.get_num_threads(), config.llamacpp_bench)
 
-    def run_peer() -> None:
+    def run_peer() -> dict[str, Any] | None:
+        """One llama-bench run (one repetition), in the same rotation as the other methods: on a shared
+        machine whose speed drifts by +-20% over minutes, a peer measured only before and after the prompts
+        can land in another phase than the methods it is compared with."""
         nonlocal peer, peer_note
         if peer is None:
-            return
+            return None
         try:
-            peer_runs.append(peer.token_generation(config.max_new_tokens))
+            peer_runs.append(peer.token_generation(config.max_new_tokens, reps=1))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             peer, peer_note = None, f"llama.cpp baseline failed: {err}"
+            return None
+        return peer_runs[-1]
 
     engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
     if "plain" in methods:
@@ -419,7 +424,6 @@ def run_bench(
         for m in all_methods:
             run(m, encoded[0], min(16, config.max_new_tokens))
 
-    run_peer()  # before the prompts, and again after them: the machine's state at both ends
     totals = {m: _Totals() for m in all_methods}
     rows: list[dict[str, Any]] = []
     identical_flags: list[bool] = []
@@ -428,11 +432,16 @@ def run_bench(
     exact = not greedy and config.accept == "exact"
     size_identical: dict[int, list[bool]] = {n: [] for n in sizes}
     for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
-        order = all_methods[i % len(all_methods) :] + all_methods[: i % len(all_methods)]
+        rotation = all_methods + (["llamacpp"] if peer is not None else [])
+        order = rotation[i % len(rotation) :] + rotation[: i % len(rotation)]
         runs: dict[str, Run] = {}
+        peer_run = None
         try:
             for m in order:
-                runs[m] = run(m, prompt_ids, config.max_new_tokens)
+                if m == "llamacpp":
+                    peer_run = run_peer()
+                else:
+                    runs[m] = run(m, prompt_ids, config.max_new_tokens)
         except PromptError as err:
             if console is not None:
                 console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
@@ -470,6 +479,9 @@ def run_bench(
             ("lookup", "speedup_vs_prompt_lookup"),
         ):
             row[key] = _ratio(med.tokens_per_s, runs[b].tokens_per_s) if b in runs else None
+        if peer_run is not None:
+            row["llamacpp_tokens_per_s"] = _r(peer_run["tokens_per_s"], 3)
+            row["speedup_vs_llamacpp"] = _ratio(med.tokens_per_s, peer_run["tokens_per_s"])
         if greedy and "plain" in runs:
             row["identical_to_plain_loop"] = runs["plain"].token_ids == med.token_ids
             plain_flags.append(row["identical_to_plain_loop"])
@@ -507,10 +519,13 @@ def run_bench(
         if console is not None:
             _print_prompt(console, i + 1, len(prompts), row, runs)
 
-    run_peer()
     t = totals
     med_tps = t["medusa"].tokens_per_s
-    peer_tps = statistics.fmean(r["tokens_per_s"] for r in peer_runs) if peer_runs and peer else None
+    # every run decodes the same number of tokens: the harmonic mean is total tokens / total time, as for the
+    # other methods' totals
+    peer_tps = (
+        statistics.harmonic_mean([r["tokens_per_s"] for r in peer_runs]) if peer_runs and peer else None
+    )
     summary: dict[str, Any] = {
         "prompts": len(rows),
         "identical_fraction": _r(sum(identical_flags) / len(identical_flags)) if identical_flags else None,
@@ -542,6 +557,7 @@ def run_bench(
         "speedup_vs_hf_generate_median": _median(r["speedup_vs_hf_generate"] for r in rows),
         "speedup_vs_plain_loop_median": _median(r["speedup_vs_plain_loop"] for r in rows),
         "speedup_vs_prompt_lookup_median": _median(r["speedup_vs_prompt_lookup"] for r in rows),
+        "speedup_vs_llamacpp_median": _median(r.get("speedup_vs_llamacpp") for r in rows),
         "timing": TIMING_NOTE,
     }
     doc: dict[str, Any] = {
@@ -725,6 +741,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                     ("HF generate", "speedup_vs_hf_generate_median"),
                     ("plain loop", "speedup_vs_plain_loop_median"),
                     ("prompt lookup", "speedup_vs_prompt_lookup_median"),
+                    ("llama.cpp", "speedup_vs_llamacpp_median"),
                 )
                 if s.get(key) is not None
             )

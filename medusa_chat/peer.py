@@ -2,9 +2,10 @@
 
 `medusa-chat bench --baselines ...,llamacpp` runs llama.cpp's own benchmark tool (`llama-bench`, built from
 llama.cpp or the llama-cpp-python sdist; an optional tool, never a dependency) in the same run as the other
-methods: once before the prompts and once after, with the same thread count, and reports its token-generation
-rate (`-p 0 -n N`: N tokens decoded one at a time after an empty prompt, so its context is shorter than the
-bench prompts'; if anything that favours llama.cpp). Where no binary or no GGUF is available the baseline is
+methods: one run per prompt, in the same rotation as the other methods (a shared machine's speed drifts by
++-20% over minutes: a peer measured at other times than the methods is not side by side), with the same thread
+count, and reports its token-generation rate (`-p 0 -n N`: N tokens decoded one at a time after an empty
+prompt, so its context is shorter than the bench prompts'; if anything that favours llama.cpp). Where no binary or no GGUF is available the baseline is
 skipped with a note saying why.
 
 Where to find the binary: `--llamacpp-bench PATH`, else $MEDUSA_CHAT_LLAMA_BENCH, else `llama-bench` on PATH.

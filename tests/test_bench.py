@@ -285,3 +285,42 @@ def test_tie_tolerance_is_two_ulps_of_the_top_logit_in_16_bit() -> None:
     assert tie_tolerance("float16", 20.0) == 2 * 2.0**-6
     assert tie_tolerance("bfloat16", 0.001) == 1e-2  # never below the fixed 16-bit tolerance
     assert tie_tolerance("float32", 20.0) == 1e-4  # fp32 ties stay at the fixed tolerance
+
+
+def test_llamacpp_peer_runs_once_per_prompt_in_the_rotation(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer is sampled beside the methods it is compared with (one llama-bench run per prompt, in the same
+    rotation), not only before and after them; its rate is the runs' total tokens / total time."""
+    from medusa_chat import peer
+    from tests.test_peer import REAL_OUTPUT, _stand_in
+
+    binary = _stand_in(tmp_path)
+    calls = tmp_path / "calls.txt"
+    # count the invocations: the stand-in appends a line per run
+    binary.write_text(binary.read_text() + f"open({str(calls)!r}, 'a').write('run\\n')\n")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(peer, "model_gguf", lambda loaded: gguf)
+    loaded = make_loaded_model()
+    out = tmp_path / "bench.json"
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "8"]
+    args += [
+        "--quant",
+        "none",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--llamacpp-bench",
+        str(binary),
+        "--json",
+        str(out),
+    ]
+    assert cli.main(args) == 0
+    doc = json.loads(out.read_text())
+    rows, s = doc["prompts"], doc["summary"]
+    assert calls.read_text().count("run") == len(rows) == 2
+    assert all(r["llamacpp_tokens_per_s"] == pytest.approx(REAL_OUTPUT[0]["avg_ts"], rel=1e-3) for r in rows)
+    assert s["llamacpp_tokens_per_s"] == pytest.approx(REAL_OUTPUT[0]["avg_ts"], rel=1e-4)
+    ratios = sorted(r["speedup_vs_llamacpp"] for r in rows)
+    assert s["speedup_vs_llamacpp_median"] == pytest.approx((ratios[0] + ratios[1]) / 2, rel=1e-3)
