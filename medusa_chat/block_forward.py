@@ -200,7 +200,7 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     if lib is None or body.embed_tokens.weight.device.type != "cpu":
         return None
     hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    if hd % 8 or cfg.num_attention_heads % cfg.num_key_value_heads:
+    if hd % 8 or hd > 256 or cfg.num_attention_heads % cfg.num_key_value_heads:  # decoder.c: MAX_HD
         return None
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         return None

@@ -53,6 +53,7 @@ typedef struct {
 // Attention is bound by reading the cached K/V (fp32, from L3 once the step's weights have passed through the
 // caches), so it is split across threads from a few hundred scores on: two cores read twice as fast.
 #define ATT_PAR_MIN 512
+#define MAX_HD 256  // head_dim limit of this step (checked by block_forward.py)
 
 // exp(x) for 8 lanes (Cephes' polynomial, ~1 ulp); lanes are independent, so a value's result never depends
 // on its neighbours or on where a vector starts.
@@ -104,18 +105,18 @@ static inline float dot(const float *q, const kv_t *k, int hd) {
     return hsum8(acc);
 }
 
-// dot(q, k_i) for the 8 consecutive keys k .. k + 7 * hd, each bit for bit what `dot` gives: the same FMA chain
+// dot(q, k_i) for 8 consecutive keys (converted to fp32: k .. k + 7 * hd), each bit for bit what `dot` gives: the same FMA chain
 // per key, then the 8 horizontal sums done side by side in hsum8's order (lanes i + (i + 4) first, then
 // pairs, then the two halves; see simd.h), so a key scores the same whether it is scored here (a cached
 // prefix key) or by `dot` (a key of the current block).
-static inline __m256 dot8(const float *q, const kv_t *k, int hd) {
+static inline __m256 dot8(const float *q, const float *k, int hd) {
     __m256 a[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load_kv(k + (size_t)i * hd));
+    for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + (size_t)i * hd));
     for (int e = 8; e < hd; e += 8) {
         const __m256 qe = _mm256_loadu_ps(q + e);
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qe, load_kv(k + (size_t)i * hd + e), a[i]);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + (size_t)i * hd + e), a[i]);
     }
     // c[i] = [lo(a_i) + hi(a_i) | lo(a_{i+4}) + hi(a_{i+4})]
     __m256 c[4];
@@ -124,6 +125,19 @@ static inline __m256 dot8(const float *q, const kv_t *k, int hd) {
         c[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
     // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
     return _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+}
+
+// max(s[0 .. n)): vector lanes, then the tail. A max is exact, so it is the same whatever the order.
+static inline float max_of(const float *s, int n) {
+    __m256 v = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
 }
 
 // LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32.
@@ -204,7 +218,10 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
             const int j1 = (jb + 1) * JB < start ? (jb + 1) * JB : start;
             int j = jb * JB;
             for (; j + 8 <= j1; j += 8) {
-                const kv_t *k = kc + ((size_t)kh * cap + j) * hd;
+                // the 8 keys in fp32 once (exact), for the G heads x R rows that score them
+                float k[8 * MAX_HD];
+                const kv_t *k16 = kc + ((size_t)kh * cap + j) * hd;
+                for (int e = 0; e < 8 * hd; e += 8) _mm256_storeu_ps(k + e, load_kv(k16 + e));
                 for (int r = 0; r < R; r++)
                     for (int g = 0; g < G; g++) {
                         const int h = kh * G + g;
@@ -230,8 +247,7 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
             float *s = S + ((size_t)r * nh + h) * s_stride;
             for (int b = 0; b < nb; b++)
                 s[start + b] = dot(q, kc + ((size_t)kh * cap + start + block_slot(blk, stride, row, b)) * hd, hd) * scale;
-            float mx = -INFINITY;
-            for (int j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+            float mx = max_of(s, L);
             const __m256 vm = _mm256_set1_ps(mx);
             __m256 sum = _mm256_setzero_ps();
             int j = 0;
