@@ -346,6 +346,15 @@ class BlockLinearWithBias(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
+def block_q4_rows(module: nn.Module) -> nn.Module:
+    """A Q4_1 block linear of `module`'s weight (a draft-only projection: 4 bits are enough to rank guesses)."""
+    from medusa_chat.qgemm import QK, BlockLinear, Q41Linear
+
+    if not isinstance(module, BlockLinear) or module.in_features % QK:
+        return module
+    return Q41Linear(*quantize_q4_1(module.dequantized()))
+
+
 def block_quantized_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` (the Hydra heads) whose fp32 linears run as Q8_0 blocks on the block kernel.
 

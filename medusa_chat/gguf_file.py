@@ -75,7 +75,15 @@ class _Cursor:
 
 
 def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
-    """Every tensor of the GGUF at `path`, in file order, each a view of a read-only memory map."""
+    """Every tensor of the GGUF at `path`, in file order, each a view of a read-only memory map. A truncated or
+    malformed file raises ValueError."""
+    try:
+        return _read_tensors(path)
+    except (struct.error, KeyError, IndexError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err})") from err
+
+
+def _read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     mm = np.memmap(str(path), dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(mm))
     (magic,) = cur.take("4s")
@@ -109,6 +117,8 @@ def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
         per_block_bytes, per_block = BLOCK[type_id]
         count = int(np.prod(shape)) if shape else 1
         nbytes = count // per_block * per_block_bytes
+        if start + offset + nbytes > len(mm):
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         out[name] = GGUFTensor(name, shape, type_id, mm[start + offset : start + offset + nbytes])
     return out
 

@@ -38,6 +38,12 @@ def test_reader_skips_every_metadata_kind_and_finds_the_tensors(tmp_path: Path) 
     (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(20))
     with pytest.raises(ValueError, match="not a GGUF"):
         read_tensors(tmp_path / "bad.gguf")
+    whole = path.read_bytes()
+    # cut inside the metadata, and before the last tensor's data ends (b and its padding are the last 32 bytes)
+    for cut in (40, len(whole) - 40):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(ValueError):
+            read_tensors(tmp_path / "cut.gguf")
 
 
 @pytest.mark.slow

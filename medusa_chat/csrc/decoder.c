@@ -93,9 +93,14 @@ static inline void store_tail(float *p, __m256 v, int n) {
 // key or value is rounded once, when written, so all paths see the same values.
 typedef uint16_t kv_t;
 static inline __m256 load_kv(const kv_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+// Values beyond fp16's range are saturated to +-65504 instead of becoming inf (an inf key would turn the whole
+// softmax row into NaN); Llama-family keys and values are far inside the range, so this never changes them.
 static inline void store_kv(kv_t *dst, const float *src, int hd) {
-    for (int i = 0; i < hd; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
+    for (int i = 0; i < hd; i += 8) {
+        const __m256 v = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(src + i), hi), lo);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
 }
 
 // q . k, hd % 8 == 0 (checked by the caller)
