@@ -215,3 +215,83 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
             return None
         fused.append((qkv, gate_up))
     return NativeForward(causal_lm, lib, fused)
+
+
+class _Q8Lin(ctypes.Structure):
+    _fields_ = [("qs", _p), ("d", _p), ("ws", _p), ("bias", _p)]
+
+
+class NativeHydra:
+    """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/decoder.c, hydra_*), on the Q8_0
+    copy of the heads that `block_quantized_copy` makes: per tree depth 2 calls instead of ~20 PyTorch ops.
+    Drafts only: the output never depends on them."""
+
+    def __init__(self, quantized_heads: Any, lib: ctypes.CDLL) -> None:
+        from medusa_chat.cpu_linears import BlockLinearWithBias
+
+        def q8(module: Any) -> _Q8Lin:
+            if not isinstance(module, BlockLinearWithBias) or module.bias is None:
+                raise TypeError(
+                    "NativeHydra needs the block-quantized heads (cpu_linears.block_quantized_copy)"
+                )
+            b = module.block
+            return _Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), module.bias.data_ptr())
+
+        self.lib, self._heads = lib, quantized_heads  # keeps the buffers alive
+        self.hidden = int(quantized_heads.hidden_size)
+        self._cell = q8(quantized_heads.draft.linear)
+        self._blocks = []
+        for k in range(int(quantized_heads.num_heads)):  # (iterating the ModuleList would include `draft`)
+            head = quantized_heads[k]
+            arr = (_Q8Lin * len(head))(*(q8(block.linear) for block in head))
+            self._blocks.append((len(head), arr))
+        self._rows = 0
+        self._grow(8)
+
+    def _grow(self, rows: int) -> None:
+        h = self.hidden
+        self._cat = torch.empty(rows, 2 * h)
+        self._tmp = torch.empty(rows, h)
+        self._qx = torch.empty(2 * rows * 2 * h, dtype=torch.int8)
+        self._dx = torch.empty(2, rows * 2 * h // 32)
+        self._scratch = (self._qx.data_ptr(), self._dx[0].data_ptr(), self._dx[1].data_ptr())
+        self._rows = rows
+
+    def head_features(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        m = x.shape[0]
+        if m > self._rows:
+            self._grow(m)
+        y = torch.empty_like(x)
+        n, arr = self._blocks[k]
+        self.lib.hydra_resblocks(
+            m, self.hidden, n, arr, x.data_ptr(), y.data_ptr(), self._tmp.data_ptr(), *self._scratch
+        )
+        return y
+
+    def cell(self, state: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        state, emb = state.float().contiguous(), emb.float().contiguous()
+        m = state.shape[0]
+        if m > self._rows:
+            self._grow(m)
+        out = torch.empty_like(state)
+        self.lib.hydra_cell(
+            m, self.hidden, ctypes.byref(self._cell), state.data_ptr(), emb.data_ptr(), out.data_ptr(),
+            self._cat.data_ptr(), self._tmp.data_ptr(), *self._scratch,
+        )  # fmt: skip
+        return out
+
+
+def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
+    """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
+    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+        return None
+    from medusa_chat.qgemm import load
+
+    lib = load()
+    if lib is None or int(quantized_heads.hidden_size) % 32:
+        return None
+    try:
+        return NativeHydra(quantized_heads, lib)
+    except TypeError:
+        return None

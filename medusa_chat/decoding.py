@@ -282,19 +282,26 @@ class HydraDrafter:
             # depth, from DRAM after the backbone's weights went through the caches (5 MB in Q8_0, 2.9 in Q4_1)
             self.heads = block_quantized_copy(heads)
             self.project = block_q4_rows(self.project)
+            from medusa_chat.block_forward import native_hydra_for
+
+            self.native = native_hydra_for(self.heads)
+
+    native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
         tokens = root.new_zeros(buf.tree.size)
         tokens[:1] = root
-        state = self.heads.draft(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
+        cell = self.native.cell if self.native is not None else self.heads.draft
+        features = self.native.head_features if self.native is not None else self.heads.head_features
+        state = cell(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
         for d, level in enumerate(buf.levels):
-            x = self.heads.head_features(d, state.index_select(0, level.internal_rows))
+            x = features(d, state.index_select(0, level.internal_rows))
             top = self.project(x.to(self.proj_dtype)).topk(level.top_k, dim=-1).indices
             child = self.draft_vocab[top[level.child_slot, level.child_rank]]
             tokens.index_copy_(0, level.child_nodes, child)
             if d + 1 < len(buf.levels):
-                state = self.heads.draft(state.index_select(0, level.child_parent_row), self.embed(child))
+                state = cell(state.index_select(0, level.child_parent_row), self.embed(child))
         return tokens
 
 

@@ -130,6 +130,9 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.decoder_scratch_bytes.argtypes = [p, i, i]
         lib.decoder_scratch_bytes.restype = ctypes.c_size_t
         lib.qgemm_isa.restype = i
+        lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
+        lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
+        lib.hydra_resblocks.restype = lib.hydra_cell.restype = None
     _LIBS[isa] = lib
     return lib
 

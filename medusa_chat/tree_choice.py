@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 5  # bumped whenever the timed step changes (v5: interleaved Q4_1 kernel)
+CALIBRATION_VERSION = 6  # bumped whenever the timed step changes (v6: native Hydra drafter)
 
 
 def _slug(text: str) -> str:

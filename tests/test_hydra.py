@@ -125,8 +125,8 @@ def test_drafter_fills_each_node_from_its_own_path() -> None:
 
 def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> None:
     """With an int8/int4 backbone on the block kernel, the drafter runs a Q8_0 copy of the heads' linears (the
-    loaded heads are untouched); each node still comes from its own path, and greedy output is still exactly
-    the plain loop's."""
+    loaded heads are untouched), its cell and ResBlocks in C; each node still comes from its own path, and
+    greedy output is still exactly the plain loop's."""
     import copy
 
     from medusa_chat import qgemm
@@ -148,14 +148,24 @@ def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> Non
     buf = tree.buffers("cpu", torch.float32)
     embed = loaded.backbone.get_input_embeddings()
     torch.manual_seed(4)
+    # the C cell and ResBlocks (block_forward.NativeHydra) compute what the quantized modules compute
+    native = drafter.native
+    assert native is not None
+    with torch.no_grad():
+        s, e = torch.randn(5, 64), embed(torch.randint(0, 512, (5,)))
+        assert torch.allclose(native.cell(s, e), drafter.heads.draft(s, e), atol=1e-5, rtol=1e-5)
+        for k in range(heads.num_heads):
+            assert torch.allclose(
+                native.head_features(k, s), drafter.heads.head_features(k, s), atol=1e-5, rtol=1e-5
+            )
     with torch.no_grad():
         hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
         tokens = drafter.propose(root, hidden, buf).tolist()
         for node in range(1, tree.size):
             state = hidden
             for n in tree.path_nodes(node)[:-1]:
-                state = drafter.heads.draft(state, embed(torch.tensor([tokens[n]])))
-            x = drafter.heads.head_features(tree.depths[node] - 1, state)
+                state = native.cell(state, embed(torch.tensor([tokens[n]])))
+            x = native.head_features(tree.depths[node] - 1, state)
             top = drafter.project(x).topk(tree.ranks[node] + 1).indices[0]
             assert tokens[node] == int(heads.draft_vocab[top[tree.ranks[node]]]), node
     prompt = training_prompts()[0][:12]

@@ -356,3 +356,57 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
     rms_norm(x, m->final_norm, m->final_eps, T, H, h);
     memcpy(x, h, (size_t)T * H * sizeof(float));
 }
+
+// ---- Hydra drafter pieces (heads.py: ResBlock, TokenCell) on Q8_0 block weights --------------------------
+// The drafter runs a few of these per step at batch 1-8; in PyTorch each is ~10 small ops whose dispatch cost
+// more than their arithmetic. Drafts only choose what the backbone verifies: none of this affects the output.
+typedef struct {
+    const int8_t *qs;
+    const uint16_t *d;
+    const int16_t *ws;
+    const float *bias;
+} Q8Lin;
+
+// y = x + silu(W x + b), one row at a time in fixed order
+static void add_silu_bias(float *y, const float *x, const float *t, const float *b, int M, int H) {
+    for (int r = 0; r < M; r++) {
+        const float *tr = t + (size_t)r * H, *xr = x + (size_t)r * H;
+        float *yr = y + (size_t)r * H;
+        int i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(tr + i), _mm256_loadu_ps(b + i));
+            const __m256 sg = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+            _mm256_storeu_ps(yr + i, _mm256_add_ps(_mm256_loadu_ps(xr + i), sg));
+        }
+        for (; i < H; i++) {
+            const float v = tr[i] + b[i];
+            yr[i] = xr[i] + v / (1.0f + expf(-v));
+        }
+    }
+}
+
+// x [M, H] -> y [M, H] through n ResBlocks; tmp [M, H]; scratch for the 8-bit activations as q8_0_gemm's
+void hydra_resblocks(int M, int H, int n, const Q8Lin *blocks, const float *x, float *y, float *tmp, int8_t *qx,
+                     float *dx, float *sx) {
+    memcpy(y, x, (size_t)M * H * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        q8_0_gemm(y, M, H, blocks[i].qs, blocks[i].d, blocks[i].ws, H, tmp, qx, dx, sx);
+        add_silu_bias(y, y, tmp, blocks[i].bias, M, H);
+    }
+}
+
+// TokenCell: out = state + silu(W [state ; e * rsqrt(mean(e^2) + 1e-6)] + b); cat [M, 2H], tmp [M, H]
+void hydra_cell(int M, int H, const Q8Lin *cell, const float *state, const float *emb, float *out, float *cat,
+                float *tmp, int8_t *qx, float *dx, float *sx) {
+    for (int r = 0; r < M; r++) {
+        const float *e = emb + (size_t)r * H;
+        float ss = 0.0f;
+        for (int i = 0; i < H; i++) ss += e[i] * e[i];
+        const float scale = 1.0f / sqrtf(ss / (float)H + 1e-6f);
+        float *c = cat + (size_t)r * 2 * H;
+        memcpy(c, state + (size_t)r * H, (size_t)H * sizeof(float));
+        for (int i = 0; i < H; i++) c[H + i] = e[i] * scale;
+    }
+    q8_0_gemm(cat, M, 2 * H, cell->qs, cell->d, cell->ws, H, tmp, qx, dx, sx);
+    add_silu_bias(out, state, tmp, cell->bias, M, H);
+}
