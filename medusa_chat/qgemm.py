@@ -1,7 +1,8 @@
-"""GGUF-block linears (Q4_1, Q8_0) on the CPU with a small AVX2 kernel of our own (csrc/qgemm.c).
+"""GGUF-block linears (Q4_1, Q8_0) on the CPU with a small AVX2 kernel of our own (csrc/qgemm.c), built with
+AVX-VNNI / AVX512-VNNI dot products where this CPU has them (`best_isa`; the results are the same bits).
 
-The kernel is compiled once with the system C compiler the first time it is needed (about a second) and kept
-in the user cache dir; a machine without a compiler or without AVX2+FMA simply does not get these linears
+The kernel is compiled once per instruction set with the system C compiler the first time it is needed (a few
+seconds) and kept in the user cache dir; a machine without a compiler or without AVX2+FMA simply does not get these linears
 (`available()` is False) and the CPU paths fall back to torch's weight-only kernels. It runs on the OpenMP
 runtime torch already loaded (same libgomp soname), so it shares torch's threads instead of adding a pool.
 

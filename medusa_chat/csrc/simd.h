@@ -1,4 +1,4 @@
-// Helpers shared by the kernels (qgemm.c, decoder.c).
+// Helpers for the kernels (decoder.c; qgemm.c needs no horizontal sums since its 8-column layout).
 #pragma once
 #include <immintrin.h>
 
