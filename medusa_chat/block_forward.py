@@ -133,21 +133,18 @@ class NativeForward:
         # came in (a prefill, a tree, one token)
         self._cos = self._sin = torch.empty(0, self.head_dim)
 
+    def _rotary_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
+        cos, sin = self.rotary(probe, positions[None])
+        return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self.rotary, "rope_type", "default") not in STATIC_ROPE:  # depends on the call's length
-            probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
-            cos, sin = self.rotary(probe, positions[None])
-            return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+            return self._rotary_of(positions)
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
             size = max(need, 2 * self._cos.shape[0], 1024)
-            every = torch.arange(size, device=positions.device)
-            probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
-            cos, sin = self.rotary(probe, every[None])
-            self._cos, self._sin = (
-                cos[0].to(torch.float32).contiguous(),
-                sin[0].to(torch.float32).contiguous(),
-            )
+            self._cos, self._sin = self._rotary_of(torch.arange(size, device=positions.device))
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def __call__(
@@ -157,9 +154,8 @@ class NativeForward:
         start = cache.length
         x = self.embed(ids).to(torch.float32).contiguous()  # [T, H], overwritten with the output in place
         cos, sin = self._rotary(positions)
-        kv = cache.reserve(
-            start + t, self.kv_heads, self.head_dim, torch.float16, x.device
-        )  # fp16: decoder.c
+        # the cache holds fp16 (decoder.c, store_kv / load_kv)
+        kv = cache.reserve(start + t, self.kv_heads, self.head_dim, torch.float16, x.device)
         if isinstance(attend, TreePlan):
             blocks, lens = attend.blocks, attend.block_len
             blk, blen, stride, longest = blocks.data_ptr(), lens.data_ptr(), blocks.shape[1], attend.depth + 1

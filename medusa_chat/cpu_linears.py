@@ -31,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -146,23 +145,6 @@ GGUF_LINEARS = {
 }
 
 
-def unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_1 bytes [rows, cols / 32 * 20] -> codes [rows, cols] (0..15), d and m [rows, cols / 32].
-
-    A block is d (fp16), m (fp16), then 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31.
-    """
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    qs = blocks[..., 4:20]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
-    return (
-        torch.from_numpy(codes.astype(np.int32)),
-        torch.from_numpy(d.astype(np.float32)),
-        torch.from_numpy(m.astype(np.float32)),
-    )
-
-
 def _reverse_permute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's converter interleaves the rotary halves of q/k rows; transformers' GGUF loader undoes it
     (`reverse_permute_weights`). The same row permutation applies to codes and per-row block scales."""
@@ -180,8 +162,7 @@ def gguf_blocks(path: Path, config: Any) -> GGUFBlocks:
     codes and scales; every other tensor type is left out, and the caller keeps those weights as the float
     model converted from the file has them (faithful, only not packed).
     """
-    from medusa_chat.gguf_file import read_tensors
-    from medusa_chat.qgemm import unpack_q8_0
+    from medusa_chat.gguf_file import read_tensors, unpack_q4_1, unpack_q8_0
 
     tensors = read_tensors(path)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 # GGML types this project reads: (bytes per block, weights per block)
 TYPE_NAMES = {0: "F32", 1: "F16", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
@@ -123,24 +124,45 @@ def _read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     return out
 
 
+def unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 bytes [rows, cols / 32 * 20] -> codes [rows, cols] (0..15), d and m [rows, cols / 32] (fp32).
+
+    A block is d (fp16), m (fp16), then 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31.
+    """
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    qs = blocks[..., 4:20]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return (
+        torch.from_numpy(codes.astype(np.int32)),
+        torch.from_numpy(d.astype(np.float32)),
+        torch.from_numpy(m.astype(np.float32)),
+    )
+
+
+def unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 bytes [rows, cols / 32 * 34] -> codes [rows, cols] int8, d [rows, cols / 32] (fp32)."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)
+    return torch.from_numpy(q.copy()), torch.from_numpy(d)
+
+
 def dequantize(t: GGUFTensor) -> np.ndarray:
-    """The tensor as float32 in its torch shape (F32, F16, Q4_1, Q8_0): exactly the values the blocks define."""
+    """The tensor as float32 in its torch shape (F32, F16, Q4_1, Q8_0): exactly the values the blocks define
+    (w = d * q + m, w = d * q, each product and sum rounded once in fp32, as gguf-py and transformers do)."""
     if t.type_id == 0:
         return t.data.view(np.float32).reshape(t.shape).copy()
     if t.type_id == 1:
         return t.data.view(np.float16).astype(np.float32).reshape(t.shape)
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
     cols = t.shape[-1]
-    if t.type_id == 3:  # Q4_1: d (f16), m (f16), 16 bytes of nibbles (low = weights 0..15, high = 16..31)
-        b = t.data.reshape(rows, cols // 32, 20)
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
-        m = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-        qs = b[..., 4:20]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
-        return (d * q + m).reshape(t.shape)
-    if t.type_id == 8:  # Q8_0: d (f16), 32 int8
-        b = t.data.reshape(rows, cols // 32, 34)
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
-        q = b[..., 2:34].copy().view(np.int8).astype(np.float32)
-        return (d * q).reshape(t.shape)
+    if t.type_id == 3:
+        codes, d, m = unpack_q4_1(t.data, rows, cols)
+        w = d[..., None] * codes.float().view(rows, -1, 32) + m[..., None]
+        return w.reshape(t.shape).numpy()
+    if t.type_id == 8:
+        codes, d = unpack_q8_0(t.data, rows, cols)
+        return (d[..., None] * codes.float().view(rows, -1, 32)).reshape(t.shape).numpy()
     raise ValueError(f"tensor {t.name}: dequantizing GGML type {t.type_name} is not supported here")

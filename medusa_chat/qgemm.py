@@ -22,7 +22,6 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -369,17 +368,8 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.view(n, k // QK, QK)
     d = g.abs().amax(-1) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(
-        n, k
-    ), d.half().float()  # d: fp16
-
-
-def unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q8_0 bytes [rows, cols / 32 * 34] -> codes [rows, cols] int8, d [rows, cols / 32]."""
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)
-    return torch.from_numpy(q.copy()), torch.from_numpy(d)
+    codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    return codes, d.half().float()  # the file stores d as fp16, and so does Q80Linear
 
 
 def fuse(modules: list[nn.Module]) -> BlockLinear | None:
