@@ -234,6 +234,7 @@ class NativeHydra:
             return _Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), module.bias.data_ptr())
 
         self.lib, self._heads = lib, quantized_heads  # keeps the buffers alive
+        self._plans: dict[int, tuple[Any, torch.Tensor, int, int]] = {}  # per tree: hydra_draft's index plan
         self.hidden = int(quantized_heads.hidden_size)
         self._cell = q8(quantized_heads.draft.linear)
         self._blocks = []
@@ -243,6 +244,65 @@ class NativeHydra:
             self._blocks.append((len(head), arr))
         self._rows = 0
         self._grow(8)
+        self._head_ptrs = (ctypes.POINTER(_Q8Lin) * len(self._blocks))(
+            *(ctypes.cast(arr, ctypes.POINTER(_Q8Lin)) for _, arr in self._blocks)
+        )
+        self._head_counts = (_i * len(self._blocks))(*(n for n, _ in self._blocks))
+        self._proj: tuple[Any, ...] | None = None
+        self._work = torch.empty(0)
+
+    def bind_draft(self, project: Any, draft_vocab: torch.Tensor, embed_weight: torch.Tensor) -> bool:
+        """Set up `draft` (the whole draft in one C call) for this projection; False when it cannot run it (the
+        projection is not a block linear, or the embeddings are not an fp32 table), and `draft` stays unused."""
+        from medusa_chat.qgemm import BlockLinear
+
+        if not isinstance(project, BlockLinear) or embed_weight.dtype != torch.float32:
+            return False
+        vocab = draft_vocab.to(torch.int64).contiguous()
+        table = embed_weight.detach().contiguous()
+        self._proj = (project, _blin(project), vocab, table)  # the module keeps the BLin's buffers alive
+        return True
+
+    def _plan(self, buf: Any) -> tuple[Any, torch.Tensor, int, int]:
+        """hydra_draft's int32 index plan for a tree (built once per TreeBuffers): per depth I, C, K and the
+        TreeLevel index lists; plus the most rows any depth has."""
+        plan = self._plans.get(id(buf))
+        if plan is None or plan[0] is not buf:
+            flat: list[int] = []
+            rows = 1
+            for level in buf.levels:
+                if level.top_k > 64:  # hydra_draft's top-k buffer
+                    raise ValueError("hydra_draft supports top-k up to 64 per depth")
+                i, c = len(level.internal_rows), len(level.child_nodes)
+                flat += [i, c, level.top_k, *level.internal_rows.tolist(), *level.child_nodes.tolist()]
+                flat += [
+                    *level.child_slot.tolist(),
+                    *level.child_rank.tolist(),
+                    *level.child_parent_row.tolist(),
+                ]
+                rows = max(rows, i, c)
+            plan = self._plans[id(buf)] = (buf, torch.tensor(flat, dtype=torch.int32), len(buf.levels), rows)
+        return plan
+
+    def draft(self, root: torch.Tensor, hidden: torch.Tensor, buf: Any) -> torch.Tensor:
+        """The tree's tokens [N] (root first) drafted in one C call (decoder.c, hydra_draft); `bind_draft` first."""
+        project, blin, vocab, table = self._proj  # type: ignore[misc]
+        _, plan, levels, rows = self._plan(buf)
+        if rows > self._rows:
+            self._grow(rows)
+        h = self.hidden
+        need = 8 * rows * h + rows * project.out_features + rows * 64
+        if self._work.numel() < need:
+            self._work = torch.empty(need)
+        hidden = hidden.float().contiguous()
+        root = root.to(torch.int64).contiguous()
+        tokens = torch.empty(buf.tree.size, dtype=torch.int64)
+        self.lib.hydra_draft(
+            h, ctypes.byref(self._cell), self._head_ptrs, self._head_counts, ctypes.byref(blin),
+            vocab.data_ptr(), table.data_ptr(), hidden.data_ptr(), root.data_ptr(), plan.data_ptr(), levels,
+            tokens.data_ptr(), self._work.data_ptr(), rows, *self._scratch,
+        )  # fmt: skip
+        return tokens
 
     def _grow(self, rows: int) -> None:
         h = self.hidden

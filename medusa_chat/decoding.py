@@ -285,11 +285,16 @@ class HydraDrafter:
             from medusa_chat.block_forward import native_hydra_for
 
             self.native = native_hydra_for(self.heads)
+            if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed.weight):
+                self.native_draft = self.native.draft
 
     native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel
+    native_draft = None  # the same drafting loop as `propose`, all depths in one C call (NativeHydra.draft)
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
+        if self.native_draft is not None:
+            return self.native_draft(root, hidden, buf)
         tokens = root.new_zeros(buf.tree.size)
         tokens[:1] = root
         cell = self.native.cell if self.native is not None else self.heads.draft

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 QK = 32
-GROUP = 8  # output rows per interleaved group (the kernel's vector width)
+GROUP = 16  # output rows per interleaved group (qgemm.c GW: one 512-bit or two 256-bit vectors)
 SOURCES = ("qgemm.c", "decoder.c")
 HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
@@ -132,7 +132,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.qgemm_isa.restype = i
         lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
         lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
-        lib.hydra_resblocks.restype = lib.hydra_cell.restype = None
+        lib.hydra_draft.argtypes = [i, p, p, p, p, p, p, p, p, p, i, p, p, i, p, p, p]
+        lib.hydra_resblocks.restype = lib.hydra_cell.restype = lib.hydra_draft.restype = None
     _LIBS[isa] = lib
     return lib
 
@@ -206,10 +207,10 @@ class BlockLinear(nn.Module):
 class Q41Linear(BlockLinear):
     """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m.
 
-    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups of 8, each group's blocks
-    interleaved so that one 32-byte load holds 4 codes of every row of the group. The buffers keep the shapes of
-    the plain layout (qs [N, K / 2], d and m [N, K / 32]) and a group occupies the same bytes as its 8 rows, so
-    slicing or concatenating at multiples of 8 rows (`fuse`) still works. N is padded to a multiple of 8 with
+    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups of 16, each group's blocks
+    interleaved so that one 64-byte load holds 4 codes of every row of the group. The buffers keep the shapes of
+    the plain layout (qs [N, K / 2], d and m [N, K / 32]) and a group occupies the same bytes as its 16 rows, so
+    slicing or concatenating at multiples of 16 rows (`fuse`) still works. N is padded to a multiple of 16 with
     zero weights, never read back (`out_features` is the true N). d and m are fp16 as in the file: a block costs
     the file's 20 bytes, so a step streams no more bytes than llama.cpp's does (the step is memory-bound).
     """
@@ -263,10 +264,10 @@ class Q41Linear(BlockLinear):
 def interleave_q4_1(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain Q4_1 blocks (codes [N, K], N % 8 == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
+    """Plain Q4_1 blocks (codes [N, K], N % 16 == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
 
-    Within a group of 8 rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
-    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the 8 rows' d, then their m."""
+    Within a group of 16 rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
+    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the 16 rows' d, then their m."""
     n, k = codes.shape
     g, nb = n // GROUP, k // QK
     c = codes.to(torch.uint8).view(g, GROUP, nb, 2, 4, 4)  # [group, row, block, half, j, t]
@@ -293,7 +294,7 @@ def deinterleave_q4_1(
 class Q80Linear(BlockLinear):
     """GGUF Q8_0: per 32 weights a scale d, w = d * q, q in -127..127.
 
-    Interleaved in groups of 8 output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
+    Interleaved in groups of 16 output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
     plus `s` [N, K / 32] int16: each block's sum of codes (the VNNI product's correction term, qgemm.c)."""
 
     kind = "q8_0"
@@ -339,9 +340,9 @@ class Q80Linear(BlockLinear):
 
 
 def interleave_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain Q8_0 blocks (codes [N, K] int8, N % 8 == 0; d [N, K / 32]) -> the kernel's interleaved layout:
-    within a group of 8 rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
-    the 8 rows' d and block sums of codes."""
+    """Plain Q8_0 blocks (codes [N, K] int8, N % 16 == 0; d [N, K / 32]) -> the kernel's interleaved layout:
+    within a group of 16 rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
+    the 16 rows' d and block sums of codes."""
     n, k = codes.shape
     g, nb = n // GROUP, k // QK
     c = codes.view(g, GROUP, nb, 8, 4)  # [group, row, block, j, t]
@@ -383,7 +384,7 @@ def fuse(modules: list[nn.Module]) -> BlockLinear | None:
         return None
     cls = type(first)
     if any(m.out_features % GROUP for m in modules):
-        return None  # interleaved groups of 8 rows: only whole groups can be laid end to end
+        return None  # interleaved groups of 16 rows: only whole groups can be laid end to end
     fused = cls.__new__(cls)
     BlockLinear.__init__(fused, sum(m.out_features for m in modules), first.in_features)
     for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d", "s"):

@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 6  # bumped whenever the timed step changes (v6: native Hydra drafter)
+CALIBRATION_VERSION = 7  # bumped whenever the timed step changes (v7: whole draft in C, shared-V attention)
 
 
 def _slug(text: str) -> str:
@@ -176,7 +176,7 @@ def resolve_tree(
     base = tree.prefix(min(tree.size, CPU_MAX_TREE))
     if progress is not None:
         progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
-    from medusa_chat.calibrate import calibrate  # the harness (measures; imports the engine)
+    from medusa_chat.calibrate import CALIBRATION_PROMPTS, calibrate  # the harness (imports the engine)
 
     record = calibrate(
         loaded,
@@ -184,8 +184,8 @@ def resolve_tree(
         sizes=CPU_SIZES,
         reps=5,
         measure_accuracy=True,
-        measure_replies=3,
-        measure_tokens=40,
+        measure_replies=len(CALIBRATION_PROMPTS),  # ~300 tokens: a reply costs well under a second here
+        measure_tokens=48,
         progress=progress,
     )
     record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among

@@ -317,3 +317,14 @@ def test_heads_tree_json_is_found_next_to_the_heads_file(tmp_path: Path) -> None
     fake = SimpleNamespace(heads_file=str(heads_dir / "medusa_lm_head.safetensors"), spec=None, info=dict)
     assert cal.heads_tree_json(fake) == heads_dir / "tree.json"
     assert cal.heads_tree_json(SimpleNamespace(heads_file="", spec=None, info=dict)) is None
+
+
+def test_pick_tree_size_near_ties_go_to_the_smaller_tree() -> None:
+    # the 2-core EPYC case: 2, 3 and 4 nodes estimated within 2% of each other
+    latency = {1: 4.38, 2: 5.25, 3: 5.90, 4: 6.16}
+    tps = {1: 1.0, 2: 1.509, 3: 1.709, 4: 1.80}
+    assert pick_tree_size(latency, tps) == 4  # strictly the best estimate
+    assert pick_tree_size(latency, tps, near_tie=0.03) == 2  # within 3% of it: the smallest such tree
+    assert pick_tree_size(latency, tps, near_tie=0.001) == 4
+    # a clear winner stays the winner
+    assert pick_tree_size({1: 1.0, 2: 1.0, 4: 1.0}, {1: 1.0, 2: 1.2, 4: 1.5}, near_tie=0.03) == 4

@@ -158,6 +158,22 @@ def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> Non
             assert torch.allclose(
                 native.head_features(k, s), drafter.heads.head_features(k, s), atol=1e-5, rtol=1e-5
             )
+    # the whole draft runs as one C call (hydra_draft) and gives what the per-depth loop gives, for any tree
+    assert drafter.native_draft is not None
+    with torch.no_grad():
+        for t in (Tree.named("mc_sim_7b_63"), Tree.named("mc_sim_7b_63").prefix(6), Tree.named("chain-4")):
+            name = f"{t.name}[:{t.size}]"
+            b = t.buffers("cpu", torch.float32)
+            for seed in range(3):
+                torch.manual_seed(seed)
+                hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
+                in_c = drafter.propose(root, hidden, b)
+                drafter.native_draft = None
+                try:
+                    in_python = drafter.propose(root, hidden, b)
+                finally:
+                    drafter.native_draft = native.draft
+                assert torch.equal(in_c, in_python), (name, seed)
     with torch.no_grad():
         hidden, root = torch.randn(1, 64), torch.randint(0, 512, (1,))
         tokens = drafter.propose(root, hidden, buf).tolist()

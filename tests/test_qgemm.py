@@ -64,7 +64,8 @@ def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPat
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         isas.append("avx512vnni")
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(200, 96, generator=g) * 0.05  # 200 rows: 25 groups of 8; 96 = 3 blocks
+    # 200 rows: 12 groups of 16 and a half one (padded); 96 = 3 blocks
+    w = torch.randn(200, 96, generator=g) * 0.05
     x = torch.randn(11, 96, generator=g) * 3
     outs: dict[str, list[torch.Tensor]] = {}
     for isa in isas:
@@ -78,7 +79,7 @@ def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPat
 
 
 def test_odd_row_counts_are_padded_and_round_trip() -> None:
-    """Rows are stored in interleaved groups of 8: a count that is not a multiple of 8 is padded, the padding
+    """Rows are stored in interleaved groups of 16: a count that is not a multiple of 16 is padded, the padding
     never shows, and the plain blocks come back exactly (`rows`, `dequantized`)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(13, 64, generator=g)
@@ -108,11 +109,11 @@ def test_fused_projections_equal_the_separate_ones() -> None:
     assert torch.equal(fused(x), torch.cat(separate, dim=-1))
     assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))  # originals now views
     assert mods[1].qs.data_ptr() == fused.qs[64:].data_ptr()  # no second copy of the weights
-    q8 = [qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(n, 64, generator=g))) for n in (16, 8)]
+    q8 = [qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(n, 64, generator=g))) for n in (32, 16)]
     separate = [m(x) for m in q8]
     fused8 = qgemm.fuse(q8)
     assert fused8 is not None and torch.equal(fused8(x), torch.cat(separate, dim=-1))
-    assert qgemm.fuse([mods[0], qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(8, 64)))]) is None
+    assert qgemm.fuse([mods[0], qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(16, 64)))]) is None
 
 
 @pytest.mark.slow

@@ -183,30 +183,53 @@ static void rope(float *x, const float *cs, const float *sn, int hd) {
 static inline int block_len(const int *blen, int r) { return blen ? blen[r] : r + 1; }
 static inline int block_slot(const int *blk, int stride, int r, int b) { return blk ? blk[(size_t)r * stride + b] : b; }
 
-// o[d0 .. d0 + 8W) = inv * sum_jj p[jj] * v[key jj][d0 ..], keys in order (the prefix, then the row's block
-// keys). W is a compile-time constant at every call, so the W accumulators live in registers: with a runtime
-// width they went through memory, and this loop cost more than the layer's projections.
-static inline __attribute__((always_inline)) void weighted_values(const float *p, int L, int start, const int *blk,
-                                                                   int stride, int row, const kv_t *vh, int hd,
-                                                                   int d0, float inv, float *o, const int W) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int u = 0; u < W; u++) acc[u] = _mm256_setzero_ps();
+// Weighted sums of values for P (row, head) pairs of one KV head, dims [d0, d0 + 8W): for each pair
+// o = inv * sum_jj p[jj] * v[key jj], keys in order (the shared prefix, then the row's own block keys). A prefix
+// value is read and converted from fp16 once for all P pairs (the pairs are the group's query heads times the
+// tree rows), instead of once per pair. Per output lane the arithmetic is the same sequence whatever P is
+// (acc = 0, acc = fma(p_j, v_j, acc) over the keys in order, then * inv), so a pair's result never depends on
+// the pairs computed beside it. W and P are compile-time constants at every call: the accumulators stay in
+// registers.
+typedef struct {
+    const float *p;  // the pair's softmax numerators [L]
+    float *o;        // the pair's output (head slice of its row)
+    float inv;       // 1 / sum(p)
+    int row;         // row in the step (for its block keys)
+} WPair;
+
+static inline __attribute__((always_inline)) void weighted_values(const WPair *pr, int start, const int *blk,
+                                                                   const int *blen, int stride, const kv_t *vh,
+                                                                   int hd, int d0, const int W, const int P) {
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < P; i++)
+#pragma GCC unroll 2
+        for (int u = 0; u < W; u++) acc[i][u] = _mm256_setzero_ps();
     for (int jj = 0; jj < start; jj++) {
         const kv_t *v = vh + (size_t)jj * hd + d0;
-        const __m256 pj = _mm256_set1_ps(p[jj]);
-#pragma GCC unroll 8
-        for (int u = 0; u < W; u++) acc[u] = _mm256_fmadd_ps(pj, load_kv(v + 8 * u), acc[u]);
+        __m256 vv[2];
+#pragma GCC unroll 2
+        for (int u = 0; u < W; u++) vv[u] = load_kv(v + 8 * u);
+#pragma GCC unroll 4
+        for (int i = 0; i < P; i++) {
+            const __m256 pj = _mm256_set1_ps(pr[i].p[jj]);
+#pragma GCC unroll 2
+            for (int u = 0; u < W; u++) acc[i][u] = _mm256_fmadd_ps(pj, vv[u], acc[i][u]);
+        }
     }
-    for (int jj = start; jj < L; jj++) {
-        const kv_t *v = vh + (size_t)(start + block_slot(blk, stride, row, jj - start)) * hd + d0;
-        const __m256 pj = _mm256_set1_ps(p[jj]);
-#pragma GCC unroll 8
-        for (int u = 0; u < W; u++) acc[u] = _mm256_fmadd_ps(pj, load_kv(v + 8 * u), acc[u]);
+#pragma GCC unroll 4
+    for (int i = 0; i < P; i++) {
+        const int nb = block_len(blen, pr[i].row);
+        for (int b = 0; b < nb; b++) {
+            const kv_t *v = vh + (size_t)(start + block_slot(blk, stride, pr[i].row, b)) * hd + d0;
+            const __m256 pj = _mm256_set1_ps(pr[i].p[start + b]);
+#pragma GCC unroll 2
+            for (int u = 0; u < W; u++) acc[i][u] = _mm256_fmadd_ps(pj, load_kv(v + 8 * u), acc[i][u]);
+        }
+        const __m256 vi = _mm256_set1_ps(pr[i].inv);
+#pragma GCC unroll 2
+        for (int u = 0; u < W; u++) _mm256_storeu_ps(pr[i].o + d0 + 8 * u, _mm256_mul_ps(acc[i][u], vi));
     }
-    const __m256 vi = _mm256_set1_ps(inv);
-#pragma GCC unroll 8
-    for (int u = 0; u < W; u++) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], vi));
 }
 
 // Attention of rows [r0, r0 + R) for one layer. q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd].
@@ -243,7 +266,8 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
                     }
             }
         }
-    // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum, 4. weighted sum of values
+    // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum
+    WPair pairs[RC * nh];
 #pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= ATT_PAR_MIN)
     for (int r = 0; r < R; r++)
         for (int h = 0; h < nh; h++) {
@@ -267,23 +291,39 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
                 p = load_tail(s + j, L - j, 0.0f);  // padding lanes add +0: the sum's bits are unchanged
                 sum = _mm256_add_ps(sum, p);
             }
-            const float inv = 1.0f / hsum8(sum);
-            float *o = out + (size_t)row * nh * hd + h * hd;
+            // pairs are ordered by KV head, then row, then query head of the group (step 4's tiles)
+            const int g = h % G;
+            pairs[((size_t)kh * R + r) * G + g] =
+                (WPair){s, out + (size_t)row * nh * hd + h * hd, 1.0f / hsum8(sum), row};
+        }
+    // 4. weighted sums of values: per KV head and 16-dim slice, all of its (row, query head) pairs at once
+    const int n_slices = (hd + 15) / 16, n_pairs = R * G;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= ATT_PAR_MIN)
+    for (int kh = 0; kh < nkv; kh++)
+        for (int c = 0; c < n_slices; c++) {
             const kv_t *vh = vc + (size_t)kh * cap * hd;
-            int d0 = 0;
-#define WV(W) weighted_values(s, L, start, blk, stride, row, vh, hd, d0, inv, o, W)
-            for (; d0 + 64 <= hd; d0 += 64) WV(8);
-            switch ((hd - d0) / 8) {  // hd % 8 == 0
-                case 7: WV(7); break;
-                case 6: WV(6); break;
-                case 5: WV(5); break;
-                case 4: WV(4); break;
-                case 3: WV(3); break;
-                case 2: WV(2); break;
-                case 1: WV(1); break;
-                default: break;
+            const WPair *pk = pairs + (size_t)kh * n_pairs;
+            const int d0 = 16 * c, wide = hd - d0 >= 16;  // hd % 8 == 0: the last slice may be 8 dims
+            for (int t = 0; t < n_pairs; t += 4) {
+                const int P = n_pairs - t < 4 ? n_pairs - t : 4;
+#define WVC(Wc, Pc) weighted_values(pk + t, start, blk, blen, stride, vh, hd, d0, Wc, Pc)
+                if (wide) {
+                    switch (P) {
+                        case 1: WVC(2, 1); break;
+                        case 2: WVC(2, 2); break;
+                        case 3: WVC(2, 3); break;
+                        default: WVC(2, 4); break;
+                    }
+                } else {
+                    switch (P) {
+                        case 1: WVC(1, 1); break;
+                        case 2: WVC(1, 2); break;
+                        case 3: WVC(1, 3); break;
+                        default: WVC(1, 4); break;
+                    }
+                }
+#undef WVC
             }
-#undef WV
         }
 }
 
@@ -409,4 +449,71 @@ void hydra_cell(int M, int H, const Q8Lin *cell, const float *state, const float
     }
     q8_0_gemm(cat, M, 2 * H, cell->qs, cell->d, cell->ws, H, tmp, qx, dx, sx);
     add_silu_bias(out, state, tmp, cell->bias, M, H);
+}
+
+// The indices of the k largest of v[0 .. n), largest first; ties go to the lower index (a strict > test), so the
+// result never depends on anything but the values. k is a tree's width at one depth (a few).
+static void top_k(const float *v, int n, int k, int *out) {
+    float best[64];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const float x = v[i];
+        if (m == k && !(x > best[k - 1])) continue;
+        int j = m < k ? m++ : k - 1;
+        while (j > 0 && x > best[j - 1]) {
+            best[j] = best[j - 1];
+            out[j] = out[j - 1];
+            j--;
+        }
+        best[j] = x;
+        out[j] = i;
+    }
+}
+
+// A whole Hydra draft (decoding.py, HydraDrafter.propose) in one call: the cell folds the root into the last
+// accepted node's state, then depth by depth the ResBlocks of head d on the nodes that have children, the
+// draft-vocabulary projection (a Q4_1 block linear), top-k, the children's tokens and (except at the last depth)
+// the cell folding each child's token into its parent's state. Python paid ~12 small tensor ops per depth for
+// this; here a depth costs its arithmetic.
+//
+// plan (int32), per depth: I, C, K, then internal_rows[I], child_nodes[C], child_slot[C], child_rank[C],
+// child_parent_row[C] (tree.py, TreeLevel). heads[d] / n_blocks[d]: head d's ResBlocks. embed: [vocab, H] fp32.
+// work: floats, at least (6 * R + 2 * R) * H + R * V + R * 64, R = the most rows of a depth (I or C), V = the
+// projection's padded rows; qx/dx/sx: the 8-bit activation scratch for R rows of 2H.
+void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
+                 const int64_t *draft_vocab, const float *embed, const float *hidden, const int64_t *root,
+                 const int *plan, int n_levels, int64_t *tokens, float *work, int R, int8_t *qx, float *dx,
+                 float *sx) {
+    float *state = work, *nstate = state + (size_t)R * H, *x = nstate + (size_t)R * H, *y = x + (size_t)R * H,
+          *tmp = y + (size_t)R * H, *emb = tmp + (size_t)R * H, *cat = emb + (size_t)R * H,
+          *logits = cat + (size_t)2 * R * H;
+    int *top = (int *)(logits + (size_t)R * proj->N);
+    const size_t row_bytes = (size_t)H * sizeof(float);
+    tokens[0] = root[0];
+    memcpy(emb, embed + (size_t)root[0] * H, row_bytes);
+    hydra_cell(1, H, cell, hidden, emb, state, cat, tmp, qx, dx, sx);  // depth 0: the root only
+    for (int d = 0; d < n_levels; d++) {
+        const int I = plan[0], C = plan[1], K = plan[2];
+        const int *internal = plan + 3, *nodes = internal + I, *slot = nodes + C, *rank = slot + C,
+                  *parent_row = rank + C;
+        plan = parent_row + C;
+        for (int i = 0; i < I; i++) memcpy(x + (size_t)i * H, state + (size_t)internal[i] * H, row_bytes);
+        hydra_resblocks(I, H, n_blocks[d], heads[d], x, y, tmp, qx, dx, sx);
+        linear(proj, y, I, logits, qx, dx, sx);
+        for (int i = 0; i < I; i++) top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
+        for (int c = 0; c < C; c++) {
+            const int64_t tok = draft_vocab[top[slot[c] * 64 + rank[c]]];
+            tokens[nodes[c]] = tok;
+            if (d + 1 < n_levels) {
+                memcpy(emb + (size_t)c * H, embed + (size_t)tok * H, row_bytes);
+                memcpy(x + (size_t)c * H, state + (size_t)parent_row[c] * H, row_bytes);
+            }
+        }
+        if (d + 1 < n_levels) {
+            hydra_cell(C, H, cell, x, emb, nstate, cat, tmp, qx, dx, sx);
+            float *t = state;
+            state = nstate;
+            nstate = t;
+        }
+    }
 }

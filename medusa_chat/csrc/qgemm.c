@@ -7,12 +7,13 @@
 // The weights are the file's blocks; the activations are quantized to 8 bits per block of 32 (llama.cpp's own
 // scheme for these formats), and the block dot products are exact integer sums.
 //
-// Layout: output columns in groups of 8, each group's blocks interleaved (qgemm.py, interleave_*): per block,
-// 32-byte vectors where register j holds for each column c of the group the 4 codes of block elements
-// 4j..4j+3 at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements 16+4j..16+4j+3). One
-// multiply-add of such a register with the row's 4 activation codes broadcast gives the partial dots of all 8
-// columns at once, so there is no horizontal sum, and the 8 columns' scales apply with one vector FMA.
-//
+// Layout: output columns in groups of 16 (qgemm.py, interleave_*), each group's blocks interleaved: per block,
+// 64-byte vectors where vector j holds for each column c of the group the 4 codes of block elements 4j..4j+3
+// at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements 16+4j..16+4j+3). One multiply-add of
+// such a vector with the row's 4 activation codes broadcast gives the partial dots of all 16 columns at once,
+// so there is no horizontal sum, and the columns' scales apply with one vector FMA. With 512-bit registers
+// (AVX512-VNNI builds) a tile is the whole group; with 256-bit ones it is each 32-byte half (8 columns) in turn.
+// Both compute every column with the same arithmetic, so every build gives the same bits.
 // Why a kernel of our own: at batch 1 the step is bound by these products, and torch's CPU weight-only kernels
 // re-read or re-expand the weight for every row, so a 4-row tree step costs ~2x a 1-row step. Here each weight
 // block is read and expanded once and applied to up to 4 rows. Row invariance (the tree step must reproduce the
@@ -24,7 +25,8 @@
 #include <string.h>
 
 #define QK 32
-#define GC 8    // output columns per interleaved group (one 8-lane vector)
+#define GC 8    // output columns per 256-bit tile (one 8-lane vector)
+#define GW 16   // output columns per interleaved group (qgemm.py GROUP): one 16-lane vector, or two 8-lane ones
 #define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
 #define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
 
@@ -99,7 +101,8 @@ static inline void store_cols(float *out, __m256 v, int w) {
     }
 }
 
-// Q4_1, one group of 8 columns x MR_ rows. Codes are 0..15 (unsigned operand), activations -127..127.
+// Q4_1, 8 columns (one half of a group: qs, d, mn already offset to it) x MR_ rows. Codes are 0..15 (unsigned
+// operand), activations -127..127.
 // Without VNNI, the 8 maddubs partials of a block add up exactly in 16 bits (|sum| <= 8 * 2 * 15 * 127 < 32768).
 static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, const float *dx, const float *sx,
                                                              int nb, int r0, const uint8_t *qs, const uint16_t *d,
@@ -113,15 +116,15 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     for (int b = 0; b < nb; b++) {
-        const uint8_t *wb = qs + (size_t)b * 128;
+        const uint8_t *wb = qs + (size_t)b * 256;
         __m256i lo[4], hi[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * j));
             lo[j] = _mm256_and_si256(raw, m4);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
-        const __m256 db = load_f16(d + (size_t)b * GC), mb = load_f16(mn + (size_t)b * GC);
+        const __m256 db = load_f16(d + (size_t)b * GW), mb = load_f16(mn + (size_t)b * GW);
 #pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) {
             const size_t xb = (size_t)(r0 + r) * nb + b;
@@ -157,7 +160,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
     for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
-// Q8_0, one group of 8 columns x MR_ rows; both operands are signed.
+// Q8_0, 8 columns (one half of a group, pointers offset to it) x MR_ rows; both operands are signed.
 //   VNNI: the unsigned operand is the activation shifted by 128 (xu = x + 128, kept beside qx by quantize_rows),
 //         and 128 * (the column's block sum of codes, `ws`) is subtracted again: exact.
 //   AVX2: the sign moves from w to x (|w| * sign(x, w)), pairs summed in 32 bits (two pairs could pass 16).
@@ -175,14 +178,14 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
     (void)qx;
 #endif
     for (int b = 0; b < nb; b++) {
-        const int8_t *wb = qs + (size_t)b * 256;
+        const int8_t *wb = qs + (size_t)b * 512;
         __m256i w[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
-        const __m256 db = load_f16(d + (size_t)b * GC);
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + 64 * j));
+        const __m256 db = load_f16(d + (size_t)b * GW);
 #if HAVE_VNNI
         const __m256i corr =
-            _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)b * GC))), 7);
+            _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)b * GW))), 7);
 #endif
 #pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) {
@@ -215,6 +218,106 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
     for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 512-bit tiles: a whole group of 16 columns per register, per lane exactly the 256-bit tiles' arithmetic
+// (same integer sums, same FMAs in the same order), so the results are bitwise theirs. Half the instructions
+// per multiply-add: a tree step's extra rows are compute, not memory, and cost that much less.
+#define HAVE_512 1
+static inline __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __m512 load_f16x16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline void store_cols16(float *out, __m512 v, int w) {
+    if (w == GW)
+        _mm512_storeu_ps(out, v);
+    else
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << w) - 1), v);
+}
+
+static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, const float *dx, const float *sx,
+                                                               int nb, int r0, const uint8_t *qs,
+                                                               const uint16_t *d, const uint16_t *mn, float *y,
+                                                               int N, int n0, const int MR_) {
+    __m512 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = qs + (size_t)b * 256;
+        __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(wb + 64 * j));
+            lo[j] = _mm512_and_si512(raw, m4);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        const __m512 db = load_f16x16(d + (size_t)b * GW), mb = load_f16x16(mn + (size_t)b * GW);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+            const int8_t *q = qx + xb * QK;
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4_512(q));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4_512(q + 16));
+            s0 = _mm512_dpbusd_epi32(s0, lo[1], bcast4_512(q + 4));
+            s1 = _mm512_dpbusd_epi32(s1, hi[1], bcast4_512(q + 20));
+            s0 = _mm512_dpbusd_epi32(s0, lo[2], bcast4_512(q + 8));
+            s1 = _mm512_dpbusd_epi32(s1, hi[2], bcast4_512(q + 24));
+            s0 = _mm512_dpbusd_epi32(s0, lo[3], bcast4_512(q + 12));
+            s1 = _mm512_dpbusd_epi32(s1, hi[3], bcast4_512(q + 28));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_set1_ps(dx[xb])), dot, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[xb]), acc[r]);
+        }
+    }
+    const int w = N - n0 < GW ? N - n0 : GW;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols16(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu, const float *dx, int nb, int r0,
+                                                               const int8_t *qs, const uint16_t *d,
+                                                               const int16_t *ws, float *y, int N, int n0,
+                                                               const int MR_) {
+    __m512 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int8_t *wb = qs + (size_t)b * 512;
+        __m512i w[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wb + 64 * j));
+        const __m512 db = load_f16x16(d + (size_t)b * GW);
+        const __m512i corr =
+            _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(ws + (size_t)b * GW))), 7);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+            const int8_t *q = qxu + xb * QK;
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bcast4_512(q), w[0]);
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bcast4_512(q + 4), w[1]);
+#pragma GCC unroll 3
+            for (int j = 2; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, bcast4_512(q + 4 * j), w[j]);
+                s1 = _mm512_dpbusd_epi32(s1, bcast4_512(q + 4 * j + 4), w[j + 1]);
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_set1_ps(dx[xb])), dot, acc[r]);
+        }
+    }
+    const int w = N - n0 < GW ? N - n0 : GW;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols16(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+#else
+#define HAVE_512 0
+#endif
+
 #define ROW_TILES(CALL)                                                     \
     for (int r0 = 0; r0 < M; r0 += TR) {                                    \
         switch (M - r0 < TR ? M - r0 : TR) {                                \
@@ -225,36 +328,52 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
         }                                                                   \
     }
 
-// x [M, K] fp32 row-major; qs, d, mn: ceil(N / 8) interleaved groups (K / 2 * 8 bytes, K / 32 * 8 fp16 each);
-// y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
+// x [M, K] fp32 row-major; qs, d, mn: ceil(N / 16) interleaved groups (K / 2 * 16 bytes, K / 32 * 16 fp16
+// each); y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
 void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
-    const int nb = K / QK, ng = (N + GC - 1) / GC;
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
     quantize_rows(x, M, K, qx, dx, sx, NULL);
 #pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
     for (int g = 0; g < ng; g++) {
-        const uint8_t *gq = qs + (size_t)g * nb * 128;
-        const uint16_t *gd = d + (size_t)g * nb * GC, *gm = mn + (size_t)g * nb * GC;
-#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GC, MRc)
+        const uint8_t *gq = qs + (size_t)g * nb * 256;
+        const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
+#if HAVE_512
+#define Q41(MRc) q4_1_tile16(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GW, MRc)
         ROW_TILES(Q41)
 #undef Q41
+#else
+        for (int h = 0; h < 2 && g * GW + h * GC < N; h++) {
+#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq + 32 * h, gd + GC * h, gm + GC * h, y, N, g * GW + GC * h, MRc)
+            ROW_TILES(Q41)
+#undef Q41
+        }
+#endif
     }
 }
 
-// x [M, K] fp32; qs, d, ws: ceil(N / 8) interleaved groups (K * 8 bytes, K / 32 * 8 fp16 scales, K / 32 * 8
+// x [M, K] fp32; qs, d, ws: ceil(N / 16) interleaved groups (K * 16 bytes, K / 32 * 16 fp16 scales, K / 32 * 16
 // int16 block sums of the codes); y [M, N] fp32; scratch as above.
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx) {
-    const int nb = K / QK, ng = (N + GC - 1) / GC;
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
     int8_t *qxu = qx + (size_t)M * K;
     quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
 #pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
     for (int g = 0; g < ng; g++) {
-        const int8_t *gq = qs + (size_t)g * nb * 256;
-        const uint16_t *gd = d + (size_t)g * nb * GC;
-        const int16_t *gs = ws + (size_t)g * nb * GC;
-#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq, gd, gs, y, N, g * GC, MRc)
+        const int8_t *gq = qs + (size_t)g * nb * 512;
+        const uint16_t *gd = d + (size_t)g * nb * GW;
+        const int16_t *gs = ws + (size_t)g * nb * GW;
+#if HAVE_512
+#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, N, g * GW, MRc)
         ROW_TILES(Q80)
 #undef Q80
+#else
+        for (int h = 0; h < 2 && g * GW + h * GC < N; h++) {
+#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, N, g * GW + GC * h, MRc)
+            ROW_TILES(Q80)
+#undef Q80
+        }
+#endif
     }
 }
