@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 QK = 32
-GROUP = 16  # output rows per interleaved group (qgemm.c GW: one 512-bit or two 256-bit vectors)
+# Output rows per interleaved group: the build's choice (qgemm.c GW, `qgemm_group()`): 16 with 512-bit tiles, else 8.
+# Each module records the width its weights were laid out for.
 SOURCES = ("qgemm.c", "decoder.c")
 HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
@@ -129,7 +130,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.decoder_forward.restype = None
         lib.decoder_scratch_bytes.argtypes = [p, i, i]
         lib.decoder_scratch_bytes.restype = ctypes.c_size_t
-        lib.qgemm_isa.restype = i
+        lib.qgemm_isa.restype = lib.qgemm_group.restype = i
         lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
         lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
         lib.hydra_draft.argtypes = [i, p, p, p, p, p, p, p, p, p, i, p, p, i, p, p, p]
@@ -160,6 +161,7 @@ class BlockLinear(nn.Module):
         if lib is None:
             raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
         self._fn = getattr(lib, f"{self.kind}_gemm")
+        self.group = int(lib.qgemm_group())  # the layout of this build's kernel (rows per interleaved group)
         self.in_features, self.out_features = in_features, out_features
 
     def _call(self, x: int, m: int, y: int) -> None:
@@ -208,9 +210,10 @@ class Q41Linear(BlockLinear):
     """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m.
 
     Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups of 16, each group's blocks
-    interleaved so that one 64-byte load holds 4 codes of every row of the group. The buffers keep the shapes of
-    the plain layout (qs [N, K / 2], d and m [N, K / 32]) and a group occupies the same bytes as its 16 rows, so
-    slicing or concatenating at multiples of 16 rows (`fuse`) still works. N is padded to a multiple of 16 with
+    interleaved so that one vector load holds 4 codes of every row of the group (groups of 16 rows for 512-bit
+    builds, else 8: `group`). The buffers keep the shapes of the plain layout (qs [N, K / 2], d and m [N, K / 32])
+    and a group occupies the same bytes as its rows, so slicing or concatenating at multiples of the group
+    (`fuse`) still works. N is padded to a multiple of the group with
     zero weights, never read back (`out_features` is the true N). d and m are fp16 as in the file: a block costs
     the file's 20 bytes, so a step streams no more bytes than llama.cpp's does (the step is memory-bound).
     """
@@ -221,11 +224,13 @@ class Q41Linear(BlockLinear):
         """codes [N, K] in 0..15 (block element order), d and m [N, K / 32]."""
         n, k = codes.shape
         super().__init__(n, k)
-        pad = -n % GROUP
+        pad = -n % self.group
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
             d, m = torch.cat([d, d.new_zeros(pad, k // QK)]), torch.cat([m, m.new_zeros(pad, k // QK)])
-        qs, d8, m8 = interleave_q4_1(codes, d.float(), m.float())  # d, m stored as fp16, as in the file
+        qs, d8, m8 = interleave_q4_1(
+            codes, d.float(), m.float(), self.group
+        )  # d, m stored as fp16, as in the file
         self.register_buffer("qs", qs)
         self.register_buffer("d", d8)
         self.register_buffer("m", m8)
@@ -247,7 +252,7 @@ class Q41Linear(BlockLinear):
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K], d, m [N, K / 32]) in the plain layout."""
-        codes, d, m = deinterleave_q4_1(self.qs, self.d, self.m)
+        codes, d, m = deinterleave_q4_1(self.qs, self.d, self.m, self.group)
         n = self.out_features
         return codes[:n], d[:n], m[:n]
 
@@ -262,39 +267,39 @@ class Q41Linear(BlockLinear):
 
 
 def interleave_q4_1(
-    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain Q4_1 blocks (codes [N, K], N % 16 == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
+    """Plain Q4_1 blocks (codes [N, K], N % group == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
 
-    Within a group of 16 rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
-    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the 16 rows' d, then their m."""
+    Within a group of `group` rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
+    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the group's d, then their m."""
     n, k = codes.shape
-    g, nb = n // GROUP, k // QK
-    c = codes.to(torch.uint8).view(g, GROUP, nb, 2, 4, 4)  # [group, row, block, half, j, t]
+    g, nb = n // group, k // QK
+    c = codes.to(torch.uint8).view(g, group, nb, 2, 4, 4)  # [group, row, block, half, j, t]
     packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [group, row, block, j, t]
     qs = packed.permute(0, 2, 3, 1, 4).contiguous().view(n, k // 2)
-    d8 = d.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
-    m8 = m.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    d8 = d.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    m8 = m.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
     return qs, d8, m8
 
 
 def deinterleave_q4_1(
-    qs: torch.Tensor, d8: torch.Tensor, m8: torch.Tensor
+    qs: torch.Tensor, d8: torch.Tensor, m8: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `interleave_q4_1`."""
     n, nb = d8.shape
-    g = n // GROUP
-    p = qs.reshape(g, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [group, row, block, j, t]
+    g = n // group
+    p = qs.reshape(g, nb, 4, group, 4).permute(0, 3, 1, 2, 4)  # [group, row, block, j, t]
     codes = torch.stack([p & 0x0F, p >> 4], dim=3).reshape(n, nb * QK)  # [group, row, block, half, j, t]
-    d = d8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
-    m = m8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
+    d = d8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
+    m = m8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
     return codes, d, m
 
 
 class Q80Linear(BlockLinear):
     """GGUF Q8_0: per 32 weights a scale d, w = d * q, q in -127..127.
 
-    Interleaved in groups of 16 output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
+    Interleaved in groups of output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
     plus `s` [N, K / 32] int16: each block's sum of codes (the VNNI product's correction term, qgemm.c)."""
 
     kind = "q8_0"
@@ -302,10 +307,10 @@ class Q80Linear(BlockLinear):
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         n, k = codes.shape
         super().__init__(n, k)
-        pad = -n % GROUP
+        pad = -n % self.group
         if pad:
             codes, d = torch.cat([codes, codes.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, k // QK)])
-        qs, d8, s8 = interleave_q8_0(codes.to(torch.int8), d.float())
+        qs, d8, s8 = interleave_q8_0(codes.to(torch.int8), d.float(), self.group)
         self.register_buffer("qs", qs)
         self.register_buffer("d", d8)
         self.register_buffer("s", s8)
@@ -326,7 +331,7 @@ class Q80Linear(BlockLinear):
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [N, K] int8, d [N, K / 32]) in the plain layout."""
-        codes, d = deinterleave_q8_0(self.qs, self.d)
+        codes, d = deinterleave_q8_0(self.qs, self.d, self.group)
         return codes[: self.out_features], d[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
@@ -339,26 +344,28 @@ class Q80Linear(BlockLinear):
         return Q80Linear(codes.index_select(0, index), d.index_select(0, index))
 
 
-def interleave_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain Q8_0 blocks (codes [N, K] int8, N % 16 == 0; d [N, K / 32]) -> the kernel's interleaved layout:
-    within a group of 16 rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
-    the 16 rows' d and block sums of codes."""
+def interleave_q8_0(
+    codes: torch.Tensor, d: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain Q8_0 blocks (codes [N, K] int8, N % group == 0; d [N, K / 32]) -> the kernel's interleaved layout:
+    within a group of rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
+    the group's d and block sums of codes."""
     n, k = codes.shape
-    g, nb = n // GROUP, k // QK
-    c = codes.view(g, GROUP, nb, 8, 4)  # [group, row, block, j, t]
+    g, nb = n // group, k // QK
+    c = codes.view(g, group, nb, 8, 4)  # [group, row, block, j, t]
     qs = c.permute(0, 2, 3, 1, 4).contiguous().view(n, k)
     sums = codes.view(n, nb, QK).sum(-1, dtype=torch.int16)  # |sum| <= 32 * 127: 16 bits hold it
-    d8 = d.view(g, GROUP, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
-    s8 = sums.view(g, GROUP, nb).transpose(1, 2).contiguous().view(n, nb)
+    d8 = d.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    s8 = sums.view(g, group, nb).transpose(1, 2).contiguous().view(n, nb)
     return qs, d8, s8
 
 
-def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `interleave_q8_0` (the block sums follow from the codes)."""
     n, nb = d8.shape
-    g = n // GROUP
-    codes = qs.reshape(g, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
-    d = d8.reshape(g, nb, GROUP).transpose(1, 2).reshape(n, nb).float()
+    g = n // group
+    codes = qs.reshape(g, nb, 8, group, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
+    d = d8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
     return codes, d
 
 
@@ -383,10 +390,11 @@ def fuse(modules: list[nn.Module]) -> BlockLinear | None:
     ):
         return None
     cls = type(first)
-    if any(m.out_features % GROUP for m in modules):
-        return None  # interleaved groups of 16 rows: only whole groups can be laid end to end
+    if any(m.group != first.group or m.out_features % m.group for m in modules):
+        return None  # interleaved groups of rows: only whole groups of one layout can be laid end to end
     fused = cls.__new__(cls)
     BlockLinear.__init__(fused, sum(m.out_features for m in modules), first.in_features)
+    fused.group = first.group
     for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d", "s"):
         whole = torch.cat([getattr(m, name) for m in modules])
         fused.register_buffer(name, whole)

@@ -32,7 +32,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def device_name(device: torch.device | str) -> str:
-    """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count."""
+    """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count +
+    the instruction set the block kernel uses (the same model name can come with or without AVX-512 on
+    virtual machines, and MEDUSA_CHAT_QGEMM_ISA can force a narrower one): each gets its own measurements."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -44,7 +46,9 @@ def device_name(device: torch.device | str) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    from medusa_chat.qgemm import best_isa
+
+    return f"{cpu} ({torch.get_num_threads()} threads, {best_isa()})"
 
 
 def calibration_path(

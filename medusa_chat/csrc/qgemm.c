@@ -7,13 +7,13 @@
 // The weights are the file's blocks; the activations are quantized to 8 bits per block of 32 (llama.cpp's own
 // scheme for these formats), and the block dot products are exact integer sums.
 //
-// Layout: output columns in groups of 16 (qgemm.py, interleave_*), each group's blocks interleaved: per block,
-// 64-byte vectors where vector j holds for each column c of the group the 4 codes of block elements 4j..4j+3
-// at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements 16+4j..16+4j+3). One multiply-add of
-// such a vector with the row's 4 activation codes broadcast gives the partial dots of all 16 columns at once,
-// so there is no horizontal sum, and the columns' scales apply with one vector FMA. With 512-bit registers
-// (AVX512-VNNI builds) a tile is the whole group; with 256-bit ones it is each 32-byte half (8 columns) in turn.
-// Both compute every column with the same arithmetic, so every build gives the same bits.
+// Layout: output columns in groups of GW (16 in AVX512-VNNI builds, else 8; qgemm.py, interleave_*), each
+// group's blocks interleaved: per block, GW * 4-byte vectors where vector j holds for each column c of the group
+// the 4 codes of block elements 4j..4j+3 at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements
+// 16+4j..16+4j+3). One multiply-add of such a vector with the row's 4 activation codes broadcast gives the
+// partial dots of all the group's columns at once, so there is no horizontal sum, and the columns' scales apply
+// with one vector FMA. A 512-bit tile takes a 16-column group, a 256-bit tile an 8-column one; both compute
+// every column with the same arithmetic, so every build gives the same bits.
 // Why a kernel of our own: at batch 1 the step is bound by these products, and torch's CPU weight-only kernels
 // re-read or re-expand the weight for every row, so a 4-row tree step costs ~2x a 1-row step. Here each weight
 // block is read and expanded once and applied to up to 4 rows. Row invariance (the tree step must reproduce the
@@ -26,7 +26,14 @@
 
 #define QK 32
 #define GC 8    // output columns per 256-bit tile (one 8-lane vector)
-#define GW 16   // output columns per interleaved group (qgemm.py GROUP): one 16-lane vector, or two 8-lane ones
+// Output columns per interleaved group (the layout, qgemm.py reads it from qgemm_group()): 16 where 512-bit
+// tiles take a whole group per instruction; else 8, one 256-bit tile (a 16-wide layout read half by half
+// streamed worse from DRAM on AVX2: the second half's compute no longer overlapped the loads)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GW 16
+#else
+#define GW 8
+#endif
 #define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
 #define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
 
@@ -41,6 +48,7 @@
 #endif
 
 int qgemm_isa(void) { return HAVE_VNNI; }
+int qgemm_group(void) { return GW; }
 
 // Activation rows quantized per block of 32 the way llama.cpp does (Q8_1): q = round(x / d), d = max|x| / 127,
 // plus s = d * sum(q) for Q4_1's minimum term. Integer dot products then cost a few instructions per 32 weights
@@ -101,7 +109,7 @@ static inline void store_cols(float *out, __m256 v, int w) {
     }
 }
 
-// Q4_1, 8 columns (one half of a group: qs, d, mn already offset to it) x MR_ rows. Codes are 0..15 (unsigned
+// Q4_1, 8 columns (a group, or with GW = 16 one half of it: qs, d, mn offset to it) x MR_ rows. Codes are 0..15 (unsigned
 // operand), activations -127..127.
 // Without VNNI, the 8 maddubs partials of a block add up exactly in 16 bits (|sum| <= 8 * 2 * 15 * 127 < 32768).
 static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, const float *dx, const float *sx,
@@ -116,11 +124,11 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     for (int b = 0; b < nb; b++) {
-        const uint8_t *wb = qs + (size_t)b * 256;
+        const uint8_t *wb = qs + (size_t)b * GW * 16;
         __m256i lo[4], hi[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * j));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + GW * 4 * j));
             lo[j] = _mm256_and_si256(raw, m4);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
@@ -160,7 +168,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
     for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
-// Q8_0, 8 columns (one half of a group, pointers offset to it) x MR_ rows; both operands are signed.
+// Q8_0, 8 columns (a group, or half of one as for Q4_1) x MR_ rows; both operands are signed.
 //   VNNI: the unsigned operand is the activation shifted by 128 (xu = x + 128, kept beside qx by quantize_rows),
 //         and 128 * (the column's block sum of codes, `ws`) is subtracted again: exact.
 //   AVX2: the sign moves from w to x (|w| * sign(x, w)), pairs summed in 32 bits (two pairs could pass 16).
@@ -178,10 +186,10 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
     (void)qx;
 #endif
     for (int b = 0; b < nb; b++) {
-        const int8_t *wb = qs + (size_t)b * 512;
+        const int8_t *wb = qs + (size_t)b * GW * 32;
         __m256i w[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + 64 * j));
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + GW * 4 * j));
         const __m256 db = load_f16(d + (size_t)b * GW);
 #if HAVE_VNNI
         const __m256i corr =
@@ -328,7 +336,7 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
         }                                                                   \
     }
 
-// x [M, K] fp32 row-major; qs, d, mn: ceil(N / 16) interleaved groups (K / 2 * 16 bytes, K / 32 * 16 fp16
+// x [M, K] fp32 row-major; qs, d, mn: ceil(N / GW) interleaved groups (K / 2 * GW bytes, K / 32 * GW fp16
 // each); y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
 void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
@@ -336,14 +344,14 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *
     quantize_rows(x, M, K, qx, dx, sx, NULL);
 #pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
     for (int g = 0; g < ng; g++) {
-        const uint8_t *gq = qs + (size_t)g * nb * 256;
+        const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
         const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
 #if HAVE_512
 #define Q41(MRc) q4_1_tile16(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GW, MRc)
         ROW_TILES(Q41)
 #undef Q41
 #else
-        for (int h = 0; h < 2 && g * GW + h * GC < N; h++) {
+        for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
 #define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq + 32 * h, gd + GC * h, gm + GC * h, y, N, g * GW + GC * h, MRc)
             ROW_TILES(Q41)
 #undef Q41
@@ -352,7 +360,7 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *
     }
 }
 
-// x [M, K] fp32; qs, d, ws: ceil(N / 16) interleaved groups (K * 16 bytes, K / 32 * 16 fp16 scales, K / 32 * 16
+// x [M, K] fp32; qs, d, ws: ceil(N / GW) interleaved groups (K * GW bytes, K / 32 * GW fp16 scales, K / 32 * GW
 // int16 block sums of the codes); y [M, N] fp32; scratch as above.
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx) {
@@ -361,7 +369,7 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d
     quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
 #pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
     for (int g = 0; g < ng; g++) {
-        const int8_t *gq = qs + (size_t)g * nb * 512;
+        const int8_t *gq = qs + (size_t)g * nb * GW * 32;
         const uint16_t *gd = d + (size_t)g * nb * GW;
         const int16_t *gs = ws + (size_t)g * nb * GW;
 #if HAVE_512
@@ -369,7 +377,7 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d
         ROW_TILES(Q80)
 #undef Q80
 #else
-        for (int h = 0; h < 2 && g * GW + h * GC < N; h++) {
+        for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
 #define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, N, g * GW + GC * h, MRc)
             ROW_TILES(Q80)
 #undef Q80
