@@ -22,8 +22,10 @@
 #include <stdint.h>
 #include <string.h>
 
-void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
-               float *y, int8_t *qx, float *dx, float *sx);
+void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+                    float *y, int8_t *qx, float *dx, float *sx);
+void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                    float *y, int8_t *qx, float *dx, float *sx);
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx);
 
@@ -50,9 +52,6 @@ typedef struct {
 
 #define RC 16    // attention rows per chunk (bounds the score buffer)
 #define JB 64    // keys per task when scoring the shared prefix
-// Attention is bound by reading the cached K/V (fp32, from L3 once the step's weights have passed through the
-// caches), so it is split across threads from a few hundred scores on: two cores read twice as fast.
-#define ATT_PAR_MIN 512
 #define MAX_HD 256  // head_dim limit of this step (checked by block_forward.py)
 
 // exp(x) for 8 lanes (Cephes' polynomial, ~1 ulp); lanes are independent, so a value's result never depends
@@ -114,6 +113,16 @@ static inline float dot(const float *q, const kv_t *k, int hd) {
 // per key, then the 8 horizontal sums done side by side in hsum8's order (lanes i + (i + 4) first, then
 // pairs, then the two halves; see simd.h), so a key scores the same whether it is scored here (a cached
 // prefix key) or by `dot` (a key of the current block).
+static inline __m256 hsum8x8(const __m256 *a) {
+    // c[i] = [lo(a_i) + hi(a_i) | lo(a_{i+4}) + hi(a_{i+4})]
+    __m256 c[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+    return _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+}
+
 static inline __m256 dot8(const float *q, const float *k, int hd) {
     __m256 a[8];
 #pragma GCC unroll 8
@@ -123,14 +132,34 @@ static inline __m256 dot8(const float *q, const float *k, int hd) {
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + (size_t)i * hd + e), a[i]);
     }
-    // c[i] = [lo(a_i) + hi(a_i) | lo(a_{i+4}) + hi(a_{i+4})]
-    __m256 c[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
-    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
-    return _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+    return hsum8x8(a);
 }
+
+#if defined(__AVX512VL__)
+// dot8 for two queries at once, each key vector loaded once for both (with AVX-512 there are 32 vector
+// registers: both sets of accumulators fit). Per query exactly dot8's operations, so the same bits.
+static inline void dot8x2(const float *q0, const float *q1, const float *k, int hd, __m256 *o0, __m256 *o1) {
+    __m256 a[8], b[8];
+    const __m256 q00 = _mm256_loadu_ps(q0), q10 = _mm256_loadu_ps(q1);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const __m256 kv = _mm256_loadu_ps(k + (size_t)i * hd);
+        a[i] = _mm256_mul_ps(q00, kv);
+        b[i] = _mm256_mul_ps(q10, kv);
+    }
+    for (int e = 8; e < hd; e += 8) {
+        const __m256 q0e = _mm256_loadu_ps(q0 + e), q1e = _mm256_loadu_ps(q1 + e);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const __m256 kv = _mm256_loadu_ps(k + (size_t)i * hd + e);
+            a[i] = _mm256_fmadd_ps(q0e, kv, a[i]);
+            b[i] = _mm256_fmadd_ps(q1e, kv, b[i]);
+        }
+    }
+    *o0 = hsum8x8(a);
+    *o1 = hsum8x8(b);
+}
+#endif
 
 // max(s[0 .. n)): vector lanes, then the tail. A max is exact, so it is the same whatever the order.
 static inline float max_of(const float *s, int n) {
@@ -145,8 +174,9 @@ static inline float max_of(const float *s, int n) {
     return mx;
 }
 
-// LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32.
+// LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32. Rows are shared among the team.
 static void rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
+#pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *xr = x + (size_t)t * H;
         float *o = out + (size_t)t * H;
@@ -162,11 +192,13 @@ static void rms_norm(const float *x, const float *w, float eps, int T, int H, fl
     }
 }
 
+// A block linear as team work (qgemm.c, *_team): inside decoder_forward's parallel region the threads share it,
+// called alone (the drafter) one thread runs it.
 static void linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
     if (l->kind == 1)
-        q4_1_gemm(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx);
+        q4_1_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx);
     else
-        q8_0_gemm(x, M, l->K, (const int8_t *)l->qs, l->d, (const int16_t *)l->aux, l->N, y, qx, dx, sx);
+        q8_0_gemm_team(x, M, l->K, (const int8_t *)l->qs, l->d, (const int16_t *)l->aux, l->N, y, qx, dx, sx);
 }
 
 // HF's rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
@@ -232,15 +264,17 @@ static inline __attribute__((always_inline)) void weighted_values(const WPair *p
     }
 }
 
-// Attention of rows [r0, r0 + R) for one layer. q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd].
+// Attention of rows [r0, r0 + R) for one layer, as team work (each stage's items shared among the threads, a
+// barrier after each). q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd]; S and pairs: shared
+// scratch.
 static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, const kv_t *vc,
                          size_t cap, int start, int r0, int R, const int *blk, const int *blen, int stride,
-                         float *S, size_t s_stride, float *out) {
+                         float *S, size_t s_stride, WPair *pairs, float *out) {
     const int hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, G = nh / nkv;
     const float scale = m->scale;
     // 1. scores against the shared prefix [0, start): each key is read once for every row and head of its group
     const int nj = (start + JB - 1) / JB;
-#pragma omp parallel for collapse(2) schedule(static) if ((long)start * R * nh >= ATT_PAR_MIN)
+#pragma omp for collapse(2) schedule(static)
     for (int kh = 0; kh < nkv; kh++)
         for (int jb = 0; jb < nj; jb++) {
             const int j1 = (jb + 1) * JB < start ? (jb + 1) * JB : start;
@@ -250,12 +284,24 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
                 float k[8 * MAX_HD];
                 const kv_t *k16 = kc + ((size_t)kh * cap + j) * hd;
                 for (int e = 0; e < 8 * hd; e += 8) _mm256_storeu_ps(k + e, load_kv(k16 + e));
-                for (int r = 0; r < R; r++)
-                    for (int g = 0; g < G; g++) {
-                        const int h = kh * G + g;
-                        const __m256 d8 = dot8(qkv + (size_t)(r0 + r) * qkv_n + h * hd, k, hd);
-                        _mm256_storeu_ps(S + ((size_t)r * nh + h) * s_stride + j, _mm256_mul_ps(d8, _mm256_set1_ps(scale)));
-                    }
+                // queries t = (row r, query head g of this KV head): r = t / G, g = t % G
+                const __m256 vs = _mm256_set1_ps(scale);
+                int t = 0;
+#if defined(__AVX512VL__)
+                for (; t + 2 <= R * G; t += 2) {
+                    const int ra = t / G, ha = kh * G + t % G, rb = (t + 1) / G, hb = kh * G + (t + 1) % G;
+                    __m256 da, db;
+                    dot8x2(qkv + (size_t)(r0 + ra) * qkv_n + ha * hd, qkv + (size_t)(r0 + rb) * qkv_n + hb * hd, k, hd,
+                           &da, &db);
+                    _mm256_storeu_ps(S + ((size_t)ra * nh + ha) * s_stride + j, _mm256_mul_ps(da, vs));
+                    _mm256_storeu_ps(S + ((size_t)rb * nh + hb) * s_stride + j, _mm256_mul_ps(db, vs));
+                }
+#endif
+                for (; t < R * G; t++) {
+                    const int r = t / G, h = kh * G + t % G;
+                    const __m256 d8 = dot8(qkv + (size_t)(r0 + r) * qkv_n + h * hd, k, hd);
+                    _mm256_storeu_ps(S + ((size_t)r * nh + h) * s_stride + j, _mm256_mul_ps(d8, vs));
+                }
             }
             for (; j < j1; j++) {
                 const kv_t *k = kc + ((size_t)kh * cap + j) * hd;
@@ -267,8 +313,7 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
             }
         }
     // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum
-    WPair pairs[RC * nh];
-#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= ATT_PAR_MIN)
+#pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < R; r++)
         for (int h = 0; h < nh; h++) {
             const int row = r0 + r, kh = h / G, nb = block_len(blen, row), L = start + nb;
@@ -298,7 +343,7 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
         }
     // 4. weighted sums of values: per KV head and 16-dim slice, all of its (row, query head) pairs at once
     const int n_slices = (hd + 15) / 16, n_pairs = R * G;
-#pragma omp parallel for collapse(2) schedule(static) if ((long)(start + 8) * R * nh >= ATT_PAR_MIN)
+#pragma omp for collapse(2) schedule(static)
     for (int kh = 0; kh < nkv; kh++)
         for (int c = 0; c < n_slices; c++) {
             const kv_t *vh = vc + (size_t)kh * cap * hd;
@@ -332,12 +377,34 @@ size_t decoder_scratch_bytes(const DModel *m, int T, int max_len) {
     const size_t qkv_n = (nh + 2 * nkv) * hd, maxk = I > H ? I : (nh * hd > H ? nh * hd : H);
     const size_t floats = T * H + T * qkv_n + T * nh * hd + T * H + T * 2 * I + T * I +
                           (size_t)RC * nh * (size_t)max_len + 2 * (T * maxk / 32 + 1);
-    return floats * sizeof(float) + 2 * T * maxk + 64;  // qx: the codes and (Q8_0 VNNI) codes + 128
+    // + attention's (row, head) pairs; qx: the codes and (Q8_0 VNNI) codes + 128
+    return floats * sizeof(float) + (size_t)RC * nh * sizeof(WPair) + 2 * T * maxk + 64;
+}
+
+// SiLU(gate) * up for row r, elements [8c, 8c + 8) (the last chunk may be shorter: the same vector code on a
+// padded copy, so every element is computed alike whichever chunk or thread it falls in)
+static inline void silu_mul_chunk(const float *g, const float *u, float *a, int I, int c) {
+    const int i = 8 * c;
+    if (i + 8 <= I) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+    } else {
+        const __m256 gv = load_tail(g + i, I - i, 0.0f);
+        const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store_tail(a + i, _mm256_mul_ps(sg, load_tail(u + i, I - i, 0.0f)), I - i);
+    }
 }
 
 // x [T, hidden]: the token embeddings in, the final-normed hidden states out. cos/sin [T, head_dim] per row.
 // kv: the cache [n_layers, 2, n_kv, cap, head_dim] in fp16; rows are written at slots start .. start + T - 1.
 // blk [T, stride] / blen [T]: each row's block keys (slot offsets from start, in order), or NULL for causal.
+//
+// The whole step is ONE parallel region: every stage (norms, projections, rotary and KV writes, the attention
+// stages, SiLU, residuals) is a worksharing loop over its independent items (rows, column groups, heads, key
+// blocks, 8-element chunks) with a barrier after it, instead of a parallel region per product and one thread
+// for the per-row work in between (a step had ~180 fork/joins, and the second core idled through the per-row
+// work of every tree row). An item's arithmetic does not depend on which thread runs it.
 void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const float *sin_t, kv_t *kv, int cap,
                      int start, const int *blk, const int *blen, int stride, void *scratch) {
     const int H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
@@ -351,50 +418,52 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
     float *h = (float *)scratch, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * qkv_n, *tmp = att + (size_t)T * qd,
           *gu = tmp + (size_t)T * H, *act = gu + (size_t)T * 2 * I, *S = act + (size_t)T * I,
           *dx = S + (size_t)RC * nh * max_len, *sx = dx + (size_t)T * maxk / 32 + 1;
-    int8_t *qx = (int8_t *)(sx + (size_t)T * maxk / 32 + 1);
+    WPair *pairs = (WPair *)(sx + (size_t)T * maxk / 32 + 1);
+    int8_t *qx = (int8_t *)(pairs + (size_t)RC * nh);
     const size_t layer_stride = (size_t)2 * nkv * cap * hd, half_stride = (size_t)nkv * cap * hd;
+    const int n_chunks = (I + 7) / 8;
 
-    for (int li = 0; li < m->n_layers; li++) {
-        const DLayer *L = &m->layers[li];
-        kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
-        rms_norm(x, L->norm1, L->eps1, T, H, h);
-        linear(&L->qkv, h, T, qkv, qx, dx, sx);
-        for (int r = 0; r < T; r++) {
-            float *row = qkv + (size_t)r * qkv_n;
-            const float *cs = cos_t + (size_t)r * hd, *sn = sin_t + (size_t)r * hd;
-            for (int hh = 0; hh < nh + nkv; hh++) rope(row + hh * hd, cs, sn, hd);
-            for (int kh = 0; kh < nkv; kh++) {
-                store_kv(kc + ((size_t)kh * cap + start + r) * hd, row + qd + kh * hd, hd);
-                store_kv(vc + ((size_t)kh * cap + start + r) * hd, row + qd + kvd + kh * hd, hd);
-            }
+#pragma omp parallel
+    {
+        for (int li = 0; li < m->n_layers; li++) {
+            const DLayer *L = &m->layers[li];
+            kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
+            rms_norm(x, L->norm1, L->eps1, T, H, h);
+            linear(&L->qkv, h, T, qkv, qx, dx, sx);
+            // rotary on the q and k heads, then the K/V writes: per (row, head)
+#pragma omp for collapse(2) schedule(static)
+            for (int r = 0; r < T; r++)
+                for (int hh = 0; hh < nh + 2 * nkv; hh++) {
+                    float *row = qkv + (size_t)r * qkv_n;
+                    if (hh < nh + nkv)
+                        rope(row + hh * hd, cos_t + (size_t)r * hd, sin_t + (size_t)r * hd, hd);
+                    if (hh >= nh && hh < nh + nkv)
+                        store_kv(kc + ((size_t)(hh - nh) * cap + start + r) * hd, row + hh * hd, hd);
+                    else if (hh >= nh + nkv)
+                        store_kv(vc + ((size_t)(hh - nh - nkv) * cap + start + r) * hd, row + hh * hd, hd);
+                }
+            for (int r0 = 0; r0 < T; r0 += RC)
+                attend_chunk(m, qkv, qkv_n, kc, vc, cap, start, r0, T - r0 < RC ? T - r0 : RC, blk, blen, stride,
+                             S, (size_t)max_len, pairs, att);
+            linear(&L->o, att, T, tmp, qx, dx, sx);
+#pragma omp for schedule(static)
+            for (int r = 0; r < T; r++)
+                for (int i = 0; i < H; i++) x[(size_t)r * H + i] += tmp[(size_t)r * H + i];
+            rms_norm(x, L->norm2, L->eps2, T, H, h);
+            linear(&L->gate_up, h, T, gu, qx, dx, sx);
+#pragma omp for collapse(2) schedule(static)
+            for (int r = 0; r < T; r++)
+                for (int c = 0; c < n_chunks; c++)
+                    silu_mul_chunk(gu + (size_t)r * 2 * I, gu + (size_t)r * 2 * I + I, act + (size_t)r * I, I, c);
+            linear(&L->down, act, T, tmp, qx, dx, sx);
+#pragma omp for schedule(static)
+            for (int r = 0; r < T; r++)
+                for (int i = 0; i < H; i++) x[(size_t)r * H + i] += tmp[(size_t)r * H + i];
         }
-        for (int r0 = 0; r0 < T; r0 += RC)
-            attend_chunk(m, qkv, qkv_n, kc, vc, cap, start, r0, T - r0 < RC ? T - r0 : RC, blk, blen, stride, S,
-                         (size_t)max_len, att);
-        linear(&L->o, att, T, tmp, qx, dx, sx);
-        for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
-        rms_norm(x, L->norm2, L->eps2, T, H, h);
-        linear(&L->gate_up, h, T, gu, qx, dx, sx);
-        for (int r = 0; r < T; r++) {
-            const float *g = gu + (size_t)r * 2 * I, *u = g + I;
-            float *a = act + (size_t)r * I;
-            int i = 0;
-            for (; i + 8 <= I; i += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + i);
-                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-                _mm256_storeu_ps(a + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
-            }
-            if (i < I) {
-                const __m256 gv = load_tail(g + i, I - i, 0.0f);
-                const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-                store_tail(a + i, _mm256_mul_ps(sg, load_tail(u + i, I - i, 0.0f)), I - i);
-            }
-        }
-        linear(&L->down, act, T, tmp, qx, dx, sx);
-        for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+        rms_norm(x, m->final_norm, m->final_eps, T, H, h);
+#pragma omp for schedule(static)
+        for (int r = 0; r < T; r++) memcpy(x + (size_t)r * H, h + (size_t)r * H, (size_t)H * sizeof(float));
     }
-    rms_norm(x, m->final_norm, m->final_eps, T, H, h);
-    memcpy(x, h, (size_t)T * H * sizeof(float));
 }
 
 // ---- Hydra drafter pieces (heads.py: ResBlock, TokenCell) on Q8_0 block weights --------------------------
@@ -499,6 +568,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
         plan = parent_row + C;
         for (int i = 0; i < I; i++) memcpy(x + (size_t)i * H, state + (size_t)internal[i] * H, row_bytes);
         hydra_resblocks(I, H, n_blocks[d], heads[d], x, y, tmp, qx, dx, sx);
+#pragma omp parallel
         linear(proj, y, I, logits, qx, dx, sx);
         for (int i = 0; i < I; i++) top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
         for (int c = 0; c < C; c++) {

@@ -55,10 +55,13 @@ int qgemm_group(void) { return GW; }
 // (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant; the
 // max and the integer sum are exact in any order, and the rounding is the FPU's round-to-nearest-even.
 // qu (optional): the same codes plus 128, as unsigned bytes (the VNNI Q8_0 product's unsigned operand).
+// Every block is independent: the blocks are shared among the threads of the team that calls this (an orphaned
+// worksharing loop; called outside a parallel region, one thread does them all).
 static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu) {
     const int nb = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
+#pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * K + (size_t)b * QK;
@@ -336,13 +339,18 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
         }                                                                   \
     }
 
+// The products as team work: called by every thread of a parallel region (decoder.c runs a whole step in one),
+// each call shares the activation blocks, then the column groups, among the threads, with a barrier after each
+// (the implicit one of `omp for`). Outside a parallel region one thread does everything. Which thread computes a
+// column never changes its arithmetic.
+//
 // x [M, K] fp32 row-major; qs, d, mn: ceil(N / GW) interleaved groups (K / 2 * GW bytes, K / 32 * GW fp16
 // each); y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
-void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
-               float *y, int8_t *qx, float *dx, float *sx) {
+void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+                    float *y, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     quantize_rows(x, M, K, qx, dx, sx, NULL);
-#pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
+#pragma omp for schedule(static)
     for (int g = 0; g < ng; g++) {
         const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
         const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
@@ -362,12 +370,12 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *
 
 // x [M, K] fp32; qs, d, ws: ceil(N / GW) interleaved groups (K * GW bytes, K / 32 * GW fp16 scales, K / 32 * GW
 // int16 block sums of the codes); y [M, N] fp32; scratch as above.
-void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
-               int8_t *qx, float *dx, float *sx) {
+void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                    float *y, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     int8_t *qxu = qx + (size_t)M * K;
     quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
-#pragma omp parallel for schedule(static) if ((long)N * K >= PAR_MIN)
+#pragma omp for schedule(static)
     for (int g = 0; g < ng; g++) {
         const int8_t *gq = qs + (size_t)g * nb * GW * 32;
         const uint16_t *gd = d + (size_t)g * nb * GW;
@@ -384,4 +392,18 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d
         }
 #endif
     }
+}
+
+// One product on its own (the Python modules' calls): its own parallel region, or one thread when it is small
+// (a region costs more than it saves below PAR_MIN).
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+               float *y, int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    q4_1_gemm_team(x, M, K, qs, d, mn, N, y, qx, dx, sx);
+}
+
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
+               int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
 }
