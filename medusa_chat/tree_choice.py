@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 7  # bumped whenever the timed step changes (v7: whole draft in C, shared-V attention)
+CALIBRATION_VERSION = 8  # bumped whenever the timed step changes (v8: one OpenMP region per step)
 
 
 def _slug(text: str) -> str:
