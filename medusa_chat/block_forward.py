@@ -217,6 +217,10 @@ class _Q8Lin(ctypes.Structure):
     _fields_ = [("qs", _p), ("d", _p), ("ws", _p), ("bias", _p)]
 
 
+class _Embed(ctypes.Structure):  # decoder.c Embed: an fp32 table, or Q8_0 blocks (table NULL)
+    _fields_ = [("table", _p), ("qs", _p), ("d", _p), ("group", _i)]
+
+
 class NativeHydra:
     """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/decoder.c, hydra_*), on the Q8_0
     copy of the heads that `block_quantized_copy` makes: per tree depth 2 calls instead of ~20 PyTorch ops.
@@ -251,16 +255,26 @@ class NativeHydra:
         self._proj: tuple[Any, ...] | None = None
         self._work = torch.empty(0)
 
-    def bind_draft(self, project: Any, draft_vocab: torch.Tensor, embed_weight: torch.Tensor) -> bool:
-        """Set up `draft` (the whole draft in one C call) for this projection; False when it cannot run it (the
-        projection is not a block linear, or the embeddings are not an fp32 table), and `draft` stays unused."""
-        from medusa_chat.qgemm import BlockLinear
+    def bind_draft(self, project: Any, draft_vocab: torch.Tensor, embed: Any) -> bool:
+        """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
+        cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
+        the lm_head's Q8_0 blocks), and `draft` stays unused."""
+        from medusa_chat.qgemm import BlockEmbedding, BlockLinear
 
-        if not isinstance(project, BlockLinear) or embed_weight.dtype != torch.float32:
+        if not isinstance(project, BlockLinear):
+            return False
+        if isinstance(embed, BlockEmbedding):
+            t = embed.table
+            emb = _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group)
+            keep: Any = t
+        elif isinstance(getattr(embed, "weight", None), torch.Tensor) and embed.weight.dtype == torch.float32:
+            keep = embed.weight.detach().contiguous()
+            emb = _Embed(keep.data_ptr(), None, None, 0)
+        else:
             return False
         vocab = draft_vocab.to(torch.int64).contiguous()
-        table = embed_weight.detach().contiguous()
-        self._proj = (project, _blin(project), vocab, table)  # the module keeps the BLin's buffers alive
+        # the modules / tensors keep the buffers the C structs point to alive
+        self._proj = (project, _blin(project), vocab, emb, keep)
         return True
 
     def _plan(self, buf: Any) -> tuple[Any, torch.Tensor, int, int]:
@@ -286,7 +300,7 @@ class NativeHydra:
 
     def draft(self, root: torch.Tensor, hidden: torch.Tensor, buf: Any) -> torch.Tensor:
         """The tree's tokens [N] (root first) drafted in one C call (decoder.c, hydra_draft); `bind_draft` first."""
-        project, blin, vocab, table = self._proj  # type: ignore[misc]
+        project, blin, vocab, emb, _ = self._proj  # type: ignore[misc]
         _, plan, levels, rows = self._plan(buf)
         if rows > self._rows:
             self._grow(rows)
@@ -299,7 +313,7 @@ class NativeHydra:
         tokens = torch.empty(buf.tree.size, dtype=torch.int64)
         self.lib.hydra_draft(
             h, ctypes.byref(self._cell), self._head_ptrs, self._head_counts, ctypes.byref(blin),
-            vocab.data_ptr(), table.data_ptr(), hidden.data_ptr(), root.data_ptr(), plan.data_ptr(), levels,
+            vocab.data_ptr(), ctypes.byref(emb), hidden.data_ptr(), root.data_ptr(), plan.data_ptr(), levels,
             tokens.data_ptr(), self._work.data_ptr(), rows, *self._scratch,
         )  # fmt: skip
         return tokens

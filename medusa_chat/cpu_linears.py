@@ -411,11 +411,43 @@ def prepare_cpu_linears(
     causal_lm._medusa_tied_lm_head = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
     if mode != "none" and hasattr(causal_lm.config, "tie_word_embeddings"):
         causal_lm.config.tie_word_embeddings = False  # the lm_head is its own (quantized) module now
+    if causal_lm._medusa_tied_lm_head and share_tied_embedding(causal_lm):
+        causal_lm._medusa_tied_lm_head = False  # the lm_head's blocks are the only copy: counted once, there
     if progress:
         progress(
             f"  {done} projections as {mode if mode != 'none' else 'packed dense'} ({from_file} from the file)"
         )
     return {"mode": mode, "replaced": done, "from_file": from_file, "kept_float": kept}
+
+
+def share_tied_embedding(causal_lm: nn.Module) -> bool:
+    """Look the token embedding up in the lm_head's Q8_0 blocks (qgemm.BlockEmbedding) when the model ties them
+    and the float table is exactly those blocks dequantized: the embedded GGUF's one Q8_0 token_embd serves both,
+    and its fp32 copy (113 MB) then goes. Checked element for element first, so the lookups give the same bits;
+    False (nothing changed) otherwise."""
+    from medusa_chat.qgemm import BlockEmbedding, Q80Linear
+
+    head, embed = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
+    if not isinstance(head, Q80Linear) or type(embed) is not nn.Embedding:
+        return False
+    weight = embed.weight
+    if (
+        weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or tuple(weight.shape)
+        != (
+            head.out_features,
+            head.in_features,
+        )
+    ):
+        return False
+    with torch.no_grad():
+        for r in range(0, head.out_features, 8192):  # the dequantized rows in slices: no second full table
+            ids = torch.arange(r, min(r + 8192, head.out_features))
+            if not torch.equal(BlockEmbedding(head)(ids), weight[r : r + 8192]):
+                return False
+    causal_lm.set_input_embeddings(BlockEmbedding(head, embed.padding_idx))
+    return True
 
 
 def weight_accounting(model: nn.Module) -> tuple[int, int]:

@@ -285,7 +285,7 @@ class HydraDrafter:
             from medusa_chat.block_forward import native_hydra_for
 
             self.native = native_hydra_for(self.heads)
-            if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed.weight):
+            if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):
                 self.native_draft = self.native.draft
 
     native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel

@@ -660,7 +660,8 @@ def load_model(
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
-    if dev.type == "cpu" and compute_dtype == torch.float32 and cpu_native_bf16():
+    # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
+    if dev.type == "cpu" and compute_dtype == torch.float32 and q in ("none", "") and cpu_native_bf16():
         notes.append(
             "this CPU computes bf16 natively: --dtype bfloat16 decodes about twice as fast (greedy output then "
             "equals plain decoding only up to bf16 rounding ties; fp32 is bit-exact)"

@@ -134,6 +134,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
         lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
         lib.hydra_draft.argtypes = [i, p, p, p, p, p, p, p, p, p, i, p, p, i, p, p, p]
+        lib.q8_0_rows.argtypes = [p, p, i, i, p, i, p]
+        lib.q8_0_rows.restype = None
         lib.hydra_resblocks.restype = lib.hydra_cell.restype = lib.hydra_draft.restype = None
     _LIBS[isa] = lib
     return lib
@@ -342,6 +344,48 @@ class Q80Linear(BlockLinear):
     def rows(self, index: torch.Tensor) -> Q80Linear:
         codes, d = self.blocks()
         return Q80Linear(codes.index_select(0, index), d.index_select(0, index))
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up in a Q8_0 block linear's own blocks: the lm_head's, when the model ties the
+    two and the float table is exactly those blocks dequantized (the embedded GGUF stores one Q8_0 token_embd
+    for both; `cpu_linears.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
+    is looked up (csrc/qgemm.c, q8_0_rows: d * q, exact in fp32), so the table is not held a second time in fp32
+    (49152 x 576: 113 MB for the embedded model).
+
+    `weight` is an empty [0, H] fp32 buffer: it answers the dtype/device questions code asks of an embedding,
+    and fails loudly where code would read its values."""
+
+    def __init__(self, table: Q80Linear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
+        self._rows_fn = lib.q8_0_rows
+        self.__dict__["table"] = table  # not a submodule: the lm_head owns (and saves) the blocks
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.padding_idx = padding_idx
+        self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        t = self.table
+        self._rows_fn(
+            t.qs.data_ptr(),
+            t.d.data_ptr(),
+            t.in_features,
+            t.group,
+            flat.data_ptr(),
+            flat.numel(),
+            out.data_ptr(),
+        )
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the Q8_0 lm_head"
 
 
 def interleave_q8_0(

@@ -122,3 +122,52 @@ def test_second_turn_reuses_the_cache_and_stays_exact() -> None:
     second = first + a_plain[:20] + [42, 43]
     assert _reply(plain, second) == _reply(tree, second)
     assert _reply(plain, [7, 8, 9]) == _reply(tree, [7, 8, 9])  # unrelated prompt: cache cropped to 0
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
+def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
+    """The embedded GGUF has one Q8_0 token_embd for the embedding and the lm_head: the float table is then
+    exactly the lm_head's blocks dequantized, and the embedding is looked up in those blocks instead of being
+    kept a second time in fp32, with the same bits (the same replies, the same hidden states)."""
+    from torch import nn
+
+    from medusa_chat.cpu_linears import share_tied_embedding
+
+    base = tiny_loaded("llama")
+    backbone = copy.deepcopy(base.backbone)
+    backbone.__dict__.pop("_medusa_lean_forward", None)
+    head = backbone.get_output_embeddings()
+    v, h = head.weight.shape
+    codes, d = qgemm.quantize_q8_0(head.weight)
+    table = (d[..., None] * codes.float().view(v, h // 32, 32)).view(v, h)  # what a Q8_0 file stores
+    with torch.no_grad():
+        backbone.get_input_embeddings().weight.copy_(table)
+        head.weight = backbone.get_input_embeddings().weight  # tied, as SmolLM2 is
+    backbone.config.tie_word_embeddings = True
+    float_twin = copy.deepcopy(backbone)
+    prepare_cpu_linears(backbone, "int8")
+    embed = backbone.get_input_embeddings()
+    assert isinstance(embed, qgemm.BlockEmbedding) and embed.table is backbone.get_output_embeddings()
+    assert not any(p.shape == (v, h) for p in backbone.parameters())  # no fp32 table left
+    ids = torch.arange(v)
+    assert torch.equal(embed(ids), table) and embed(ids.view(2, -1)).shape == (2, v // 2, h)
+    with pytest.raises(IndexError):
+        embed(torch.tensor([v]))
+    # the same model with the float table kept: the same replies, token for token
+    prepare_cpu_linears(float_twin, "int8")
+    float_twin.set_input_embeddings(nn.Embedding.from_pretrained(table.clone()))
+    models = []
+    for bb in (backbone, float_twin):
+        twin = copy.copy(base)
+        twin.backbone = bb
+        models.append(twin)
+    prompts = training_prompts()[:2]
+    for tree in (plain_tree(), Tree.named("mc_sim_7b_63").prefix(6)):
+        replies = [[_reply(MedusaEngine(m, tree), p) for p in prompts] for m in models]
+        assert replies[0] == replies[1], tree.name
+    # a table that is not exactly the blocks (an fp32 model quantized here) keeps its float embedding
+    other = copy.deepcopy(base.backbone)
+    other.config.tie_word_embeddings = True
+    prepare_cpu_linears(other, "int8")
+    assert type(other.get_input_embeddings()) is nn.Embedding
+    assert not share_tied_embedding(other)

@@ -28,6 +28,7 @@ void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16
                     float *y, int8_t *qx, float *dx, float *sx);
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx);
+void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out);
 
 typedef struct {
     int kind;  // 0 = Q8_0, 1 = Q4_1
@@ -546,11 +547,26 @@ static void top_k(const float *v, int n, int k, int *out) {
 // this; here a depth costs its arithmetic.
 //
 // plan (int32), per depth: I, C, K, then internal_rows[I], child_nodes[C], child_slot[C], child_rank[C],
-// child_parent_row[C] (tree.py, TreeLevel). heads[d] / n_blocks[d]: head d's ResBlocks. embed: [vocab, H] fp32.
+// child_parent_row[C] (tree.py, TreeLevel). heads[d] / n_blocks[d]: head d's ResBlocks. embed: the token
+// embedding, an fp32 table [vocab, H] or a Q8_0 block linear's rows (the tied lm_head's: q8_0_rows).
 // work: floats, at least (6 * R + 2 * R) * H + R * V + R * 64, R = the most rows of a depth (I or C), V = the
 // projection's padded rows; qx/dx/sx: the 8-bit activation scratch for R rows of 2H.
+typedef struct {
+    const float *table;  // fp32 [vocab, H], or NULL: then the Q8_0 blocks below
+    const int8_t *qs;
+    const uint16_t *d;
+    int group;
+} Embed;
+
+static void embed_row(const Embed *e, int64_t tok, int H, float *out) {
+    if (e->table)
+        memcpy(out, e->table + (size_t)tok * H, (size_t)H * sizeof(float));
+    else
+        q8_0_rows(e->qs, e->d, H, e->group, &tok, 1, out);
+}
+
 void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
-                 const int64_t *draft_vocab, const float *embed, const float *hidden, const int64_t *root,
+                 const int64_t *draft_vocab, const Embed *embed, const float *hidden, const int64_t *root,
                  const int *plan, int n_levels, int64_t *tokens, float *work, int R, int8_t *qx, float *dx,
                  float *sx) {
     float *state = work, *nstate = state + (size_t)R * H, *x = nstate + (size_t)R * H, *y = x + (size_t)R * H,
@@ -559,7 +575,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
     int *top = (int *)(logits + (size_t)R * proj->N);
     const size_t row_bytes = (size_t)H * sizeof(float);
     tokens[0] = root[0];
-    memcpy(emb, embed + (size_t)root[0] * H, row_bytes);
+    embed_row(embed, root[0], H, emb);
     hydra_cell(1, H, cell, hidden, emb, state, cat, tmp, qx, dx, sx);  // depth 0: the root only
     for (int d = 0; d < n_levels; d++) {
         const int I = plan[0], C = plan[1], K = plan[2];
@@ -575,7 +591,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
             const int64_t tok = draft_vocab[top[slot[c] * 64 + rank[c]]];
             tokens[nodes[c]] = tok;
             if (d + 1 < n_levels) {
-                memcpy(emb + (size_t)c * H, embed + (size_t)tok * H, row_bytes);
+                embed_row(embed, tok, H, emb + (size_t)c * H);
                 memcpy(x + (size_t)c * H, state + (size_t)parent_row[c] * H, row_bytes);
             }
         }

@@ -407,3 +407,23 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d
 #pragma omp parallel if ((long)N * K >= PAR_MIN)
     q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
 }
+
+// Rows of a Q8_0 block linear's weight, dequantized: out[i] = row ids[i] (K floats), w = d * q exactly as the
+// file defines it (the fp16 scale converted exactly, the product of an 11-bit and an 8-bit integer is exact in
+// fp32). The token embedding of a model whose lm_head is tied to it is looked up this way (qgemm.py,
+// BlockEmbedding), so the table is not also held in fp32. group: the layout's rows per interleaved group.
+void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out) {
+    const int nb = K / QK;
+    for (int i = 0; i < n; i++) {
+        const int64_t g = ids[i] / group, c = ids[i] % group;
+        const int8_t *gq = qs + (size_t)g * nb * group * 32;
+        const uint16_t *gd = d + (size_t)g * nb * group;
+        float *o = out + (size_t)i * K;
+        for (int b = 0; b < nb; b++) {
+            const float db = _cvtsh_ss(gd[(size_t)b * group + c]);
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < 4; t++)
+                    o[b * QK + 4 * j + t] = db * (float)gq[(size_t)b * group * 32 + (size_t)j * group * 4 + c * 4 + t];
+        }
+    }
+}
