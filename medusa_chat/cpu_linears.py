@@ -431,22 +431,17 @@ def share_tied_embedding(causal_lm: nn.Module) -> bool:
     if not isinstance(head, Q80Linear) or type(embed) is not nn.Embedding:
         return False
     weight = embed.weight
-    if (
-        weight.dtype != torch.float32
-        or weight.device.type != "cpu"
-        or tuple(weight.shape)
-        != (
-            head.out_features,
-            head.in_features,
-        )
-    ):
+    same_shape = tuple(weight.shape) == (head.out_features, head.in_features)
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not same_shape:
         return False
+    lookup = BlockEmbedding(head, embed.padding_idx)
     with torch.no_grad():
         for r in range(0, head.out_features, 8192):  # the dequantized rows in slices: no second full table
-            ids = torch.arange(r, min(r + 8192, head.out_features))
-            if not torch.equal(BlockEmbedding(head)(ids), weight[r : r + 8192]):
+            if not torch.equal(
+                lookup(torch.arange(r, min(r + 8192, head.out_features))), weight[r : r + 8192]
+            ):
                 return False
-    causal_lm.set_input_embeddings(BlockEmbedding(head, embed.padding_idx))
+    causal_lm.set_input_embeddings(lookup)
     return True
 
 

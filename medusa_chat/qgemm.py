@@ -211,9 +211,9 @@ class BlockLinear(nn.Module):
 class Q41Linear(BlockLinear):
     """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m.
 
-    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups of 16, each group's blocks
-    interleaved so that one vector load holds 4 codes of every row of the group (groups of 16 rows for 512-bit
-    builds, else 8: `group`). The buffers keep the shapes of the plain layout (qs [N, K / 2], d and m [N, K / 32])
+    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups (`group`: 16 rows for
+    512-bit builds, else 8), each group's blocks interleaved so that one vector load holds 4 codes of every row
+    of the group. The buffers keep the shapes of the plain layout (qs [N, K / 2], d and m [N, K / 32])
     and a group occupies the same bytes as its rows, so slicing or concatenating at multiples of the group
     (`fuse`) still works. N is padded to a multiple of the group with
     zero weights, never read back (`out_features` is the true N). d and m are fp16 as in the file: a block costs
@@ -230,9 +230,8 @@ class Q41Linear(BlockLinear):
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
             d, m = torch.cat([d, d.new_zeros(pad, k // QK)]), torch.cat([m, m.new_zeros(pad, k // QK)])
-        qs, d8, m8 = interleave_q4_1(
-            codes, d.float(), m.float(), self.group
-        )  # d, m stored as fp16, as in the file
+        # d, m stored as fp16, as in the file
+        qs, d8, m8 = interleave_q4_1(codes, d.float(), m.float(), self.group)
         self.register_buffer("qs", qs)
         self.register_buffer("d", d8)
         self.register_buffer("m", m8)
