@@ -365,7 +365,8 @@ def prepare_cpu_linears(
     mode "none": oneDNN-packed dense (fp32, or bf16 where the CPU has oneDNN bf16); "int8" / "int4":
     weight-only quantized, `prebuilt` ({module path: linear}, the GGUF's own Q4_1 blocks) first, the rest
     quantized here. With int4/int8 the lm_head becomes int8 per row (its argmax decides every token, so it keeps
-    8 bits), a module of its own: the embedding lookup keeps the (tied) float table.
+    8 bits), a module of its own; a tied embedding whose float table is exactly the lm_head's Q8_0 blocks (the
+    embedded GGUF) is then looked up in those blocks (`share_tied_embedding`), else it keeps its float table.
     Returns a summary {mode, replaced, from_file, kept_float}; kept_float lists projections left as they were
     whose GEMM is not row-invariant here (tree steps then equal the plain loop only up to rounding).
     """
