@@ -275,8 +275,12 @@ def test_calibrate_end_to_end_and_cli_json(cache_dir: Path, make_loaded_model: A
     assert result["tree_size"] in sizes and 1 in sizes and loaded.default_tree.size in sizes
     assert result["accuracy_source"].startswith("measured")
     assert result["tree"] == loaded.default_tree.name
+    # the pick is the smallest size within NEAR_TIE of the best estimated rate (pick_tree_size's rule; the
+    # record's rates are rounded to 0.01, hence the slack)
     rates = {r["size"]: r["tokens_per_s_est"] for r in result["sizes"]}
-    assert rates[result["tree_size"]] == max(rates.values())
+    bar = max(rates.values()) * (1 - cal.NEAR_TIE)
+    assert rates[result["tree_size"]] >= bar - 0.01
+    assert all(rate < bar + 0.01 for n, rate in rates.items() if n < result["tree_size"])
 
     # The sub-command: loads the model from the common options, prints JSON, caches the choice.
     from medusa_chat import cli
