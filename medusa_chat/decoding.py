@@ -349,6 +349,9 @@ class MedusaEngine:
             tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
+        self._no_candidates = torch.zeros(
+            (), dtype=torch.long, device=self.device
+        )  # a root-only step's count
         self.drafter = self._hydra if tree.size > 1 else None
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
@@ -461,6 +464,17 @@ class MedusaEngine:
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
+        if logits_once and acceptor.mode == "greedy":
+            # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
+            # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
+            top = self.lm_head(hidden).argmax(dim=-1)
+            if buf.tree.size == 1:  # the plain loop: nothing to judge, the bonus is the root's argmax
+                return tokens, buf.leaf_paths[0], self._no_candidates, top, hidden if self.drafter else None
+            ok = tokens == top.index_select(0, buf.parent)  # (the root's value is never read)
+            path, count = best_path(ok, buf.leaf_paths)
+            last = path.gather(0, count.view(1))
+            draft = hidden.index_select(0, last) if self.drafter is not None else None
+            return tokens, path, count, top.index_select(0, last), draft
         if logits_once:
             logits = self.lm_head(hidden).float()
             parent_logits = logits.index_select(0, buf.internal)
