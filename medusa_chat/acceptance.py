@@ -122,11 +122,12 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------
 # Per-node rules ([N] bool "accepted given its parent"; the root's value is never read)
 # ------------------------------------------------------------------------------------------------------------
-def greedy_node_ok(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+def greedy_node_ok(top: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused).
 
-    `logits` rows are indexed by `parent` (the engine passes only the internal nodes' logits)."""
-    return tokens == logits.argmax(dim=-1)[parent]
+    `top` holds argmaxes of logit rows, indexed by `parent` (the internal nodes' rows and `parent_slot`, or
+    every node's row and `parent` when the engine has logits for the whole tree)."""
+    return tokens == top.index_select(0, parent)
 
 
 def typical_node_ok(
@@ -206,7 +207,7 @@ class Acceptor:
         have the logits `parent_logits` [I, V] and whose root is reply token `position - 1`."""
         if not len(buf.internal):
             return tokens != tokens, None
-        return greedy_node_ok(parent_logits, tokens, buf.parent_slot), None
+        return greedy_node_ok(parent_logits.argmax(dim=-1), tokens, buf.parent_slot), None
 
     def bonus(self, last_logits: torch.Tensor, last: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The bonus token [1] after the accepted path; `last` [1] is the last accepted node, `count` [] the

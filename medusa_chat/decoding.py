@@ -470,7 +470,7 @@ class MedusaEngine:
             top = self.lm_head(hidden).argmax(dim=-1)
             if buf.tree.size == 1:  # the plain loop: nothing to judge, the bonus is the root's argmax
                 return tokens, buf.leaf_paths[0], self._no_candidates, top, hidden if self.drafter else None
-            ok = tokens == top.index_select(0, buf.parent)  # (the root's value is never read)
+            ok = greedy_node_ok(top, tokens, buf.parent)
             path, count = best_path(ok, buf.leaf_paths)
             last = path.gather(0, count.view(1))
             draft = hidden.index_select(0, last) if self.drafter is not None else None

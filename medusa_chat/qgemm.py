@@ -26,8 +26,6 @@ import torch
 from torch import nn
 
 QK = 32
-# Output rows per interleaved group: the build's choice (qgemm.c GW, `qgemm_group()`): 16 with 512-bit tiles, else 8.
-# Each module records the width its weights were laid out for.
 SOURCES = ("qgemm.c", "decoder.c")
 HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
@@ -163,7 +161,9 @@ class BlockLinear(nn.Module):
         if lib is None:
             raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
         self._fn = getattr(lib, f"{self.kind}_gemm")
-        self.group = int(lib.qgemm_group())  # the layout of this build's kernel (rows per interleaved group)
+        # rows per interleaved group, the layout of this build's kernel (qgemm.c GW: 16 with 512-bit tiles, else
+        # 8); each module records the width its weights were laid out for
+        self.group = int(lib.qgemm_group())
         self.in_features, self.out_features = in_features, out_features
 
     def _call(self, x: int, m: int, y: int) -> None:
