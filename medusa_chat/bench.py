@@ -44,8 +44,10 @@ TIMING_NOTE = (
     "decode wall time: from the first new token to the end of the reply (prefill and first token excluded), "
     "measured the same way for every method; speedups are ratios of decode tokens/s"
 )
-METHODS = ("hf", "plain", "lookup", "medusa")
-BASELINES = ("hf", "plain", "lookup", "llamacpp")  # llamacpp: llama-bench on the same GGUF (peer.py)
+METHODS = ("hf", "plain", "lookup", "heads", "medusa")
+# llamacpp: llama-bench on the same GGUF (peer.py); heads: Medusa without context lookup (an ablation, opt-in)
+BASELINES = ("hf", "plain", "lookup", "llamacpp", "heads")
+DEFAULT_BASELINES = ("hf", "plain", "lookup", "llamacpp")
 LOOKUP_TOKENS = 10
 NEAR_TIE = {"float32": 1e-4}  # top-2 logit gap under which a greedy flip counts as a tie (16-bit: 1e-2)
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
@@ -110,15 +112,23 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baselines",
         type=_baselines,
-        default=list(BASELINES),
-        metavar="hf,plain,lookup,llamacpp",
-        help="baselines to run beside Medusa (default: all; llamacpp is skipped with a note without llama-bench)",
+        default=list(DEFAULT_BASELINES),
+        metavar="hf,plain,lookup,llamacpp,heads",
+        help="baselines to run beside Medusa (default: hf,plain,lookup,llamacpp; llamacpp is skipped with a "
+        "note without llama-bench or llama-cpp-python; heads = the same tree without context lookup)",
+    )
+    parser.add_argument(
+        "--no-context-lookup",
+        dest="context_lookup",
+        action="store_false",
+        help="Medusa without context-lookup guesses on the main chain (heads only)",
     )
     parser.add_argument(
         "--llamacpp-bench",
         default=None,
         metavar="PATH",
-        help="llama.cpp's llama-bench binary for the llamacpp baseline (default: $MEDUSA_CHAT_LLAMA_BENCH or PATH)",
+        help="llama.cpp's llama-bench binary for the llamacpp baseline (default: $MEDUSA_CHAT_LLAMA_BENCH or "
+        "PATH; without one, an installed llama-cpp-python decodes the same prompts)",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed warm-up runs of every method (default: 1)"
@@ -174,6 +184,7 @@ class Run:
     ttft_s: float  # time to the first output (prefill)
     steps: int | None  # forward passes after the first output (None: not known)
     stop_reason: str = ""
+    lookup_accepted: int = 0  # accepted tree nodes whose token came from context lookup
 
     @property
     def tokens_per_s(self) -> float:
@@ -187,11 +198,13 @@ class Run:
 def run_engine(engine: MedusaEngine, method: str, prompt_ids: list[int], settings: GenerationSettings) -> Run:
     engine.reset()  # every run pays a full prefill, like the HF baselines (no prefix reuse between methods)
     t0 = time.perf_counter()
-    t_first, first_tokens, summary = t0, 1, None
+    t_first, first_tokens, summary, lookup_accepted = t0, 1, None, 0
     for item in engine.generate(prompt_ids, settings):
         if isinstance(item, StepEvent):
             if item.step == 0:
                 t_first, first_tokens = time.perf_counter(), len(item.token_ids)
+            elif item.tree is not None and item.tree.lookup_nodes:
+                lookup_accepted += len(set(item.tree.lookup_nodes) & set(item.accepted_nodes))
         else:
             summary = item
     t_end = time.perf_counter()
@@ -204,6 +217,7 @@ def run_engine(engine: MedusaEngine, method: str, prompt_ids: list[int], setting
         ttft_s=t_first - t0,
         steps=summary.steps,
         stop_reason=summary.stop_reason,
+        lookup_accepted=lookup_accepted,
     )
 
 
@@ -355,10 +369,11 @@ class BenchConfig:
     top_p: float = 1.0
     seed: int = 0
     accept: str = "typical"  # acceptance rule at temperature > 0: typical | exact
-    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
     warmup: int = 1
     tree_sizes: list[int] | None = None
     llamacpp_bench: str | None = None
+    context_lookup: bool = True  # Medusa with context-lookup guesses on the main chain (lookup.py)
 
 
 def run_bench(
@@ -380,7 +395,7 @@ def run_bench(
 
         peer, peer_note = llama_bench_for(loaded, torch.get_num_threads(), config.llamacpp_bench)
 
-    def run_peer() -> dict[str, Any] | None:
+    def run_peer(prompt_ids: list[int]) -> dict[str, Any] | None:
         """One llama-bench run (one repetition), in the same rotation as the other methods: on a shared
         machine whose speed drifts by +-20% over minutes, a peer measured only before and after the prompts
         can land in another phase than the methods it is compared with."""
@@ -388,13 +403,15 @@ def run_bench(
         if peer is None:
             return None
         try:
-            peer_runs.append(peer.token_generation(config.max_new_tokens, reps=1))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            peer_runs.append(peer.token_generation(config.max_new_tokens, reps=1, prompt_ids=prompt_ids))
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
             peer, peer_note = None, f"llama.cpp baseline failed: {err}"
             return None
         return peer_runs[-1]
 
     engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
+    if "heads" in methods:
+        engines["heads"] = MedusaEngine(loaded, tree)
     if "plain" in methods:
         engines["plain"] = MedusaEngine(loaded, plain_tree())
     sizes = sorted({min(n, tree.size) for n in config.tree_sizes}) if config.tree_sizes else []
@@ -402,17 +419,18 @@ def run_bench(
         engines[f"medusa@{n}"] = MedusaEngine(loaded, tree.prefix(n))
     ident = describe(loaded)
 
-    def settings_for(max_new: int) -> GenerationSettings:
+    def settings_for(max_new: int, context_lookup: bool = config.context_lookup) -> GenerationSettings:
         return GenerationSettings(
             max_new_tokens=max_new,
             temperature=config.temperature,
             top_p=config.top_p,
             seed=config.seed,
             accept=config.accept,
+            context_lookup=context_lookup,
         )
 
     def run(method: str, prompt_ids: list[int], max_new: int) -> Run:
-        s = settings_for(max_new)
+        s = settings_for(max_new, config.context_lookup and method != "heads")
         if method in ("hf", "lookup"):
             return run_hf(loaded, method, prompt_ids, s, seed=config.seed)
         return run_engine(engines[method], method, prompt_ids, s)
@@ -439,7 +457,7 @@ def run_bench(
         try:
             for m in order:
                 if m == "llamacpp":
-                    peer_run = run_peer()
+                    peer_run = run_peer(prompt_ids)
                 else:
                     runs[m] = run(m, prompt_ids, config.max_new_tokens)
         except PromptError as err:
@@ -466,17 +484,19 @@ def run_bench(
             "lookup_s": _r(runs["lookup"].decode_s, 5) if "lookup" in runs else None,
             "stop_reason": med.stop_reason,
             "time_to_first_token_s": _r(med.ttft_s, 5),
+            "context_lookup_accepted": med.lookup_accepted,
         }
         for m, r in runs.items():
             key = m.replace("@", "_at_")
             row[f"{key}_decode_tokens"] = r.decode_tokens
             row[f"{key}_tokens_per_s"] = _r(r.tokens_per_s, 3)
-            if m == "lookup":
-                row["lookup_tokens_per_step"] = _r(r.tokens_per_step)
+            if m in ("lookup", "heads"):
+                row[f"{m}_tokens_per_step"] = _r(r.tokens_per_step)
         for b, key in (
             ("hf", "speedup_vs_hf_generate"),
             ("plain", "speedup_vs_plain_loop"),
             ("lookup", "speedup_vs_prompt_lookup"),
+            ("heads", "speedup_vs_heads_only"),
         ):
             row[key] = _ratio(med.tokens_per_s, runs[b].tokens_per_s) if b in runs else None
         if peer_run is not None:
@@ -495,7 +515,7 @@ def run_bench(
                 row["divergence_top2_gap"] = round(gap, 6)
                 row["near_tie"] = gap <= tie_tolerance(ident["dtype"], top)
             identical_flags.append(div is None)
-            for other in ("plain", "lookup"):
+            for other in ("plain", "lookup", "heads"):
                 if other in runs and other != ref_method:
                     row[f"{other}_identical"] = first_divergence(runs[other].token_ids, ref.token_ids) is None
             for n in sizes:
@@ -533,9 +553,20 @@ def run_bench(
         "llamacpp_tokens_per_s": _r(peer_tps, 3),
         "llamacpp_runs": peer_runs,
         "llamacpp_note": peer_note or None,
+        "llamacpp_runner": type(peer).__name__ if peer_tps else None,  # LlamaBench | LlamaCppPython
         "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
         "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,
         "tokens_per_step": _r(t["medusa"].tokens_per_step),
+        # of the draft tokens Medusa's steps accepted, the share that context lookup guessed
+        "context_lookup_share": _r(
+            sum(r["context_lookup_accepted"] for r in rows)
+            / max(sum(r["medusa_decode_tokens"] - (r["steps"] or 0) for r in rows), 1)
+        )
+        if rows
+        else None,
+        "speedup_vs_heads_only": _ratio(med_tps, t["heads"].tokens_per_s) if "heads" in t else None,
+        "heads_tokens_per_s": _r(t["heads"].tokens_per_s, 3) if "heads" in t else None,
+        "heads_tokens_per_step": _r(t["heads"].tokens_per_step) if "heads" in t else None,
         "speedup_vs_hf_generate": _ratio(med_tps, t["hf"].tokens_per_s) if "hf" in t else None,
         "speedup_vs_plain_loop": _ratio(med_tps, t["plain"].tokens_per_s) if "plain" in t else None,
         "speedup_vs_prompt_lookup": _ratio(med_tps, t["lookup"].tokens_per_s) if "lookup" in t else None,
@@ -557,6 +588,7 @@ def run_bench(
         "speedup_vs_hf_generate_median": _median(r["speedup_vs_hf_generate"] for r in rows),
         "speedup_vs_plain_loop_median": _median(r["speedup_vs_plain_loop"] for r in rows),
         "speedup_vs_prompt_lookup_median": _median(r["speedup_vs_prompt_lookup"] for r in rows),
+        "speedup_vs_heads_only_median": _median(r["speedup_vs_heads_only"] for r in rows),
         "speedup_vs_llamacpp_median": _median(r.get("speedup_vs_llamacpp") for r in rows),
         "timing": TIMING_NOTE,
     }
@@ -569,6 +601,7 @@ def run_bench(
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
         "accept_mode": settings_for(1).accept_mode,
+        "context_lookup": config.context_lookup,
         "top_p": config.top_p,
         "baselines": [m for m in methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
@@ -684,20 +717,28 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
         ("hf", "HF generate", "speedup_vs_hf_generate"),
         ("plain", "plain loop (root-only tree)", "speedup_vs_plain_loop"),
         ("lookup", f"HF prompt lookup ({LOOKUP_TOKENS})", "speedup_vs_prompt_lookup"),
+        ("heads", "Medusa heads only (no context lookup)", "speedup_vs_heads_only"),
     ):
         if m in doc["baselines"]:
-            tps_step = s["lookup_tokens_per_step"] if m == "lookup" else 1.0
+            tps_step = s[f"{m}_tokens_per_step"] if m in ("lookup", "heads") else 1.0
             table.add_row(
                 label, _fmt(s[f"{m}_tokens_per_s"], ".1f"), _fmt(tps_step), _fmt(s[key], ".2f", "x")
             )
     if s.get("llamacpp_tokens_per_s"):
         table.add_row(
-            "llama.cpp (llama-bench tg, same GGUF)",
+            "llama.cpp (llama-cpp-python, same GGUF, same prompts)"
+            if s.get("llamacpp_runner") == "LlamaCppPython"
+            else "llama.cpp (llama-bench tg, same GGUF)",
             _fmt(s["llamacpp_tokens_per_s"], ".1f"),
             "1.00",
             _fmt(s["speedup_vs_llamacpp"], ".2f", "x"),
         )
     console.print(table)
+    if doc.get("context_lookup") and s.get("context_lookup_share") is not None:
+        console.print(
+            f"context lookup guessed {s['context_lookup_share'] * 100:.0f}% of the draft tokens Medusa accepted "
+            "(--no-context-lookup: heads only)"
+        )
     if s.get("llamacpp_note"):
         console.print(f"[yellow]{s['llamacpp_note']}[/yellow]")
     if s.get("identical_to_plain_loop_fraction") is not None:
@@ -741,6 +782,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                     ("HF generate", "speedup_vs_hf_generate_median"),
                     ("plain loop", "speedup_vs_plain_loop_median"),
                     ("prompt lookup", "speedup_vs_prompt_lookup_median"),
+                    ("heads only", "speedup_vs_heads_only_median"),
                     ("llama.cpp", "speedup_vs_llamacpp_median"),
                 )
                 if s.get(key) is not None
@@ -783,6 +825,7 @@ def bench_main(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         tree_sizes=args.tree_sizes,
         llamacpp_bench=args.llamacpp_bench,
+        context_lookup=getattr(args, "context_lookup", True),
     )
     doc = run_bench(loaded, tree, prompts, config, None if args.quiet else out, tree_source=source)
     print_summary(out, doc)

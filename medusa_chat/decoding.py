@@ -9,6 +9,8 @@
         bonus     the backbone's own next token after the accepted path = next root (no extra forward)
         guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus);
                   Hydra heads instead draft at the next propose, depth by depth from the root (HydraDrafter)
+        lookup    where the context's last 2-4 tokens occurred before, what followed them then goes on the
+                  tree's main chain instead of the heads' guesses (lookup.py; host side, O(1) per step)
 
 One host sync per step (to learn how many tokens were accepted), tree buffers built once per tree, and a
 preallocated KV cache whose accepted entries are compacted in place: nothing per step grows with the
@@ -39,6 +41,7 @@ from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.heads import HydraHeads, MedusaHeads
 from medusa_chat.lean_forward import TreePlan, lean_forward_for
+from medusa_chat.lookup import ContextLookup
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -443,20 +446,22 @@ class MedusaEngine:
         produced: int,
         buf: TreeBuffers | None = None,
         plan: TreePlan | None = None,
+        lookup: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One decoding step on the device, no host sync: propose -> verify -> accept -> bonus.
 
         Returns (tree tokens [N], accepted path [D + 1], accepted count, bonus [1], next draft). The caller
         commits (`cache.keep`) after its one sync. `generate` and the calibration that times steps both run
         this, so what is timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
-        context window, `_tree_for_room`); by default the whole tree.
+        context window, `_tree_for_room`); by default the whole tree. `lookup`: context-lookup guesses for the
+        tree's main chain (lookup.py), host ints; they replace the drafter's tokens there.
         """
         if buf is None:
             buf, plan = self.buffers, self.plan
         # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
         logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
-        tokens = propose(root, draft, buf, self.drafter)
+        tokens = self._propose(root, draft, buf, lookup)
         # verify: one forward over the N tree tokens
         attend = plan if plan is not None else self._tree_mask(start, buf)
         hidden = self._forward(tokens, start + buf.depth, attend)
@@ -491,6 +496,19 @@ class MedusaEngine:
             last_logits, draft = self._next_logits_and_guesses(hidden.index_select(0, last))
         bonus = acceptor.bonus(last_logits, last, count)
         return tokens, path, count, bonus, draft
+
+    def _propose(
+        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup: list[int] | None
+    ) -> torch.Tensor:
+        """The tree's tokens [N]: the drafter's guesses, with `lookup`'s on the main chain where it has some."""
+        chain = buf.chain[: len(lookup)] if lookup else []
+        if not chain:
+            return propose(root, draft, buf, self.drafter)
+        guess = torch.tensor(lookup[: len(chain)], dtype=root.dtype, device=root.device)
+        if len(chain) == buf.tree.size - 1:  # the tree is that chain: the lookup fills it, nothing to draft
+            return torch.cat([root, guess])
+        tokens = propose(root, draft, buf, self.drafter)
+        return tokens.index_copy_(0, buf.chain_index[: len(chain)], guess)
 
     # ---- one reply ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -554,6 +572,10 @@ class MedusaEngine:
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths = 0, []
+        # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token)
+        lookup = (
+            ContextLookup([*prompt_ids, first]) if settings.context_lookup and self.tree.size > 1 else None
+        )
         decode_t0 = time.perf_counter()
 
         # ---- decode: one tree verification per step ----
@@ -566,8 +588,9 @@ class MedusaEngine:
             tree, buf, plan = self._tree_for_room(self.context_limit - start)
             width = buf.leaf_paths.shape[1]
             step_t0 = time.perf_counter()
+            guess = lookup.continuation(len(buf.chain)) if lookup is not None and buf.chain else None
             tokens, path, count, bonus, guesses = self.step(
-                root, guesses, start, acceptor, len(reply), buf, plan
+                root, guesses, start, acceptor, len(reply), buf, plan, guess
             )
             # the single host sync of the step: tree tokens, accepted path and count, bonus token
             packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
@@ -583,6 +606,8 @@ class MedusaEngine:
             # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
             new_tokens, stop_reason = _keep_until_end(new_tokens, len(reply), eos, limit)
             reply.extend(new_tokens)
+            if lookup is not None:
+                lookup.extend(new_tokens)
             stop_reason = _limit_reason(stop_reason, len(reply), settings.max_new_tokens)
             delta, held, hit = _release(held + detok.push(new_tokens), stop_strings, final=bool(stop_reason))
             stop_reason = "stop_string" if hit else stop_reason
@@ -599,6 +624,7 @@ class MedusaEngine:
                     parents=tree.parents,
                     depths=tree.depths,
                     ranks=tree.ranks,
+                    lookup_nodes=buf.chain[: len(guess)] if guess else [],
                 ),
                 step_time_s=now - step_t0,
                 new_tokens_total=len(reply),

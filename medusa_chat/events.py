@@ -25,6 +25,9 @@ class GenerationSettings:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     accept: str = "typical"  # the rule for temperature > 0: "typical" | "exact"
+    # put context-lookup guesses on the tree's main chain where the context repeats itself (lookup.py); the
+    # output is the same either way, only the number of tokens per step changes
+    context_lookup: bool = True
 
     @property
     def accept_mode(self) -> str:
@@ -55,6 +58,7 @@ class TreeView:
     parents: list[int]  # parent node index (-1 for the root)
     depths: list[int]  # 0 for the root; depth d = guess of head d-1
     ranks: list[int]  # rank of the token in its head's top-k (root: 0)
+    lookup_nodes: list[int] = field(default_factory=list)  # nodes whose token came from context lookup
 
 
 @dataclass

@@ -9,15 +9,22 @@ prompt, so its context is shorter than the bench prompts'; if anything that favo
 skipped with a note saying why.
 
 Where to find the binary: `--llamacpp-bench PATH`, else $MEDUSA_CHAT_LLAMA_BENCH, else `llama-bench` on PATH.
+Without a binary, an installed llama-cpp-python (`import llama_cpp`) is the peer instead: the same GGUF loaded
+in-process, and each bench prompt decoded greedily with its `generate` (the bench's own prompts and reply
+length, timed from the first new token like every other method: side by side in the strictest sense).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +35,11 @@ class LlamaBench:
     gguf: Path
     threads: int
 
-    def token_generation(self, tokens: int, reps: int = 3, timeout_s: float = 600) -> dict[str, Any]:
-        """Run `llama-bench -p 0 -n tokens`; returns {tokens_per_s, stddev, build, model_type}."""
+    def token_generation(
+        self, tokens: int, reps: int = 3, timeout_s: float = 600, prompt_ids: Sequence[int] | None = None
+    ) -> dict[str, Any]:
+        """Run `llama-bench -p 0 -n tokens`; returns {tokens_per_s, stddev, build, model_type}. (llama-bench
+        decodes after an empty prompt: `prompt_ids` is not used.)"""
         cmd = [
             str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-p", "0", "-n", str(tokens),
             "-r", str(reps), "-o", "json",
@@ -39,6 +49,65 @@ class LlamaBench:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise RuntimeError(f"llama-bench failed ({done.returncode}): {tail[0][:200]}")
         return parse_llama_bench_json(done.stdout)
+
+
+@dataclass
+class LlamaCppPython:
+    """The peer through llama-cpp-python: the GGUF loaded once, greedy decoding of the bench's own prompts."""
+
+    gguf: Path
+    threads: int
+    context: int = 2048
+    _llm: Any = field(default=None, repr=False)
+
+    def _model(self) -> Any:
+        if self._llm is None:
+            try:
+                import llama_cpp
+            except ImportError as err:  # installed (found) but broken, e.g. a missing dependency
+                raise RuntimeError(f"llama-cpp-python does not import: {err}") from err
+            self._llm = llama_cpp.Llama(
+                model_path=str(self.gguf),
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                n_ctx=self.context,
+                verbose=False,
+            )
+        return self._llm
+
+    def token_generation(
+        self, tokens: int, reps: int = 1, timeout_s: float = 600, prompt_ids: Sequence[int] | None = None
+    ) -> dict[str, Any]:
+        """Decode `tokens` tokens greedily after `prompt_ids` (default: the BOS token), `reps` times; the rate
+        counts the tokens after the first (the prefill and first token are excluded, as for every method)."""
+        llm = self._model()
+        prompt = list(prompt_ids) if prompt_ids else [llm.token_bos()]
+        if len(prompt) + tokens > self.context:
+            raise RuntimeError(f"prompt + reply ({len(prompt) + tokens} tokens) exceed llama.cpp's context")
+        rates = []
+        for _ in range(reps):
+            made, t_first = 0, time.perf_counter()
+            for _token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+                made += 1
+                if made == 1:
+                    t_first = time.perf_counter()
+                if made >= tokens:
+                    break
+            elapsed = time.perf_counter() - t_first
+            if made < 2 or elapsed <= 0:
+                raise RuntimeError("llama-cpp-python produced fewer than 2 tokens")
+            rates.append((made - 1) / elapsed)
+        mean = sum(rates) / len(rates)
+        spread = (sum((r - mean) ** 2 for r in rates) / len(rates)) ** 0.5
+        return {
+            "tokens_per_s": mean,
+            "stddev": spread,
+            "build": f"llama-cpp-python {getattr(sys.modules.get('llama_cpp'), '__version__', '?')}",
+            "model_type": None,
+            "n_gen": tokens,
+            "threads": self.threads,
+            "prompt_tokens": len(prompt),
+        }
 
 
 def parse_llama_bench_json(text: str) -> dict[str, Any]:
@@ -78,15 +147,25 @@ def model_gguf(loaded: Any) -> Path | None:
     return None
 
 
-def llama_bench_for(loaded: Any, threads: int, explicit: str | None = None) -> tuple[LlamaBench | None, str]:
-    """(runner, "") or (None, why the llama.cpp baseline is skipped)."""
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_bench_for(
+    loaded: Any, threads: int, explicit: str | None = None
+) -> tuple[LlamaBench | LlamaCppPython | None, str]:
+    """(runner, "") or (None, why the llama.cpp baseline is skipped). A llama-bench binary first, else an
+    installed llama-cpp-python."""
     binary = find_llama_bench(explicit)
-    if binary is None:
+    if binary is None and not llama_cpp_installed():
         return None, (
             "llama.cpp baseline skipped: no llama-bench binary (pass --llamacpp-bench PATH or set "
-            "MEDUSA_CHAT_LLAMA_BENCH; build it from llama.cpp or the llama-cpp-python sdist)"
+            "MEDUSA_CHAT_LLAMA_BENCH; build it from llama.cpp or the llama-cpp-python sdist) and no "
+            "llama-cpp-python installed"
         )
     gguf = model_gguf(loaded)
     if gguf is None:
         return None, "llama.cpp baseline skipped: this model was not loaded from a GGUF"
+    if binary is None:
+        return LlamaCppPython(gguf, threads), ""
     return LlamaBench(binary, gguf, threads), ""

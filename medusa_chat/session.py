@@ -245,6 +245,7 @@ class SessionManager:
         out["tree_source"] = getattr(self, "tree_source", "default")
         out["tree_size"] = tree.size if tree is not None else self._tree_request[1]
         out["accept_mode"] = self.settings.accept_mode
+        out["context_lookup"] = self.settings.context_lookup
         out["baseline_tokens_per_s"] = self.baseline_tokens_per_s
         return out
 
@@ -266,6 +267,8 @@ class SessionManager:
                     value = tuple(str(s) for s in value)
                 elif key == "accept":
                     value = str(value).strip().lower()
+                elif key == "context_lookup":
+                    value = _switch(value)
                 else:
                     value = float(value)
                     if not math.isfinite(value):
@@ -683,3 +686,15 @@ class SessionManager:
             self.store.save(conv)
         except (OSError, MedusaChatError) as err:
             self.notices.append(f"could not save the conversation ({err}); it is still here in memory")
+
+
+def _switch(value: Any) -> bool:
+    """A yes/no setting from a bool or the words people type (on/off, true/false, 1/0, yes/no)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("on", "true", "1", "yes"):
+        return True
+    if word in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on or off, got {value!r}")

@@ -214,6 +214,8 @@ class TreeBuffers:
     parent_slot: torch.Tensor  # [N] long: position of each node's parent in `internal` (root: 0, unused)
     parent: torch.Tensor  # [N] long: each node's parent node (root: itself, unused)
     levels: list[TreeLevel]  # depth by depth, for drafters that need the parent's token (Hydra)
+    chain: list[int]  # the main chain: the rank-0 child of the root, its rank-0 child, ... (host side)
+    chain_index: torch.Tensor  # [len(chain)] long: the same nodes on the device
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device, dtype: torch.dtype, top_k: int) -> TreeBuffers:
@@ -232,6 +234,10 @@ class TreeBuffers:
         internal = sorted(set(tree.parents[1:]))
         slot = {node: i for i, node in enumerate(internal)}
         parent_slot = [0] + [slot[p] for p in tree.parents[1:]]
+        index = {p: i + 1 for i, p in enumerate(tree.paths)}
+        chain: list[int] = []
+        while (0,) * (len(chain) + 1) in index:
+            chain.append(index[(0,) * (len(chain) + 1)])
         return cls(
             tree=tree,
             top_k=top_k,
@@ -243,4 +249,6 @@ class TreeBuffers:
             parent_slot=torch.tensor(parent_slot, dtype=torch.long, device=device),
             parent=torch.tensor([0, *tree.parents[1:]], dtype=torch.long, device=device),
             levels=tree_levels(tree, device),
+            chain=chain,
+            chain_index=torch.tensor(chain, dtype=torch.long, device=device),
         )

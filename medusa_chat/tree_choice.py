@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 9  # bumped whenever the timed step changes (v9: greedy acceptance from argmaxes)
+CALIBRATION_VERSION = 10  # bumped whenever the timed step or acceptance changes (v10: context lookup)
 
 
 def _slug(text: str) -> str:

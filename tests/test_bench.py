@@ -187,6 +187,33 @@ def test_bench_subset_of_baselines_and_sampling(
     assert doc["prompts"][0]["identical"] is None
 
 
+def test_bench_heads_only_ablation_and_no_context_lookup(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path
+) -> None:
+    """`heads` runs the same tree without context lookup beside Medusa; `--no-context-lookup` turns it off for
+    Medusa itself. Both stay the plain loop token for token; the JSON says how much lookup contributed."""
+    loaded = make_loaded_model()
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "24"]
+    args += ["--warmup", "0", "--quiet", "--baselines", "plain,heads"]
+    out = tmp_path / "on.json"
+    assert cli.main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert doc["context_lookup"] is True and doc["baselines"] == ["plain", "heads"]
+    assert s["identical_to_plain_loop_fraction"] == 1.0
+    assert all(row["heads_identical"] is True for row in doc["prompts"])
+    assert s["speedup_vs_heads_only"] > 0 and s["heads_tokens_per_step"] >= 1.0
+    assert 0.0 <= s["context_lookup_share"] <= 1.0
+    accepted = sum(r["context_lookup_accepted"] for r in doc["prompts"])
+    drafts = sum(r["medusa_decode_tokens"] - r["steps"] for r in doc["prompts"])
+    assert s["context_lookup_share"] == round(accepted / max(drafts, 1), 4)
+    off = tmp_path / "off.json"
+    assert cli.main([*args, "--no-context-lookup", "--json", str(off)]) == 0
+    doc_off = json.loads(off.read_text())
+    assert doc_off["context_lookup"] is False and doc_off["summary"]["context_lookup_share"] == 0.0
+    assert [r["token_ids"] for r in doc_off["prompts"]] == [r["token_ids"] for r in doc["prompts"]]
+
+
 def test_bench_bad_inputs(tmp_path: Path, capsys: Any) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nothing": 1}\n')

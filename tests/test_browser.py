@@ -161,6 +161,18 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
     assert page.locator("#chat img").count() == 0 and page.dialogs == []
     final = session.last_summary
     assert final is not None and final.new_tokens == 64
+    # a message's copy button puts its text on the clipboard (as typed / as the model wrote it), not its HTML
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=served.local_url.rstrip("/"))
+    copies = page.get_by_role("button", name=re.compile(r"^copy message$", re.I))
+    wait_until(lambda: copies.count() >= 2, what="the messages' copy buttons")
+    for button, message in zip(
+        [copies.nth(copies.count() - 2), copies.last], session.conversation.messages[-2:], strict=True
+    ):
+        page.evaluate("navigator.clipboard.writeText('-')")
+        button.click()
+        wait_until(
+            lambda m=message: page.evaluate("navigator.clipboard.readText()") == m.content, what="the copy"
+        )
     # after the reply, the step slider shows any step's tree
     set_number(page, "step", 2)
     page.wait_for_function("document.querySelector('#accepted-tree').innerText.includes('Step 2 of')")
@@ -174,6 +186,15 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
         "document.querySelector('#mode').innerText.includes('greedy: identical to plain decoding')"
     )
     wait_until(lambda: session.settings.temperature == 0, what="temperature 0 to reach the session")
+    # context lookup (Advanced): the checkbox reaches the session, both ways
+    page.get_by_text("Advanced").click()
+    box = page.locator("#context-lookup input[type=checkbox]")
+    assert box.is_checked() and session.settings.context_lookup is True
+    box.click()
+    wait_until(lambda: session.settings.context_lookup is False, what="context lookup off")
+    box.click()
+    wait_until(lambda: session.settings.context_lookup is True, what="context lookup on")
+    page.get_by_text("Advanced").click()
     shot = shoot(page, tmp_path, "web-ui.png")
     assert shot.stat().st_size > 10_000
     assert page.outside == [], f"the page tried to reach other hosts: {page.outside[:5]}"

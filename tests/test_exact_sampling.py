@@ -462,3 +462,22 @@ def test_repl_accept_command(tmp_path, monkeypatch) -> None:
     assert "temperature 0.8 (exact sampling: same distribution as plain sampling)" in text
     assert "error: accept must be 'typical' or 'exact'" in text
     assert session.settings.accept == "typical" and session.settings.accept_mode == "typical"
+
+
+def test_repl_lookup_command(tmp_path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from medusa_chat.ui.terminal import TerminalChat
+    from tests.test_terminal import _fake_session
+
+    session, _ = _fake_session(tmp_path, monkeypatch)
+    out = io.StringIO()
+    console = Console(file=out, width=200, no_color=True, highlight=False)
+    stdin = io.StringIO("/lookup\n/lookup off\n/lookup sideways\n")
+    TerminalChat(session, console, interactive=False, stdin=stdin, out=out).run()
+    text = out.getvalue()
+    assert "context lookup on (the output is the same either way" in text
+    assert "context lookup off" in text and "error: bad value for context_lookup" in text
+    assert session.settings.context_lookup is False

@@ -72,3 +72,42 @@ def test_missing_binary_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("MEDUSA_CHAT_LLAMA_BENCH", str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
     assert find_llama_bench() is None
+
+
+def test_without_a_binary_an_installed_llama_cpp_python_is_the_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medusa_chat import peer
+    from medusa_chat.registry import DEFAULT_MODEL, MODELS
+
+    monkeypatch.setenv("MEDUSA_CHAT_LLAMA_BENCH", str(tmp_path / "nope"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    loaded = type("Loaded", (), {"spec": MODELS[DEFAULT_MODEL]})()  # the embedded model's real spec
+    monkeypatch.setattr(peer, "llama_cpp_installed", lambda: False)
+    runner, note = peer.llama_bench_for(loaded, 2)
+    assert runner is None and "llama-cpp-python" in note and "llama-bench" in note
+    monkeypatch.setattr(peer, "llama_cpp_installed", lambda: True)
+    runner, note = peer.llama_bench_for(loaded, 2)
+    assert isinstance(runner, peer.LlamaCppPython) and note == "" and runner.threads == 2
+    assert runner.gguf == peer.model_gguf(loaded)
+    # a model that did not come from a GGUF has no peer, whatever is installed
+    runner, note = peer.llama_bench_for(type("Loaded", (), {"spec": None})(), 2)
+    assert runner is None and "GGUF" in note
+
+
+@pytest.mark.skipif(
+    not __import__("medusa_chat.peer").peer.llama_cpp_installed(), reason="llama-cpp-python absent"
+)
+def test_llama_cpp_python_decodes_the_same_prompt_greedily() -> None:
+    """Runs only where llama-cpp-python is installed (CI does not build it): the real library on the real
+    GGUF, the bench's own prompt, greedy."""
+    from medusa_chat.embedded import gguf_path
+    from medusa_chat.peer import LlamaCppPython
+
+    runner = LlamaCppPython(gguf_path(), threads=2, context=256)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]
+    result = runner.token_generation(24, reps=2, prompt_ids=prompt)
+    assert result["tokens_per_s"] > 0 and result["prompt_tokens"] == len(prompt) and result["n_gen"] == 24
+    assert result["build"].startswith("llama-cpp-python")
+    with pytest.raises(RuntimeError, match="context"):
+        runner.token_generation(300, prompt_ids=prompt)

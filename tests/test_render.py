@@ -209,6 +209,28 @@ def test_tree_svg_structure(name: str) -> None:
         assert rank_text == [f"#{g.get('data-rank')}"]
 
 
+def test_lookup_nodes_are_marked_in_the_svg_the_chain_and_the_terminal_tree() -> None:
+    from rich.console import Console
+
+    from medusa_chat.ui.rich_render import tree_renderable
+
+    tree = Tree.named("mc_sim_7b_63").prefix(8)
+    event = make_event(tree, 2, tree.path_nodes(6)[-1])
+    event.tree.lookup_nodes = [1, 2]  # the main chain took the context lookup's guesses
+    nodes = {int(g.get("data-node")): g for g in nodes_of(parse_svg(render.tree_svg(event)))}
+    marked = {i for i, g in nodes.items() if "lookup" in g.get("class", "").split()}
+    assert marked == {1, 2}
+    for i, g in nodes.items():
+        rank = [t.text for t in g.iter(f"{SVG}text") if t.get("class") == "mc-rank"]
+        assert rank == (["ctx"] if i in marked else [None] if i == 0 else [f"#{g.get('data-rank')}"])
+        assert ("context lookup" in g.find(f"{SVG}title").text) == (i in marked)
+    chain = render.accepted_chain_html(event)
+    assert chain.count("context lookup guess: accepted") == len(set(event.accepted_nodes) & marked)
+    console = Console(width=100, record=True, color_system=None)
+    console.print(tree_renderable(event))
+    assert console.export_text().count("lookup") == 2
+
+
 def test_prefill_step_has_no_tree_but_a_panel() -> None:
     ev = prefill_event("Hello")
     assert render.tree_svg(ev) == ""

@@ -538,6 +538,13 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     s.update_settings(temperature="0.7", seed="none", max_new_tokens="9")
     assert (s.settings.temperature, s.settings.seed, s.settings.max_new_tokens) == (0.7, None, 9)
     assert s.info["accept_mode"] == "typical"
+    assert s.info["context_lookup"] is True
+    for word, state in (("off", False), ("ON", True), (False, False), ("1", True)):
+        s.update_settings(context_lookup=word)
+        assert s.settings.context_lookup is state and s.info["context_lookup"] is state
+    with pytest.raises(MedusaChatError, match="bad value for context_lookup"):
+        s.update_settings(context_lookup="maybe")
+    assert s.settings.context_lookup is True
     s.set_tree("chain-2", None)
     assert (s.info["tree"], s.info["tree_size"]) == ("chain-2", 3)
     s.set_tree(None, 8)

@@ -92,8 +92,30 @@ _CHAT_MD = _chat_markdown_parser()
 def chat_html(text: str) -> str:
     """A chat message (user's or model's) as safe HTML for the Chatbot, which shows it as is (the app turns the
     browser-side Markdown off: it would parse raw HTML). Markdown formatting works; markup in the text is shown
-    as the characters written; no element that loads anything is produced."""
-    return '<div class="mc-msg">' + _CHAT_MD.render(text) + "</div>"
+    as the characters written; no element that loads anything is produced. The message's own text rides along
+    in `data-source` (escaped), which the copy buttons put on the clipboard instead of this HTML (COPY_JS)."""
+    return f'<div class="mc-msg" data-source="{esc(text)}">' + _CHAT_MD.render(text) + "</div>"
+
+
+# Gradio's copy buttons (one per message, and "copy all") write the message's *content* to the clipboard, and a
+# message's content here is the HTML above. On page load this wraps `navigator.clipboard.writeText` once: text
+# that holds our messages is parsed (DOMParser: an inert document, nothing loads or runs) and each message is
+# replaced by its `data-source`, i.e. the text the user typed or the model wrote (Markdown as written). Any other
+# text goes through unchanged.
+COPY_JS = """() => {
+  const clip = navigator.clipboard;
+  if (!clip || clip.mcPlainText) return;
+  const write = clip.writeText.bind(clip);
+  const plain = (s) => {
+    if (typeof s !== "string" || !s.includes('class="mc-msg"')) return s;
+    const doc = new DOMParser().parseFromString(s, "text/html");
+    doc.querySelectorAll(".mc-msg-stats").forEach((e) => e.remove());
+    doc.querySelectorAll(".mc-msg").forEach((e) => e.replaceWith(doc.createTextNode(e.dataset.source ?? e.textContent)));
+    return doc.body.textContent;
+  };
+  clip.writeText = (s) => write(plain(s));
+  clip.mcPlainText = true;
+}"""
 
 
 def _stat_number(value: object, digits: int) -> str | None:
@@ -307,6 +329,7 @@ def tree_svg(event: StepEvent) -> str:
     n = len(tree.tokens)
     rows = _layout(tree.parents, tree.depths, tree.ranks)
     accepted = set(event.accepted_nodes)
+    lookup = set(tree.lookup_nodes)
     max_depth = max(tree.depths)
     max_row = max(rows)
     width = _PAD * 2 + (max_depth + 1) * _NODE_W + max_depth * _COL_GAP
@@ -351,8 +374,11 @@ def tree_svg(event: StepEvent) -> str:
         rank = tree.ranks[i] if i < len(tree.ranks) else 0
         x, y = x_of(i), y_of(i)
         cls = "node accepted" if is_acc else ("node root" if i == 0 else "node rejected")
-        rank_label = "" if i == 0 else f"#{rank}"
+        rank_label = "" if i == 0 else ("ctx" if i in lookup else f"#{rank}")
         where = "root (the backbone's token)" if i == 0 else f"head {tree.depths[i]} guess, rank {rank}"
+        if i in lookup:  # the main chain took the context lookup's guess instead of the head's (lookup.py)
+            cls += " lookup"
+            where = "context lookup guess: what followed the same tokens earlier in the conversation"
         title = f"{text!r} · token {tree.tokens[i]} · {where}" + (" · accepted" if is_acc else "")
         out.append(
             f'<g class="{cls}" data-node="{i}" data-depth="{tree.depths[i]}" data-rank="{rank}">'
@@ -397,9 +423,12 @@ def accepted_chain_html(event: StepEvent) -> str:
         if pos == 0:
             chips.append(_chip(text, "root", "root: the token chosen by the previous step"))
         else:
-            chips.append(
-                _chip(text, "acc", f"head {tree.depths[node]} guess, rank {tree.ranks[node]}: accepted")
+            source = (
+                "context lookup guess"
+                if node in tree.lookup_nodes
+                else f"head {tree.depths[node]} guess, rank {tree.ranks[node]}"
             )
+            chips.append(_chip(text, "acc", f"{source}: accepted"))
     # the step's last token is the bonus one, sampled from the backbone at the last accepted node
     if len(event.token_ids) == len(event.accepted_nodes):
         bonus_text = _after_tokens(
@@ -656,6 +685,7 @@ CSS = """
 .mc-tree .node.rejected { opacity: .42; }
 .mc-tree .node.accepted rect { fill: #dcfce7; stroke: #15803d; stroke-width: 2; }
 .mc-tree .node.accepted .mc-tok { font-weight: 700; fill: #14532d; }
+.mc-tree .node.lookup rect { stroke-dasharray: 4 2; }
 .mc-tree .mc-tok { font-size: 12px; fill: #0f172a; white-space: pre; }
 .mc-tree .mc-rank { font-size: 10px; fill: #64748b; }
 .mc-tree .mc-edge { fill: none; stroke: #94a3b8; stroke-width: 1; opacity: .5; }

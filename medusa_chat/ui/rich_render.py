@@ -117,6 +117,8 @@ def info_panel(info: dict[str, Any]) -> Panel:
             ),
         )
         grid.add_row("acceptance", Text(str(info.get("accept_mode"))))
+        if "context_lookup" in info:
+            grid.add_row("context lookup", Text("on" if info["context_lookup"] else "off"))
     else:
         keys = [k for k in INFO_ORDER if k in info] + [k for k in info if k not in INFO_ORDER]
         for key in keys:
@@ -186,7 +188,8 @@ def tree_renderable(event: StepEvent) -> RenderableType:
         if node == 0:
             t.append("  root", style="cyan")
         else:
-            t.append(f"  head {tv.depths[node]} r{tv.ranks[node]}", style="green" if ok else "dim")
+            source = "lookup" if node in tv.lookup_nodes else f"head {tv.depths[node]} r{tv.ranks[node]}"
+            t.append(f"  {source}", style="green" if ok else "dim")
         if ok:
             t.append(" ✓", style="bold green")
         return t

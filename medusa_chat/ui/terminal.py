@@ -59,6 +59,8 @@ COMMANDS: dict[str, str] = {
     "/temp X": "temperature: 0 = greedy (identical to plain decoding), > 0 = sampling (see /accept)",
     "/accept typical|exact": "rule at temperature > 0: typical (fast, favours the heads' guesses) or exact "
     "(the model's own sampling distribution)",
+    "/lookup on|off": "context lookup: guess repeated text from the conversation on the tree's main chain "
+    "(same output, fewer steps; on by default)",
     "/max N": "max new tokens per reply",
     "/topp X": "nucleus sampling top_p (temperature > 0)",
     "/seed N|none": "sampling seed",
@@ -419,6 +421,12 @@ class TerminalChat:
         st = self.session.settings
         later = "" if st.temperature > 0 else f" (applies at temperature > 0; now {st.temperature:g}: greedy)"
         self.note(f"acceptance at temperature > 0: {st.accept}{later}; now {self._mode_note()}")
+
+    def cmd_lookup(self, arg: str) -> None:
+        if arg:
+            self._set("/lookup on|off", context_lookup=arg)
+        state = "on" if self.session.settings.context_lookup else "off"
+        self.note(f"context lookup {state} (the output is the same either way; /lookup on|off)")
 
     def cmd_max(self, arg: str) -> None:
         self._set("/max N", max_new_tokens=arg)

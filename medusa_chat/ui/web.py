@@ -539,6 +539,13 @@ class WebApp:
                                 precision=0,
                                 label="seed (-1 = random)",
                             )
+                            lookup = gr.Checkbox(
+                                value=s.context_lookup,
+                                label="context lookup",
+                                info="guess repeated text from the conversation on the tree's main chain "
+                                "(same output, fewer steps)",
+                                elem_id="context-lookup",
+                            )
                             tree_name = gr.Dropdown(tree_names, value=TREE_CHOICES_DEFAULT, label="tree")
                             tree_size = gr.Slider(
                                 1, 64, value=int(info.get("tree_size") or 64), step=1, label="tree size"
@@ -611,6 +618,13 @@ class WebApp:
             quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
             for evt in (temperature.input, temperature.change, accept.change):
                 evt(render.mode_html, [temperature, accept], mode, api_visibility="private", **quiet)
+            lookup.change(
+                lambda v: self.update_setting("context_lookup", v),
+                lookup,
+                error_box,
+                api_visibility="private",
+                **quiet,
+            )
             accept.change(
                 lambda v: self.update_setting("accept", v),
                 accept,
@@ -727,6 +741,7 @@ def launch(
         enable_monitoring=False,
         theme=theme(),
         css=render.CSS,
+        js=render.COPY_JS,
     )
     from medusa_chat.api import mount_api
 

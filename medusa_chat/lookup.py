@@ -1,0 +1,55 @@
+"""Context lookup drafts: when the text so far ends with a few tokens it already contained, guess that what
+followed them then follows them again (prompt lookup decoding, Saxena 2023; the n-gram drafter of vLLM and
+transformers' `prompt_lookup_num_tokens`).
+
+Chat replies repeat themselves and their prompt: names, code identifiers, list scaffolding ("1. **", "\\n\\n2.
+**"), phrases the question used. There the lookup guesses runs of tokens the heads miss. The engine puts the
+lookup's guess on the tree's main chain (the top-1 path) when the context's last `min_match`..`max_match`
+tokens occurred before, and keeps the heads' guesses everywhere else; verification is unchanged, so greedy
+output is still the plain loop's token for token and the exact sampling rule keeps its law (the guesses
+depend only on tokens already emitted). Measured on this project's 2-core CPU, Vicuna-bench replies, greedy, a
+3-node chain: 1.64 -> 1.79 tokens per step on held-out prompts (README).
+
+The index maps every 2..4-gram of the context to the position after its latest occurrence, updated as tokens
+are committed: O(1) per token and per lookup, no scan of the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ContextLookup:
+    """The n-gram index of one reply's context (prompt + reply so far)."""
+
+    def __init__(self, tokens: Iterable[int] = (), min_match: int = 2, max_match: int = 4) -> None:
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match (got {min_match}, {max_match})")
+        self.min_match, self.max_match = min_match, max_match
+        self.tokens: list[int] = []
+        # k -> {k tokens: index of the token after their latest occurrence}
+        self._follower: dict[int, dict[tuple[int, ...], int]] = {
+            k: {} for k in range(min_match, max_match + 1)
+        }
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        seq = self.tokens
+        for token in tokens:
+            seq.append(int(token))
+            i = len(seq) - 1  # the new token follows the k tokens before it
+            for k, index in self._follower.items():
+                if i >= k:
+                    index[tuple(seq[i - k : i])] = i
+
+    def continuation(self, count: int) -> list[int]:
+        """Up to `count` tokens that followed the latest earlier occurrence of the longest matching suffix
+        (`max_match` down to `min_match` tokens); [] when the suffix never occurred before."""
+        seq = self.tokens
+        for k in range(self.max_match, self.min_match - 1, -1):
+            if len(seq) <= k:
+                continue
+            follower = self._follower[k].get(tuple(seq[-k:]))
+            if follower is not None:
+                return seq[follower : follower + count]
+        return []
