@@ -130,6 +130,22 @@ def greedy_node_ok(top: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     return tokens == top.index_select(0, parent)
 
 
+def greedy_path(tokens: list[int], tops: list[int], children: list[list[int]]) -> list[int]:
+    """The greedy rule on the host, for small trees whose tokens and argmaxes the step already synced: the
+    longest path from the root along which every node's token is its parent's argmax (`tops[node]`), root
+    first. As long as the path `best_path(greedy_node_ok(...))` picks (tested); siblings with equal tokens are
+    all followed. Equally long accepted paths carry the same tokens (each is the argmax of the one before), so
+    which one is kept never changes the reply."""
+    best, stack = [0], [[0]]
+    while stack:
+        path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        want = tops[path[-1]]
+        stack.extend(path + [c] for c in reversed(children[path[-1]]) if tokens[c] == want)
+    return best
+
+
 def typical_node_ok(
     probs: torch.Tensor,
     tokens: torch.Tensor,

@@ -221,9 +221,8 @@ def measure_step_latency(
 def _timed_step(engine: Any, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> None:
     """The engine's step, its host sync and commit, then the cache put back (so every rep sees one context)."""
     start = engine.cache.length
-    tokens, path, count, bonus, _ = engine.step(root, draft, start, acceptor, 0)
-    torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()  # the step's one host sync
-    engine.cache.keep(start, path, 1)
+    done = engine.step(root, draft, start, acceptor, 0)  # the step and its one host sync
+    engine.cache.keep(start, done.accepted, done.path)
     engine.cache.crop(start)
 
 

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from medusa_chat.acceptance import (  # re-exported: the rules used to live here
     best_path,
     greedy_node_ok,
+    greedy_path,
     make_acceptor,
     sample,
     typical_node_ok,
@@ -152,11 +154,16 @@ class TreeKVCache(Cache):
             self.rows_synced = start
         return rows[0], rows[1]
 
-    def keep(self, start: int, nodes: torch.Tensor, count: int) -> None:
-        """After a tree forward written at `start`: keep the `count` entries of `nodes` (tree node indices,
-        device tensor) as positions start..start+count-1 and drop the rest of the tree."""
-        if self.buffer is not None and count:
-            picked = self.buffer.index_select(-2, nodes[:count] + start)
+    def keep(self, start: int, nodes: list[int], on_device: torch.Tensor | None = None) -> None:
+        """After a tree forward written at `start`: keep the entries of tree nodes `nodes` (host list; the same
+        indices on the device in `on_device`, if at hand) as positions start..start+len(nodes)-1 and drop the
+        rest of the tree. Nodes 0, 1, .. (a chain, the plain loop) are in place already: nothing to copy."""
+        count = len(nodes)
+        if self.buffer is not None and nodes != list(range(count)):
+            index = (
+                on_device[:count] if on_device is not None else torch.tensor(nodes, device=self.buffer.device)
+            )
+            picked = self.buffer.index_select(-2, index + start)
             self.buffer[..., start : start + count, :] = picked
         self.length = start + count
 
@@ -324,6 +331,18 @@ def propose(
     return flat[buf.candidate_index]
 
 
+@dataclass
+class StepResult:
+    """One verification step after its host sync: what was accepted (host) and what the next step needs."""
+
+    tokens: list[int]  # the tree's tokens, by node
+    accepted: list[int]  # the accepted path's nodes, root first (len = accepted candidates + 1)
+    bonus: int  # the backbone's own next token after the path: the next root
+    bonus_on_device: torch.Tensor  # the same, [1] on the device
+    path: torch.Tensor | None  # the accepted path on the device (padded), when the rule computed it there
+    draft: torch.Tensor | None  # the next draft: Medusa guesses, or for Hydra the last accepted node's state
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------------------------
@@ -352,9 +371,6 @@ class MedusaEngine:
             tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
-        self._no_candidates = torch.zeros(
-            (), dtype=torch.long, device=self.device
-        )  # a root-only step's count
         self.drafter = self._hydra if tree.size > 1 else None
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
@@ -447,12 +463,12 @@ class MedusaEngine:
         buf: TreeBuffers | None = None,
         plan: TreePlan | None = None,
         lookup: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One decoding step on the device, no host sync: propose -> verify -> accept -> bonus.
+    ) -> StepResult:
+        """One decoding step: propose -> verify -> accept -> bonus, then the step's one host sync.
 
-        Returns (tree tokens [N], accepted path [D + 1], accepted count, bonus [1], next draft). The caller
-        commits (`cache.keep`) after its one sync. `generate` and the calibration that times steps both run
-        this, so what is timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
+        Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
+        commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
+        timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
         context window, `_tree_for_room`); by default the whole tree. `lookup`: context-lookup guesses for the
         tree's main chain (lookup.py), host ints; they replace the drafter's tokens there.
         """
@@ -472,14 +488,16 @@ class MedusaEngine:
         if logits_once and acceptor.mode == "greedy":
             # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
+            # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
+            # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
             top = self.lm_head(hidden).argmax(dim=-1)
-            if buf.tree.size == 1:  # the plain loop: nothing to judge, the bonus is the root's argmax
-                return tokens, buf.leaf_paths[0], self._no_candidates, top, hidden if self.drafter else None
-            ok = greedy_node_ok(top, tokens, buf.parent)
-            path, count = best_path(ok, buf.leaf_paths)
-            last = path.gather(0, count.view(1))
-            draft = hidden.index_select(0, last) if self.drafter is not None else None
-            return tokens, path, count, top.index_select(0, last), draft
+            n = buf.tree.size
+            host = torch.cat([tokens, top]).tolist()  # the step's one host sync
+            tree_tokens, tops = host[:n], host[n:]
+            accepted = greedy_path(tree_tokens, tops, buf.tree.children)
+            last = accepted[-1]
+            draft = hidden[last : last + 1] if self.drafter is not None else None
+            return StepResult(tree_tokens, accepted, tops[last], top[last : last + 1], None, draft)
         if logits_once:
             logits = self.lm_head(hidden).float()
             parent_logits = logits.index_select(0, buf.internal)
@@ -495,7 +513,10 @@ class MedusaEngine:
         else:
             last_logits, draft = self._next_logits_and_guesses(hidden.index_select(0, last))
         bonus = acceptor.bonus(last_logits, last, count)
-        return tokens, path, count, bonus, draft
+        n, width = buf.tree.size, path.shape[0]
+        host = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()  # the one host sync
+        accepted = host[n : n + host[n + width] + 1]
+        return StepResult(host[:n], accepted, host[-1], bonus, path, draft)
 
     def _propose(
         self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup: list[int] | None
@@ -586,21 +607,15 @@ class MedusaEngine:
             start = self.cache.length
             # near the end of the context window a prefix of the tree still fits: the reply runs to the end
             tree, buf, plan = self._tree_for_room(self.context_limit - start)
-            width = buf.leaf_paths.shape[1]
             step_t0 = time.perf_counter()
             guess = lookup.continuation(len(buf.chain)) if lookup is not None and buf.chain else None
-            tokens, path, count, bonus, guesses = self.step(
-                root, guesses, start, acceptor, len(reply), buf, plan, guess
-            )
-            # the single host sync of the step: tree tokens, accepted path and count, bonus token
-            packed = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()
-            tree_tokens, path_nodes = packed[: tree.size], packed[tree.size : tree.size + width]
-            accepted = packed[tree.size + width]
+            done = self.step(root, guesses, start, acceptor, len(reply), buf, plan, guess)
+            tree_tokens, path_nodes, accepted = done.tokens, done.accepted, len(done.accepted) - 1
             # commit: root + accepted candidates enter the cache; the bonus becomes the next root
-            self.cache.keep(start, path, accepted + 1)
-            self.cached_ids.extend(tree_tokens[n] for n in path_nodes[: accepted + 1])
-            root = bonus
-            new_tokens = [tree_tokens[n] for n in path_nodes[1 : accepted + 1]] + [packed[-1]]
+            self.cache.keep(start, path_nodes, done.path)
+            self.cached_ids.extend(tree_tokens[n] for n in path_nodes)
+            root, guesses = done.bonus_on_device, done.draft
+            new_tokens = [tree_tokens[n] for n in path_nodes[1:]] + [done.bonus]
             steps += 1
             accepted_lengths.append(accepted)
             # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
@@ -617,7 +632,7 @@ class MedusaEngine:
                 step=steps,
                 token_ids=new_tokens,
                 text=delta,
-                accepted_nodes=path_nodes[: accepted + 1],
+                accepted_nodes=path_nodes,
                 tree=TreeView(
                     tokens=tree_tokens,
                     texts=[self._text(t) for t in tree_tokens],

@@ -140,6 +140,14 @@ class Tree:
         return [0] + [p[-1] for p in self.paths]
 
     @cached_property
+    def children(self) -> list[list[int]]:
+        """Each node's children, in tree order."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            out[parent].append(node)
+        return out
+
+    @cached_property
     def leaves(self) -> list[int]:
         has_child = set(self.parents[1:])
         return [i for i in range(self.size) if i not in has_child]

@@ -85,3 +85,24 @@ def test_tree_files_and_unknown_name(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(TreeError, match="cannot read"):
         Tree.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_greedy_walk_accepts_as_much_as_the_device_rule(seed: int) -> None:
+    """greedy_path (host lists, the engine's small-tree greedy step) against best_path(greedy_node_ok(...)) (the
+    device rule): random trees, tokens and argmaxes over a 3-token vocabulary, so siblings often share a token
+    and many paths are accepted at once."""
+    from medusa_chat.acceptance import best_path, greedy_node_ok, greedy_path
+
+    g = torch.Generator().manual_seed(seed)
+    for name in ("mc_sim_7b_63", "vicuna_7b_stage2", "chain-5"):
+        tree = Tree.named(name).prefix(int(torch.randint(2, 17, (1,), generator=g)))
+        buf = tree.buffers("cpu", torch.float32)
+        for _ in range(40):
+            tokens = torch.randint(0, 3, (tree.size,), generator=g)
+            top = torch.randint(0, 3, (tree.size,), generator=g)
+            _, count = best_path(greedy_node_ok(top, tokens, buf.parent), buf.leaf_paths)
+            path = greedy_path(tokens.tolist(), top.tolist(), tree.children)
+            assert len(path) == int(count) + 1
+            assert path[0] == 0 and all(tree.parents[b] == a for a, b in zip(path, path[1:], strict=False))
+            assert all(int(tokens[b]) == int(top[a]) for a, b in zip(path, path[1:], strict=False))
