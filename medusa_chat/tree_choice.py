@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 10  # bumped whenever the timed step or acceptance changes (v10: context lookup)
+CALIBRATION_VERSION = 11  # bumped whenever the timed step or acceptance changes (v11: host-side greedy walk)
 
 
 def _slug(text: str) -> str:
