@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 11  # bumped whenever the timed step or acceptance changes (v11: host-side greedy walk)
+CALIBRATION_VERSION = 12  # bumped whenever the timed step or acceptance changes (v12: 30 timing reps)
 
 
 def _slug(text: str) -> str:
@@ -186,7 +186,7 @@ def resolve_tree(
         loaded,
         base=base,
         sizes=CPU_SIZES,
-        reps=5,
+        reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
         measure_accuracy=True,
         measure_replies=len(CALIBRATION_PROMPTS),  # ~300 tokens: a reply costs well under a second here
         measure_tokens=48,
