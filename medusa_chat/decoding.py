@@ -462,22 +462,22 @@ class MedusaEngine:
         produced: int,
         buf: TreeBuffers | None = None,
         plan: TreePlan | None = None,
-        lookup: list[int] | None = None,
+        lookup_guess: list[int] | None = None,
     ) -> StepResult:
         """One decoding step: propose -> verify -> accept -> bonus, then the step's one host sync.
 
         Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
         commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
         timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
-        context window, `_tree_for_room`); by default the whole tree. `lookup`: context-lookup guesses for the
-        tree's main chain (lookup.py), host ints; they replace the drafter's tokens there.
+        context window, `_tree_for_room`); by default the whole tree. `lookup_guess`: context-lookup guesses for
+        the tree's main chain (lookup.py), host ints; they replace the drafter's tokens there.
         """
         if buf is None:
             buf, plan = self.buffers, self.plan
         # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
         logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
-        tokens = self._propose(root, draft, buf, lookup)
+        tokens = self._propose(root, draft, buf, lookup_guess)
         # verify: one forward over the N tree tokens
         attend = plan if plan is not None else self._tree_mask(start, buf)
         hidden = self._forward(tokens, start + buf.depth, attend)
@@ -519,13 +519,13 @@ class MedusaEngine:
         return StepResult(host[:n], accepted, host[-1], bonus, path, draft)
 
     def _propose(
-        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup: list[int] | None
+        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup_guess: list[int] | None
     ) -> torch.Tensor:
-        """The tree's tokens [N]: the drafter's guesses, with `lookup`'s on the main chain where it has some."""
-        chain = buf.chain[: len(lookup)] if lookup else []
+        """The tree's tokens [N]: the drafter's guesses, with the lookup's on the main chain where it has some."""
+        chain = buf.chain[: len(lookup_guess)] if lookup_guess else []
         if not chain:
             return propose(root, draft, buf, self.drafter)
-        guess = torch.tensor(lookup[: len(chain)], dtype=root.dtype, device=root.device)
+        guess = torch.tensor(lookup_guess[: len(chain)], dtype=root.dtype, device=root.device)
         if len(chain) == buf.tree.size - 1:  # the tree is that chain: the lookup fills it, nothing to draft
             return torch.cat([root, guess])
         tokens = propose(root, draft, buf, self.drafter)
