@@ -593,10 +593,11 @@ class MedusaEngine:
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths = 0, []
-        # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token)
-        lookup = (
-            ContextLookup([*prompt_ids, first]) if settings.context_lookup and self.tree.size > 1 else None
-        )
+        # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token).
+        # Not under typical acceptance: that rule keeps any plausible guess, so lookup guesses would make
+        # sampled replies repeat earlier text more often than the model does (greedy and exact: no such effect).
+        use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != "typical"
+        lookup = ContextLookup([*prompt_ids, first]) if use_lookup else None
         decode_t0 = time.perf_counter()
 
         # ---- decode: one tree verification per step ----

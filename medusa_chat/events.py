@@ -25,8 +25,9 @@ class GenerationSettings:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     accept: str = "typical"  # the rule for temperature > 0: "typical" | "exact"
-    # put context-lookup guesses on the tree's main chain where the context repeats itself (lookup.py); the
-    # output is the same either way, only the number of tokens per step changes
+    # put context-lookup guesses on the tree's main chain where the context repeats itself (lookup.py), in
+    # greedy and exact mode, where the output is the same either way (only the tokens per step change); typical
+    # acceptance never uses them (it would favour repeating earlier text)
     context_lookup: bool = True
 
     @property

@@ -478,6 +478,6 @@ def test_repl_lookup_command(tmp_path, monkeypatch) -> None:
     stdin = io.StringIO("/lookup\n/lookup off\n/lookup sideways\n")
     TerminalChat(session, console, interactive=False, stdin=stdin, out=out).run()
     text = out.getvalue()
-    assert "context lookup on (the output is the same either way" in text
+    assert "context lookup on (greedy and exact sampling; the output is the same either way)" in text
     assert "context lookup off" in text and "error: bad value for context_lookup" in text
     assert session.settings.context_lookup is False

@@ -109,3 +109,15 @@ def test_the_chain_buffers_follow_the_top_1_path() -> None:
     assert buf.chain == [1, 3, 6]
     assert buf.chain_index.tolist() == [1, 3, 6]
     assert plain_tree().buffers("cpu", torch.float32).chain == []
+
+
+def test_typical_acceptance_never_uses_lookup_guesses() -> None:
+    """Typical acceptance keeps any plausible guess: lookup guesses would tilt sampled replies towards repeating
+    earlier text, so that mode drafts with the heads only, whatever the setting says."""
+    loaded = tiny_loaded("llama")
+    engine = MedusaEngine(loaded, Tree.chain(3))
+    for seed in range(3):
+        events, _ = _events(engine, PROMPTS[0], temperature=0.7, seed=seed, accept="typical")
+        assert events and all(not e.tree.lookup_nodes for e in events if e.tree)
+    events, _ = _events(engine, PROMPTS[0])  # the same prompt, greedy: lookup guesses are used
+    assert any(e.tree.lookup_nodes for e in events if e.tree)

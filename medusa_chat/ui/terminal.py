@@ -60,7 +60,7 @@ COMMANDS: dict[str, str] = {
     "/accept typical|exact": "rule at temperature > 0: typical (fast, favours the heads' guesses) or exact "
     "(the model's own sampling distribution)",
     "/lookup on|off": "context lookup: guess repeated text from the conversation on the tree's main chain "
-    "(same output, fewer steps; on by default)",
+    "(greedy and exact sampling: same output, fewer steps; on by default)",
     "/max N": "max new tokens per reply",
     "/topp X": "nucleus sampling top_p (temperature > 0)",
     "/seed N|none": "sampling seed",
@@ -426,7 +426,7 @@ class TerminalChat:
         if arg:
             self._set("/lookup on|off", context_lookup=arg)
         state = "on" if self.session.settings.context_lookup else "off"
-        self.note(f"context lookup {state} (the output is the same either way; /lookup on|off)")
+        self.note(f"context lookup {state} (greedy and exact sampling; the output is the same either way)")
 
     def cmd_max(self, arg: str) -> None:
         self._set("/max N", max_new_tokens=arg)

@@ -543,7 +543,7 @@ class WebApp:
                                 value=s.context_lookup,
                                 label="context lookup",
                                 info="guess repeated text from the conversation on the tree's main chain "
-                                "(same output, fewer steps)",
+                                "(greedy and exact sampling: same output, fewer steps)",
                                 elem_id="context-lookup",
                             )
                             tree_name = gr.Dropdown(tree_names, value=TREE_CHOICES_DEFAULT, label="tree")
