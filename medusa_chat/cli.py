@@ -245,6 +245,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     info = loaded.info()
     info["tree"] = {"name": tree.name, "size": tree.size, "depth": tree.depth, "source": source}
     info["forward"] = BackboneRunner(loaded.backbone).path
+    info["drafts"] = _drafts_line(loaded, tree)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -252,7 +253,19 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(line)
     print(f"tree used  {tree.name} ({tree.size} nodes, depth {tree.depth}; {source})")
     print(f"forward    {info['forward']}")
+    print(f"drafts     {info['drafts']}")
     return 0
+
+
+def _drafts_line(loaded: Any, tree: Any) -> str:
+    """Who guesses the tree's tokens with the default settings (heads, and context lookup on the main chain)."""
+    from medusa_chat.events import GenerationSettings
+
+    if tree.size <= 1:
+        return "none (root-only tree: plain decoding)"
+    heads = type(loaded.heads).__name__ if loaded.heads is not None else "no heads"
+    lookup = GenerationSettings().context_lookup
+    return f"{heads}" + (" + context lookup on the main chain (greedy and exact sampling)" if lookup else "")
 
 
 # ---- entry point --------------------------------------------------------------------------------------------------

@@ -247,8 +247,13 @@ def test_info_reports_the_tree_and_path_chat_uses(
     assert info["tree"]["name"] == session.engine.tree.name
     assert info["tree"]["source"] == session.info["tree_source"] == "calibrated (1.4x est.)"
     assert (info["quant"], info["forward"]) == (session.info["quant"], session.engine.runner.path)
+    assert info["drafts"].endswith("+ context lookup on the main chain (greedy and exact sampling)")
     assert cli.main([*argv, "--quant", loaded.quant, "--tree-size", "2"]) == 0
-    assert "tree used  " + base.prefix(2).name + " (2 nodes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tree used  " + base.prefix(2).name + " (2 nodes" in out
+    assert "drafts     " + type(loaded.heads).__name__ + " + context lookup" in out
+    assert cli.main([*argv, "--quant", loaded.quant, "--tree-size", "1"]) == 0
+    assert "drafts     none (root-only tree: plain decoding)" in capsys.readouterr().out
 
 
 # ---- measurement (smoke: numbers positive, cache restored) ----------------------------------------------------------
