@@ -125,8 +125,8 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def greedy_node_ok(top: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """Node accepted iff its token is the argmax of its parent's logits. [N] bool (root's value unused).
 
-    `top` holds argmaxes of logit rows, indexed by `parent` (the internal nodes' rows and `parent_slot`, or
-    every node's row and `parent` when the engine has logits for the whole tree)."""
+    `top` holds argmaxes of the internal nodes' logit rows, indexed by `parent` (`TreeBuffers.parent_slot`).
+    The engine's small greedy trees use `greedy_path`, the same rule on the host."""
     return tokens == top.index_select(0, parent)
 
 

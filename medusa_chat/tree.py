@@ -220,7 +220,6 @@ class TreeBuffers:
     leaf_paths: torch.Tensor  # [num_leaves, depth + 1] long, node indices root..leaf, padded with N
     internal: torch.Tensor  # [I] long: nodes with children (only their logits are needed to verify)
     parent_slot: torch.Tensor  # [N] long: position of each node's parent in `internal` (root: 0, unused)
-    parent: torch.Tensor  # [N] long: each node's parent node (root: itself, unused)
     levels: list[TreeLevel]  # depth by depth, for drafters that need the parent's token (Hydra)
     chain: list[int]  # the main chain: the rank-0 child of the root, its rank-0 child, ... (host side)
     chain_index: torch.Tensor  # [len(chain)] long: the same nodes on the device
@@ -255,7 +254,6 @@ class TreeBuffers:
             leaf_paths=leaf_paths.to(device),
             internal=torch.tensor(internal, dtype=torch.long, device=device),
             parent_slot=torch.tensor(parent_slot, dtype=torch.long, device=device),
-            parent=torch.tensor([0, *tree.parents[1:]], dtype=torch.long, device=device),
             levels=tree_levels(tree, device),
             chain=chain,
             chain_index=torch.tensor(chain, dtype=torch.long, device=device),
