@@ -265,7 +265,7 @@ def _drafts_line(loaded: Any, tree: Any) -> str:
         return "none (root-only tree: plain decoding)"
     heads = type(loaded.heads).__name__ if loaded.heads is not None else "no heads"
     lookup = GenerationSettings().context_lookup
-    return f"{heads}" + (" + context lookup on the main chain (greedy and exact sampling)" if lookup else "")
+    return heads + (" + context lookup on the main chain (greedy and exact sampling)" if lookup else "")
 
 
 # ---- entry point --------------------------------------------------------------------------------------------------
