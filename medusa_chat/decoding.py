@@ -34,6 +34,7 @@ from medusa_chat.acceptance import (  # re-exported: the rules used to live here
     best_path,
     greedy_node_ok,
     greedy_path,
+    greedy_tokens,
     make_acceptor,
     sample,
     typical_node_ok,
@@ -490,7 +491,7 @@ class MedusaEngine:
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
             # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
-            top = self.lm_head(hidden).argmax(dim=-1)
+            top = greedy_tokens(self.lm_head(hidden))
             n = buf.tree.size
             host = torch.cat([tokens, top]).tolist()  # the step's one host sync
             tree_tokens, tops = host[:n], host[n:]

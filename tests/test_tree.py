@@ -107,3 +107,21 @@ def test_host_greedy_walk_accepts_as_much_as_the_device_rule(seed: int) -> None:
             assert len(path) == int(count) + 1
             assert path[0] == 0 and all(tree.parents[b] == a for a, b in zip(path, path[1:], strict=False))
             assert all(int(tokens[b]) == int(top[a]) for a, b in zip(path, path[1:], strict=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_is_argmax_including_ties(dtype: torch.dtype) -> None:
+    """The engine's greedy token (`max(dim).indices`, faster on a CPU) is `argmax`'s: the first maximal index,
+    on rows with many exact ties (values from a small set), on 1-D and 2-D logits."""
+    from medusa_chat.acceptance import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 49152):
+        rows = torch.randint(0, 4, (64, vocab), generator=g).to(dtype)  # every row has ties at its maximum
+        rows[5] = 0.0  # the whole row tied
+        rows[6, vocab // 2] = float("inf")
+        assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))
+        for r in range(8):
+            assert torch.equal(greedy_tokens(rows[r]), rows[r].argmax(dim=-1))
+    spread = torch.randn(16, 49152, generator=g)
+    assert torch.equal(greedy_tokens(spread), spread.argmax(dim=-1))
