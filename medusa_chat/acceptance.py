@@ -203,7 +203,6 @@ def best_path(
     return leaf_paths.index_select(0, best)[0], accepted.index_select(0, best)[0]
 
 
-
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension (the first index of the maximum, as `torch.argmax`), via `max(dim)`.
 
