@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 12  # bumped whenever the timed step or acceptance changes (v12: 30 timing reps)
+CALIBRATION_VERSION = 13  # bumped whenever the timed step or acceptance changes (v13: 512-bit attention)
 
 
 def _slug(text: str) -> str:

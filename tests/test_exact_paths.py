@@ -171,3 +171,34 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     prepare_cpu_linears(other, "int8")
     assert type(other.get_input_embeddings()) is nn.Embedding
     assert not share_tied_embedding(other)
+
+
+def test_the_native_step_gives_the_same_bits_on_every_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native int4 step (block GEMMs and attention: decoder.c) computes the same per-lane arithmetic in the
+    AVX2 build and the 512-bit AVX-512 build (two keys a register for scores, 16 dims a register for the values):
+    a prefill block and a tree step give the same hidden states, bit for bit, whichever build runs them."""
+    if not qgemm.available():
+        pytest.skip(f"no block kernel here: {qgemm.unavailable_reason()}")
+    flags = qgemm._cpu_flags()
+    isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    if len(isas) < 2:
+        pytest.skip("this CPU runs only the AVX2 build")
+    tree = Tree.named("mc_sim_7b_63").prefix(8)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 500, (45,), generator=g)  # 5 full 8-key chunks and a tail
+    tokens = torch.randint(3, 500, (tree.size,), generator=g)
+    outs = {}
+    for isa in isas:
+        monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
+        model = copy.copy(tiny_loaded("llama"))
+        model.backbone = copy.deepcopy(model.backbone)
+        model.backbone.__dict__.pop("_medusa_lean_forward", None)
+        prepare_cpu_linears(model.backbone, "int4")
+        engine = MedusaEngine(model, tree)
+        assert "native" in engine.runner.path
+        with torch.inference_mode():
+            cache = TreeKVCache(model.backbone.config.num_hidden_layers, capacity=128)
+            pre = engine.runner.forward(prompt, torch.arange(45), engine._prefill_mask(0, 45), cache)
+            step = engine.runner.forward(tokens, 45 + engine.buffers.depth, engine.plan, cache)
+        outs[isa] = (pre, step)
+    assert all(torch.equal(a, b) for a, b in zip(outs["avx2"], outs[isas[1]], strict=True))
