@@ -173,7 +173,9 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     assert not share_tied_embedding(other)
 
 
-def test_the_native_step_gives_the_same_bits_on_every_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The native int4 step (block GEMMs and attention: decoder.c) computes the same per-lane arithmetic in the
     AVX2 build and the 512-bit AVX-512 build (two keys a register for scores, 16 dims a register for the values):
     a prefill block and a tree step give the same hidden states, bit for bit, whichever build runs them."""
