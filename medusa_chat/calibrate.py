@@ -66,7 +66,12 @@ DEFAULT_PREFIX_TOKENS = 256
 NEAR_TIE = 0.03
 
 # Built-in prompts for measuring acceptance when the heads ship no expected_tokens_per_step. Deliberately not
-# the benchmark prompts (a tree tuned on the benchmark says nothing about it) and varied in style.
+# the benchmark prompts (a tree tuned on the benchmark says nothing about it) and varied in style. The second
+# six (opinion, role play, explanation, summary, arithmetic, naming) were added because the first six alone
+# are unusually predictable (lists, code, recipes): on the AMX Xeon VM they estimated 1.55 / 1.87 / 2.07
+# tokens per step for 2 / 3 / 4 nodes, Vicuna-bench's 20 first prompts measured 1.47 / 1.67 / 1.76, the
+# estimate favoured the deeper trees, and the 3-node choice decoded 4% slower than 2 nodes. All twelve:
+# 1.41 / 1.62 / 1.74.
 CALIBRATION_PROMPTS = (
     "Explain how the gears on a bicycle make it easier to ride up a hill.",
     "Write a short poem about autumn leaves falling in a city park.",
@@ -74,6 +79,12 @@ CALIBRATION_PROMPTS = (
     "What is the difference between weather and climate? Give an example.",
     "Describe step by step how to make a good cup of tea.",
     "Write a Python function that checks whether a word is a palindrome.",
+    "What are the advantages and disadvantages of working from home?",
+    "Imagine you are a ship's captain in a storm. Describe what you tell your crew.",
+    "Why do leaves change colour in autumn? Answer in a short paragraph.",
+    "Summarize the causes of the French Revolution in a few sentences.",
+    "If a train travels 60 miles in 1.5 hours, what is its average speed? Explain.",
+    "Suggest a name and a slogan for a small bakery, and say why they fit.",
 )
 
 

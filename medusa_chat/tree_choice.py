@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 13  # bumped whenever the timed step or acceptance changes (v13: 512-bit attention)
+CALIBRATION_VERSION = 14  # bumped whenever the timed step or acceptance changes (v14: 12 calibration prompts)
 
 
 def _slug(text: str) -> str:
@@ -188,7 +188,7 @@ def resolve_tree(
         sizes=CPU_SIZES,
         reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
         measure_accuracy=True,
-        measure_replies=len(CALIBRATION_PROMPTS),  # ~300 tokens: a reply costs well under a second here
+        measure_replies=len(CALIBRATION_PROMPTS),  # ~600 tokens: a reply costs well under a second here
         measure_tokens=48,
         progress=progress,
     )
