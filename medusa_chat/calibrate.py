@@ -159,6 +159,7 @@ def measure_step_latency(
     warmup: int = 2,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    graphs: bool = True,
 ) -> dict[int, dict[str, float]]:
     """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
@@ -168,7 +169,8 @@ def measure_step_latency(
     the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
     events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
     pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
-    them, the event time equals the wall time: the GPU waits for the launches.)
+    them, the event time equals the wall time: the GPU waits for the launches.) graphs=False times the eager
+    step where an engine would replay CUDA graphs (graph_step.py).
     """
     from medusa_chat.acceptance import make_acceptor
     from medusa_chat.decoding import MedusaEngine
@@ -188,6 +190,8 @@ def measure_step_latency(
         if loaded.heads is not None and n > 1:
             t.check_fits(loaded.heads.num_heads)
         engine = MedusaEngine(loaded, t)  # each size its own cache: per-node key rows are sized per tree
+        if not graphs:
+            engine._graph = None
         hidden = engine._forward(
             prefix, torch.arange(prefix_tokens, device=device), engine._prefill_mask(0, prefix_tokens)
         )
@@ -427,6 +431,16 @@ def calibrate(
         progress=progress,
     )
     latency = {n: v["median_s"] for n, v in lat.items()}
+    eager: dict[int, float] = {}
+    if device.type == "cuda":  # the same steps without CUDA graphs, for the record (graph_step.py)
+        if progress:
+            progress("timing the same steps without CUDA graphs")
+        eager = {
+            n: v["median_s"]
+            for n, v in measure_step_latency(
+                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, graphs=False
+            ).items()
+        }
     best = pick_tree_size(latency, tps, NEAR_TIE)
     rates = expected_tokens_per_s(latency, tps)
     return {
@@ -451,6 +465,7 @@ def calibrate(
                 "tokens_per_step": round(tps[n], 4),
                 "tokens_per_s_est": round(rates[n], 2),
                 "speedup_est": round(estimated_speedup(latency, tps, n), 3),
+                **({"eager_latency_s": round(eager[n], 6)} if n in eager else {}),
             }
             for n in sorted(rates)
         ],

@@ -42,8 +42,9 @@ from medusa_chat.acceptance import (  # re-exported: the rules used to live here
 from medusa_chat.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
 from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.graph_step import GraphStep, allocate_cache, graphs_enabled
 from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.lean_forward import TreePlan, lean_forward_for
+from medusa_chat.lean_forward import LeanForward, TreePlan, lean_forward_for
 from medusa_chat.lookup import ContextLookup
 from medusa_chat.tree import Tree, TreeBuffers
 
@@ -321,6 +322,22 @@ class HydraDrafter:
         return tokens
 
 
+# The graphs' cache is allocated whole for the context window, up to this many tokens (a 7B in fp16: 0.5 GB per
+# 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.
+GRAPH_CACHE_LIMIT = 8192
+
+
+def wants_graphs(model: Any, runner: BackboneRunner) -> bool:
+    """Should this engine replay its steps as CUDA graphs: a lean forward to record (not the transformers one,
+    whose cache and mask logic run on the host), not turned off (MEDUSA_CHAT_COMPILE=0), and not measured
+    slower by the calibration (`model.graph_step` False)."""
+    return (
+        isinstance(runner.lean, LeanForward)
+        and graphs_enabled()
+        and getattr(model, "graph_step", None) is not False
+    )
+
+
 def propose(
     root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: HydraDrafter | None
 ) -> torch.Tensor:
@@ -364,7 +381,23 @@ class MedusaEngine:
         self._token_text: dict[int, str] = {}
         # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy)
         self._hydra = HydraDrafter(self.heads, self.backbone) if isinstance(self.heads, HydraHeads) else None
+        # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
+        # (graph_step.py; `model.graph_step`, set by the calibration; MEDUSA_CHAT_COMPILE=0: never)
+        self._graph: GraphStep | None = None
+        self.graph_note = ""
+        if self.device.type == "cuda" and wants_graphs(model, self.runner):
+            self._graph = self._new_graph(capture=True)
         self.set_tree(tree or model.default_tree)
+
+    def _new_graph(self, capture: bool) -> GraphStep:
+        """A GraphStep over this engine's cache, which gets its whole buffer now (graphs hold its address)."""
+        cfg = self.backbone.config
+        lean = self.runner.lean
+        capacity = min(self.context_limit, GRAPH_CACHE_LIMIT)
+        allocate_cache(
+            self.cache, cfg.num_hidden_layers, lean.kv_heads, lean.head_dim, capacity, self.dtype, self.device
+        )
+        return GraphStep(lean, self.lm_head, self.cache, capacity, capture=capture)
 
     # ---- tree ---------------------------------------------------------------------------------------------
     def set_tree(self, tree: Tree) -> None:
@@ -441,6 +474,58 @@ class MedusaEngine:
     ) -> torch.Tensor:
         return self.runner.forward(ids, positions, attend, self.cache)
 
+    def _graph_step(
+        self, tokens: torch.Tensor, start: int, buf: TreeBuffers
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's (hidden, logits) from its CUDA graph, or (_, None) where graphs cannot serve it (then the
+        eager step runs). A newly recorded graph's first replay is checked against the eager step first: one
+        that disagrees, or that fails to record, turns graphs off for this engine, with a note."""
+        graph = self._graph
+        assert graph is not None
+        if start + buf.tree.size > graph.capacity:  # past the preallocated cache: the eager step grows it
+            self._graphs_off(f"the conversation outgrew the graphs' cache ({graph.capacity} tokens)")
+            return tokens, None
+        before = graph.captures
+        try:
+            hidden, logits = graph.run(tokens, start, buf)
+        except (RuntimeError, ValueError) as err:  # a kernel that cannot be recorded, out of memory
+            self.cache.length = start
+            self._graphs_off(f"a CUDA graph could not be recorded ({err})")
+            return tokens, None
+        if graph.captures != before:  # a new graph: does it compute the eager step, and faster?
+            hidden, logits = hidden.clone(), logits.clone()
+            replay_s = self._timed(lambda: graph.run(tokens, start, buf)) if graph.capture else 0.0
+            self.cache.length = start
+            attend = self._tree_mask(start, buf)
+            eager_s = self._timed(lambda: self._forward(tokens, start + buf.depth, attend))
+            self.cache.length = start
+            eager = self._forward(tokens, start + buf.depth, attend)
+            scale = float(eager.abs().max()) or 1.0
+            if float((eager - hidden).abs().max()) > 1e-2 * scale or not torch.equal(
+                greedy_tokens(self.lm_head(eager)), greedy_tokens(logits)
+            ):
+                self._graphs_off("a recorded CUDA graph did not reproduce the eager step")
+                return eager, None
+            if graph.capture and replay_s >= eager_s:
+                self._graphs_off(f"measured slower ({replay_s * 1e3:.2f} ms vs {eager_s * 1e3:.2f} ms eager)")
+                return eager, None
+        return hidden, logits
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        """Wall time of fn() on this engine's device (synchronized before and after on a GPU)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _graphs_off(self, why: str) -> None:
+        self._graph = None
+        self.graph_note = f"CUDA graphs off: {why}; the eager step goes on"
+
     def _next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
         heads = self.heads if self.tree.size > 1 else None
@@ -479,9 +564,13 @@ class MedusaEngine:
         logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
         tokens = self._propose(root, draft, buf, lookup_guess)
-        # verify: one forward over the N tree tokens
-        attend = plan if plan is not None else self._tree_mask(start, buf)
-        hidden = self._forward(tokens, start + buf.depth, attend)
+        # verify: one forward over the N tree tokens (on a GPU a replayed CUDA graph of it: graph_step.py)
+        step_logits = None
+        if self._graph is not None:
+            hidden, step_logits = self._graph_step(tokens, start, buf)
+        if step_logits is None:
+            attend = plan if plan is not None else self._tree_mask(start, buf)
+            hidden = self._forward(tokens, start + buf.depth, attend)
         # accept: nodes with children need full-vocab logits to judge their children, the last accepted node
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
@@ -491,7 +580,7 @@ class MedusaEngine:
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
             # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
-            top = greedy_tokens(self.lm_head(hidden))
+            top = greedy_tokens(self.lm_head(hidden) if step_logits is None else step_logits)
             n = buf.tree.size
             host = torch.cat([tokens, top]).tolist()  # the step's one host sync
             tree_tokens, tops = host[:n], host[n:]
@@ -499,8 +588,8 @@ class MedusaEngine:
             last = accepted[-1]
             draft = hidden[last : last + 1] if self.drafter is not None else None
             return StepResult(tree_tokens, accepted, tops[last], top[last : last + 1], None, draft)
-        if logits_once:
-            logits = self.lm_head(hidden).float()
+        if logits_once or step_logits is not None:
+            logits = (self.lm_head(hidden) if step_logits is None else step_logits).float()
             parent_logits = logits.index_select(0, buf.internal)
         else:
             parent_logits = self.lm_head(hidden[buf.internal]).float()
@@ -508,7 +597,7 @@ class MedusaEngine:
         ok, logp = acceptor.judge(parent_logits, tokens, buf, produced)
         path, count = best_path(ok, buf.leaf_paths, logp)
         last = path.gather(0, count.view(1))
-        if logits_once:
+        if logits_once or (step_logits is not None and self.drafter is not None):
             last_logits = logits.index_select(0, last)[0]
             draft = hidden.index_select(0, last) if self.drafter is not None else None
         else:

@@ -262,9 +262,43 @@ class LeanForward:
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
     ) -> torch.Tensor:
+        return self._run(ids, positions, attend, cache.write, cache)
+
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        buffer: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        """The same layers with nothing that depends on host state (graph_step.py captures it as a CUDA graph):
+        every layer writes its keys and values at the device tensor `slots` of the cache `buffer`
+        [layers, 2, 1, kv_heads, capacity, head_dim] and attends over its first `width` slots with the additive
+        `mask` [1, 1, T, width]."""
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = buffer[i, 0], buffer[i, 1]
+            keys.index_copy_(2, slots, k)
+            values.index_copy_(2, slots, v)
+            return keys[:, :, :width], values[:, :, :width]
+
+        return self._run(ids, positions, mask, write, None)
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: torch.Tensor | TreePlan,
+        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        cache: Any,
+    ) -> torch.Tensor:
         t, hd, groups = ids.shape[0], self.head_dim, self.groups
         tree = isinstance(attend, TreePlan)
-        start = cache.length  # the tree's first slot (every layer writes its entries from here)
+        start = (
+            cache.length if tree else 0
+        )  # the tree's first slot (every layer writes its entries from here)
         x = self.embed(ids[None])
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -283,7 +317,7 @@ class LeanForward:
                 v = layer.v(h).view(1, t, -1, hd).transpose(1, 2)
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
-            k, v = cache.write(i, k, v)
+            k, v = write(i, k, v)
             if tree:
                 out = self._attend_tree(i, start, q, k, v, attend, cache)
             elif groups > 1 and t == 1:

@@ -1,0 +1,139 @@
+"""The GPU step as a CUDA graph (medusa_chat/graph_step.py): what can be checked without a GPU, is, here.
+
+The graph records a static-shape body (whole-window KV buffer, device-side start slot, in-graph positions, cache
+slots and tree mask). That body runs eagerly on a CPU (`capture=False`) and must give what the engine gives
+without it: in float64, where rounding cannot flip a greedy token, replies are compared token for token with the
+eager engine and with the plain loop, for chains and branching trees, greedy and sampled, across cache buckets
+and past the graphs' cache. The recording itself runs only on CUDA (the last test; `benchmarks/gpu_checks.sh`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from medusa_chat import decoding
+from medusa_chat.decoding import MedusaEngine, plain_tree, wants_graphs
+from medusa_chat.events import GenerationSettings, ReplySummary
+from medusa_chat.graph_step import MIN_BUCKET, bucket_for
+from medusa_chat.tree import Tree
+from tests.tinymodels import tiny_loaded
+
+
+def _float64(loaded):
+    twin = copy.copy(loaded)
+    twin.backbone = copy.deepcopy(loaded.backbone).to(torch.float64)
+    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
+    twin.heads = copy.deepcopy(loaded.heads).to(torch.float64)
+    return twin
+
+
+@pytest.fixture(scope="module")
+def loaded64():
+    return _float64(tiny_loaded("llama"))
+
+
+def _reply(engine: MedusaEngine, prompt: list[int], **settings) -> list[int]:
+    *_, summary = engine.generate(prompt, GenerationSettings(**settings))
+    assert isinstance(summary, ReplySummary)
+    return summary.token_ids
+
+
+def _graph_engine(loaded, tree: Tree) -> MedusaEngine:
+    engine = MedusaEngine(loaded, tree)
+    engine._graph = engine._new_graph(capture=False)
+    return engine
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 60, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "tree", [Tree.chain(3), Tree.named("mc_sim_7b_63").prefix(16), Tree.named("mc_sim_7b_63")]
+)
+def test_the_static_step_gives_the_eager_engines_replies(loaded64, tree: Tree) -> None:
+    graph, eager, plain = (
+        _graph_engine(loaded64, tree),
+        MedusaEngine(loaded64, tree),
+        MedusaEngine(loaded64, plain_tree()),
+    )
+    for prompt in _prompts(4, 12):
+        want = _reply(plain, prompt, max_new_tokens=40)
+        assert _reply(eager, prompt, max_new_tokens=40) == want
+        assert _reply(graph, prompt, max_new_tokens=40) == want
+    assert graph._graph is not None and graph.graph_note == ""  # every first replay passed its check
+
+
+def test_the_static_step_samples_like_the_eager_engine(loaded64) -> None:
+    tree = Tree.named("mc_sim_7b_63").prefix(16)
+    graph, eager = _graph_engine(loaded64, tree), MedusaEngine(loaded64, tree)
+    for seed, prompt in enumerate(_prompts(3, 10, seed=1)):
+        for mode in ("typical", "exact"):
+            kw = dict(max_new_tokens=30, temperature=0.8, seed=seed, accept=mode)
+            assert _reply(graph, prompt, **kw) == _reply(eager, prompt, **kw)
+
+
+def test_a_growing_reply_records_one_graph_per_bucket(loaded64) -> None:
+    tree = Tree.chain(3)
+    engine = _graph_engine(loaded64, tree)
+    prompt = _prompts(1, MIN_BUCKET - 40)[0]
+    reply = _reply(engine, prompt, max_new_tokens=120)  # crosses from the 256 bucket into 512
+    assert len(reply) == 120
+    assert engine._graph is not None
+    assert set(engine._graph._graphs) == {(tree.size, MIN_BUCKET), (tree.size, 2 * MIN_BUCKET)}
+    assert engine._graph.captures == 2
+    assert _reply(engine, prompt, max_new_tokens=120) == reply  # the second reply reuses both
+    assert engine._graph.captures == 2
+
+
+def test_buckets_are_powers_of_two_within_the_cache() -> None:
+    assert bucket_for(1, 4096) == MIN_BUCKET
+    assert bucket_for(MIN_BUCKET, 4096) == MIN_BUCKET
+    assert bucket_for(MIN_BUCKET + 1, 4096) == 2 * MIN_BUCKET
+    assert bucket_for(3000, 4096) == 4096
+    assert bucket_for(3000, 3500) == 3500
+
+
+def test_a_conversation_past_the_graphs_cache_goes_on_eagerly(loaded64, monkeypatch) -> None:
+    monkeypatch.setattr(decoding, "GRAPH_CACHE_LIMIT", 300)
+    tree = Tree.chain(3)
+    engine, plain = _graph_engine(loaded64, tree), MedusaEngine(loaded64, plain_tree())
+    prompt = _prompts(1, 260, seed=2)[0]
+    assert _reply(engine, prompt, max_new_tokens=80) == _reply(plain, prompt, max_new_tokens=80)
+    assert engine._graph is None and "outgrew" in engine.graph_note
+
+
+def test_graphs_are_wanted_for_a_lean_forward_unless_turned_off(loaded64, monkeypatch) -> None:
+    runner = MedusaEngine(loaded64, plain_tree()).runner
+    assert wants_graphs(loaded64, runner)
+    monkeypatch.setenv("MEDUSA_CHAT_COMPILE", "0")
+    assert not wants_graphs(loaded64, runner)
+    monkeypatch.delenv("MEDUSA_CHAT_COMPILE")
+    measured_slower = copy.copy(loaded64)
+    measured_slower.graph_step = False
+    assert not wants_graphs(measured_slower, runner)
+    # a CPU engine never records graphs (its default is the native C step)
+    assert MedusaEngine(loaded64, plain_tree())._graph is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recorded_graphs_give_the_eager_gpu_replies() -> None:
+    base = tiny_loaded("llama")
+    loaded = copy.copy(base)
+    loaded.backbone = copy.deepcopy(base.backbone).to("cuda", torch.float32)
+    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
+    loaded.heads = copy.deepcopy(base.heads).to("cuda")
+    loaded.device = torch.device("cuda")
+    for tree in (Tree.chain(3), Tree.named("mc_sim_7b_63")):
+        graph = MedusaEngine(loaded, tree)
+        assert graph._graph is not None and graph._graph.capture
+        monkey = MedusaEngine(loaded, tree)
+        monkey._graph = None
+        for prompt in _prompts(3, 12):
+            assert _reply(graph, prompt, max_new_tokens=40) == _reply(monkey, prompt, max_new_tokens=40)
+        assert graph._graph is not None, graph.graph_note
+        assert graph._graph.captures >= 1
