@@ -322,9 +322,9 @@ class HydraDrafter:
         return tokens
 
 
-# The graphs' cache is allocated whole for the context window, up to this many tokens (a 7B in fp16: 0.5 GB per
-# 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.
-GRAPH_CACHE_LIMIT = 8192
+# The graphs' cache is allocated whole for the context window, up to this many tokens (Llama-2-7B in fp16: 0.5 GB
+# per 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.
+GRAPH_CACHE_LIMIT = 4096
 
 
 def wants_graphs(model: Any, runner: BackboneRunner) -> bool:
@@ -386,7 +386,11 @@ class MedusaEngine:
         self._graph: GraphStep | None = None
         self.graph_note = ""
         if self.device.type == "cuda" and wants_graphs(model, self.runner):
-            self._graph = self._new_graph(capture=True)
+            try:
+                self._graph = self._new_graph(capture=True)
+            except torch.cuda.OutOfMemoryError:  # the whole-window cache does not fit: the eager cache grows
+                self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
+                self.graph_note = "CUDA graphs off: no room for their whole-window KV cache"
         self.set_tree(tree or model.default_tree)
 
     def _new_graph(self, capture: bool) -> GraphStep:
