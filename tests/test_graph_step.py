@@ -19,20 +19,12 @@ from medusa_chat.decoding import MedusaEngine, plain_tree, wants_graphs
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.graph_step import MIN_BUCKET, bucket_for
 from medusa_chat.tree import Tree
-from tests.tinymodels import tiny_loaded
-
-
-def _float64(loaded):
-    twin = copy.copy(loaded)
-    twin.backbone = copy.deepcopy(loaded.backbone).to(torch.float64)
-    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
-    twin.heads = copy.deepcopy(loaded.heads).to(torch.float64)
-    return twin
+from tests.tinymodels import moved, tiny_loaded
 
 
 @pytest.fixture(scope="module")
 def loaded64():
-    return _float64(tiny_loaded("llama"))
+    return moved(tiny_loaded("llama"), "cpu", torch.float64)
 
 
 def _reply(engine: MedusaEngine, prompt: list[int], **settings) -> list[int]:
@@ -122,18 +114,13 @@ def test_graphs_are_wanted_for_a_lean_forward_unless_turned_off(loaded64, monkey
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_recorded_graphs_give_the_eager_gpu_replies() -> None:
-    base = tiny_loaded("llama")
-    loaded = copy.copy(base)
-    loaded.backbone = copy.deepcopy(base.backbone).to("cuda", torch.float32)
-    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
-    loaded.heads = copy.deepcopy(base.heads).to("cuda")
-    loaded.device = torch.device("cuda")
+    loaded = moved(tiny_loaded("llama"), "cuda", torch.float64)  # float64: rounding cannot flip a token
     for tree in (Tree.chain(3), Tree.named("mc_sim_7b_63")):
         graph = MedusaEngine(loaded, tree)
         assert graph._graph is not None and graph._graph.capture
-        monkey = MedusaEngine(loaded, tree)
-        monkey._graph = None
+        eager = MedusaEngine(loaded, tree)
+        eager._graph = None
         for prompt in _prompts(3, 12):
-            assert _reply(graph, prompt, max_new_tokens=40) == _reply(monkey, prompt, max_new_tokens=40)
+            assert _reply(graph, prompt, max_new_tokens=40) == _reply(eager, prompt, max_new_tokens=40)
         assert graph._graph is not None, graph.graph_note
         assert graph._graph.captures >= 1

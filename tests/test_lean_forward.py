@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaCon
 from medusa_chat.decoding import BackboneRunner, MedusaEngine, TreeKVCache
 from medusa_chat.lean_forward import LeanForward, lean_forward_for
 from medusa_chat.tree import Tree
-from tests.tinymodels import VOCAB, tiny_loaded
+from tests.tinymodels import VOCAB, moved, tiny_loaded
 
 
 def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int = 40) -> list[torch.Tensor]:
@@ -117,13 +117,7 @@ def test_backbones_that_cannot_verify_trees_are_named() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_lean_forward_is_bitwise_transformers_on_cuda_fp16() -> None:
-    base = tiny_loaded("llama")
-    twin = copy.copy(base)
-    twin.backbone = copy.deepcopy(base.backbone).to("cuda", torch.float16)
-    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
-    twin.heads = copy.deepcopy(base.heads).to("cuda", torch.float16)
-    twin.device = torch.device("cuda")
-    _assert_bitwise(twin, Tree.named("mc_sim_7b_63"))
+    _assert_bitwise(moved(tiny_loaded("llama"), "cuda", torch.float16), Tree.named("mc_sim_7b_63"))
 
 
 def test_models_with_accelerate_hooks_use_the_transformers_forward() -> None:

@@ -59,6 +59,7 @@ with the top-2 logit gap of every step.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -642,6 +643,17 @@ def tiny_loaded(arch: str = "llama", quant: str = "none", heads: str = "v2") -> 
         stop_strings=(),
         model_dir=str(_backbone_dir(arch)),
     )
+
+
+def moved(loaded: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
+    """A copy of a tiny LoadedModel whose backbone and heads are on `device` in `dtype` (the shared original is
+    left alone; the copy gets its own lean forward)."""
+    twin = copy.copy(loaded)
+    twin.backbone = copy.deepcopy(loaded.backbone).to(device, dtype)
+    twin.backbone.__dict__.pop("_medusa_lean_forward", None)
+    twin.heads = copy.deepcopy(loaded.heads).to(device, dtype)
+    twin.device = torch.device(device)
+    return twin
 
 
 def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
