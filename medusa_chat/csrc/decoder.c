@@ -51,6 +51,13 @@ typedef struct {
     const DLayer *layers;
 } DModel;
 
+// Software prefetch of the KV cache in attention, keys / values ahead of the ones being read. A layer's keys and
+// values come from L3 or DRAM (the step's weights went through the caches since the previous layer), in runs
+// too short for the hardware prefetcher to ramp up on. Measured on the 2-vCPU Xeon, step latency at 300 / 1000
+// cached tokens: 1 node 4.13 -> 3.85 / 5.94 -> 5.19 ms, 3 nodes 5.67 -> 5.23 / 8.20 -> 7.42 ms (3 runs each,
+// alternating builds). A prefetch is a hint: the arithmetic, so the bits, are unchanged.
+#define PF_KEYS 32
+#define PF_VALUES 48
 #define RC 16    // attention rows per chunk (bounds the score buffer)
 #define JB 64    // keys per task when scoring the shared prefix
 #define MAX_HD 256  // head_dim limit of this step (checked by block_forward.py)
@@ -272,6 +279,7 @@ static inline __attribute__((always_inline)) void weighted_values(const WPair *p
 #pragma GCC unroll 4
         for (int i = 0; i < P; i++) acc[i] = _mm512_setzero_ps();
         for (int jj = 0; jj < start; jj++) {
+            _mm_prefetch((const char *)(vh + (size_t)(jj + PF_VALUES) * hd + d0), _MM_HINT_T0);
             const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vh + (size_t)jj * hd + d0)));
 #pragma GCC unroll 4
             for (int i = 0; i < P; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(pr[i].p[jj]), vv, acc[i]);
@@ -296,6 +304,7 @@ static inline __attribute__((always_inline)) void weighted_values(const WPair *p
         for (int u = 0; u < W; u++) acc[i][u] = _mm256_setzero_ps();
     for (int jj = 0; jj < start; jj++) {
         const kv_t *v = vh + (size_t)jj * hd + d0;
+        _mm_prefetch((const char *)(v + PF_VALUES * hd), _MM_HINT_T0);
         __m256 vv[2];
 #pragma GCC unroll 2
         for (int u = 0; u < W; u++) vv[u] = load_kv(v + 8 * u);
@@ -340,6 +349,8 @@ static void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_
                 // the 8 keys in fp32 once (exact), for the G heads x R rows that score them
                 float k[8 * MAX_HD];
                 const kv_t *k16 = kc + ((size_t)kh * cap + j) * hd;
+                for (int b = 0; b < 8 * hd * (int)sizeof(kv_t); b += 64)
+                    _mm_prefetch((const char *)(k16 + PF_KEYS * hd) + b, _MM_HINT_T0);
                 // queries t = (row r, query head g of this KV head): r = t / G, g = t % G
                 const __m256 vs = _mm256_set1_ps(scale);
                 int t = 0;
