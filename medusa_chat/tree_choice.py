@@ -20,7 +20,7 @@ import torch
 
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 14  # bumped whenever the timed step or acceptance changes (v14: 12 calibration prompts)
+CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
 
 
 def _slug(text: str) -> str:
