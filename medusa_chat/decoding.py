@@ -526,6 +526,13 @@ class MedusaEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def _greedy_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """greedy_tokens(lm_head(hidden)): the block kernel's fused argmax where the lm_head is its Q8_0 linear
+        (the same values compared in place, no logits written: qgemm.c, q8_0_gemm_argmax), else the logits."""
+        fused = getattr(self.lm_head, "argmax", None)
+        top = fused(hidden) if fused is not None else None
+        return top if top is not None else greedy_tokens(self.lm_head(hidden))
+
     def _graphs_off(self, why: str) -> None:
         self._graph = None
         self.graph_note = f"CUDA graphs off: {why}; the eager step goes on"
@@ -584,7 +591,7 @@ class MedusaEngine:
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
             # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
-            top = greedy_tokens(self.lm_head(hidden) if step_logits is None else step_logits)
+            top = self._greedy_rows(hidden) if step_logits is None else greedy_tokens(step_logits)
             n = buf.tree.size
             host = torch.cat([tokens, top]).tolist()  # the step's one host sync
             tree_tokens, tops = host[:n], host[n:]

@@ -132,6 +132,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
         lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
         lib.hydra_draft.argtypes = [i, p, p, p, p, p, p, p, p, p, i, p, p, i, p, p, p]
+        lib.q8_0_gemm_argmax.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q8_0_gemm_argmax.restype = i
         lib.q8_0_rows.argtypes = [p, p, i, i, p, i, p]
         lib.q8_0_rows.restype = None
         lib.hydra_resblocks.restype = lib.hydra_cell.restype = lib.hydra_draft.restype = None
@@ -315,6 +317,7 @@ class Q80Linear(BlockLinear):
         self.register_buffer("qs", qs)
         self.register_buffer("d", d8)
         self.register_buffer("s", s8)
+        self._argmax = load().q8_0_gemm_argmax  # type: ignore[union-attr]  # BlockLinear checked the kernel
         self._bind()
 
     def _bind(self) -> None:
@@ -329,6 +332,22 @@ class Q80Linear(BlockLinear):
     def _call(self, x: int, m: int, y: int) -> None:
         k, qs, d, ws, n = self._args
         self._fn(x, m, k, qs, d, ws, n, y, *self._scratch)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """greedy_tokens(self(x)) [rows] without the outputs ever being written (qgemm.c, q8_0_gemm_argmax: the
+        same values, compared in place): for a vocab projection, the greedy tokens of a step. None when the
+        kernel does not take this many rows (then compute the outputs)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        m = x2.shape[0]
+        if m > self._scratch_rows:
+            self._grow_scratch(m)
+        out = torch.empty(m, dtype=torch.long)
+        k, qs, d, ws, n = self._args
+        if not self._argmax(x2.data_ptr(), m, k, qs, d, ws, n, out.data_ptr(), *self._scratch):
+            return None
+        return out.view(x.shape[:-1])
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [N, K] int8, d [N, K / 32]) in the plain layout."""

@@ -166,3 +166,37 @@ def test_embedded_conversion_equals_transformers_gguf_loader() -> None:
     }  # tied to the embedding
     assert sorted(ours) == sorted(reference)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+def test_the_fused_argmax_is_greedy_tokens_of_the_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q8_0_gemm_argmax (the lm_head's greedy tokens without writing the logits) equals greedy_tokens of the
+    outputs q8_0_gemm writes, on every instruction set: ties (duplicated weight rows: the first index), a row
+    count that leaves padding columns in the last group (all outputs negative: the zero padding must never win),
+    1 to 64 rows, a row of NaNs (torch.max's first NaN); more rows than it takes: None."""
+    from medusa_chat.acceptance import greedy_tokens
+
+    flags = qgemm._cpu_flags()
+    isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1000, 96, generator=g) * 0.05
+    w[150, 40] = 1.0  # the largest output for `tied` below, tied with its copy at 750
+    w[700:] = w[100:400]  # 300 tied pairs: the later copy must lose
+    w[:, :32] = -w[:, :32].abs()  # with x's first block positive below, outputs lean negative
+    for isa in isas:
+        monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
+        lin = qgemm.Q80Linear(*qgemm.quantize_q8_0(w))
+        for rows in (1, 2, 3, 8, 64):
+            x = torch.randn(rows, 96, generator=g)
+            assert torch.equal(lin.argmax(x), greedy_tokens(lin(x))), (isa, rows)
+        negative = torch.zeros(4, 96)
+        negative[:, :32] = 5.0  # every output < 0, the padding columns' 0 is above them all
+        assert (lin(negative) < 0).all()
+        assert torch.equal(lin.argmax(negative), greedy_tokens(lin(negative)))
+        tied = torch.zeros(2, 96)
+        tied[:, 40] = 1.0
+        top = greedy_tokens(lin(tied))
+        assert torch.equal(lin.argmax(tied), top) and top.tolist() == [150, 150]
+        nan = torch.randn(3, 96, generator=g)
+        nan[1, 5] = float("nan")
+        assert torch.equal(lin.argmax(nan), greedy_tokens(lin(nan)))
+        assert lin.argmax(torch.randn(65, 96, generator=g)) is None

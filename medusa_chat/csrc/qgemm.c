@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #define QK 32
 #define GC 8    // output columns per 256-bit tile (one 8-lane vector)
@@ -426,6 +427,72 @@ void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16
         }
 #endif
     }
+}
+
+// The greedy tokens of a Q8_0 vocab projection (the lm_head): per row the index of the largest output, the first
+// one where several are equal, and a NaN counting as the largest (torch.max's semantics, acceptance.greedy_tokens),
+// without writing the [M, N] outputs: each thread keeps a running best per row over its own column groups (a
+// contiguous range, in order), and the threads' bests are merged in column order. The outputs compared are the
+// very values q8_0_gemm computes (the same tiles on the same activation codes), so the result is exactly
+// greedy_tokens(q8_0_gemm(...)). Saves the logits' round trip through memory and a pass over them per step.
+#define ARGMAX_ROWS 64
+#define ARGMAX_THREADS 64
+static inline int better(float v, float best) { return v > best || (v != v && best == best); }
+
+int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                     int64_t *out, int8_t *qx, float *dx, float *sx) {
+    if (M > ARGMAX_ROWS) return 0;
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
+    int8_t *qxu = qx + (size_t)M * K;
+    float team_best[ARGMAX_THREADS][ARGMAX_ROWS];  // the caller's stack, shared by its team (48 KB)
+    int64_t team_index[ARGMAX_THREADS][ARGMAX_ROWS];
+    int threads = 1;
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    {
+        quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+        const int t = omp_get_thread_num();
+#pragma omp single
+        threads = omp_get_num_threads();
+        float best[ARGMAX_ROWS];
+        int64_t index[ARGMAX_ROWS];
+        __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
+        for (int r = 0; r < M; r++) best[r] = 0.0f, index[r] = -1;
+#pragma omp for schedule(static)
+        for (int g = 0; g < ng; g++) {
+            const int8_t *gq = qs + (size_t)g * nb * GW * 32;
+            const uint16_t *gd = d + (size_t)g * nb * GW;
+            const int16_t *gs = ws + (size_t)g * nb * GW;
+#if HAVE_512
+#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, GW, 0, MRc)
+            ROW_TILES(Q80)
+#undef Q80
+#else
+            for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, GW, GC * h, MRc)
+                ROW_TILES(Q80)
+#undef Q80
+            }
+#endif
+            const int w = N - g * GW < GW ? N - g * GW : GW;  // the last group's padding columns are not outputs
+            for (int r = 0; r < M; r++)
+                for (int c = 0; c < w; c++) {
+                    const float v = y[r * GW + c];
+                    if (index[r] < 0 || better(v, best[r])) best[r] = v, index[r] = (int64_t)g * GW + c;
+                }
+        }
+        if (t < ARGMAX_THREADS)
+            for (int r = 0; r < M; r++) team_best[t][r] = best[r], team_index[t][r] = index[r];
+    }
+    if (threads > ARGMAX_THREADS) return 0;
+    for (int r = 0; r < M; r++) {
+        int64_t index = -1;
+        float best = 0.0f;
+        for (int t = 0; t < threads; t++)  // static schedule: thread t's columns follow thread t - 1's
+            if (team_index[t][r] >= 0 && (index < 0 || better(team_best[t][r], best)))
+                best = team_best[t][r], index = team_index[t][r];
+        out[r] = index;
+    }
+    return 1;
 }
 
 // One product on its own (the Python modules' calls): its own parallel region, or one thread when it is small
