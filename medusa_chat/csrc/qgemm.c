@@ -404,6 +404,30 @@ void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint1
     }
 }
 
+// Column group g of a Q8_0 product, all M rows, to y[r * ldy + c0 + c]: the product's own output (ldy = N, c0 =
+// g * GW) or a group-sized scratch (ldy = GW, c0 = 0, q8_0_gemm_argmax). N: the product's outputs (the last
+// group's padding columns are computed, never stored beyond N).
+static inline __attribute__((always_inline)) void q8_0_group(const int8_t *qx, const int8_t *qxu, const float *dx,
+                                                              int M, int nb, const int8_t *qs, const uint16_t *d,
+                                                              const int16_t *ws, int N, int g, float *y, int ldy,
+                                                              int c0) {
+    const int8_t *gq = qs + (size_t)g * nb * GW * 32;
+    const uint16_t *gd = d + (size_t)g * nb * GW;
+    const int16_t *gs = ws + (size_t)g * nb * GW;
+#if HAVE_512
+    (void)qx, (void)N;
+#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, ldy, c0, MRc)
+    ROW_TILES(Q80)
+#undef Q80
+#else
+    for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, ldy, c0 + GC * h, MRc)
+        ROW_TILES(Q80)
+#undef Q80
+    }
+#endif
+}
+
 // x [M, K] fp32; qs, d, ws: ceil(N / GW) interleaved groups (K * GW bytes, K / 32 * GW fp16 scales, K / 32 * GW
 // int16 block sums of the codes); y [M, N] fp32; scratch as above.
 void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
@@ -412,22 +436,7 @@ void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16
     int8_t *qxu = qx + (size_t)M * K;
     quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
 #pragma omp for schedule(static)
-    for (int g = 0; g < ng; g++) {
-        const int8_t *gq = qs + (size_t)g * nb * GW * 32;
-        const uint16_t *gd = d + (size_t)g * nb * GW;
-        const int16_t *gs = ws + (size_t)g * nb * GW;
-#if HAVE_512
-#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, N, g * GW, MRc)
-        ROW_TILES(Q80)
-#undef Q80
-#else
-        for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
-#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, N, g * GW + GC * h, MRc)
-            ROW_TILES(Q80)
-#undef Q80
-        }
-#endif
-    }
+    for (int g = 0; g < ng; g++) q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, N, g * GW);
 }
 
 // The greedy tokens of a Q8_0 vocab projection (the lm_head): per row the index of the largest output, the first
@@ -460,20 +469,7 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
         for (int r = 0; r < M; r++) best[r] = 0.0f, index[r] = -1;
 #pragma omp for schedule(static)
         for (int g = 0; g < ng; g++) {
-            const int8_t *gq = qs + (size_t)g * nb * GW * 32;
-            const uint16_t *gd = d + (size_t)g * nb * GW;
-            const int16_t *gs = ws + (size_t)g * nb * GW;
-#if HAVE_512
-#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, GW, 0, MRc)
-            ROW_TILES(Q80)
-#undef Q80
-#else
-            for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
-#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, GW, GC * h, MRc)
-                ROW_TILES(Q80)
-#undef Q80
-            }
-#endif
+            q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, GW, 0);
             const int w = N - g * GW < GW ? N - g * GW : GW;  // the last group's padding columns are not outputs
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < w; c++) {
