@@ -189,9 +189,9 @@ def measure_step_latency(
         t = latency_tree(base, n)
         if loaded.heads is not None and n > 1:
             t.check_fits(loaded.heads.num_heads)
-        engine = MedusaEngine(loaded, t)  # each size its own cache: per-node key rows are sized per tree
-        if not graphs:
-            engine._graph = None
+        engine = MedusaEngine(
+            loaded, t, graphs=graphs
+        )  # each size its own cache: key rows are sized per tree
         hidden = engine._forward(
             prefix, torch.arange(prefix_tokens, device=device), engine._prefill_mask(0, prefix_tokens)
         )
@@ -453,6 +453,8 @@ def calibrate(
         "tree": base.name,
         "forward": BackboneRunner(loaded.backbone).path,
         "tree_size": best,
+        # on a GPU: were the CUDA-graph steps faster than the eager ones at the chosen size (graph_step.py)?
+        **({"graph_step": latency[best] < eager[best]} if best in eager else {}),
         "heads_stamp": heads_stamp(loaded),
         "speedup_est": round(estimated_speedup(latency, tps, best), 3),
         "tokens_per_s_est": round(rates[best], 2),

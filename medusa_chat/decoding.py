@@ -367,7 +367,7 @@ class StepResult:
 class MedusaEngine:
     """Batch-1 Medusa tree decoding on a loaded backbone + heads. One reply at a time."""
 
-    def __init__(self, model: LoadedModel, tree: Tree | None = None) -> None:
+    def __init__(self, model: LoadedModel, tree: Tree | None = None, graphs: bool = True) -> None:
         self.model = model
         self.backbone = model.backbone
         self.runner = BackboneRunner(model.backbone)
@@ -382,10 +382,10 @@ class MedusaEngine:
         # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy)
         self._hydra = HydraDrafter(self.heads, self.backbone) if isinstance(self.heads, HydraHeads) else None
         # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
-        # (graph_step.py; `model.graph_step`, set by the calibration; MEDUSA_CHAT_COMPILE=0: never)
+        # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
         self._graph: GraphStep | None = None
         self.graph_note = ""
-        if self.device.type == "cuda" and wants_graphs(model, self.runner):
+        if graphs and self.device.type == "cuda" and wants_graphs(model, self.runner):
             try:
                 self._graph = self._new_graph(capture=True)
             except torch.cuda.OutOfMemoryError:  # the whole-window cache does not fit: the eager cache grows
@@ -498,12 +498,10 @@ class MedusaEngine:
             return tokens, None
         if graph.captures != before:  # a new graph: does it compute the eager step, and faster?
             hidden, logits = hidden.clone(), logits.clone()
-            replay_s = self._timed(lambda: graph.run(tokens, start, buf)) if graph.capture else 0.0
+            replay_s = self._timed(lambda: graph.run(tokens, start, buf))[0] if graph.capture else 0.0
             self.cache.length = start
             attend = self._tree_mask(start, buf)
-            eager_s = self._timed(lambda: self._forward(tokens, start + buf.depth, attend))
-            self.cache.length = start
-            eager = self._forward(tokens, start + buf.depth, attend)
+            eager_s, eager = self._timed(lambda: self._forward(tokens, start + buf.depth, attend))
             scale = float(eager.abs().max()) or 1.0
             if float((eager - hidden).abs().max()) > 1e-2 * scale or not torch.equal(
                 greedy_tokens(self.lm_head(eager)), greedy_tokens(logits)
@@ -515,16 +513,16 @@ class MedusaEngine:
                 return eager, None
         return hidden, logits
 
-    def _timed(self, fn: Callable[[], Any]) -> float:
-        """Wall time of fn() on this engine's device (synchronized before and after on a GPU)."""
+    def _timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """(wall time, result) of fn() on this engine's device (synchronized before and after on a GPU)."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        fn()
+        out = fn()
         if cuda:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, out
 
     def _greedy_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """greedy_tokens(lm_head(hidden)): the block kernel's fused argmax where the lm_head is its Q8_0 linear

@@ -296,9 +296,8 @@ class LeanForward:
     ) -> torch.Tensor:
         t, hd, groups = ids.shape[0], self.head_dim, self.groups
         tree = isinstance(attend, TreePlan)
-        start = (
-            cache.length if tree else 0
-        )  # the tree's first slot (every layer writes its entries from here)
+        # a tree's first slot (every layer writes its entries from here); only the exact tree path reads it
+        start = cache.length if tree else 0
         x = self.embed(ids[None])
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -66,6 +66,8 @@ class LoadedModel:
     heads_file: str = ""
     model_dir: str = ""
     notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
+    # On a GPU: False when this device's calibration timed CUDA-graph steps slower than eager ones (tree_choice)
+    graph_step: bool | None = None
 
     def build_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return build_prompt_ids(self.tokenizer, self.spec.chat_template, messages, add_generation_prompt)

@@ -171,15 +171,20 @@ class BlockLinear(nn.Module):
     def _call(self, x: int, m: int, y: int) -> None:
         raise NotImplementedError
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as contiguous fp32 rows [M, K], with activation scratch for M rows."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        if x2.shape[0] > self._scratch_rows:
+            self._grow_scratch(x2.shape[0])
+        return x2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The hot path of a decoding step (7 calls per layer): no per-call allocation but the output.
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
+        x2 = self._rows(x)
         m = x2.shape[0]
-        if m > self._scratch_rows:
-            self._grow_scratch(m)
         y = torch.empty(m, self.out_features, dtype=torch.float32)
         self._call(x2.data_ptr(), m, y.data_ptr())  # type: ignore[attr-defined]
         return (
@@ -337,12 +342,8 @@ class Q80Linear(BlockLinear):
         """greedy_tokens(self(x)) [rows] without the outputs ever being written (qgemm.c, q8_0_gemm_argmax: the
         same values, compared in place): for a vocab projection, the greedy tokens of a step. None when the
         kernel does not take this many rows (then compute the outputs)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
+        x2 = self._rows(x)
         m = x2.shape[0]
-        if m > self._scratch_rows:
-            self._grow_scratch(m)
         out = torch.empty(m, dtype=torch.long)
         k, qs, d, ws, n = self._args
         if not self._argmax(x2.data_ptr(), m, k, qs, d, ws, n, out.data_ptr(), *self._scratch):

@@ -149,6 +149,8 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
         and 1 <= cal["tree_size"] <= base.size
         and (cal.get("heads_stamp") is None or stamp is None or cal["heads_stamp"] == stamp)
     ):
+        if "graph_step" in cal:  # a GPU calibration that timed CUDA-graph steps against eager ones
+            loaded.graph_step = bool(cal["graph_step"])
         return base.prefix(cal["tree_size"]), calibrated_source(cal)
     return base, "default"
 

@@ -201,6 +201,17 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     )
     tree, source = choose_tree(loaded)
     assert tree.size == size and source == "calibrated (1.4x est.)"
+    assert loaded.graph_step is None  # a CPU record says nothing about CUDA graphs
+    # A GPU record that timed CUDA-graph steps slower than eager ones turns them off for engines on this model
+    save_calibration(
+        {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "graph_step": False},
+        name,
+        device,
+        quant,
+        dtype,
+    )
+    choose_tree(loaded)
+    assert loaded.graph_step is False
     # A calibration made with other heads (retrained: another file stamp) does not apply.
     save_calibration(
         {
