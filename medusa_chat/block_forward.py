@@ -254,6 +254,7 @@ class NativeHydra:
         self._head_counts = (_i * len(self._blocks))(*(n for n, _ in self._blocks))
         self._proj: tuple[Any, ...] | None = None
         self._work = torch.empty(0)
+        self._codes = torch.empty(0, dtype=torch.int32)
 
     def bind_draft(self, project: Any, draft_vocab: torch.Tensor, embed: Any) -> bool:
         """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
@@ -317,6 +318,32 @@ class NativeHydra:
             tokens.data_ptr(), self._work.data_ptr(), rows, *self._scratch,
         )  # fmt: skip
         return tokens
+
+    def draft_shaped(
+        self, root: torch.Tensor, hidden: torch.Tensor, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A tree of `size` nodes shaped by the draft's confidence (decoder.c, hydra_draft_shaped; the rule is
+        decoding.confident_paths): (codes, tokens). codes: d * k + r of each chosen node, the rank-r token at
+        depth d below the draft's top-1 spine, in growth order; tokens [size]: the root, then those nodes' tokens
+        (a fresh tensor). `bind_draft` first."""
+        project, blin, vocab, emb, _ = self._proj  # type: ignore[misc]
+        if not 1 <= k <= min(64, len(vocab)) or depth * k > 8 * 64 or not 1 < size <= depth * k + 1:
+            raise ValueError(f"draft_shaped: no {size}-node tree from depth {depth} x top-{k}")
+        h = self.hidden
+        need = 8 * h + project.out_features + 2 * depth * k + 64
+        if self._work.numel() < need:
+            self._work = torch.empty(need)
+        if self._codes.numel() < size:
+            self._codes = torch.empty(size, dtype=torch.int32)
+        hidden = hidden.float().contiguous()
+        root = root.to(torch.int64).contiguous()
+        tokens = torch.empty(size, dtype=torch.int64)
+        n = self.lib.hydra_draft_shaped(
+            h, ctypes.byref(self._cell), self._head_ptrs, self._head_counts, ctypes.byref(blin), len(vocab),
+            vocab.data_ptr(), ctypes.byref(emb), hidden.data_ptr(), root.data_ptr(), depth, k, size,
+            self._codes.data_ptr(), tokens.data_ptr(), self._work.data_ptr(), *self._scratch,
+        )  # fmt: skip
+        return tuple(self._codes[:n].tolist()), tokens
 
     def _grow(self, rows: int) -> None:
         h = self.hidden

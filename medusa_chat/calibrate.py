@@ -410,7 +410,9 @@ def calibrate(
             progress(
                 f"measuring tokens/step with {measure_replies} greedy replies on built-in prompts ({base.name}, {base.size} nodes)"
             )
-        engine = MedusaEngine(loaded, base)
+        # the static tree: accepted_per_size reads every step's tokens in its node layout
+        engine = MedusaEngine(loaded, base, shaped=False)
+        engine.lookup_run = 0
         prompts = [
             loaded.build_prompt([{"role": "user", "content": p}])
             for p in CALIBRATION_PROMPTS[:measure_replies]

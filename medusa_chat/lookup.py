@@ -32,6 +32,7 @@ class ContextLookup:
         self._follower: dict[int, dict[tuple[int, ...], int]] = {
             k: {} for k in range(min_match, max_match + 1)
         }
+        self.matched = 0  # how many tokens the last `continuation` matched (0: none)
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
@@ -45,12 +46,15 @@ class ContextLookup:
 
     def continuation(self, count: int) -> list[int]:
         """Up to `count` tokens that followed the latest earlier occurrence of the longest matching suffix
-        (`max_match` down to `min_match` tokens); [] when the suffix never occurred before."""
+        (`max_match` down to `min_match` tokens); [] when the suffix never occurred before. `matched` says how
+        long the matching suffix was."""
         seq = self.tokens
         for k in range(self.max_match, self.min_match - 1, -1):
             if len(seq) <= k:
                 continue
             follower = self._follower[k].get(tuple(seq[-k:]))
             if follower is not None:
+                self.matched = k
                 return seq[follower : follower + count]
+        self.matched = 0
         return []

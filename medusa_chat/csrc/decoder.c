@@ -680,3 +680,71 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
         }
     }
 }
+
+// A tree shaped by the draft's confidence (EAGLE-2's dynamic tree on the Hydra spine; decoding.py,
+// confident_paths, is the same rule in Python and documents it): the cell folds the root into the last accepted
+// node's state; per depth d < D the ResBlocks of head d, the draft-vocabulary projection, the top-K tokens and
+// their probabilities (softmax over the V draft-vocabulary logits), then the cell folds the top-1 token in for
+// the next depth (the spine). Candidate (d, r), the path (0,) * d + (r,), has the spine's probabilities down to
+// depth d - 1 times its own; the size - 1 most probable candidates (ties: shallower, then lower rank) are the
+// tree. Out: codes[size - 1] = d * K + r of the chosen nodes in growth order (depth, then rank) and
+// node_tokens[size] (the root first, then those nodes' tokens); returns the number of nodes chosen (size - 1, or
+// fewer when D * K is smaller). work: floats, >= 8 * H + proj->N + 2 * D * K + 64.
+int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
+                       int V, const int64_t *draft_vocab, const Embed *embed, const float *hidden,
+                       const int64_t *root, int D, int K, int size, int *codes, int64_t *node_tokens, float *work,
+                       int8_t *qx, float *dx, float *sx) {
+    float *state = work, *nstate = state + H, *y = nstate + H, *tmp = y + H, *emb = tmp + H, *cat = emb + H,
+          *logits = cat + 2 * H, *path_p = logits + proj->N;
+    int64_t cand_tok[8 * 64];
+    int *top = (int *)(path_p + D * K);
+    if (D * K > 8 * 64) return 0;
+    embed_row(embed, root[0], H, emb);
+    hydra_cell(1, H, cell, hidden, emb, state, cat, tmp, qx, dx, sx);
+    float spine = 1.0f;
+    for (int d = 0; d < D; d++) {
+        hydra_resblocks(1, H, n_blocks[d], heads[d], state, y, tmp, qx, dx, sx);
+#pragma omp parallel
+        linear(proj, y, 1, logits, qx, dx, sx);
+        top_k(logits, V, K, top);
+        // softmax normaliser: sum of exp(l - max), 8 lanes at a time (a confidence: it shapes the tree, verification
+        // decides what is accepted)
+        const float mx = logits[top[0]];
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= V; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vm)));
+        float sum = hsum8(acc);
+        for (; j < V; j++) sum += expf(logits[j] - mx);
+        for (int r = 0; r < K; r++) {
+            cand_tok[d * K + r] = draft_vocab[top[r]];
+            path_p[d * K + r] = spine * (expf(logits[top[r]] - mx) / sum);
+        }
+        spine = path_p[d * K];
+        if (d + 1 < D) {
+            embed_row(embed, cand_tok[d * K], H, emb);
+            hydra_cell(1, H, cell, state, emb, nstate, cat, tmp, qx, dx, sx);
+            float *t = state;
+            state = nstate;
+            nstate = t;
+        }
+    }
+    // the size - 1 best candidates: selection by repeated maximum (a few dozen candidates at most); a strict >
+    // in candidate order (depth, then rank) keeps ties on the shallower, lower-ranked one
+    const int n = size - 1 < D * K ? size - 1 : D * K;
+    unsigned char taken[8 * 64] = {0};
+    for (int i = 0; i < n; i++) {
+        int best = -1;
+        for (int c = 0; c < D * K; c++)
+            if (!taken[c] && (best < 0 || path_p[c] > path_p[best])) best = c;
+        taken[best] = 1;
+    }
+    node_tokens[0] = root[0];
+    int m = 0;
+    for (int c = 0; c < D * K; c++)
+        if (taken[c]) {
+            codes[m] = c;
+            node_tokens[++m] = cand_tok[c];
+        }
+    return m;
+}
