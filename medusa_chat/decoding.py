@@ -376,8 +376,9 @@ def confident_paths(probs: list[list[float]], size: int) -> tuple[tuple[int, ...
 
     Why: a static tree spends its nodes where the heads are right on average; per step the draft knows more. When
     the first guess is unsure, its runner-up beats the guess's own child (which needs the unsure guess right
-    too); when it is sure, depth wins. Measured offline on this project's heads (40 Vicuna-bench replies, 3
-    nodes): 1.631 -> 1.671 tokens per step at the same step cost.
+    too); when it is sure, depth wins. Measured with this project's heads on its 2-core CPU, 3 nodes, all 80
+    Vicuna-bench prompts side by side (benchmarks/ab_engines.py): 1.708 -> 1.753 tokens per step, 1.273x ->
+    1.305x the plain loop (the draft costs 13 us more a step).
     """
     cands: list[tuple[float, int, int]] = []
     spine = 1.0
