@@ -176,3 +176,24 @@ def test_a_long_lookup_match_verifies_the_whole_run_and_stays_lossless(quant: st
                 assert not long
             steps[lookup_run] = steps.get(lookup_run, 0) + summary.steps
     assert runs > 0 and steps[LOOKUP_RUN] < steps[0], (runs, steps)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_exact_sampling_on_shaped_trees_is_the_plain_loop_with_the_same_seed(quant: str) -> None:
+    """The exact rule keeps the model's sampling law whatever the drafts are, as long as they depend only on
+    emitted tokens, which a shape chosen from the draft's own confidence does: with the same seed, a sampled
+    reply on shaped trees (and lookup runs) is the plain loop's sampled reply, token for token."""
+    loaded = _block_loaded(quant)
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(4))
+    plain = MedusaEngine(loaded, plain_tree())
+    assert engine.draft_shaped
+    shapes: set[tuple[int, ...]] = set()
+    multi = 0
+    for seed in range(4):
+        prompt = training_prompts()[seed][:16]
+        kw = dict(temperature=0.3, top_p=0.95, seed=seed, accept="exact")
+        events, got = run(engine, prompt, max_new_tokens=40, **kw)
+        assert got.token_ids == run(plain, prompt, max_new_tokens=40, **kw)[1].token_ids, seed
+        shapes |= {tuple(ev.tree.parents) for ev in events[1:] if ev.tree is not None}
+        multi += sum(len(ev.token_ids) > 1 for ev in events[1:])
+    assert len(shapes) >= 2 and multi > 5, (shapes, multi)
