@@ -17,7 +17,7 @@ from medusa_chat.loading import load_heads_file
 from medusa_chat.training.train_heads import HEADS_FILE, save_heads, warm_start_
 from medusa_chat.tree import Tree, tree_levels
 from tests.test_decoding import assert_lossless, run
-from tests.tinymodels import tiny_loaded, training_prompts
+from tests.tinymodels import block_loaded, tiny_loaded, training_prompts
 
 TREES = ["mc_sim_7b_63", "zephyr_stage2", "chain-1", "chain-4"]
 
@@ -127,18 +127,9 @@ def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> Non
     """With an int8/int4 backbone on the block kernel, the drafter runs a Q8_0 copy of the heads' linears (the
     loaded heads are untouched), its cell and ResBlocks in C; each node still comes from its own path, and
     greedy output is still exactly the plain loop's."""
-    import copy
+    from medusa_chat.cpu_linears import BlockLinearWithBias
 
-    from medusa_chat import qgemm
-    from medusa_chat.cpu_linears import BlockLinearWithBias, prepare_cpu_linears
-
-    if not qgemm.available():
-        pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
-    base = tiny_loaded("llama", heads="hydra")
-    loaded = copy.copy(base)
-    loaded.backbone = copy.deepcopy(base.backbone)
-    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
-    prepare_cpu_linears(loaded.backbone, "int8")
+    loaded = block_loaded("int8")
     heads = loaded.heads
     drafter = HydraDrafter(heads, loaded.backbone)
     quantized = [m for m in drafter.heads.modules() if isinstance(m, BlockLinearWithBias)]

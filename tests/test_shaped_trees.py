@@ -4,7 +4,6 @@ still be the plain loop's, token for token."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 
@@ -15,7 +14,7 @@ from medusa_chat.decoding import LOOKUP_RUN, MedusaEngine, confident_paths, plai
 from medusa_chat.lookup import ContextLookup
 from medusa_chat.tree import Tree
 from tests.test_decoding import run
-from tests.tinymodels import tiny_loaded, training_prompts
+from tests.tinymodels import block_loaded, tiny_loaded, training_prompts
 
 
 def _path_p(probs: list[list[float]], path: tuple[int, ...]) -> float:
@@ -65,25 +64,11 @@ def test_confident_paths_is_the_most_probable_tree_of_its_size(depth: int, k: in
         assert sum(_path_p(probs, p) for p in chosen) == pytest.approx(best, rel=1e-12)
 
 
-def _block_loaded(quant: str):  # noqa: ANN202 - the tiny model with its projections on the block kernel
-    from medusa_chat import qgemm
-    from medusa_chat.cpu_linears import prepare_cpu_linears
-
-    if not qgemm.available():
-        pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
-    base = tiny_loaded("llama", heads="hydra")
-    loaded = copy.copy(base)
-    loaded.backbone = copy.deepcopy(base.backbone)
-    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
-    prepare_cpu_linears(loaded.backbone, quant)
-    return loaded
-
-
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_the_c_drafter_shapes_the_tree_by_the_python_rule(quant: str) -> None:
     """hydra_draft_shaped's tree and tokens are confident_paths applied to the draft's own spine: the cell, the
     ResBlocks and the projection run step by step in Python, a softmax over the draft vocabulary."""
-    loaded = _block_loaded(quant)
+    loaded = block_loaded(quant)
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(4))
     drafter = engine.drafter
     assert engine.draft_shaped and drafter is not None and drafter.native is not None
@@ -119,7 +104,7 @@ def test_the_c_drafter_shapes_the_tree_by_the_python_rule(quant: str) -> None:
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("size", [3, 4, 6])
 def test_shaped_trees_are_lossless_and_change_shape(quant: str, size: int) -> None:
-    loaded = _block_loaded(quant)
+    loaded = block_loaded(quant)
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(size))
     plain = MedusaEngine(loaded, plain_tree())
     assert engine.draft_shaped and not MedusaEngine(loaded, engine.tree, shaped=False).draft_shaped
@@ -154,7 +139,7 @@ def test_a_long_lookup_match_verifies_the_whole_run_and_stays_lossless(quant: st
     """Where the context's last 4 tokens occurred before, a step verifies up to LOOKUP_RUN lookup tokens in one
     chain (more than the tree's own chain), and greedy output is still the plain loop's. The tiny model's greedy
     replies fall into loops: the lookup then predicts them."""
-    loaded = tiny_loaded("llama", heads="hydra") if quant == "none" else _block_loaded(quant)
+    loaded = tiny_loaded("llama", heads="hydra") if quant == "none" else block_loaded(quant)
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(3))
     plain = MedusaEngine(loaded, plain_tree())
     chain = len(engine.buffers.chain)
@@ -183,7 +168,7 @@ def test_exact_sampling_on_shaped_trees_is_the_plain_loop_with_the_same_seed(qua
     """The exact rule keeps the model's sampling law whatever the drafts are, as long as they depend only on
     emitted tokens, which a shape chosen from the draft's own confidence does: with the same seed, a sampled
     reply on shaped trees (and lookup runs) is the plain loop's sampled reply, token for token."""
-    loaded = _block_loaded(quant)
+    loaded = block_loaded(quant)
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(4))
     plain = MedusaEngine(loaded, plain_tree())
     assert engine.draft_shaped

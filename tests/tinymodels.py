@@ -645,6 +645,25 @@ def tiny_loaded(arch: str = "llama", quant: str = "none", heads: str = "v2") -> 
     )
 
 
+def block_loaded(quant: str, arch: str = "llama", heads: str = "hydra") -> Any:
+    """A copy of tiny_loaded(arch, heads=heads) whose backbone projections are on the block kernel (`quant`: int8
+    or int4; the lm_head Q8_0), as the embedded model runs on a CPU; the test is skipped where the kernel cannot
+    run. The shared tiny model is untouched."""
+    import pytest
+
+    from medusa_chat import qgemm
+    from medusa_chat.cpu_linears import prepare_cpu_linears
+
+    if not qgemm.available():
+        pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
+    base = tiny_loaded(arch, heads=heads)
+    loaded = copy.copy(base)
+    loaded.backbone = copy.deepcopy(base.backbone)
+    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
+    prepare_cpu_linears(loaded.backbone, quant)
+    return loaded
+
+
 def moved(loaded: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
     """A copy of a tiny LoadedModel whose backbone and heads are on `device` in `dtype` (the shared original is
     left alone; the copy gets its own lean forward)."""
