@@ -6,8 +6,8 @@ decode tokens/s and tokens per step per configuration, and each one's ratio to t
     python benchmarks/ab_engines.py --configs shaped2,shaped3,shaped4 --start 0 --limit 20
 
 A configuration is `static` (the calibrated tree's fixed layout) or `shaped` (trees shaped per step by the draft,
-decoding.confident_paths), then the node budget, then `+runs` for lookup runs (decoding.LOOKUP_RUN; without it
-lookup guesses go on the tree's own chain only). The embedded model with no flags (int4 on a CPU).
+decoding.confident_paths), then the node budget, then `+runs` for lookup runs of up to decoding.LOOKUP_RUN
+guesses (`+runsN`: up to N; without it lookup guesses go on the tree's own chain only). The embedded model with no flags (int4 on a CPU).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "vicuna_ben
 
 def engine_for(loaded, spec: str) -> MedusaEngine:  # noqa: ANN001 - a LoadedModel
     base, _, extra = spec.partition("+")
-    if not base.startswith(("static", "shaped")) or extra not in ("", "runs"):
-        raise SystemExit(f"unknown configuration {spec!r}: static|shaped, a node count, optionally +runs")
+    if not base.startswith(("static", "shaped")) or not extra.startswith("runs") and extra:
+        raise SystemExit(f"unknown configuration {spec!r}: static|shaped, a node count, optionally +runs[N]")
     size = int(base.removeprefix("static").removeprefix("shaped"))
     engine = MedusaEngine(loaded, loaded.default_tree.prefix(size), shaped=base.startswith("shaped"))
-    engine.lookup_run = LOOKUP_RUN if extra == "runs" else 0
+    engine.lookup_run = (int(extra.removeprefix("runs") or LOOKUP_RUN)) if extra else 0
     return engine
 
 

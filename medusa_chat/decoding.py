@@ -332,9 +332,12 @@ SHAPED_NOTE = ", shaped per step by the draft"
 # occurred before (the text is being copied: a name, code, a list's scaffolding, a quoted sentence). Measured on
 # this project's 2-core CPU (40 Vicuna-bench replies, the backbone's greedy continuations): after a 4-token match
 # the lookup's next 1 / 2 / 3 / 4 tokens were all right 78 / 61 / 48 / 39% of the time, after a 2-token match 54
-# / 31 / 23 / 17%; a step's 4th and 5th node cost ~0.4 ms each there (a 3-node step ~3.4 ms), so the long chain
-# pays only after the long match, and a weak match keeps the tree's chain (2 nodes by default).
-LOOKUP_RUN = 4
+# / 31 / 23 / 17%, so the long chain pays only after the long match, and a weak match keeps the tree's chain (2
+# nodes by default). Three: root + 3 guesses are 4 rows, one tile of the block kernel; a 5th row starts a second
+# tile (~0.6 ms there against ~0.2-0.4 for the 2nd-4th). Side by side (benchmarks/ab_engines.py, all 80 prompts):
+# runs of 3 / 4 / 6 gave 1.345x / 1.334x / 1.321x the plain loop, no runs 1.331x; at 1000-2000 tokens of
+# conversation 3 and 4 were even (1.40x / 1.39x, 1.89x / 1.86x), no runs 1.27x / 1.83x.
+LOOKUP_RUN = 3
 
 # The graphs' cache is allocated whole for the context window, up to this many tokens (Llama-2-7B in fp16: 0.5 GB
 # per 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.
