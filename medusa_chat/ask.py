@@ -38,7 +38,7 @@ def add_ask_args(parser: argparse.ArgumentParser) -> None:
 def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.decoding import SHAPED_NOTE, MedusaEngine
+    from medusa_chat.decoding import MedusaEngine
     from medusa_chat.tree_choice import resolve_tree
 
     err = Console(stderr=True)
@@ -62,8 +62,7 @@ def ask_main(args: argparse.Namespace) -> int:
         loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
     )
     engine = MedusaEngine(loaded, tree)
-    if engine.draft_shaped:
-        source += SHAPED_NOTE
+    source += engine.tree_note
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}
     ]

@@ -385,7 +385,7 @@ def run_bench(
     tree_source: str = "",
 ) -> dict[str, Any]:
     """Run every method on every prompt, interleaved; return the JSON document described in issue 3/7."""
-    from medusa_chat.decoding import SHAPED_NOTE, MedusaEngine, plain_tree
+    from medusa_chat.decoding import MedusaEngine, plain_tree
 
     greedy = config.temperature <= 0
     methods = [m for m in METHODS if m == "medusa" or m in config.baselines]
@@ -596,7 +596,7 @@ def run_bench(
         **ident,
         "tree": tree.name,
         "tree_size": tree.size,
-        "tree_source": tree_source + (SHAPED_NOTE if engines["medusa"].draft_shaped else ""),
+        "tree_source": tree_source + engines["medusa"].tree_note,
         "draft_shaped": engines["medusa"].draft_shaped,
         "lookup_run": engines["medusa"].lookup_run,
         "heads": _heads_label(loaded),

@@ -505,6 +505,11 @@ class MedusaEngine:
         drafter runs (a CPU with the block kernel), with Hydra heads and a tree of 3 nodes or more."""
         return self._shape_spine is not None and self.shaped
 
+    @property
+    def tree_note(self) -> str:
+        """What `info`, `ask` and `bench` add to the tree's source: SHAPED_NOTE for draft-shaped trees, else ""."""
+        return SHAPED_NOTE if self.draft_shaped else ""
+
     def _lookup_chain(self, length: int) -> tuple[Tree, TreeBuffers, TreePlan | None]:
         """A chain of `length` nodes below the root, for a run of context-lookup guesses (built once per length)."""
         state = self._chains.get(length)

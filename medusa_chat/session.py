@@ -242,11 +242,8 @@ class SessionManager:
             }
         tree = self.tree
         out["tree"] = tree.name if tree is not None else (self._tree_request[0] or "default")
-        out["tree_source"] = getattr(self, "tree_source", "default")
-        if self.engine is not None and self.engine.draft_shaped:
-            from medusa_chat.decoding import SHAPED_NOTE
-
-            out["tree_source"] += SHAPED_NOTE
+        note = self.engine.tree_note if self.engine is not None else ""  # ", shaped per step by the draft"
+        out["tree_source"] = getattr(self, "tree_source", "default") + note
         out["tree_size"] = tree.size if tree is not None else self._tree_request[1]
         out["accept_mode"] = self.settings.accept_mode
         out["context_lookup"] = self.settings.context_lookup
