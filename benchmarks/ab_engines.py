@@ -7,7 +7,11 @@ decode tokens/s and tokens per step per configuration, and each one's ratio to t
 
 A configuration is `static` (the calibrated tree's fixed layout) or `shaped` (trees shaped per step by the draft,
 decoding.confident_paths), then the node budget, then `+runs` for lookup runs of up to decoding.LOOKUP_RUN
-guesses (`+runsN`: up to N; without it lookup guesses go on the tree's own chain only). The embedded model with no flags (int4 on a CPU).
+guesses (`+runsN`: up to N; without it lookup guesses go on the tree's own chain only), then `@alt` to run it
+with the heads of `--alt-heads PATH` (e.g. newly trained heads against the shipped ones, in one process). The
+embedded model with no flags (int4 on a CPU).
+
+    python benchmarks/ab_engines.py --configs shaped3+runs,shaped3+runs@alt --alt-heads runs/gen/heads
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "vicuna_ben
 
 
 def engine_for(loaded, spec: str) -> MedusaEngine:  # noqa: ANN001 - a LoadedModel
-    base, _, extra = spec.partition("+")
+    base, _, extra = spec.removesuffix("@alt").partition("+")
     if not base.startswith(("static", "shaped")) or not extra.startswith("runs") and extra:
         raise SystemExit(f"unknown configuration {spec!r}: static|shaped, a node count, optionally +runs[N]")
     size = int(base.removeprefix("static").removeprefix("shaped"))
@@ -42,11 +46,15 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--limit", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--alt-heads", default=None, help="heads folder for configurations ending in @alt")
     args = parser.parse_args()
     loaded = load_model()
+    alt = load_model(heads=args.alt_heads) if args.alt_heads else None
     engines = {"plain": MedusaEngine(loaded, plain_tree())}
     for spec in args.configs.split(","):
-        engines[spec] = engine_for(loaded, spec)
+        if spec.endswith("@alt") and alt is None:
+            raise SystemExit(f"{spec} needs --alt-heads")
+        engines[spec] = engine_for(alt if spec.endswith("@alt") else loaded, spec)
     prompts = read_prompts(args.prompts)[args.start : args.start + args.limit]
     totals = {k: [0, 0, 0.0] for k in engines}  # decode tokens, steps, decode seconds
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from medusa_chat.loading import load_heads_file, load_model
 from medusa_chat.training.distill import make_logger
@@ -50,12 +51,20 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None, help="training time budget (the schedule shrinks)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument(
+        "--keep-draft-vocab",
+        action="store_true",
+        help="fine-tuning: keep --init-from's draft vocabulary instead of counting one from these caches",
+    )
+    ap.add_argument("--weight-decay", type=float, default=None)
+    ap.add_argument("--warmup-frac", type=float, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = make_logger(file=out / "training_log.txt")
-    lm = load_model("smollm2-135m", dtype="float32", device="cpu")
+    lm = load_model("smollm2-135m")  # the model folder; the fp32 backbone for lm_head and embeddings:
+    lm.backbone = AutoModelForCausalLM.from_pretrained(lm.model_dir, dtype=torch.float32).eval()
     train_parts, held_parts = [], []
     for spec in args.cache:
         folder, _, frac = spec.rpartition(":")
@@ -76,6 +85,10 @@ def main() -> None:
         lr=args.lr,
         bf16=None,
     )
+    if args.weight_decay is not None:
+        settings.weight_decay = args.weight_decay
+    if args.warmup_frac is not None:
+        settings.warmup_frac = args.warmup_frac
     embed = lm.backbone.get_input_embeddings().weight.detach()
     t0 = time.time()
     report = train_and_save(
@@ -92,6 +105,7 @@ def main() -> None:
         log=log,
         embed_weight=embed,
         init_from=init,
+        draft_vocab=init.draft_vocab.long() if args.keep_draft_vocab else None,
         extra_report={"init_from": args.init_from, "caches": args.cache},
     )
     log(f"trained and saved in {time.time() - t0:.0f} s")

@@ -230,9 +230,16 @@ PACK_ROWS = 16  # oneDNN's packing hint (rows per call it optimises for); bitwis
 
 class PackedLinear(nn.Module):
     """A dense `nn.Linear` as a oneDNN pre-packed GEMM (fp32 or bf16 on CPU). Row-invariant, unlike the default
-    fp32 GEMM, and as fast or faster (bf16: ~1.5x on CPUs with native bf16). The float weight is not kept."""
+    fp32 GEMM, and as fast or faster (bf16: ~1.5x on CPUs with native bf16). The float weight is not kept.
+
+    `min_rows`: calls with fewer rows are padded with zero rows to this many. oneDNN may take another kernel
+    for a single row (measured on an AMX Xeon: the 1536-wide down projection, 1 row, differs in the last bits
+    from the same row among 2-64 rows; 2+ rows agree); padding the plain step's one row to two keeps every
+    call on the multi-row kernel at the price of one zero row. `check_row_invariant` picks the smallest
+    padding that makes the module row-invariant on this machine (1: none)."""
 
     mode = "dense"
+    min_rows = 1
 
     def __init__(self, module: nn.Linear) -> None:
         super().__init__()
@@ -243,7 +250,14 @@ class PackedLinear(nn.Module):
         self.bias = None if module.bias is None else module.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features
+        if rows >= self.min_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        flat = torch.cat(
+            [x.reshape(rows, self.in_features), x.new_zeros(self.min_rows - rows, self.in_features)]
+        )
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [out, in] (exact: each entry is 1 * w + 0 * ...)."""
@@ -255,7 +269,9 @@ class PackedLinear(nn.Module):
         """A linear computing only the output rows `index`."""
         lin = nn.Linear(self.in_features, len(index), bias=False, dtype=self.dtype)
         lin.weight.data.copy_(self.dequantized().index_select(0, index))
-        return PackedLinear(lin)
+        out = PackedLinear(lin)
+        out.min_rows = self.min_rows
+        return out
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -462,24 +478,36 @@ def weight_accounting(model: nn.Module) -> tuple[int, int]:
     return weights, extra
 
 
-_INVARIANT: set[tuple[str, int, int, torch.dtype]] = set()
+_INVARIANT: dict[tuple[str, int, int, torch.dtype], int] = {}  # checked (kind, shape, dtype) -> min_rows
+PAD_TRIES = (1, 2, 4, 16)  # PackedLinear.min_rows tried in order: the smallest padding that is row-invariant
 
 
 def check_row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -> None:
     """Refuse a kernel whose row results depend on how many rows are computed together (then a tree step
-    could not reproduce the plain loop). Checked once per (kind, shape, dtype)."""
+    could not reproduce the plain loop). Checked once per (kind, shape, dtype). A PackedLinear first gets the
+    smallest zero-row padding (`min_rows`) under which it is row-invariant, if one exists."""
     key = (type(linear).__name__, linear.in_features, linear.out_features, dtype)
     device = getattr(getattr(linear, "weight", None), "device", torch.device("cpu"))
     if key in _INVARIANT:
+        if isinstance(linear, PackedLinear):
+            linear.min_rows = _INVARIANT[key]
         return
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, linear.in_features, generator=gen).to(device, dtype)
-    with torch.inference_mode():
-        full = linear(x)
-        for n in (1, 2, 3, 5):
-            if not torch.equal(linear(x[:n]), full[:n]):
-                raise MedusaChatError(
-                    f"the {type(linear).__name__} kernel on this CPU gives different bits for a row computed "
-                    f"among {n} rows: tree decoding could not be exact with it; use another --quant"
-                )
-    _INVARIANT.add(key)
+    first_bad = 0
+    for pad in PAD_TRIES if isinstance(linear, PackedLinear) else (1,):
+        if isinstance(linear, PackedLinear):
+            linear.min_rows = pad
+        with torch.inference_mode():
+            full = linear(x)
+            bad = [n for n in (1, 2, 3, 5) if not torch.equal(linear(x[:n]), full[:n])]
+        if not bad:
+            _INVARIANT[key] = pad
+            return
+        first_bad = first_bad or bad[0]
+    if isinstance(linear, PackedLinear):
+        linear.min_rows = 1
+    raise MedusaChatError(
+        f"the {type(linear).__name__} kernel on this CPU gives different bits for a row computed "
+        f"among {first_bad} rows: tree decoding could not be exact with it; use another --quant"
+    )

@@ -204,3 +204,40 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
             step = engine.runner.forward(tokens, 45 + engine.buffers.depth, engine.plan, cache)
         outs[isa] = (pre, step)
     assert all(torch.equal(a, b) for a, b in zip(outs["avx2"], outs[isas[1]], strict=True))
+
+
+@pytest.mark.parametrize("in_f, out_f", [(1536, 576), (576, 1536), (576, 576)])
+def test_packed_fp32_rows_are_invariant_at_the_embedded_models_shapes(in_f: int, out_f: int) -> None:
+    """oneDNN takes another kernel for a lone row at some shapes on some CPUs (an AMX Xeon: the 1536-wide down
+    projection, whose fp32 path was then refused): the check pads such calls to the multi-row kernel, and a row
+    then gets the same bits alone as among 16 or 64 rows."""
+    from medusa_chat.cpu_linears import check_row_invariant
+
+    gen = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(in_f, out_f, bias=False)
+    lin.weight.data = torch.randn(out_f, in_f, generator=gen) * 0.02
+    packed = PackedLinear(lin)
+    check_row_invariant(packed, torch.float32)
+    x = torch.randn(64, in_f, generator=gen)
+    with torch.inference_mode():
+        full = packed(x)
+        for n in (1, 2, 3, 4, 7, 16, 33):
+            assert torch.equal(packed(x[:n]), full[:n]), n
+        assert torch.equal(packed(x[:1].view(1, 1, in_f)), full[:1].view(1, 1, out_f))
+        assert torch.equal(packed.rows(torch.arange(5))(x[:1]), full[:1, :5])
+
+
+def test_packed_padding_keeps_rows_and_shapes() -> None:
+    """min_rows pads short calls with zero rows: each row's result is its result in a min_rows-row call."""
+    gen = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(64, 48)
+    packed = PackedLinear(lin)
+    packed.min_rows = 4
+    x = torch.randn(4, 64, generator=gen)
+    with torch.inference_mode():
+        full = packed(x)
+        for n in (1, 2, 3):
+            out = packed(x[:n].view(1, n, 64))
+            assert out.shape == (1, n, 48)
+            assert torch.equal(out[0], full[:n])
+        torch.testing.assert_close(full, lin(x))

@@ -391,6 +391,35 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
         assert len(p) == 1 or joint[p[:-1]] >= q
 
 
+def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_path: Path) -> None:
+    """Fine-tuning Hydra heads on a small new set keeps the warm start's draft vocabulary when asked (counted on
+    more data); without it the vocabulary is counted from the new set; a wrong size is refused."""
+    from medusa_chat.training.train_heads import draft_vocabulary, train_and_save
+
+    _, data = distilled
+    model, _ = backbone
+    vocab = model.lm_head.weight.shape[0]
+    s = TrainSettings(
+        num_heads=2, heads_format="hydra", draft_vocab_size=32, epochs=1, batch_size=64, bf16=False
+    )
+    embed = model.get_input_embeddings().weight.detach()
+    counted = draft_vocabulary(data, 32, vocab)
+    given = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[:32]
+    assert not torch.equal(given.sort().values, counted.sort().values)
+    for vocab_in, out in ((given, tmp_path / "given"), (None, tmp_path / "counted")):
+        train_and_save(
+            model.lm_head, data, data.subset(data.sample < 0), s, out, "tiny", CPU,
+            log=lambda m: None, embed_weight=embed, draft_vocab=vocab_in,
+        )  # fmt: skip
+    assert torch.equal(load_heads_file(tmp_path / "given")[0].draft_vocab, given)
+    assert torch.equal(load_heads_file(tmp_path / "counted")[0].draft_vocab, counted)
+    with pytest.raises(ValueError, match="draft vocabulary of 31 tokens"):
+        train_and_save(
+            model.lm_head, data, data.subset(data.sample < 0), s, tmp_path / "bad", "tiny", CPU,
+            log=lambda m: None, embed_weight=embed, draft_vocab=given[:31],
+        )  # fmt: skip
+
+
 def test_heldout_split_is_by_prompt() -> None:
     sample = torch.arange(10000, dtype=torch.int32).repeat_interleave(3)
     m = heldout_mask(sample, 0.1)

@@ -190,6 +190,18 @@ TASK_OPENERS = (
     "Discuss",
     "What do you think about",
     "Tell me about",
+    "How many",
+    "Why is it that",
+    "What are the pros and cons of",
+    "What are some ways to",
+    "Can you explain",
+    "How would you",
+    "Write a blog post",
+    "Write a persuasive",
+    "Develop a",
+    "Describe a day in the life of",
+    "What would you say to",
+    "Find the",
 )
 
 BENCH_GUARD = ("shared/bench", "vicuna_bench_question", "mt_bench", "question.jsonl")

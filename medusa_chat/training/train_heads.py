@@ -742,19 +742,27 @@ def train_and_save(
     extra_report: dict[str, Any] | None = None,
     embed_weight: torch.Tensor | None = None,
     init_from: MedusaHeads | None = None,
+    draft_vocab: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train one head configuration and write the published folder + accuracy.json + tree.json.
 
     Hydra heads need `embed_weight` (the backbone's input embeddings); `init_from` warm-starts from trained
     heads of the same shape (Medusa v2 heads into Hydra: the ResBlocks are copied, the token cell starts at
-    zero, so training starts from exactly the Medusa heads' accuracy)."""
+    zero, so training starts from exactly the Medusa heads' accuracy). `draft_vocab` keeps a given draft
+    vocabulary (e.g. the warm start's, counted on more data than a fine-tuning set) instead of counting one
+    from `train`."""
     from medusa_chat.training.fit_tree import fit_tree, size_summary
 
     weight = lm_head.weight.detach()
     vocab, hidden = weight.shape
-    draft_vocab = None
-    if settings.heads_format == "hydra":
+    if settings.heads_format != "hydra":
+        draft_vocab = None
+    elif draft_vocab is None:
         draft_vocab = draft_vocabulary(train, settings.draft_vocab_size, vocab)
+    elif len(draft_vocab) != settings.draft_vocab_size:
+        raise ValueError(
+            f"draft vocabulary of {len(draft_vocab)} tokens, settings say {settings.draft_vocab_size}"
+        )
     heads = new_heads(settings, lm_head, hidden, vocab, draft_vocab)
     if init_from is not None:
         warm_start_(heads, init_from)
