@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.loading import load_heads_file, load_model
+from medusa_chat.embedded import embedded_model_dir
+from medusa_chat.loading import load_heads_file
 from medusa_chat.training.distill import make_logger
 from medusa_chat.training.fit_tree import expected_accept_length
 from medusa_chat.training.train_heads import (
@@ -63,8 +64,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = make_logger(file=out / "training_log.txt")
-    lm = load_model("smollm2-135m")  # the model folder; the fp32 backbone for lm_head and embeddings:
-    lm.backbone = AutoModelForCausalLM.from_pretrained(lm.model_dir, dtype=torch.float32).eval()
+    # the plain fp32 backbone (no CPU kernels swapped in): its lm_head and embeddings are what heads train on
+    backbone = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), dtype=torch.float32).eval()
     train_parts, held_parts = [], []
     for spec in args.cache:
         folder, _, frac = spec.rpartition(":")
@@ -89,10 +90,10 @@ def main() -> None:
         settings.weight_decay = args.weight_decay
     if args.warmup_frac is not None:
         settings.warmup_frac = args.warmup_frac
-    embed = lm.backbone.get_input_embeddings().weight.detach()
+    embed = backbone.get_input_embeddings().weight.detach()
     t0 = time.time()
     report = train_and_save(
-        lm.backbone.get_output_embeddings(),
+        backbone.get_output_embeddings(),
         train,
         held,
         settings,
@@ -114,7 +115,7 @@ def main() -> None:
         data = PositionData(d["hidden"], d["targets"], d["sample"])
         heads = load_heads_file(out)[0].float()
         ev = evaluate_heads(
-            heads, lm.backbone.get_output_embeddings().weight, data, torch.device("cpu"), embed_weight=embed
+            heads, backbone.get_output_embeddings().weight, data, torch.device("cpu"), embed_weight=embed
         )
         tree = json.loads((out / "tree.json").read_text())
         est = {n: round(expected_accept_length(tree["paths"][: n - 1], ev), 3) for n in (8, 16, 32, 64)}

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.loading import load_heads_file, load_model
+from medusa_chat.embedded import embedded_model_dir
+from medusa_chat.loading import load_heads_file
 from medusa_chat.training.train_heads import PositionData, evaluate_heads, heldout_mask, load_cache
 
 
@@ -29,10 +30,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model("smollm2-135m")  # the model folder; the fp32 backbone for lm_head and embeddings:
-    lm.backbone = AutoModelForCausalLM.from_pretrained(lm.model_dir, dtype=torch.float32).eval()
-    lm_w = lm.backbone.get_output_embeddings().weight.detach()
-    embed = lm.backbone.get_input_embeddings().weight.detach()
+    # the plain fp32 backbone (no CPU kernels swapped in): its lm_head and embeddings are what heads train on
+    backbone = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), dtype=torch.float32).eval()
+    lm_w = backbone.get_output_embeddings().weight.detach()
+    embed = backbone.get_input_embeddings().weight.detach()
     sets: dict[str, PositionData] = {}
     for spec in args.cache:
         folder, _, frac = spec.rpartition(":")
