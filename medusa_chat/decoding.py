@@ -514,10 +514,16 @@ class MedusaEngine:
         """A chain of `length` nodes below the root, for a run of context-lookup guesses (built once per length)."""
         state = self._chains.get(length)
         if state is None:
-            tree = Tree.chain(length)
-            buf = tree.buffers(self.device, self.dtype)
-            state = self._chains[length] = (tree, buf, TreePlan.build(tree.parents, tree.depths, self.device))
+            state = self._chains[length] = self._exact_step_state(Tree.chain(length))
         return state
+
+    def _exact_step_state(self, tree: Tree) -> tuple[Tree, TreeBuffers, TreePlan]:
+        """Buffers and plan of a per-step tree on the exact CPU step (lookup chains, draft-shaped trees)."""
+        return (
+            tree,
+            tree.buffers(self.device, self.dtype),
+            TreePlan.build(tree.parents, tree.depths, self.device),
+        )
 
     def _confident_tree(
         self, root: torch.Tensor, hidden: torch.Tensor
@@ -530,8 +536,7 @@ class MedusaEngine:
         if state is None:
             paths = [(0,) * (c // k) + (c % k,) for c in codes]
             tree = Tree.from_paths(paths, name=f"{self.tree.name} (draft-shaped)")
-            buf = tree.buffers(self.device, self.dtype)
-            state = self._shapes[codes] = (tree, buf, TreePlan.build(tree.parents, tree.depths, self.device))
+            state = self._shapes[codes] = self._exact_step_state(tree)
         return (*state, tokens)
 
     def _tree_mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
