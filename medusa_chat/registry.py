@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
@@ -63,8 +64,17 @@ class ModelSpec:
 
 
 def assets_dir() -> Path:
-    """The repository's `assets/` folder (next to the package in a source checkout / editable install)."""
-    return Path(__file__).resolve().parent.parent / "assets"
+    """The shipped assets (the embedded model's heads and tree): the one place that knows where they are.
+
+    The repository's top-level `assets/` is the package `medusa_chat.assets` (pyproject.toml maps it), so a
+    wheel carries it inside the package and an editable install finds it in the checkout; both through
+    `importlib.resources`. Only a bare checkout that was never installed (`python run.py` from a clone) falls
+    back to the `assets/` beside the package.
+    """
+    try:
+        return Path(str(resources.files("medusa_chat.assets")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "assets"
 
 
 EMBEDDED_HEADS_DIR = assets_dir() / "smollm2-135m"
