@@ -24,7 +24,7 @@ from medusa_chat.decoding import LOOKUP_RUN, MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
 from medusa_chat.loading import load_model
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "vicuna_bench_question.jsonl"
+PROMPTS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 
 
 def engine_for(loaded, spec: str) -> MedusaEngine:  # noqa: ANN001 - a LoadedModel

@@ -23,7 +23,7 @@ from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.loading import load_model
 from medusa_chat.tree_choice import resolve_tree
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "vicuna_bench_question.jsonl"
+QUESTIONS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 
 
 def conversation(loaded, questions: list[str], target: int) -> list[int]:  # noqa: ANN001 - a LoadedModel
