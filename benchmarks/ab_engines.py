@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medusa_chat.bench import read_prompts
-from medusa_chat.decoding import LOOKUP_RUN, MedusaEngine, plain_tree
+from medusa_chat.bench.harness import read_prompts
+from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.loading import load_model
+from medusa_chat.model.loading import load_model
 
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "vicuna_bench_question.jsonl"
 

@@ -135,7 +135,9 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
 
     t = time.time()
     if hf_files is None:
-        from medusa_chat.embedded import _convert  # converts config, tokenizer and weights from the GGUF
+        from medusa_chat.model.embedded import (
+            _convert,  # converts config, tokenizer and weights from the GGUF
+        )
 
         _convert(path, out)
     else:

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from medusa_chat.bench import _progress, add_accept_arg, describe, load_from_args
+from medusa_chat.bench.harness import _progress, add_accept_arg, describe, load_from_args
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 
 
@@ -38,8 +38,8 @@ def add_ask_args(parser: argparse.ArgumentParser) -> None:
 def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.decoding import MedusaEngine
-    from medusa_chat.tree_choice import resolve_tree
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.tuning.tree_choice import resolve_tree
 
     err = Console(stderr=True)
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")

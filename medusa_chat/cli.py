@@ -26,12 +26,12 @@ from medusa_chat.errors import MedusaChatError
 EXTERNAL: dict[str, tuple[str, str, str]] = {
     "chat": ("medusa_chat.ui.terminal", "main", "chat in the terminal (default)"),
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
-    "serve": ("medusa_chat.api", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
+    "serve": ("medusa_chat.openai.server", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
     "ask": ("medusa_chat.ask", "ask_main", "answer one prompt and print the reply with speed figures"),
-    "bench": ("medusa_chat.bench", "bench_main", "compare Medusa decoding with plain HF generate"),
+    "bench": ("medusa_chat.bench.harness", "bench_main", "compare Medusa decoding with plain HF generate"),
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
-    "calibrate": ("medusa_chat.calibrate", "calibrate_main", "pick the fastest tree size on this machine"),
+    "calibrate": ("medusa_chat.tuning.calibrate", "calibrate_main", "pick the fastest tree size on this machine"),
 }
 LOCAL = {
     "models": "list the known models and what is already downloaded",
@@ -55,7 +55,7 @@ def int_list(text: str) -> list[int]:
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The options every model-using sub-command takes (names match loading.load_from_args and
     calibrate.choose_tree)."""
-    from medusa_chat.registry import DEFAULT_MODEL, MODELS
+    from medusa_chat.model.registry import DEFAULT_MODEL, MODELS
 
     g = parser.add_argument_group("model")
     g.add_argument(
@@ -142,9 +142,9 @@ def model_rows() -> list[dict[str, Any]]:
     """One row per registry entry with what is in the local cache (works offline: no network)."""
     from pathlib import Path
 
-    from medusa_chat import hub
-    from medusa_chat.embedded import cache_root, gguf_path
-    from medusa_chat.registry import MODELS
+    from medusa_chat.model import hub
+    from medusa_chat.model.embedded import cache_root, gguf_path
+    from medusa_chat.model.registry import MODELS
 
     cached = hub.cached_repos()
     rows = []
@@ -195,7 +195,7 @@ def model_rows() -> list[dict[str, Any]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from medusa_chat import hub
+    from medusa_chat.model import hub
 
     rows = model_rows()
     if args.json:
@@ -230,9 +230,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.decoding import BackboneRunner
-    from medusa_chat.loading import load_from_args, summary_lines
-    from medusa_chat.tree_choice import choose_tree
+    from medusa_chat.engine.engine import BackboneRunner
+    from medusa_chat.model.loading import load_from_args, summary_lines
+    from medusa_chat.tuning.tree_choice import choose_tree
 
     def say(text: str) -> None:
         print(text, file=sys.stderr)

@@ -28,9 +28,9 @@ import openai
 import pytest
 import torch
 
-from medusa_chat import api
+from medusa_chat.chat.session import SessionManager
 from medusa_chat.events import ReplySummary, StepEvent
-from medusa_chat.session import SessionManager
+from medusa_chat.openai import server as api
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

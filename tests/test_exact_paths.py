@@ -13,11 +13,11 @@ import functools
 import pytest
 import torch
 
-from medusa_chat import qgemm
-from medusa_chat.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
-from medusa_chat.decoding import MedusaEngine, TreeKVCache, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.lean_forward import TreePlan
+from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
+from medusa_chat.model.lean_forward import TreePlan
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 
@@ -131,7 +131,7 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     kept a second time in fp32, with the same bits (the same replies, the same hidden states)."""
     from torch import nn
 
-    from medusa_chat.cpu_linears import share_tied_embedding
+    from medusa_chat.kernels.cpu_linears import share_tied_embedding
 
     base = tiny_loaded("llama")
     backbone = copy.deepcopy(base.backbone)
@@ -211,7 +211,7 @@ def test_packed_fp32_rows_are_invariant_at_the_embedded_models_shapes(in_f: int,
     """oneDNN takes another kernel for a lone row at some shapes on some CPUs (an AMX Xeon: the 1536-wide down
     projection, whose fp32 path was then refused): the check pads such calls to the multi-row kernel, and a row
     then gets the same bits alone as among 16 or 64 rows."""
-    from medusa_chat.cpu_linears import check_row_invariant
+    from medusa_chat.kernels.cpu_linears import check_row_invariant
 
     gen = torch.Generator().manual_seed(1)
     lin = torch.nn.Linear(in_f, out_f, bias=False)

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from medusa_chat.decoding import LOOKUP_RUN, MedusaEngine, confident_paths, plain_tree
-from medusa_chat.lookup import ContextLookup
+from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, confident_paths, plain_tree
+from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.tree import Tree
 from tests.test_decoding import run
 from tests.tinymodels import block_loaded, tiny_loaded, training_prompts

@@ -170,7 +170,7 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     if "/" in model:
         raise ModelNotFoundError(f"model folder {model} does not exist")
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
-        from medusa_chat.loading import load_model
+        from medusa_chat.model.loading import load_model
     except ImportError as err:
         raise ModelNotFoundError(
             f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'"
@@ -194,7 +194,7 @@ def train_main(args: argparse.Namespace) -> int:
         return 2
     init_from = None
     if args.init_from:
-        from medusa_chat.loading import load_heads_file
+        from medusa_chat.model.loading import load_heads_file
 
         init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
     if args.prompts:

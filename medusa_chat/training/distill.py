@@ -65,7 +65,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 def resolve_model_path(model: str | Path) -> Path:
     """A model folder for `model`: a local path, or an alias of the embedded model."""
     if str(model).lower() in EMBEDDED_ALIASES:
-        from medusa_chat.embedded import embedded_model_dir
+        from medusa_chat.model.embedded import embedded_model_dir
 
         return Path(embedded_model_dir())
     path = Path(model).expanduser()

@@ -40,7 +40,7 @@ from medusa_chat.ui.rich_render import (  # how things look; this module decides
 )
 
 if TYPE_CHECKING:  # the session (and torch) are imported only when main() runs
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
 PROMPT_TTY = (
     "\001\033[1;36m\002you>\001\033[0m\002 "  # \001/\002 tell readline the colour codes take no width
@@ -396,7 +396,7 @@ class TerminalChat:
         self.session.update_settings(**kw)
 
     def _mode_note(self) -> str:
-        from medusa_chat.acceptance import ACCEPT_GUARANTEES, ACCEPT_LABELS
+        from medusa_chat.engine.acceptance import ACCEPT_GUARANTEES, ACCEPT_LABELS
 
         mode = self.session.settings.accept_mode
         return f"{ACCEPT_LABELS[mode]}: {ACCEPT_GUARANTEES[mode]}"
@@ -582,7 +582,7 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not _arg(args, "plain", False)
     console = (

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_chat.embedded import cache_root
+from medusa_chat.model.embedded import cache_root
 
 
 def _configure_env() -> None:
@@ -38,7 +38,7 @@ from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
 from medusa_chat.ui import render  # noqa: E402
 
 if TYPE_CHECKING:
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
@@ -718,7 +718,7 @@ def launch(
     """Start the web UI. Binds 127.0.0.1 unless `host` says otherwise (with a warning); never shares.
     The model loads in a background thread at once, its progress shown in the browser. With `block=False`
     the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it).
-    The OpenAI-compatible API (medusa_chat.api) is served at /v1 on the same port and session."""
+    The OpenAI-compatible API (medusa_chat.openai.server) is served at /v1 on the same port and session."""
     warning = host_warning(host)
     if warning:
         print(warning, file=sys.stderr)
@@ -743,7 +743,7 @@ def launch(
         css=render.CSS,
         js=render.COPY_JS,
     )
-    from medusa_chat.api import mount_api
+    from medusa_chat.openai.server import mount_api
 
     # Mounted on the running server (routes are looked up per request): one process, one model, one session.
     mount_api(app.app, session, api_key=api_key)
@@ -764,7 +764,7 @@ def add_web_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=None, help="port (default: first free one from 7860)")
     parser.add_argument("--open-browser", action="store_true", help="open the app in the default web browser")
-    from medusa_chat.api import add_api_key_argument
+    from medusa_chat.openai.server import add_api_key_argument
 
     add_api_key_argument(parser)
     return parser
@@ -775,8 +775,8 @@ add_arguments = add_web_args  # the name medusa_chat.cli looks for
 
 def main(args: argparse.Namespace) -> int:
     """`medusa-chat web`: build the session from the CLI's options and serve it until Ctrl-C."""
-    from medusa_chat.api import resolve_api_key
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.openai.server import resolve_api_key
 
     session = SessionManager.from_args(args)
     try:

@@ -344,7 +344,7 @@ class LeanForward:
 
 
 def _fused(modules: list[Any]) -> Linear | None:
-    from medusa_chat.qgemm import fuse
+    from medusa_chat.kernels.qgemm import fuse
 
     fused = fuse(modules)
     return fused.forward if fused is not None else None
@@ -361,7 +361,7 @@ def lean_forward_for(causal_lm: Any) -> Any:
         return None
     built = getattr(causal_lm, "_medusa_lean_forward", None)
     if built is None:
-        from medusa_chat.block_forward import native_forward_for
+        from medusa_chat.model.block_forward import native_forward_for
 
         built = native_forward_for(causal_lm) or LeanForward(causal_lm)
         causal_lm._medusa_lean_forward = built

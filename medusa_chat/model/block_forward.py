@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from medusa_chat.lean_forward import TreePlan
+from medusa_chat.model.lean_forward import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
@@ -65,7 +65,7 @@ class _DModel(ctypes.Structure):
 
 
 def _blin(module: Any) -> _BLin:
-    from medusa_chat.qgemm import Q41Linear
+    from medusa_chat.kernels.qgemm import Q41Linear
 
     q41 = isinstance(module, Q41Linear)
     return _BLin(
@@ -188,7 +188,7 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     kernel and the shapes suit it; else None (the lean PyTorch forward is used)."""
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
-    from medusa_chat.qgemm import BlockLinear, fuse, load
+    from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
 
     lib = load()
     cfg = causal_lm.config
@@ -227,7 +227,7 @@ class NativeHydra:
     Drafts only: the output never depends on them."""
 
     def __init__(self, quantized_heads: Any, lib: ctypes.CDLL) -> None:
-        from medusa_chat.cpu_linears import BlockLinearWithBias
+        from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 
         def q8(module: Any) -> _Q8Lin:
             if not isinstance(module, BlockLinearWithBias) or module.bias is None:
@@ -260,7 +260,7 @@ class NativeHydra:
         """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
         cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
         the lm_head's Q8_0 blocks), and `draft` stays unused."""
-        from medusa_chat.qgemm import BlockEmbedding, BlockLinear
+        from medusa_chat.kernels.qgemm import BlockEmbedding, BlockLinear
 
         if not isinstance(project, BlockLinear):
             return False
@@ -383,7 +383,7 @@ def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
     """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
-    from medusa_chat.qgemm import load
+    from medusa_chat.kernels.qgemm import load
 
     lib = load()
     if lib is None or int(quantized_heads.hidden_size) % 32:

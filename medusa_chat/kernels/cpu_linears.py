@@ -162,7 +162,7 @@ def gguf_blocks(path: Path, config: Any) -> GGUFBlocks:
     codes and scales; every other tensor type is left out, and the caller keeps those weights as the float
     model converted from the file has them (faithful, only not packed).
     """
-    from medusa_chat.gguf_file import read_tensors, unpack_q4_1, unpack_q8_0
+    from medusa_chat.kernels.gguf_file import read_tensors, unpack_q4_1, unpack_q8_0
 
     tensors = read_tensors(path)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
@@ -192,7 +192,7 @@ GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
 def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
     """The float32 state dict (transformers' Llama names) of a Llama-family GGUF: every tensor dequantized, the
     q/k rows back in transformers' rotary order; a tied lm_head is left to the embedding."""
-    from medusa_chat.gguf_file import dequantize, read_tensors
+    from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     state: dict[str, torch.Tensor] = {}
@@ -217,7 +217,7 @@ def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:
-    from medusa_chat.gguf_file import read_tensors
+    from medusa_chat.kernels.gguf_file import read_tensors
 
     return {t.name: t.type_name for t in read_tensors(path).values()}
 
@@ -321,7 +321,7 @@ def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
 def _block_module(mode: str, weight: torch.Tensor | None, blocks: tuple | None, lm_head: bool) -> nn.Module:
     """The block-kernel module (qgemm.py) for a projection: the file's blocks when given, else quantized here
     with the file format's own rule (Q4_1 for int4 projections, Q8_0 for int8 and for every lm_head)."""
-    from medusa_chat.qgemm import Q41Linear, Q80Linear, quantize_q8_0
+    from medusa_chat.kernels.qgemm import Q41Linear, Q80Linear, quantize_q8_0
 
     if blocks is not None:
         return Q41Linear(*blocks[1:]) if blocks[0] == "q4_1" else Q80Linear(*blocks[1:])
@@ -345,7 +345,7 @@ class BlockLinearWithBias(nn.Module):
 
 def block_q4_rows(module: nn.Module) -> nn.Module:
     """A Q4_1 block linear of `module`'s weight (a draft-only projection: 4 bits are enough to rank guesses)."""
-    from medusa_chat.qgemm import QK, BlockLinear, Q41Linear
+    from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear
 
     if not isinstance(module, BlockLinear) or module.in_features % QK:
         return module
@@ -361,7 +361,7 @@ def block_quantized_copy(module: nn.Module) -> nn.Module:
     Q8_0's per-32 scales keep the guesses essentially the fp32 heads'. The original module is left as it is."""
     import copy
 
-    from medusa_chat.qgemm import QK, Q80Linear, quantize_q8_0
+    from medusa_chat.kernels.qgemm import QK, Q80Linear, quantize_q8_0
 
     out = copy.deepcopy(module)
     for path, sub in list(out.named_modules()):
@@ -389,7 +389,7 @@ def prepare_cpu_linears(
     if mode not in ("none", *QUANT_MODES):
         raise MedusaChatError(f"unknown CPU quantization {mode!r} (use none, int4 or int8)")
     prebuilt = prebuilt or {}
-    from medusa_chat.qgemm import available
+    from medusa_chat.kernels.qgemm import available
 
     block_kernels = available()  # our AVX2 block kernels; else torch's weight-only kernels
     layers = causal_lm.get_submodule("model.layers")
@@ -442,7 +442,7 @@ def share_tied_embedding(causal_lm: nn.Module) -> bool:
     and the float table is exactly those blocks dequantized: the embedded GGUF's one Q8_0 token_embd serves both,
     and its fp32 copy (113 MB) then goes. Checked element for element first, so the lookups give the same bits;
     False (nothing changed) otherwise."""
-    from medusa_chat.qgemm import BlockEmbedding, Q80Linear
+    from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear
 
     head, embed = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
     if not isinstance(head, Q80Linear) or type(embed) is not nn.Embedding:

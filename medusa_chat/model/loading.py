@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from medusa_chat import hub
-from medusa_chat.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
-from medusa_chat.heads import HydraHeads, MedusaHeads, heads_from_state_dict
-from medusa_chat.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
+from medusa_chat.model import hub
+from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
+from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
 from medusa_chat.tree import Tree
 
 Progress = Callable[[str], None]
@@ -76,7 +76,7 @@ class LoadedModel:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
         heads_params = sum(p.numel() for p in self.heads.parameters())
         heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
-        from medusa_chat.cpu_linears import weight_accounting
+        from medusa_chat.kernels.cpu_linears import weight_accounting
 
         swapped_weights, swapped_bytes = weight_accounting(
             self.backbone
@@ -553,7 +553,7 @@ def load_model(
 
     # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
     if spec.kind == "embedded":
-        from medusa_chat.embedded import embedded_model_dir
+        from medusa_chat.model.embedded import embedded_model_dir
 
         backbone_loc = str(embedded_model_dir(progress=progress))
     else:
@@ -607,7 +607,7 @@ def load_model(
             "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
         )
     if q == "auto":  # a CPU: the fastest exact path on this machine, measured once and cached
-        from medusa_chat.numeric_path import choose_cpu_quant
+        from medusa_chat.kernels.numeric_path import choose_cpu_quant
 
         # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they
         # are named (a heads repo naming its backbone, or the backbone with --heads).
@@ -622,7 +622,7 @@ def load_model(
         ignore_medusa=bool(medusa_keys),
         trust_remote_code=trust_remote_code,
     )
-    from medusa_chat.decoding import BackboneRunner
+    from medusa_chat.engine.engine import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply
@@ -630,11 +630,11 @@ def load_model(
     if cpu_quant:
         # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
         # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
-        from medusa_chat.cpu_linears import gguf_blocks, prepare_cpu_linears
+        from medusa_chat.kernels.cpu_linears import gguf_blocks, prepare_cpu_linears
 
         prebuilt = None
         if q != "none" and spec.kind == "embedded":
-            from medusa_chat.embedded import gguf_path
+            from medusa_chat.model.embedded import gguf_path
 
             gguf = gguf_path()
             if gguf is not None:

@@ -83,7 +83,7 @@ def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from medusa_chat.cpu_linears import gguf_state_dict
+    from medusa_chat.kernels.cpu_linears import gguf_state_dict
 
     folder, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from medusa_chat.acceptance import (  # re-exported: the rules used to live here
+from medusa_chat.engine.acceptance import (  # re-exported: the rules used to live here
     best_path,
     greedy_node_ok,
     greedy_path,
@@ -42,17 +42,17 @@ from medusa_chat.acceptance import (  # re-exported: the rules used to live here
     sample,
     typical_node_ok,
 )
-from medusa_chat.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
+from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.errors import HeadsError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
-from medusa_chat.graph_step import GraphStep, allocate_cache, graphs_enabled
-from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.lean_forward import LeanForward, TreePlan, lean_forward_for
-from medusa_chat.lookup import ContextLookup
+from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
+from medusa_chat.model.graph_step import GraphStep, allocate_cache, graphs_enabled
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.lean_forward import LeanForward, TreePlan, lean_forward_for
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.loading import LoadedModel
+    from medusa_chat.model.loading import LoadedModel
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ class HydraDrafter:
         self.proj_dtype = backbone.get_input_embeddings().weight.dtype
         self.draft_vocab = vocab
         self.dtype = next(heads.parameters()).dtype
-        from medusa_chat.qgemm import BlockLinear
+        from medusa_chat.kernels.qgemm import BlockLinear
 
         if isinstance(lm_head, BlockLinear) and self.dtype == torch.float32:
             # the backbone runs on the block kernel (int8/int4 on a CPU): so do the heads' linears (8 bits), and
@@ -297,7 +297,7 @@ class HydraDrafter:
             # depth, from DRAM after the backbone's weights went through the caches (5 MB in Q8_0, 2.9 in Q4_1)
             self.heads = block_quantized_copy(heads)
             self.project = block_q4_rows(self.project)
-            from medusa_chat.block_forward import native_hydra_for
+            from medusa_chat.model.block_forward import native_hydra_for
 
             self.native = native_hydra_for(self.heads)
             if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.cli import int_list
-from medusa_chat.decoding import (
+from medusa_chat.engine.engine import (
     BackboneRunner,
 )
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
-from medusa_chat.tree_choice import (  # the runtime half (what the session needs), re-exported here
+from medusa_chat.tuning.tree_choice import (  # the runtime half (what the session needs), re-exported here
     CALIBRATION_VERSION,
     CPU_MAX_TREE,
     CPU_SIZES,
@@ -54,7 +54,7 @@ from medusa_chat.tree_choice import (  # the runtime half (what the session need
 )
 
 if TYPE_CHECKING:
-    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.engine.engine import MedusaEngine
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_PREFIX_TOKENS = 256
@@ -172,8 +172,8 @@ def measure_step_latency(
     them, the event time equals the wall time: the GPU waits for the launches.) graphs=False times the eager
     step where an engine would replay CUDA graphs (graph_step.py).
     """
-    from medusa_chat.acceptance import make_acceptor
-    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.engine.acceptance import make_acceptor
+    from medusa_chat.engine.engine import MedusaEngine
 
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = torch.device(loaded.device)
@@ -386,7 +386,7 @@ def calibrate(
     measure_accuracy: bool = False,
 ) -> dict[str, Any]:
     """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record."""
-    from medusa_chat.decoding import MedusaEngine
+    from medusa_chat.engine.engine import MedusaEngine
 
     base = base or loaded.default_tree
     sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {base.size, 1})
@@ -531,7 +531,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from medusa_chat.loading import load_from_args  # not bench's wrapper: bench imports this module
+    from medusa_chat.model.loading import load_from_args  # not bench's wrapper: bench imports this module
 
     err = Console(stderr=True)
     out = Console()

@@ -40,16 +40,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from medusa_chat.decoding import partial_stop_suffix  # the engine's stream holds back the same way
+from medusa_chat.engine.engine import partial_stop_suffix  # the engine's stream holds back the same way
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from medusa_chat.session import ReplyStream, SessionManager
+    from medusa_chat.chat.session import ReplyStream, SessionManager
 
-log = logging.getLogger("medusa_chat.api")
+log = logging.getLogger("medusa_chat.openai.server")
 
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -898,7 +898,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     add_api_key_argument(parser)
-    from medusa_chat.bench import add_accept_arg
+    from medusa_chat.bench.harness import add_accept_arg
 
     add_accept_arg(parser)  # the acceptance rule for requests with temperature > 0 (typical | exact)
     parser.add_argument(
@@ -912,7 +912,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """`medusa-chat serve`: load the model, then serve the OpenAI-compatible API until Ctrl-C."""
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
     api_key = resolve_api_key(args)
     host = getattr(args, "host", None) or "127.0.0.1"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.conversations import (
+from medusa_chat.chat.conversations import (
     Conversation,
     ConversationMeta,
     ConversationStore,
@@ -33,8 +33,8 @@ from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
-    from medusa_chat.decoding import MedusaEngine
-    from medusa_chat.loading import LoadedModel
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.model.loading import LoadedModel
 
 Item = StepEvent | ReplySummary
 
@@ -166,7 +166,7 @@ class SessionManager:
             if self.engine is not None:
                 return
             if self.loaded is None:
-                from medusa_chat.loading import load_model
+                from medusa_chat.model.loading import load_model
 
                 self.loaded = load_model(
                     model=self.model_name,
@@ -177,7 +177,7 @@ class SessionManager:
                     progress=progress,
                     trust_remote_code=self.trust_remote_code,
                 )
-            from medusa_chat.decoding import MedusaEngine
+            from medusa_chat.engine.engine import MedusaEngine
 
             tree = self._resolve_tree(*self._tree_request, progress)
             if progress is not None:
@@ -201,7 +201,7 @@ class SessionManager:
     ) -> Tree:
         # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
         # cached calibration, else (on a CPU) calibrate once now. The reason is shown in the UIs' model panel.
-        from medusa_chat.tree_choice import choose_tree, resolve_tree
+        from medusa_chat.tuning.tree_choice import choose_tree, resolve_tree
 
         assert self.loaded is not None
         try:
@@ -214,7 +214,7 @@ class SessionManager:
 
     def _read_latencies(self) -> dict[int, float]:
         """{tree size: step latency} from this device's cached calibration ({} when none)."""
-        from medusa_chat.tree_choice import load_calibration, model_identity
+        from medusa_chat.tuning.tree_choice import load_calibration, model_identity
 
         try:
             cal = load_calibration(*model_identity(self.loaded))

@@ -75,10 +75,10 @@ def _build(out: Path, flags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         c_files = []
         for name in HEADERS:
-            (Path(tmp) / name).write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
+            (Path(tmp) / name).write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
         for name in SOURCES:
             c_file = Path(tmp) / name
-            c_file.write_text(resources.files("medusa_chat.csrc").joinpath(name).read_text())
+            c_file.write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
             c_files.append(str(c_file))
         so = Path(tmp) / "qgemm.so"
         cmd = [cc, *flags, *c_files, "-o", str(so)]
@@ -105,12 +105,12 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     isa = isa or best_isa(cpu)
     if isa in _LIBS:
         return _LIBS[isa]
-    from medusa_chat.embedded import cache_root
+    from medusa_chat.model.embedded import cache_root
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
     h = hashlib.sha256(" ".join(flags).encode())
     for name in (*SOURCES, *HEADERS):
-        h.update(resources.files("medusa_chat.csrc").joinpath(name).read_bytes())
+        h.update(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_bytes())
     path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
     lib = None
     try:

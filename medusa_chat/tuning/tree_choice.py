@@ -46,7 +46,7 @@ def device_name(device: torch.device | str) -> str:
                 break
     except OSError:
         pass
-    from medusa_chat.qgemm import best_isa
+    from medusa_chat.kernels.qgemm import best_isa
 
     return f"{cpu} ({torch.get_num_threads()} threads, {best_isa()})"
 
@@ -54,7 +54,7 @@ def device_name(device: torch.device | str) -> str:
 def calibration_path(
     model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
 ) -> Path:
-    from medusa_chat.embedded import cache_root
+    from medusa_chat.model.embedded import cache_root
 
     name = "__".join(_slug(x) for x in (model_name, device_name(device), quant or "none", dtype_name(dtype)))
     return cache_root() / "calibration" / f"{name}.json"
@@ -182,7 +182,10 @@ def resolve_tree(
     base = tree.prefix(min(tree.size, CPU_MAX_TREE))
     if progress is not None:
         progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
-    from medusa_chat.calibrate import CALIBRATION_PROMPTS, calibrate  # the harness (imports the engine)
+    from medusa_chat.tuning.calibrate import (  # the harness (imports the engine)
+        CALIBRATION_PROMPTS,
+        calibrate,
+    )
 
     record = calibrate(
         loaded,

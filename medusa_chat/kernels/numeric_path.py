@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from medusa_chat.atomic import atomic_write_text
-from medusa_chat.cpu_linears import (
+from medusa_chat.errors import MedusaChatError
+from medusa_chat.kernels.cpu_linears import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
@@ -32,15 +33,14 @@ from medusa_chat.cpu_linears import (
     quantize_int8,
     quantize_q4_1,
 )
-from medusa_chat.errors import MedusaChatError
 
 CANDIDATES = ("none", "int8", "int4")
 VERSION = 6  # v6: packed fp32 pads a lone row where oneDNN needs it (was refused on AMX Xeons: re-measure)
 
 
 def _cache_file(model_name: str) -> Path:
-    from medusa_chat.embedded import cache_root
-    from medusa_chat.tree_choice import _slug, device_name
+    from medusa_chat.model.embedded import cache_root
+    from medusa_chat.tuning.tree_choice import _slug, device_name
 
     key = "__".join(_slug(x) for x in (model_name, device_name("cpu"), torch.__version__))
     return cache_root() / "numeric_path" / f"{key}.json"
@@ -50,8 +50,8 @@ def _module(
     mode: str, out_f: int, in_f: int, gen: torch.Generator, lm_head: bool = False
 ) -> nn.Module | None:
     """The module prepare_cpu_linears would build for this mode and shape (random weights)."""
-    from medusa_chat.cpu_linears import _block_module
-    from medusa_chat.qgemm import available
+    from medusa_chat.kernels.cpu_linears import _block_module
+    from medusa_chat.kernels.qgemm import available
 
     weight = torch.randn(out_f, in_f, generator=gen) * 0.02
     if mode == "none":

@@ -36,8 +36,8 @@ from medusa_chat.events import GenerationSettings, StepEvent
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from medusa_chat.decoding import MedusaEngine
-    from medusa_chat.loading import LoadedModel
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.model.loading import LoadedModel
     from medusa_chat.tree import Tree
 
 TIMING_NOTE = (
@@ -149,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_from_args(args: argparse.Namespace, console: Console | None = None) -> LoadedModel:
-    from medusa_chat.loading import load_from_args as _load
+    from medusa_chat.model.loading import load_from_args as _load
 
     return _load(args, progress=(lambda m: console.print(f"[dim]{m}[/dim]")) if console is not None else None)
 
@@ -159,7 +159,7 @@ def _progress(console: Console, quiet: bool) -> Callable[[str], None] | None:
 
 
 def describe(loaded: Any) -> dict[str, Any]:
-    from medusa_chat.tree_choice import dtype_name
+    from medusa_chat.tuning.tree_choice import dtype_name
 
     spec = getattr(loaded, "spec", None)
     return {
@@ -385,13 +385,13 @@ def run_bench(
     tree_source: str = "",
 ) -> dict[str, Any]:
     """Run every method on every prompt, interleaved; return the JSON document described in issue 3/7."""
-    from medusa_chat.decoding import MedusaEngine, plain_tree
+    from medusa_chat.engine.engine import MedusaEngine, plain_tree
 
     greedy = config.temperature <= 0
     methods = [m for m in METHODS if m == "medusa" or m in config.baselines]
     peer, peer_note, peer_runs = None, "", []
     if "llamacpp" in config.baselines:
-        from medusa_chat.peer import llama_bench_for
+        from medusa_chat.bench.peer import llama_bench_for
 
         peer, peer_note = llama_bench_for(loaded, torch.get_num_threads(), config.llamacpp_bench)
 
@@ -802,7 +802,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.tree_choice import resolve_tree
+    from medusa_chat.tuning.tree_choice import resolve_tree
 
     out = Console()
     err = Console(stderr=True)

@@ -141,7 +141,7 @@ def model_gguf(loaded: Any) -> Path | None:
     """The GGUF the loaded model was made from (the embedded model's), else None."""
     spec = getattr(loaded, "spec", None)
     if getattr(spec, "kind", None) == "embedded":
-        from medusa_chat.embedded import gguf_path
+        from medusa_chat.model.embedded import gguf_path
 
         return gguf_path()
     return None
