@@ -10,7 +10,8 @@ import json
 import sys
 
 from medusa_chat.bench.harness import _progress, add_accept_arg, describe, load_from_args
-from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.cliargs import settings_from_args
+from medusa_chat.events import ReplySummary, StepEvent
 
 
 def add_ask_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.tuning.tree_choice import resolve_tree
+    from medusa_chat.tuning.calibrate import resolve_tree
 
     err = Console(stderr=True)
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
@@ -49,14 +50,7 @@ def ask_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        accept=getattr(args, "accept", "typical"),
-    )
-    settings.validate()  # before the (slow) load: a bad option fails at once
+    settings = settings_from_args(args)  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
     tree, source = resolve_tree(
         loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)

@@ -41,17 +41,6 @@ MODEL_COMMANDS = {"chat", "web", "serve", "ask", "bench", "train-heads", "fit-tr
 SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type for options like `--tree-sizes 8,16,32`: positive integers, comma-separated."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The options every model-using sub-command takes (names match loading.load_from_args and
     calibrate.choose_tree)."""
@@ -143,8 +132,9 @@ def model_rows() -> list[dict[str, Any]]:
     from pathlib import Path
 
     from medusa_chat.model import hub
-    from medusa_chat.model.embedded import cache_root, gguf_path
+    from medusa_chat.model.embedded import gguf_path
     from medusa_chat.model.registry import MODELS
+    from medusa_chat.paths import cache_root
 
     cached = hub.cached_repos()
     rows = []
@@ -230,8 +220,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.engine.engine import BackboneRunner
     from medusa_chat.model.loading import load_from_args, summary_lines
+    from medusa_chat.model.runner import BackboneRunner
     from medusa_chat.tuning.tree_choice import choose_tree
 
     def say(text: str) -> None:

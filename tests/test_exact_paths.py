@@ -17,7 +17,8 @@ from medusa_chat.engine.engine import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import qgemm
 from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
-from medusa_chat.model.lean_forward import TreePlan
+from medusa_chat.machine import cpu_flags
+from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 
@@ -181,7 +182,7 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
     a prefill block and a tree step give the same hidden states, bit for bit, whichever build runs them."""
     if not qgemm.available():
         pytest.skip(f"no block kernel here: {qgemm.unavailable_reason()}")
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     if len(isas) < 2:
         pytest.skip("this CPU runs only the AVX2 build")

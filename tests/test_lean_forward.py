@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig
 
-from medusa_chat.engine.engine import BackboneRunner, MedusaEngine, TreeKVCache
+from medusa_chat.engine.engine import MedusaEngine, TreeKVCache
 from medusa_chat.model.lean_forward import LeanForward, lean_forward_for
+from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from tests.tinymodels import VOCAB, moved, tiny_loaded
 

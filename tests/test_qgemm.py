@@ -16,6 +16,7 @@ import torch
 
 from medusa_chat.kernels import qgemm
 from medusa_chat.kernels.cpu_linears import quantize_q4_1
+from medusa_chat.machine import cpu_flags
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
 
@@ -57,7 +58,7 @@ def test_kernels_compute_their_definition_and_are_row_invariant(n: int, k: int) 
 def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The VNNI builds compute the same exact integer block sums as the AVX2 build, then the same float ops:
     a machine's choice of instructions must not change a single output bit (nor its layout assumptions)."""
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"]
     if "avx_vnni" in flags:
         isas.append("avxvnni")
@@ -175,7 +176,7 @@ def test_the_fused_argmax_is_greedy_tokens_of_the_outputs(monkeypatch: pytest.Mo
     1 to 64 rows, a row of NaNs (torch.max's first NaN); more rows than it takes: None."""
     from medusa_chat.engine.acceptance import greedy_tokens
 
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1000, 96, generator=g) * 0.05

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.cli import int_list
+from medusa_chat.cliargs import int_list, settings_from_args
 from medusa_chat.errors import MedusaChatError, PromptError
 from medusa_chat.events import GenerationSettings, StepEvent
 
@@ -802,17 +802,12 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.tuning.tree_choice import resolve_tree
+    from medusa_chat.tuning.calibrate import resolve_tree
 
     out = Console()
     err = Console(stderr=True)
     prompts = read_prompts(args.prompts, args.limit)
-    GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        accept=getattr(args, "accept", "typical"),
-    ).validate()
+    settings_from_args(args)  # validates the options before the (slow) load
     loaded = load_from_args(args, err)
     tree, source = resolve_tree(
         loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, False)

@@ -201,7 +201,8 @@ class SessionManager:
     ) -> Tree:
         # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
         # cached calibration, else (on a CPU) calibrate once now. The reason is shown in the UIs' model panel.
-        from medusa_chat.tuning.tree_choice import choose_tree, resolve_tree
+        from medusa_chat.tuning.calibrate import resolve_tree
+        from medusa_chat.tuning.tree_choice import choose_tree
 
         assert self.loaded is not None
         try:

@@ -33,16 +33,28 @@ from medusa_chat.kernels.cpu_linears import (
     quantize_int8,
     quantize_q4_1,
 )
+from medusa_chat.machine import cpu_model, slug
 
 CANDIDATES = ("none", "int8", "int4")
 VERSION = 6  # v6: packed fp32 pads a lone row where oneDNN needs it (was refused on AMX Xeons: re-measure)
 
 
-def _cache_file(model_name: str) -> Path:
-    from medusa_chat.model.embedded import cache_root
-    from medusa_chat.tuning.tree_choice import _slug, device_name
+def device_name(device: torch.device | str) -> str:
+    """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count +
+    the instruction set the block kernel uses (the same model name can come with or without AVX-512 on
+    virtual machines, and MEDUSA_CHAT_QGEMM_ISA can force a narrower one): each gets its own measurements."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from medusa_chat.kernels.qgemm import best_isa
 
-    key = "__".join(_slug(x) for x in (model_name, device_name("cpu"), torch.__version__))
+    return f"{cpu_model()} ({torch.get_num_threads()} threads, {best_isa()})"
+
+
+def _cache_file(model_name: str) -> Path:
+    from medusa_chat.paths import cache_root
+
+    key = "__".join(slug(x) for x in (model_name, device_name("cpu"), torch.__version__))
     return cache_root() / "numeric_path" / f"{key}.json"
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from medusa_chat.machine import cpu_flags
+
 QK = 32
 SOURCES = ("qgemm.c", "decoder.c")
 HEADERS = ("simd.h",)
@@ -42,16 +44,6 @@ _LIBS: dict[str, ctypes.CDLL | None] = {}
 _ERROR = ""
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def best_isa(flags: set[str] | None = None) -> str:
     """The widest integer-dot instruction set of this CPU the kernel has a path for (MEDUSA_CHAT_QGEMM_ISA
     overrides it, e.g. `avx2` to measure the plain AVX2 path on a VNNI machine)."""
@@ -60,7 +52,7 @@ def best_isa(flags: set[str] | None = None) -> str:
         if forced not in ISA_FLAGS:
             raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(ISA_FLAGS)} (got {forced!r})")
         return forced
-    flags = _cpu_flags() if flags is None else flags
+    flags = cpu_flags() if flags is None else flags
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         return "avx512vnni"
     if "avx_vnni" in flags:
@@ -98,14 +90,14 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0":
         _ERROR = "disabled by MEDUSA_CHAT_QGEMM=0"
         return None
-    cpu = _cpu_flags()
+    cpu = cpu_flags()
     if not {"avx2", "fma"} <= cpu:
         _ERROR = "this CPU lacks AVX2/FMA"
         return None
     isa = isa or best_isa(cpu)
     if isa in _LIBS:
         return _LIBS[isa]
-    from medusa_chat.model.embedded import cache_root
+    from medusa_chat.paths import cache_root
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
     h = hashlib.sha256(" ".join(flags).encode())

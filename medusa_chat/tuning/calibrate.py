@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -29,17 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.cli import int_list
-from medusa_chat.engine.engine import (
-    BackboneRunner,
-)
+from medusa_chat.cliargs import int_list
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from medusa_chat.tuning.tree_choice import (  # the runtime half (what the session needs), re-exported here
     CALIBRATION_VERSION,
-    CPU_MAX_TREE,
-    CPU_SIZES,
     calibrated_source,
     calibration_path,
     choose_tree,
@@ -49,7 +46,6 @@ from medusa_chat.tuning.tree_choice import (  # the runtime half (what the sessi
     heads_stamp,
     load_calibration,
     model_identity,
-    resolve_tree,
     save_calibration,
 )
 
@@ -611,3 +607,48 @@ __all__ = [  # the runtime names imported from tree_choice stay importable from 
     "pick_tree_size",
     "save_calibration",
 ]
+
+
+# On a CPU a tree step's cost grows with every node (the exact per-node attention, the projections' extra
+# rows): measured on a 2-core AVX2 EPYC, 8 nodes cost ~3x a plain step and 16 ~9x, so the first-start
+# calibration looks at prefixes up to 8 nodes (and stays short: ~10 s).
+CPU_MAX_TREE = 8
+
+
+CPU_SIZES = (1, 2, 3, 4, 6, 8)
+
+
+def resolve_tree(
+    loaded: Any,
+    tree_name: str | None = None,
+    tree_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    auto_calibrate: bool | None = None,
+) -> tuple[Tree, str]:
+    """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
+
+    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
+    (about 10 s; cached for every later start and command); else the model's default tree.
+    """
+    if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
+        auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
+    tree, source = choose_tree(loaded, tree_name, tree_size)
+    if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
+        return tree, source
+    base = tree.prefix(min(tree.size, CPU_MAX_TREE))
+    if progress is not None:
+        progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
+    record = calibrate(
+        loaded,
+        base=base,
+        sizes=CPU_SIZES,
+        reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
+        measure_accuracy=True,
+        measure_replies=len(CALIBRATION_PROMPTS),  # ~600 tokens: a reply costs well under a second here
+        measure_tokens=48,
+        progress=progress,
+    )
+    record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
+    model_name, device, quant, dtype = model_identity(loaded)
+    save_calibration(record, model_name, device, quant, dtype)
+    return tree.prefix(record["tree_size"]), calibrated_source(record)

@@ -9,54 +9,28 @@ stamped with the heads file, so retrained heads or another numeric path are cali
 from __future__ import annotations
 
 import json
-import os
-import platform
-import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from medusa_chat.kernels.numeric_path import device_name
+from medusa_chat.machine import slug
 from medusa_chat.tree import Tree
 
 CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "unknown"
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def device_name(device: torch.device | str) -> str:
-    """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count +
-    the instruction set the block kernel uses (the same model name can come with or without AVX-512 on
-    virtual machines, and MEDUSA_CHAT_QGEMM_ISA can force a narrower one): each gets its own measurements."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from medusa_chat.kernels.qgemm import best_isa
-
-    return f"{cpu} ({torch.get_num_threads()} threads, {best_isa()})"
-
-
 def calibration_path(
     model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
 ) -> Path:
-    from medusa_chat.model.embedded import cache_root
+    from medusa_chat.paths import cache_root
 
-    name = "__".join(_slug(x) for x in (model_name, device_name(device), quant or "none", dtype_name(dtype)))
+    name = "__".join(slug(x) for x in (model_name, device_name(device), quant or "none", dtype_name(dtype)))
     return cache_root() / "calibration" / f"{name}.json"
 
 
@@ -155,49 +129,3 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     return base, "default"
 
 
-# On a CPU a tree step's cost grows with every node (the exact per-node attention, the projections' extra
-# rows): measured on a 2-core AVX2 EPYC, 8 nodes cost ~3x a plain step and 16 ~9x, so the first-start
-# calibration looks at prefixes up to 8 nodes (and stays short: ~10 s).
-CPU_MAX_TREE = 8
-CPU_SIZES = (1, 2, 3, 4, 6, 8)
-
-
-def resolve_tree(
-    loaded: Any,
-    tree_name: str | None = None,
-    tree_size: int | None = None,
-    progress: Callable[[str], None] | None = None,
-    auto_calibrate: bool | None = None,
-) -> tuple[Tree, str]:
-    """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
-
-    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
-    (about 10 s; cached for every later start and command); else the model's default tree.
-    """
-    if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
-        auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
-    tree, source = choose_tree(loaded, tree_name, tree_size)
-    if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
-        return tree, source
-    base = tree.prefix(min(tree.size, CPU_MAX_TREE))
-    if progress is not None:
-        progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
-    from medusa_chat.tuning.calibrate import (  # the harness (imports the engine)
-        CALIBRATION_PROMPTS,
-        calibrate,
-    )
-
-    record = calibrate(
-        loaded,
-        base=base,
-        sizes=CPU_SIZES,
-        reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
-        measure_accuracy=True,
-        measure_replies=len(CALIBRATION_PROMPTS),  # ~600 tokens: a reply costs well under a second here
-        measure_tokens=48,
-        progress=progress,
-    )
-    record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
-    model_name, device, quant, dtype = model_identity(loaded)
-    save_calibration(record, model_name, device, quant, dtype)
-    return tree.prefix(record["tree_size"]), calibrated_source(record)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_chat.model.embedded import cache_root
+from medusa_chat.paths import cache_root
 
 
 def _configure_env() -> None:
