@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medusa_chat.bench.harness import read_prompts
+from medusa_chat.bench.runs import read_prompts
 from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model.loading import load_model

@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 
-from medusa_chat.bench.harness import _progress, add_accept_arg, describe, load_from_args
-from medusa_chat.cliargs import settings_from_args
+from medusa_chat.bench.cli import load_from_args, progress_printer
+from medusa_chat.bench.runs import describe
+from medusa_chat.cliargs import add_accept_arg, settings_from_args
 from medusa_chat.events import ReplySummary, StepEvent
 
 
@@ -53,7 +54,7 @@ def ask_main(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
     tree, source = resolve_tree(
-        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, args.json)
     )
     engine = MedusaEngine(loaded, tree)
     source += engine.tree_note

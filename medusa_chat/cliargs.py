@@ -31,3 +31,14 @@ def settings_from_args(args: Any) -> GenerationSettings:
     )
     settings.validate()
     return settings
+
+
+def add_accept_arg(parser: argparse.ArgumentParser) -> None:
+    """`--accept typical|exact`: the acceptance rule at temperature > 0 (chat, ask, bench)."""
+    parser.add_argument(
+        "--accept",
+        choices=["typical", "exact"],
+        default="typical",
+        help="rule at temperature > 0: typical (the paper's, default: fast, favours the heads' guesses) or "
+        "exact (replies keep the model's own sampling distribution)",
+    )

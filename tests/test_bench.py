@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import save_file
 
 from medusa_chat import cli
-from medusa_chat.bench.harness import first_divergence, read_prompts
+from medusa_chat.bench.runs import first_divergence, read_prompts
 from medusa_chat.errors import MedusaChatError
 
 ASK_FIELDS = {
@@ -305,7 +305,7 @@ def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Pat
 
 
 def test_tie_tolerance_is_two_ulps_of_the_top_logit_in_16_bit() -> None:
-    from medusa_chat.bench.harness import tie_tolerance
+    from medusa_chat.bench.runs import tie_tolerance
 
     assert tie_tolerance("bfloat16", 20.0) == 0.25  # bf16 ulp at 16-32 is 0.125
     assert tie_tolerance("bfloat16", -3.0) == 2 * 2.0**-6  # ulp at 2-4 is 1/64

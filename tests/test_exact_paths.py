@@ -73,7 +73,7 @@ def test_every_tree_node_gets_the_plain_steps_bits(arch: str, path: str) -> None
     tokens = torch.randint(3, 500, (tree.size,), generator=g)
     with torch.inference_mode():
         prefill_cache = TreeKVCache(model.backbone.config.num_hidden_layers, capacity=128)
-        engine.runner.forward(prompt, torch.arange(37), engine._prefill_mask(0, 37), prefill_cache)
+        engine.runner.forward(prompt, torch.arange(37), engine.causal_mask(0, 37), prefill_cache)
         cache = copy.deepcopy(prefill_cache)
         hidden = engine.runner.forward(tokens, 37 + engine.buffers.depth, engine.plan, cache)
         for node in range(tree.size):
@@ -201,7 +201,7 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
         assert "native" in engine.runner.path
         with torch.inference_mode():
             cache = TreeKVCache(model.backbone.config.num_hidden_layers, capacity=128)
-            pre = engine.runner.forward(prompt, torch.arange(45), engine._prefill_mask(0, 45), cache)
+            pre = engine.runner.forward(prompt, torch.arange(45), engine.causal_mask(0, 45), cache)
             step = engine.runner.forward(tokens, 45 + engine.buffers.depth, engine.plan, cache)
         outs[isa] = (pre, step)
     assert all(torch.equal(a, b) for a, b in zip(outs["avx2"], outs[isas[1]], strict=True))

@@ -19,7 +19,7 @@ from medusa_chat.errors import (
 )
 from medusa_chat.model.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
 from medusa_chat.model.loading import LoadedModel, estimate_params, load_model, summary_lines
-from medusa_chat.tuning.calibrate import choose_tree
+from medusa_chat.tuning.tree_choice import choose_tree
 from tests.test_heads import hand_logits
 from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 

@@ -338,8 +338,10 @@ def test_cli_options_and_host_warning() -> None:
     p = web.add_web_args(argparse.ArgumentParser())
     args = p.parse_args(["--host", "0.0.0.0", "--port", "8123", "--open-browser"])
     assert (args.host, args.port, args.open_browser) == ("0.0.0.0", 8123, True)
-    assert web.host_warning("127.0.0.1") is None and web.host_warning("localhost") is None
-    assert "anyone who can reach" in (web.host_warning("0.0.0.0") or "")
+    from medusa_chat.openai.server import host_warning
+
+    assert host_warning("127.0.0.1", None) is None and host_warning("localhost", None) is None
+    assert "anyone who can reach" in (host_warning("0.0.0.0", None, "this chat and the API") or "")
 
 
 def test_environment_is_offline_and_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

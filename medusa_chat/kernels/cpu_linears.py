@@ -120,16 +120,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-def quantized_linear(module: nn.Linear, mode: str) -> QuantizedLinear:
-    if module.bias is not None:
-        raise MedusaChatError("weight-only quantization here supports linears without bias")
-    if mode == "int4":
-        return Int4Linear(*quantize_q4_1(module.weight))
-    if mode == "int8":
-        return Int8Linear(*quantize_int8(module.weight))
-    raise MedusaChatError(f"unknown CPU quantization {mode!r} (use int4 or int8)")
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The embedded model's GGUF: Q4_1 blocks as they are
 # ------------------------------------------------------------------------------------------------------------

@@ -174,10 +174,3 @@ def choose_cpu_quant(
     record = {"version": VERSION, "quant": quant, "threads": torch.get_num_threads(), "measured": measured}
     atomic_write_text(path, json.dumps(record, indent=1))
     return quant
-
-
-def cached_choice(model_name: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(_cache_file(model_name).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError, OfflineError
+from medusa_chat.units import human_bytes
 
 Progress = Callable[[str], None]
 
@@ -170,16 +171,6 @@ def missing_shards(folder: Path) -> list[str]:
 
 
 # ---- progress -------------------------------------------------------------------------------------------------
-def human_size(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 class DownloadReporter:
     """Byte progress of one repo's files: Rich bars on a terminal and/or throttled text lines for a callback.
 
@@ -223,14 +214,14 @@ class DownloadReporter:
     def __enter__(self) -> DownloadReporter:
         if self._progress is not None:
             self._progress.start()
-        self._say(f"Downloading {len(self.files)} file(s), {human_size(self.total)}, from {self.repo}")
+        self._say(f"Downloading {len(self.files)} file(s), {human_bytes(self.total)}, from {self.repo}")
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
         if exc[0] is None:
-            self._say(f"Downloaded {self.repo} ({human_size(self.done)})")
+            self._say(f"Downloaded {self.repo} ({human_bytes(self.done)})")
 
     def _say(self, text: str) -> None:
         if self.callback is not None:
@@ -252,7 +243,7 @@ class DownloadReporter:
                 pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
                 self.callback(
                     f"Downloading {self.repo}: {self._current} — "
-                    f"{human_size(self.done)} of {human_size(self.total)}{pct}"
+                    f"{human_bytes(self.done)} of {human_bytes(self.total)}{pct}"
                 )
 
     def tqdm_class(self) -> type:
@@ -534,7 +525,7 @@ def check_disk_space(folder: Path, needed: int, repo: str) -> None:
     free = shutil.disk_usage(probe).free
     if free < needed + DISK_MARGIN_BYTES:
         raise MedusaChatError(
-            f"not enough disk space to download {repo}: it needs {human_size(needed)} but only "
-            f"{human_size(free)} is free in {probe} (1 GB is kept in reserve); free some space or point "
+            f"not enough disk space to download {repo}: it needs {human_bytes(needed)} but only "
+            f"{human_bytes(free)} is free in {probe} (1 GB is kept in reserve); free some space or point "
             "HF_HUB_CACHE at a bigger disk"
         )

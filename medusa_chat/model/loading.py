@@ -33,6 +33,7 @@ from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICU
 from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
 from medusa_chat.model.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
 from medusa_chat.tree import Tree
+from medusa_chat.units import human_bytes, human_count
 
 Progress = Callable[[str], None]
 
@@ -126,13 +127,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def human_count(n: float) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
-
-
 def summary_lines(info: dict[str, Any]) -> list[str]:
     """`info()` as short plain-text lines (the terminal and web UIs show these at startup)."""
     h, mem = info["heads"], info["memory"]
@@ -142,9 +136,9 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
         f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}",
         f"device     {info['device']}, {info['dtype']}, quantization {info['quant']}",
         f"params     {human_count(info['params'])} backbone + {human_count(h['params'])} heads",
-        f"memory     {hub.human_size(mem['backbone_bytes'])} backbone + {hub.human_size(mem['heads_bytes'])} heads"
+        f"memory     {human_bytes(mem['backbone_bytes'])} backbone + {human_bytes(mem['heads_bytes'])} heads"
         + (
-            f" (CUDA allocated {hub.human_size(mem['cuda_allocated_bytes'])})"
+            f" (CUDA allocated {human_bytes(mem['cuda_allocated_bytes'])})"
             if mem["cuda_allocated_bytes"]
             else ""
         ),

@@ -64,7 +64,7 @@ class ModelSpec:
 
 def assets_dir() -> Path:
     """The repository's `assets/` folder (next to the package in a source checkout / editable install)."""
-    return Path(__file__).resolve().parent.parent / "assets"
+    return Path(__file__).resolve().parents[2] / "assets"
 
 
 EMBEDDED_HEADS_DIR = assets_dir() / "smollm2-135m"

@@ -35,12 +35,11 @@ import gradio as gr  # noqa: E402  (after the environment above)
 
 from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
-from medusa_chat.ui import render  # noqa: E402
+from medusa_chat.ui import render, tree_panel  # noqa: E402
 
 if TYPE_CHECKING:
     from medusa_chat.chat.session import SessionManager
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
 TREE_CHOICES_DEFAULT = "model default"
 STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams
@@ -163,7 +162,7 @@ class WebApp:
         note = ""
         if not self.events and any(m.role == "assistant" for m in self.session.conversation.messages):
             note = "Decoding steps are kept for replies made since the app started: send a message to see its tree."
-        return render.tree_panel_html(self.events, step, live=live, note=note)
+        return tree_panel.tree_panel_html(self.events, step, live=live, note=note)
 
     def model_panel(self) -> str:
         try:
@@ -690,16 +689,6 @@ def theme() -> gr.themes.Base:
     )
 
 
-def host_warning(host: str) -> str | None:
-    """The warning printed when the server listens on anything but this machine's loopback address."""
-    if host in LOCAL_HOSTS:
-        return None
-    return (
-        f"warning: serving on {host}: anyone who can reach this machine at that address can use this chat and "
-        "your model (there is no login). Leave out --host to keep it on 127.0.0.1."
-    )
-
-
 def build_app(session: SessionManager) -> gr.Blocks:
     """The Gradio app over `session` (not launched; the model is not loaded until launch or first use)."""
     return WebApp(session).build()
@@ -719,7 +708,9 @@ def launch(
     The model loads in a background thread at once, its progress shown in the browser. With `block=False`
     the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it).
     The OpenAI-compatible API (medusa_chat.openai.server) is served at /v1 on the same port and session."""
-    warning = host_warning(host)
+    from medusa_chat.openai.server import host_warning
+
+    warning = host_warning(host, api_key, "this chat (there is no login) and the API")
     if warning:
         print(warning, file=sys.stderr)
     Path(os.environ["GRADIO_TEMP_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -743,7 +734,7 @@ def launch(
         css=render.CSS,
         js=render.COPY_JS,
     )
-    from medusa_chat.openai.server import mount_api
+    from medusa_chat.openai.routes import mount_api
 
     # Mounted on the running server (routes are looked up per request): one process, one model, one session.
     mount_api(app.app, session, api_key=api_key)
