@@ -52,7 +52,7 @@ from medusa_chat.training.distill import (  # noqa: E402
     DistillStore,
     distill,
     export_npz,
-    load_backbone,
+    load_for_training,
     make_logger,
 )
 from medusa_chat.training.train_heads import (  # noqa: E402
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model ----------------------------------------------------------------------------------------
     model_dir = prepare_model(args.model, work, args.hf_files, log)
-    model, tok = load_backbone(model_dir, device)
+    model, tok = load_for_training(model_dir, device)
     if args.expect_hashes:
         want = json.loads(Path(args.expect_hashes).read_text())
         got = tensor_hashes({k: v for k, v in model.state_dict().items() if k in want})

@@ -20,7 +20,7 @@ from medusa_chat.training.distill import (
     export_npz,
     greedy_replies,
     import_npz,
-    load_backbone,
+    load_for_training,
     read_prompt_file,
     sample_user_turns,
     user_prefix_ids,
@@ -110,7 +110,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def backbone(tiny_dir: Path):
-    return load_backbone(tiny_dir, CPU)
+    return load_for_training(tiny_dir, CPU)
 
 
 PROMPTS = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 import os
 import threading
@@ -28,6 +27,8 @@ from medusa_chat.chat.conversations import (
     default_data_dir,
     export_conversation,
 )
+from medusa_chat.chat.speed import MEASURED_BASELINES, SpeedMeter
+from medusa_chat.chat.stream import Item, ReplyStream
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
@@ -36,71 +37,14 @@ if TYPE_CHECKING:
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.model.loading import LoadedModel
 
-Item = StepEvent | ReplySummary
 
 _OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, the package's floor)
 
-# The fixed prompt of `measure_baseline`: asks for a long answer so the measurement is not cut short by EOS.
-BASELINE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
-BASELINE_TOKENS = 48
-
-# Per-process cache of measured plain-decoding speeds, keyed by (model, device, dtype, quant): a second
-# session on the same model (e.g. the web UI opening a new chat) reuses the measurement.
-_BASELINES: dict[tuple[str, str, str, str], float] = {}
 
 _STATS_DROP = ("text", "token_ids")  # the reply's text is the message itself; ids are not worth storing
 
 
-class ReplyStream(Iterator[Item]):
-    """The iterator `send`/`regenerate`/`edit_last` return.
-
-    The session's lock is taken when the reply is requested (so a second request fails at once with
-    BusyError) and released when this stream ends, fails, or is closed/garbage-collected, even if the
-    caller never started iterating it.
-    """
-
-    def __init__(
-        self, gen: Generator[Item, None, None], release: Callable[[], None], stop: Callable[[], None]
-    ) -> None:
-        self._gen = gen
-        self._release: Callable[[], None] | None = release
-        self._stop = stop
-
-    def __iter__(self) -> ReplyStream:
-        return self
-
-    def __next__(self) -> Item:
-        if inspect.getgeneratorstate(self._gen) == inspect.GEN_RUNNING:
-            raise BusyError("this reply is already being read by another thread")  # and keeps its lock
-        try:
-            return next(self._gen)
-        except BaseException:  # StopIteration included: the reply is over either way
-            self._finish()
-            raise
-
-    def close(self) -> None:
-        if inspect.getgeneratorstate(self._gen) == inspect.GEN_RUNNING:
-            # Another thread is inside next() (a decode step): a generator cannot be closed from outside
-            # while it runs, and the lock must stay held until it returns. Stop it instead; the reply then
-            # ends by itself and the consumer's next() (or garbage collection) finishes the cleanup.
-            self._stop()
-            return
-        try:
-            self._gen.close()  # runs the session's cleanup: a partial reply is kept, marked stopped
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class SessionManager:
+class SessionManager(SpeedMeter):
     """One chat session. Not a model wrapper: the model and engine are built on `load()`."""
 
     def __init__(
@@ -184,7 +128,7 @@ class SessionManager:
                 progress(f"tree {tree.name} ({tree.size} node{'s' if tree.size != 1 else ''})")
             self.engine = MedusaEngine(self.loaded, tree=tree)
             self.conversation.model = self.loaded.spec.name
-            self.baseline_tokens_per_s = _BASELINES.get(self._baseline_key())
+            self.baseline_tokens_per_s = MEASURED_BASELINES.get(self._baseline_key())
 
     @property
     def is_loaded(self) -> bool:
@@ -212,16 +156,6 @@ class SessionManager:
             tree, self.tree_source = choose_tree(self.loaded, name, size)
         self._latency_by_size = self._read_latencies()  # read once here, not per streamed step
         return tree
-
-    def _read_latencies(self) -> dict[int, float]:
-        """{tree size: step latency} from this device's cached calibration ({} when none)."""
-        from medusa_chat.tuning.tree_choice import load_calibration, model_identity
-
-        try:
-            cal = load_calibration(*model_identity(self.loaded))
-            return {int(row["size"]): float(row["latency_s"]) for row in (cal or {}).get("sizes", [])}
-        except Exception:  # noqa: BLE001 - a calibration is an optional hint; never let it break a load
-            return {}
 
     @property
     def tree(self) -> Tree | None:
@@ -554,59 +488,6 @@ class SessionManager:
         if torch.cuda.is_available():
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
-
-    # ---- speed ----------------------------------------------------------------------------------------------
-    def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]:
-        """(speedup, "measured" | "estimated"): measured against plain decoding when `measure_baseline` ran
-        for this model/device, else estimated as tokens per step divided by the tree step's relative cost
-        when this device was calibrated (else tokens per step alone)."""
-        if self.baseline_tokens_per_s and tokens_per_s > 0:
-            return tokens_per_s / self.baseline_tokens_per_s, "measured"
-        return tokens_per_step / self._step_cost_ratio(), "estimated"
-
-    def _step_cost_ratio(self) -> float:
-        """How much a step of the current tree costs relative to a one-token step, from this device's
-        calibration (`medusa-chat calibrate`, read when the tree was chosen); 1.0 when unknown. On a CPU a
-        64-node step can cost 3x a plain one, so tokens/step alone would promise a speedup that is not there."""
-        if self.loaded is None or self.engine is None:
-            return 1.0
-        sizes = self._latency_by_size
-        size = self.engine.tree.size
-        if 1 not in sizes or size not in sizes or sizes[1] <= 0:
-            return 1.0
-        return max(sizes[size] / sizes[1], 1e-6)
-
-    def _baseline_key(self) -> tuple[str, str, str, str]:
-        assert self.loaded is not None
-        return (self.loaded.spec.name, str(self.loaded.device), str(self.loaded.dtype), self.loaded.quant)
-
-    def measure_baseline(self, max_new_tokens: int = BASELINE_TOKENS) -> float:
-        """Plain decoding speed (root-only tree, one token per step, greedy) on a fixed prompt; stored so
-        later speedups are "measured". Leaves the conversation untouched."""
-        with self._exclusive():
-            engine = self._require_engine()
-            assert self.loaded is not None
-            tree = engine.tree
-            prompt = self.loaded.build_prompt([{"role": "user", "content": BASELINE_PROMPT}])
-            settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
-            self._stop.clear()
-            summary: ReplySummary | None = None
-            try:
-                engine.set_tree(Tree.chain(0))
-                for item in engine.generate(prompt, settings, self._stop):
-                    if isinstance(item, ReplySummary):
-                        summary = item
-            except BaseException:  # Ctrl-C included: a step may have died half-way through the cache
-                with contextlib.suppress(Exception):
-                    engine.reset()
-                raise
-            finally:
-                engine.set_tree(tree)
-            if summary is None or summary.decode_tokens_per_s <= 0:
-                raise MedusaChatError("the baseline reply was too short to measure; try again")
-            self.baseline_tokens_per_s = summary.decode_tokens_per_s
-            _BASELINES[self._baseline_key()] = self.baseline_tokens_per_s
-            return self.baseline_tokens_per_s
 
     # ---- conversation ---------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from medusa_chat.chat.session import ReplyStream
+    from medusa_chat.chat.stream import ReplyStream
     from medusa_chat.openai.routes import ChatAPI
 
 

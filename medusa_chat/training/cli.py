@@ -26,9 +26,8 @@ from medusa_chat.training.distill import (
     distill,
     eos_ids,
     import_npz,
-    load_backbone,
+    load_for_training,
     make_logger,
-    pick_device,
     read_prompt_file,
 )
 from medusa_chat.training.train_heads import (
@@ -157,16 +156,17 @@ def add_fit_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     path = Path(model).expanduser()
     if model.lower() in EMBEDDED_ALIASES or path.exists():
-        return load_backbone(model, device)
+        return load_for_training(model, device)
     if "/" in model and not model.startswith((".", "/", "~")):  # a Hub id: transformers finds it in the cache
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from medusa_chat.model.loading import load_backbone
 
         try:
             tok = AutoTokenizer.from_pretrained(model)
-            net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
         except OSError as err:
             raise ModelNotFoundError(f"cannot load {model!r}: {err}") from err
-        return net.to(device).eval().requires_grad_(False), tok
+        return load_backbone(model, device, torch.float32, "none"), tok
     if "/" in model:
         raise ModelNotFoundError(f"model folder {model} does not exist")
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
@@ -180,6 +180,8 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def train_main(args: argparse.Namespace) -> int:
+    from medusa_chat.model.loading import pick_device  # the app's device rule (and its errors)
+
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -81,25 +81,17 @@ def base_model_name(model: str | Path) -> str:
     return HUB_NAME_OF_EMBEDDED if str(model).lower() in EMBEDDED_ALIASES else str(model)
 
 
-def load_backbone(
+def load_for_training(
     model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Any, Any]:
-    """Load (model, tokenizer) directly with transformers; frozen, eval mode, sdpa attention."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) for training: the app's own loader (frozen, eval mode, sdpa attention), unquantized."""
+    from transformers import AutoTokenizer
+
+    from medusa_chat.model.loading import load_backbone
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
-    net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    net.to(device).eval().requires_grad_(False)
-    return net, tok
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda asked for, but torch sees no CUDA GPU")
-    return torch.device(name)
+    return load_backbone(path, torch.device(device), dtype, "none"), tok
 
 
 def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
