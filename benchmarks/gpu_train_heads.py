@@ -47,22 +47,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from medusa_chat.atomic import atomic_write_json  # noqa: E402
-from medusa_chat.training.distill import (  # noqa: E402
-    DistillSettings,
-    DistillStore,
-    distill,
-    export_npz,
-    load_for_training,
-    make_logger,
-)
-from medusa_chat.training.train_heads import (  # noqa: E402
-    TrainSettings,
-    cache_hidden_states,
-    heads_file_bytes,
-    heldout_mask,
-    load_cache,
-    train_and_save,
-)
+from medusa_chat.training.distill import DistillSettings, distill, load_for_training, make_logger  # noqa: E402
+from medusa_chat.training.pipeline import train_and_save  # noqa: E402
+from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache  # noqa: E402
+from medusa_chat.training.store import DistillStore, export_npz  # noqa: E402
+from medusa_chat.training.train_heads import TrainSettings, heads_file_bytes  # noqa: E402
 
 HF_SMALL_FILES = (
     "config.json",

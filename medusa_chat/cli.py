@@ -23,7 +23,7 @@ from medusa_chat import __version__
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.units import human_bytes
 
-# sub-command -> (module, function, help); the modules belong to the other parts of the project.
+# sub-command -> (module, function, help)
 EXTERNAL: dict[str, tuple[str, str, str]] = {
     "chat": ("medusa_chat.ui.terminal", "main", "chat in the terminal (default)"),
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
@@ -117,7 +117,7 @@ def _import_external(name: str, quiet: bool = False) -> Any:
 
 
 def _run_external(name: str, args: argparse.Namespace) -> int | None:
-    # STUB: the bodies of these sub-commands live in the modules named in EXTERNAL (other engineers' work).
+    # The bodies of these sub-commands live in the modules named in EXTERNAL.
     module = _import_external(name)
     func: Callable[[argparse.Namespace], int | None] | None = getattr(module, EXTERNAL[name][1], None)
     if func is None:

@@ -48,7 +48,7 @@ def brute_force_best(latency: dict[int, float], tps: dict[int, float]) -> int:
 
 # ---- the pure choice ----------------------------------------------------------------------------------------------
 def test_pick_tree_size_cpu_like_model_prefers_a_small_tree() -> None:
-    # CPU-like: per-step overhead 40 ms, each node costs 1.9 ms more (issue 7: 45 ms at 1 node, 165 at 64).
+    # CPU-like: per-step overhead 40 ms, each node costs 1.9 ms more (45 ms at 1 node, 165 at 64).
     latency = {n: 0.040 + 0.0019 * n for n in SIZES}
     tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
     best = pick_tree_size(latency, tps)

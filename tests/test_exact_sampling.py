@@ -1,4 +1,4 @@
-"""The `exact` acceptance mode keeps the model's own sampling distribution (issue 13).
+"""The `exact` acceptance mode keeps the model's own sampling distribution.
 
 Two layers of evidence:
 

@@ -533,7 +533,7 @@ def test_cli_quant_choices_are_the_loaders() -> None:
     import argparse
 
     from medusa_chat.cli import add_model_options
-    from medusa_chat.model.loading import QUANTS
+    from medusa_chat.model.devices import QUANTS
 
     parser = argparse.ArgumentParser()
     add_model_options(parser)

@@ -96,7 +96,7 @@ def test_without_a_binary_an_installed_llama_cpp_python_is_the_peer(
 
 
 @pytest.mark.skipif(
-    not __import__("medusa_chat.bench.peer").peer.llama_cpp_installed(), reason="llama-cpp-python absent"
+    not __import__("medusa_chat.bench.peer").bench.peer.llama_cpp_installed(), reason="llama-cpp-python absent"
 )
 def test_llama_cpp_python_decodes_the_same_prompt_greedily() -> None:
     """Runs only where llama-cpp-python is installed (CI does not build it): the real library on the real

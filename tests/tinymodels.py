@@ -308,7 +308,7 @@ def write_heads(
 
 def heads_state(folder: Path) -> dict[str, torch.Tensor]:
     """The tensors a heads folder (or a Medusa-2 checkpoint) holds, as float32, with published head keys."""
-    from medusa_chat.model.loading import checkpoint_medusa_keys, find_heads_file, read_state_file
+    from medusa_chat.model.heads_files import checkpoint_medusa_keys, find_heads_file, read_state_file
 
     folder = Path(folder)
     if any((folder / f).is_file() for f in ("medusa_lm_head.pt", "medusa_lm_head.safetensors")):
@@ -565,11 +565,10 @@ def _distilled_hydra_heads(arch: str, num_heads: int = 4, draft_vocab: int = 384
     """Hydra heads trained by the real pipeline (train_heads, teacher forcing) on the same distilled data,
     warm-started from the Medusa heads; a draft vocabulary smaller than the vocabulary, so tokens outside it
     occur."""
+    from medusa_chat.training.positions import PositionData, hidden_states_for
     from medusa_chat.training.train_heads import (
-        PositionData,
         TrainSettings,
         draft_vocabulary,
-        hidden_states_for,
         new_heads,
         train_heads,
         warm_start_,

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 # conversation 3 and 4 were even (1.40x / 1.39x, 1.89x / 1.86x), no runs 1.27x / 1.83x.
 LOOKUP_RUN = 3
 
+
 @dataclass
 class StepResult:
     """One verification step after its host sync: what was accepted (host) and what the next step needs."""

@@ -28,8 +28,6 @@ from torch import nn
 from medusa_chat.machine import cpu_flags
 
 QK = 32
-SOURCES = ("qgemm.c", "decoder.c")
-HEADERS = ("simd.h",)
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
 # its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -60,15 +58,22 @@ def best_isa(flags: set[str] | None = None) -> str:
     return "avx2"
 
 
+def _sources() -> tuple[list[str], list[str]]:
+    """The C sources and headers in csrc/ (sorted): every one is compiled or included, and hashed."""
+    names = sorted(f.name for f in resources.files("medusa_chat.kernels.csrc").iterdir() if f.is_file())
+    return [n for n in names if n.endswith(".c")], [n for n in names if n.endswith(".h")]
+
+
 def _build(out: Path, flags: tuple[str, ...]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc/clang) found")
     with tempfile.TemporaryDirectory() as tmp:
         c_files = []
-        for name in HEADERS:
+        sources, headers = _sources()
+        for name in headers:
             (Path(tmp) / name).write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
-        for name in SOURCES:
+        for name in sources:
             c_file = Path(tmp) / name
             c_file.write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
             c_files.append(str(c_file))
@@ -101,7 +106,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
     h = hashlib.sha256(" ".join(flags).encode())
-    for name in (*SOURCES, *HEADERS):
+    for name in (n for group in _sources() for n in group):
+        h.update(name.encode())
         h.update(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_bytes())
     path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
     lib = None

@@ -1,7 +1,7 @@
 """The backbone step in C, for Llama-family models whose projections are GGUF blocks (the CPU default).
 
 `NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
-states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
+states [T, H]`, and runs all layers in one call into csrc/decoder.c (attention in csrc/attention.c): RMSNorms, the block GEMMs of qgemm.c,
 rotary, the KV write and attention. Python only looks up the embeddings and the rotary tables.
 
 Why: a step of SmolLM2-135M in 8-bit reads ~140 MB of weights (~13 ms on 2 cores); eager PyTorch added ~10 ms
@@ -222,7 +222,7 @@ class _Embed(ctypes.Structure):  # decoder.c Embed: an fp32 table, or Q8_0 block
 
 
 class NativeHydra:
-    """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/decoder.c, hydra_*), on the Q8_0
+    """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/hydra.c), on the Q8_0
     copy of the heads that `block_quantized_copy` makes: per tree depth 2 calls instead of ~20 PyTorch ops.
     Drafts only: the output never depends on them."""
 

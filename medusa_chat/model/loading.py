@@ -15,10 +15,8 @@ This module imports neither rich nor gradio (see docs/CONTRACTS.md).
 from __future__ import annotations
 
 import gc
-import pickle
 import warnings
-import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,19 +28,21 @@ from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNo
 from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
-from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
-from medusa_chat.model.registry import HEADS_FILES, ModelSpec, is_repo_id, resolve
+from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
+from medusa_chat.model.heads import MedusaHeads
+from medusa_chat.model.heads_files import (
+    check_heads_fit,
+    checkpoint_medusa_keys,
+    load_checkpoint_heads,
+    load_heads_file,
+)
+from medusa_chat.model.registry import ModelSpec, is_repo_id, resolve
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
 
 Progress = Callable[[str], None]
 
-QUANTS = ("auto", "nf4", "int8", "int4", "none")
-CPU_QUANTS = ("none", "int8", "int4")  # torch kernels, row-invariant (cpu_linears.py)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEVICES = ("auto", "cpu", "cuda")
 LARGE_MODEL_PARAMS = 5e9  # "7B and up": unusable on a CPU unless the user insists with --device cpu
-MEDUSA_PREFIX = "medusa_head."
 
 # bitsandbytes' CPU int8 path warns on every matmul that fp32 inputs are cast to fp16: known and harmless.
 warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
@@ -151,70 +151,6 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
 
 
 # ---- device, dtype, quantization --------------------------------------------------------------------------------
-def pick_device(device: str) -> torch.device:
-    if device not in DEVICES and not device.startswith("cuda:"):
-        raise DeviceError(f"unknown device {device!r} (use auto, cpu or cuda)")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(
-            f"--device {device} was asked for but no CUDA GPU is usable here (torch {torch.__version__}"
-            f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu (--quant nf4 "
-            "also works on CPU, slowly) or install a CUDA build of torch"
-        )
-    dev = torch.device(device)
-    return (
-        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
-    )
-
-
-def pick_quant(quant: str, device: torch.device) -> str:
-    """auto: NF4 on CUDA; on a CPU "auto" stays until the session measures the paths (numeric_path.py).
-    On a CPU int8 and int4 are torch's weight-only kernels; nf4 is bitsandbytes (slow on a CPU)."""
-    if quant not in QUANTS:
-        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8, int4 or none)")
-    if quant == "auto":
-        return "nf4" if device.type == "cuda" else "auto"
-    if device.type == "cpu" and quant in CPU_QUANTS:
-        return quant
-    if quant == "int4":
-        raise DeviceError("--quant int4 is the CPU's 4-bit path; on a GPU use --quant nf4")
-    if quant != "none":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as err:
-            raise DeviceError(
-                f"--quant {quant} needs bitsandbytes: `pip install bitsandbytes`, or use --quant none"
-            ) from err
-    return quant
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        # fp32 on a CPU: greedy Medusa output is then bit-identical to plain greedy decoding. bf16 is ~2x
-        # faster on CPUs with native bf16 but only identical up to bf16 rounding ties; it is one flag away
-        # (--dtype bfloat16) and load_model says so in its notes.
-        return torch.float32
-    if dtype not in DTYPES:
-        raise DeviceError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
-    return DTYPES[dtype]
-
-
-def quantization_config(quant: str, dtype: torch.dtype) -> Any:
-    if quant == "none":
-        return None
-    from transformers import BitsAndBytesConfig
-
-    if quant == "nf4":
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True,  # ~0.4 bit/param saved, no measurable quality cost
-        )
-    return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def estimate_params(config: dict[str, Any]) -> int:
@@ -254,136 +190,7 @@ def _local_or_fetch(location: str, want: str, progress: Progress | None) -> Path
     return path
 
 
-def find_heads_file(folder: Path) -> Path:
-    for name in HEADS_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    raise HeadsError(f"no Medusa heads in {folder}: expected {' or '.join(HEADS_FILES)}")
-
-
 # ---- reading heads ----------------------------------------------------------------------------------------------
-def read_state_file(path: Path, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """Tensors from a .safetensors or pickled .pt/.bin file; pickles are read with weights_only=True.
-
-    `keys`: only these (safetensors reads just those; a pickle is memory-mapped when possible).
-    Any unreadable file becomes a one-line HeadsError naming it.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        if path.suffix == ".safetensors":
-            out: dict[str, torch.Tensor] = {}
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys() if keys is None else keys:
-                    out[key] = f.get_tensor(key)
-            return out
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) pickle
-    except pickle.UnpicklingError as err:
-        raise HeadsError(
-            f"{path} holds objects other than tensors; it was not loaded (pickles are read with "
-            f"weights_only=True and never executed): {str(err).splitlines()[0]}"
-        ) from err
-    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise HeadsError(f"cannot read {path}: the file is truncated or corrupt ({first[:200]})") from err
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise HeadsError(f"{path} does not hold a state dict of tensors")
-    if keys is not None:
-        obj = {k: obj[k] for k in keys}
-    return obj
-
-
-def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
-    try:
-        return heads_from_state_dict(state)
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise HeadsError(f"{where} does not hold Medusa heads in a known layout: {err}") from err
-
-
-def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
-    """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
-    the Hub give a wrong `medusa_num_heads`)."""
-    path = find_heads_file(folder)
-    config = read_json(folder / "config.json")
-    heads = _build_heads(read_state_file(path), str(path))
-    if str(config.get("version")) == "2" and heads.own_lm_head:
-        raise HeadsError(
-            f"{path}: config.json says version 2 (shared lm_head) but the file has a projection per head"
-        )
-    return heads, path, config
-
-
-def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str, list[str]]:
-    """{checkpoint file: [medusa_head.* keys in it]} for a model folder; {} when it has none.
-
-    Sharded checkpoints answer from their index; single files from the safetensors header, or by loading the
-    pickle (memory-mapped, weights_only) when `open_pickles`.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    for index in (hub.SAFETENSORS_INDEX, hub.BIN_INDEX):
-        if (folder / index).is_file():
-            weight_map = read_json(folder / index).get("weight_map", {})
-            out: dict[str, list[str]] = {}
-            for key, fname in weight_map.items():
-                if key.startswith(MEDUSA_PREFIX):
-                    out.setdefault(fname, []).append(key)
-            return out
-    files = hub.weight_files(p.name for p in folder.iterdir())
-    out = {}
-    for fname in files:
-        path = folder / fname
-        if path.suffix == ".safetensors":
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    keys = [k for k in f.keys() if k.startswith(MEDUSA_PREFIX)]
-            except (SafetensorError, OSError) as err:
-                raise MedusaChatError(
-                    f"cannot read {path}: the file is truncated or corrupt ({err})"
-                ) from err
-        elif open_pickles:
-            keys = [k for k in read_state_file(path) if k.startswith(MEDUSA_PREFIX)]
-        else:
-            keys = []
-        if keys:
-            out[fname] = keys
-    return out
-
-
-def load_checkpoint_heads(folder: Path, keys_by_file: dict[str, list[str]]) -> tuple[MedusaHeads, Path]:
-    state: dict[str, torch.Tensor] = {}
-    for fname, keys in keys_by_file.items():
-        for key, tensor in read_state_file(folder / fname, keys).items():
-            state[key[len(MEDUSA_PREFIX) :]] = tensor
-    first = folder / sorted(keys_by_file)[0]
-    return _build_heads(state, f"the medusa_head.* weights of {folder}"), first
-
-
-def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, backbone: str) -> None:
-    cfg = config.get("text_config") or config
-    hidden, vocab = cfg.get("hidden_size"), cfg.get("vocab_size")
-    if hidden is not None and heads.hidden_size != int(hidden):
-        raise HeadsError(
-            f"Medusa heads in {where} have hidden size {heads.hidden_size} but the backbone {backbone} has "
-            f"{hidden}: they were trained for another model"
-        )
-    if heads.own_lm_head and vocab is not None and heads.vocab_size != int(vocab):
-        raise HeadsError(
-            f"Medusa heads in {where} project to a vocabulary of {heads.vocab_size} but the backbone {backbone} "
-            f"has {vocab}: they were trained for another model"
-        )
-    if isinstance(heads, HydraHeads) and vocab is not None and int(heads.draft_vocab.max()) >= int(vocab):
-        raise HeadsError(
-            f"Hydra heads in {where} draft token ids up to {int(heads.draft_vocab.max())} but the backbone "
-            f"{backbone} has a vocabulary of {vocab}: they were trained for another model"
-        )
 
 
 # ---- the backbone -----------------------------------------------------------------------------------------------
@@ -521,49 +328,13 @@ def load_model(
         _check_size(spec, spec.params_b * 1e9, device, dev)  # known size: refuse before any network access
 
     # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
-    if spec.kind == "embedded":
-        from medusa_chat.model.embedded import embedded_model_dir
-
-        backbone_loc = str(embedded_model_dir(progress=progress))
-    else:
-        backbone_loc = spec.backbone
-    cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
-    config = read_json(cfg_dir / "config.json")
-    if not config:
-        raise ModelNotFoundError(f"{backbone_loc} has no config.json")
-
-    if spec.custom and spec.heads is None and "model_type" not in config:
-        # `--model` named a heads repo/folder (config has base_model_name_or_path): load its base model.
-        base = config.get("base_model_name_or_path")
-        if not base:
-            raise ModelNotFoundError(
-                f"{backbone_loc} is neither a transformers model nor a Medusa heads repo"
-            )
-        say(f"{spec.name} holds Medusa heads for {base}; loading that backbone")
-        spec = replace(spec, backbone=str(base), heads=backbone_loc, kind="v1-heads")
-        backbone_loc = spec.backbone
-        cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
-        config = read_json(cfg_dir / "config.json")
+    spec, backbone_loc, config = _read_config(spec, say, progress)
 
     if spec.custom or not spec.params_b:
         _check_size(spec, estimate_params(config), device, dev)
 
     # 2. Separate heads: fetch and check them against the config before the backbone weights come.
-    heads_mod: MedusaHeads | None = None
-    heads_dir: Path | None = None
-    heads_path: Path | None = None
-    if spec.heads is not None:
-        if spec.kind == "embedded" and not spec.custom and not Path(spec.heads).is_dir():
-            raise HeadsError(
-                f"no Medusa heads for {spec.name} yet: {spec.heads} does not exist (it should hold config.json, "
-                "medusa_lm_head.safetensors and tree.json); train them with `medusa-chat train-heads` or pass "
-                "--heads ORG/NAME|PATH"
-            )
-        heads_dir = _local_or_fetch(spec.heads, "heads", progress)
-        heads_mod, heads_path, _ = load_heads_file(heads_dir)
-        check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
-        if spec.kind in ("v1-heads", "v2-heads"):
-            spec = replace(spec, kind="v1-heads" if heads_mod.own_lm_head else "v2-heads")
+    spec, heads_mod, heads_dir, heads_path = _separate_heads(spec, config, backbone_loc, progress)
 
     # 3. The backbone itself.
     model_dir = _local_or_fetch(backbone_loc, "model", progress)
@@ -597,40 +368,14 @@ def load_model(
     if problem is not None:  # refused here, not at the first reply
         raise MedusaChatError(f"{spec.name}: {problem}")
     if cpu_quant:
-        # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
-        # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
-        from medusa_chat.kernels.cpu_linears import gguf_blocks, prepare_cpu_linears
-
-        prebuilt = None
-        if q != "none" and spec.kind == "embedded":
-            from medusa_chat.model.embedded import gguf_path
-
-            gguf = gguf_path()
-            if gguf is not None:
-                prebuilt = gguf_blocks(gguf, backbone.config)
-                if q == "int8":  # 8-bit projections are quantized here; the Q8_0 lm_head is the file's
-                    prebuilt = {k: v for k, v in prebuilt.items() if v[0] == "q8_0"}
-                notes.append(f"{len(prebuilt)} quantized tensors of {gguf.name} used as stored")
-        summary = prepare_cpu_linears(backbone, q, prebuilt, progress=progress)
-        if summary["kept_float"]:
-            notes.append(f"kept in float (no row-invariant kernel): {', '.join(summary['kept_float'][:4])}")
+        _prepare_cpu_linears(backbone, q, spec, notes, progress)
     heads_source = "heads file"
     if heads_mod is None:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
         heads_source = "medusa-2 checkpoint"
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
 
-    lm_head = backbone.get_output_embeddings()
-    vocab = int(lm_head.out_features)
-    if heads_mod.own_lm_head and heads_mod.vocab_size != vocab:
-        raise HeadsError(
-            f"Medusa heads in {heads_path} project to {heads_mod.vocab_size} tokens but the backbone's lm_head "
-            f"has {vocab}"
-        )
-    heads_mod.vocab_size = vocab
-    # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
-    heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
-    heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
+    _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
     # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
     if dev.type == "cpu" and compute_dtype == torch.float32 and q in ("none", "") and cpu_native_bf16():
         notes.append(
@@ -639,27 +384,7 @@ def load_model(
         )
 
     # 4. Tokenizer, template, limits.
-    from transformers import AutoTokenizer
-
-    tok_dir = model_dir
-    base = config.get("base_model_name_or_path")
-    if (
-        not hub.select_files([p.name for p in model_dir.iterdir()], "tokenizer")
-        and isinstance(base, str)
-        and base
-    ):
-        # Some fine-tuned checkpoints (Medusa-2 ones among them) leave the tokenizer to their base model.
-        tok_dir = _local_or_fetch(base, "tokenizer", progress)
-        notes.append(f"tokenizer taken from the base model {base}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelNotFoundError(
-            f"cannot load the tokenizer in {tok_dir}: {str(err).splitlines()[0]}"
-        ) from err
-    if spec.chat_template == TOKENIZER and not getattr(tokenizer, "chat_template", None):
-        spec = replace(spec, chat_template=VICUNA_V11)
-        notes.append("the tokenizer has no chat template: using Vicuna v1.1")
+    spec, tokenizer = _load_tokenizer(spec, model_dir, config, notes, progress, trust_remote_code)
 
     try:
         tree = _default_tree(spec, heads_dir, heads_mod.num_heads, notes)
@@ -688,6 +413,130 @@ def load_model(
         model_dir=str(model_dir),
         notes=notes,
     )
+
+
+# ---- load_model's steps ---------------------------------------------------------------------------------------
+def _read_config(spec: ModelSpec, say: Progress, progress: Progress | None) -> tuple[ModelSpec, str, dict[str, Any]]:
+    """The backbone's location and config.json; a `--model` that names a heads repo leads to its base model."""
+    if spec.kind == "embedded":
+        from medusa_chat.model.embedded import embedded_model_dir
+
+        backbone_loc = str(embedded_model_dir(progress=progress))
+    else:
+        backbone_loc = spec.backbone
+    cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
+    config = read_json(cfg_dir / "config.json")
+    if not config:
+        raise ModelNotFoundError(f"{backbone_loc} has no config.json")
+
+    if spec.custom and spec.heads is None and "model_type" not in config:
+        # `--model` named a heads repo/folder (config has base_model_name_or_path): load its base model.
+        base = config.get("base_model_name_or_path")
+        if not base:
+            raise ModelNotFoundError(
+                f"{backbone_loc} is neither a transformers model nor a Medusa heads repo"
+            )
+        say(f"{spec.name} holds Medusa heads for {base}; loading that backbone")
+        spec = replace(spec, backbone=str(base), heads=backbone_loc, kind="v1-heads")
+        backbone_loc = spec.backbone
+        cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
+        config = read_json(cfg_dir / "config.json")
+    return spec, backbone_loc, config
+
+
+def _separate_heads(
+    spec: ModelSpec, config: dict[str, Any], backbone_loc: str, progress: Progress | None
+) -> tuple[ModelSpec, MedusaHeads | None, Path | None, Path | None]:
+    """Heads given apart from the backbone (a heads repo or folder), fetched and checked against the config."""
+    heads_mod: MedusaHeads | None = None
+    heads_dir: Path | None = None
+    heads_path: Path | None = None
+    if spec.heads is not None:
+        if spec.kind == "embedded" and not spec.custom and not Path(spec.heads).is_dir():
+            raise HeadsError(
+                f"no Medusa heads for {spec.name} yet: {spec.heads} does not exist (it should hold config.json, "
+                "medusa_lm_head.safetensors and tree.json); train them with `medusa-chat train-heads` or pass "
+                "--heads ORG/NAME|PATH"
+            )
+        heads_dir = _local_or_fetch(spec.heads, "heads", progress)
+        heads_mod, heads_path, _ = load_heads_file(heads_dir)
+        check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
+        if spec.kind in ("v1-heads", "v2-heads"):
+            spec = replace(spec, kind="v1-heads" if heads_mod.own_lm_head else "v2-heads")
+    return spec, heads_mod, heads_dir, heads_path
+
+
+def _prepare_cpu_linears(
+    backbone: Any, q: str, spec: ModelSpec, notes: list[str], progress: Progress | None
+) -> None:
+    """Row-invariant projections (exact tree decoding) on a CPU; the embedded model's blocks as stored."""
+    # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
+    # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
+    from medusa_chat.kernels.cpu_linears import gguf_blocks, prepare_cpu_linears
+
+    prebuilt = None
+    if q != "none" and spec.kind == "embedded":
+        from medusa_chat.model.embedded import gguf_path
+
+        gguf = gguf_path()
+        if gguf is not None:
+            prebuilt = gguf_blocks(gguf, backbone.config)
+            if q == "int8":  # 8-bit projections are quantized here; the Q8_0 lm_head is the file's
+                prebuilt = {k: v for k, v in prebuilt.items() if v[0] == "q8_0"}
+            notes.append(f"{len(prebuilt)} quantized tensors of {gguf.name} used as stored")
+    summary = prepare_cpu_linears(backbone, q, prebuilt, progress=progress)
+    if summary["kept_float"]:
+        notes.append(f"kept in float (no row-invariant kernel): {', '.join(summary['kept_float'][:4])}")
+
+
+def _fit_heads(
+    heads_mod: MedusaHeads, heads_path: Path | None, backbone: Any, compute_dtype: torch.dtype, dev: torch.device
+) -> None:
+    """Check the heads' vocabulary against the backbone's lm_head, then move them to the device and dtype."""
+    lm_head = backbone.get_output_embeddings()
+    vocab = int(lm_head.out_features)
+    if heads_mod.own_lm_head and heads_mod.vocab_size != vocab:
+        raise HeadsError(
+            f"Medusa heads in {heads_path} project to {heads_mod.vocab_size} tokens but the backbone's lm_head "
+            f"has {vocab}"
+        )
+    heads_mod.vocab_size = vocab
+    # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
+    heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
+    heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
+
+
+def _load_tokenizer(
+    spec: ModelSpec,
+    model_dir: Path,
+    config: dict[str, Any],
+    notes: list[str],
+    progress: Progress | None,
+    trust_remote_code: bool,
+) -> tuple[ModelSpec, Any]:
+    """The tokenizer (the base model's where the checkpoint has none) and the chat template it implies."""
+    from transformers import AutoTokenizer
+
+    tok_dir = model_dir
+    base = config.get("base_model_name_or_path")
+    if (
+        not hub.select_files([p.name for p in model_dir.iterdir()], "tokenizer")
+        and isinstance(base, str)
+        and base
+    ):
+        # Some fine-tuned checkpoints (Medusa-2 ones among them) leave the tokenizer to their base model.
+        tok_dir = _local_or_fetch(base, "tokenizer", progress)
+        notes.append(f"tokenizer taken from the base model {base}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelNotFoundError(
+            f"cannot load the tokenizer in {tok_dir}: {str(err).splitlines()[0]}"
+        ) from err
+    if spec.chat_template == TOKENIZER and not getattr(tokenizer, "chat_template", None):
+        spec = replace(spec, chat_template=VICUNA_V11)
+        notes.append("the tokenizer has no chat template: using Vicuna v1.1")
+    return spec, tokenizer
 
 
 # ---- helpers for the command line and the UIs --------------------------------------------------------------------

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from medusa_chat.atomic import read_json
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 
 KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded")
@@ -168,10 +169,7 @@ def heads_folder_kind(folder: Path) -> str | None:
     """
     if not any((folder / f).is_file() for f in HEADS_FILES):
         return None
-    # The loader's JSON reader (one for the package; imported here, not at the top, because loading imports
-    # this module). A broken config is only a missing hint here: the loader reports it when it loads the heads.
-    from medusa_chat.atomic import read_json
-
+    # A broken config is only a missing hint here: the loader reports it when it loads the heads.
     try:
         version = str(read_json(folder / "config.json").get("version"))
     except MedusaChatError:

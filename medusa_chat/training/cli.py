@@ -21,22 +21,17 @@ from medusa_chat.errors import ModelNotFoundError, PromptError
 from medusa_chat.training.distill import (
     EMBEDDED_ALIASES,
     DistillSettings,
-    DistillStore,
     base_model_name,
     distill,
     eos_ids,
-    import_npz,
     load_for_training,
     make_logger,
     read_prompt_file,
 )
-from medusa_chat.training.train_heads import (
-    TrainSettings,
-    cache_hidden_states,
-    heldout_mask,
-    load_cache,
-    train_and_save,
-)
+from medusa_chat.training.pipeline import train_and_save
+from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.store import DistillStore, import_npz
+from medusa_chat.training.train_heads import TrainSettings
 
 
 class _Adder:
@@ -180,7 +175,7 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def train_main(args: argparse.Namespace) -> int:
-    from medusa_chat.model.loading import pick_device  # the app's device rule (and its errors)
+    from medusa_chat.model.devices import pick_device
 
     device = pick_device(args.device)
     if args.threads:
@@ -196,7 +191,7 @@ def train_main(args: argparse.Namespace) -> int:
         return 2
     init_from = None
     if args.init_from:
-        from medusa_chat.model.loading import load_heads_file
+        from medusa_chat.model.heads_files import load_heads_file
 
         init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
     if args.prompts:

@@ -176,85 +176,17 @@ def _tree_group(app: WebApp, c: SimpleNamespace) -> None:
 
 def _wire_events(app: WebApp, demo: gr.Blocks, c: SimpleNamespace) -> None:
     """Every component's events, to WebApp's handlers."""
-    (
-        edit_state,
-        chatbot,
-        error_box,
-        msg,
-        send_btn,
-        stop_btn,
-        regen_btn,
-        undo_btn,
-        edit_btn,
-        cancel_edit_btn,
-        clear_btn,
-        model_panel,
-        baseline_btn,
-        retry_btn,
-        meter,
-        system,
-        temperature,
-        accept,
-        mode,
-        max_new,
-        top_p,
-        epsilon,
-        delta,
-        seed,
-        lookup,
-        tree_name,
-        tree_size,
-        tree_btn,
-        conv_list,
-        refresh_btn,
-        load_btn,
-        delete_btn,
-        fmt,
-        export_btn,
-        export_file,
-        step,
-        tree_html,
-        timer,
-    ) = (
-        c.edit_state,
-        c.chatbot,
-        c.error_box,
-        c.msg,
-        c.send_btn,
-        c.stop_btn,
-        c.regen_btn,
-        c.undo_btn,
-        c.edit_btn,
-        c.cancel_edit_btn,
-        c.clear_btn,
-        c.model_panel,
-        c.baseline_btn,
-        c.retry_btn,
-        c.meter,
-        c.system,
-        c.temperature,
-        c.accept,
-        c.mode,
-        c.max_new,
-        c.top_p,
-        c.epsilon,
-        c.delta,
-        c.seed,
-        c.lookup,
-        c.tree_name,
-        c.tree_size,
-        c.tree_btn,
-        c.conv_list,
-        c.refresh_btn,
-        c.load_btn,
-        c.delete_btn,
-        c.fmt,
-        c.export_btn,
-        c.export_file,
-        c.step,
-        c.tree_html,
-        c.timer,
-    )
+    _wire_reply_events(app, c)
+    _wire_setting_events(app, c)
+    _wire_panel_events(app, demo, c)
+
+
+def _wire_reply_events(app: WebApp, c: SimpleNamespace) -> None:
+    """Sending, stopping and changing replies."""
+    edit_state, chatbot, error_box, msg, send_btn = c.edit_state, c.chatbot, c.error_box, c.msg, c.send_btn
+    stop_btn, regen_btn, undo_btn, edit_btn, cancel_edit_btn = c.stop_btn, c.regen_btn, c.undo_btn, c.edit_btn, c.cancel_edit_btn
+    clear_btn, meter, system, conv_list, step = c.clear_btn, c.meter, c.system, c.conv_list, c.step
+    tree_html = c.tree_html
     stream_outs = [chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
                    cancel_edit_btn]  # fmt: skip
     reply_kw: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden"}
@@ -294,6 +226,12 @@ def _wire_events(app: WebApp, demo: gr.Blocks, c: SimpleNamespace) -> None:
     system.submit(app.set_system, system, error_box, api_name="set_system")
     system.blur(app.set_system, system, error_box, api_visibility="private")
 
+
+def _wire_setting_events(app: WebApp, c: SimpleNamespace) -> None:
+    """The reply settings and the tree."""
+    error_box, model_panel, temperature, accept, mode = c.error_box, c.model_panel, c.temperature, c.accept, c.mode
+    max_new, top_p, epsilon, delta, seed = c.max_new, c.top_p, c.epsilon, c.delta, c.seed
+    lookup, tree_name, tree_size, tree_btn = c.lookup, c.tree_name, c.tree_size, c.tree_btn
     quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
     for evt in (temperature.input, temperature.change, accept.change):
         evt(render.mode_html, [temperature, accept], mode, api_visibility="private", **quiet)
@@ -325,6 +263,15 @@ def _wire_events(app: WebApp, demo: gr.Blocks, c: SimpleNamespace) -> None:
         app.set_tree, [tree_name, tree_size], [model_panel, error_box], api_visibility="private"
     )
 
+
+def _wire_panel_events(app: WebApp, demo: gr.Blocks, c: SimpleNamespace) -> None:
+    """Saved conversations, the step slider, the model panel and the page load."""
+    chatbot, error_box, model_panel, baseline_btn, retry_btn = c.chatbot, c.error_box, c.model_panel, c.baseline_btn, c.retry_btn
+    meter, system, conv_list, refresh_btn, load_btn = c.meter, c.system, c.conv_list, c.refresh_btn, c.load_btn
+    delete_btn, fmt, export_btn, export_file, step = c.delete_btn, c.fmt, c.export_btn, c.export_file, c.step
+    tree_html, timer = c.tree_html, c.timer
+    quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
+    change_outs = [chatbot, meter, tree_html, step, error_box, conv_list]
     refresh_btn.click(lambda: app.conv_dropdown(), None, conv_list, api_visibility="private")
     load_btn.click(
         app.load_conversation, conv_list, [*change_outs, system], api_visibility="private"

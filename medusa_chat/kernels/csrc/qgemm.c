@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "qgemm.h"
 
 #define QK 32
 #define GC 8    // output columns per 256-bit tile (one 8-lane vector)
