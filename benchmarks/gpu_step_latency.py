@@ -321,7 +321,7 @@ class _IdsTokenizer:
 
 @dataclass
 class _Loaded:
-    """The LoadedModel fields MedusaEngine reads (docs/CONTRACTS.md)."""
+    """The LoadedModel fields MedusaEngine reads (docs/ARCHITECTURE.md)."""
 
     backbone: nn.Module
     heads: MedusaHeads

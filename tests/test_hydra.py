@@ -1,4 +1,4 @@
-"""Hydra heads (heads.py, HydraDrafter in decoding.py): the format, the depth-by-depth drafter, and the engine
+"""Hydra heads (heads.py, HydraDrafter in engine/drafters.py): the format, the depth-by-depth drafter, and the engine
 with them -- greedy output must still be plain greedy decoding, token for token."""
 
 from __future__ import annotations

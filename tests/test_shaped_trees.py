@@ -1,4 +1,4 @@
-"""Trees shaped per step by the draft's confidence (decoding.confident_paths; decoder.c, hydra_draft_shaped) and
+"""Trees shaped per step by the draft's confidence (drafters.confident_paths; hydra.c, hydra_draft_shaped) and
 runs of context-lookup guesses (engine.LOOKUP_RUN): whatever shape a step's tree takes, greedy output must
 still be the plain loop's, token for token."""
 

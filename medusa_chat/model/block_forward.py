@@ -1,8 +1,8 @@
 """The backbone step in C, for Llama-family models whose projections are GGUF blocks (the CPU default).
 
 `NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
-states [T, H]`, and runs all layers in one call into csrc/decoder.c (attention in csrc/attention.c): RMSNorms, the block GEMMs of qgemm.c,
-rotary, the KV write and attention. Python only looks up the embeddings and the rotary tables.
+states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
+rotary, the KV write and attention (csrc/attention.c). Python only looks up the embeddings and the rotary tables.
 
 Why: a step of SmolLM2-135M in 8-bit reads ~140 MB of weights (~13 ms on 2 cores); eager PyTorch added ~10 ms
 of per-op dispatch around those reads and ~50 us per SDPA call, and exact tree attention needs one call per node
@@ -323,7 +323,7 @@ class NativeHydra:
         self, root: torch.Tensor, hidden: torch.Tensor, depth: int, k: int, size: int
     ) -> tuple[tuple[int, ...], torch.Tensor]:
         """A tree of `size` nodes shaped by the draft's confidence (decoder.c, hydra_draft_shaped; the rule is
-        decoding.confident_paths): (codes, tokens). codes: d * k + r of each chosen node, the rank-r token at
+        drafters.confident_paths): (codes, tokens). codes: d * k + r of each chosen node, the rank-r token at
         depth d below the draft's top-1 spine, in growth order; tokens [size]: the root, then those nodes' tokens
         (a fresh tensor). `bind_draft` first."""
         project, blin, vocab, emb, _ = self._proj  # type: ignore[misc]

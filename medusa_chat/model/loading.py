@@ -9,7 +9,7 @@ Head formats (MEDUSA_FACTS section 3), decided from the tensors, never by trying
 - v2: the same file name holding ResBlocks only (config `"version": "2"`); logits via the backbone's lm_head.
 - Medusa-2 full model: the backbone checkpoint itself carries `medusa_head.{h}...` keys.
 
-This module imports neither rich nor gradio (see docs/CONTRACTS.md).
+This module imports neither rich nor gradio (see docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
 
 @dataclass
 class LoadedModel:
-    """A backbone with its Medusa heads, ready for the decoding engine (see docs/CONTRACTS.md)."""
+    """A backbone with its Medusa heads, ready for the decoding engine (see docs/ARCHITECTURE.md)."""
 
     spec: ModelSpec
     backbone: Any  # transformers *ForCausalLM

@@ -1,9 +1,7 @@
-"""Which tree a reply uses, and why: the calibration cache and the one rule every entry point follows.
-
-The runtime half of calibration (calibrate.py is the measurement harness): the session, `ask`, `bench`, `serve`
-and `info` call `resolve_tree`, which takes --tree / --tree-size, else this machine's cached calibration, else
-(on a CPU) calibrates once now and caches it. Records are keyed by model + device + quantization + dtype and
-stamped with the heads file, so retrained heads or another numeric path are calibrated anew.
+"""Which tree a reply uses: the calibration cache (keyed by model + device + quantization + dtype, stamped with
+the heads file, so retrained heads or another numeric path are calibrated anew) and `choose_tree`, which takes
+--tree / --tree-size, else this machine's cached calibration, else the model's default tree. Every entry point
+goes through `calibrate.resolve_tree`, which adds: on a CPU without a cached calibration, calibrate once now.
 """
 
 from __future__ import annotations

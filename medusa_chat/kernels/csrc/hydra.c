@@ -79,7 +79,7 @@ static void top_k(const float *v, int n, int k, int *out) {
     }
 }
 
-// A whole Hydra draft (decoding.py, HydraDrafter.propose) in one call: the cell folds the root into the last
+// A whole Hydra draft (engine/drafters.py, HydraDrafter.propose) in one call: the cell folds the root into the last
 // accepted node's state, then depth by depth the ResBlocks of head d on the nodes that have children, the
 // draft-vocabulary projection (a Q4_1 block linear), top-k, the children's tokens and (except at the last depth)
 // the cell folding each child's token into its parent's state. Python paid ~12 small tensor ops per depth for
@@ -143,7 +143,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
     }
 }
 
-// A tree shaped by the draft's confidence (EAGLE-2's dynamic tree on the Hydra spine; decoding.py,
+// A tree shaped by the draft's confidence (EAGLE-2's dynamic tree on the Hydra spine; engine/drafters.py,
 // confident_paths, is the same rule in Python and documents it): the cell folds the root into the last accepted
 // node's state; per depth d < D the ResBlocks of head d, the draft-vocabulary projection, the top-K tokens and
 // their probabilities (softmax over the V draft-vocabulary logits), then the cell folds the top-1 token in for
