@@ -415,7 +415,7 @@ def _document(
         "accept_mode": methods.settings_for(1).accept_mode,
         "context_lookup": config.context_lookup,
         "top_p": config.top_p,
-        "baselines": [m for m in methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
+        "baselines": [m for m in methods.methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "load_average": [load_before, _load_average()],  # 1-minute load before/after: > cpu_count = contended
