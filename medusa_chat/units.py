@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 
-def human_bytes(n: float | None) -> str:
-    """A byte count in binary units: "512 B", "518.1 MiB" ("?" when unknown)."""
+def human_bytes(n: float | None, binary: bool = False) -> str:
+    """A byte count: decimal units ("512 B", "98.4 MB"), or with `binary` powers of 1024 ("518.1 MiB");
+    "?" when unknown."""
     if n is None:
         return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "KB", "MB", "GB", "TB"))
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+        n /= base
+    return f"{n:.1f} {units[-1]}"
 
 
 def human_count(n: float) -> str:

@@ -296,7 +296,7 @@ def format_info_value(key: str, value: object) -> str:
         return str(value)
     if isinstance(value, (int, float)):
         if any(w in k for w in ("memory", "bytes", "size_b")):
-            return human_bytes(float(value))
+            return human_bytes(float(value), binary=True)
         if "param" in k:
             return human_count(float(value))
         return f"{value:g}" if isinstance(value, float) else str(value)
@@ -322,10 +322,10 @@ def _memory_summary(memory: object) -> str:
     if not isinstance(memory, Mapping):
         return format_info_value("memory", memory)
     total = memory.get("total_bytes")
-    out = human_bytes(float(total)) if isinstance(total, (int, float)) else ""  # type: ignore[arg-type]
+    out = human_bytes(float(total), binary=True) if isinstance(total, (int, float)) else ""  # type: ignore[arg-type]
     cuda = memory.get("cuda_allocated_bytes")
     if isinstance(cuda, (int, float)) and cuda:
-        out += f" (GPU allocated {human_bytes(float(cuda))})"
+        out += f" (GPU allocated {human_bytes(float(cuda), binary=True)})"
     return out or format_info_value("memory", memory)
 
 
