@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.decoding import MedusaEngine
+from medusa_chat.engine.engine import MedusaEngine
 from medusa_chat.events import GenerationSettings
-from medusa_chat.loading import load_model
-from medusa_chat.training.distill import DistillStore, chat_prompt_ids, make_logger, sample_user_turns
-from medusa_chat.tree_choice import resolve_tree
+from medusa_chat.model.loading import load_model
+from medusa_chat.training.distill import chat_prompt_ids, make_logger, sample_user_turns
+from medusa_chat.training.store import DistillStore
+from medusa_chat.tuning.calibrate import resolve_tree
 
 
 def main() -> None:

@@ -21,18 +21,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.embedded import embedded_model_dir
-from medusa_chat.loading import load_heads_file
+from medusa_chat.model.embedded import embedded_model_dir
+from medusa_chat.model.heads_files import load_heads_file
 from medusa_chat.training.distill import make_logger
+from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length
-from medusa_chat.training.train_heads import (
-    PositionData,
-    TrainSettings,
-    evaluate_heads,
-    heldout_mask,
-    load_cache,
-    train_and_save,
-)
+from medusa_chat.training.pipeline import train_and_save
+from medusa_chat.training.positions import PositionData, heldout_mask, load_cache
+from medusa_chat.training.train_heads import TrainSettings
 
 
 def main() -> None:

@@ -52,11 +52,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from medusa_chat.calibrate import measure_step_latency  # noqa: E402
-from medusa_chat.decoding import MedusaEngine  # noqa: E402
+from medusa_chat.engine.engine import MedusaEngine  # noqa: E402
 from medusa_chat.events import GenerationSettings  # noqa: E402
-from medusa_chat.heads import MedusaHeads  # noqa: E402
+from medusa_chat.model.heads import MedusaHeads  # noqa: E402
 from medusa_chat.tree import Tree  # noqa: E402
+from medusa_chat.tuning.measure import measure_step_latency  # noqa: E402
 
 VICUNA7B_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)
 VICUNA7B_TOP5 = (0.78, 0.56, 0.42, 0.34, 0.30)
@@ -321,7 +321,7 @@ class _IdsTokenizer:
 
 @dataclass
 class _Loaded:
-    """The LoadedModel fields MedusaEngine reads (docs/CONTRACTS.md)."""
+    """The LoadedModel fields MedusaEngine reads (docs/ARCHITECTURE.md)."""
 
     backbone: nn.Module
     heads: MedusaHeads

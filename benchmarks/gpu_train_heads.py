@@ -47,22 +47,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from medusa_chat.atomic import atomic_write_json  # noqa: E402
-from medusa_chat.training.distill import (  # noqa: E402
-    DistillSettings,
-    DistillStore,
-    distill,
-    export_npz,
-    load_backbone,
-    make_logger,
-)
-from medusa_chat.training.train_heads import (  # noqa: E402
-    TrainSettings,
-    cache_hidden_states,
-    heads_file_bytes,
-    heldout_mask,
-    load_cache,
-    train_and_save,
-)
+from medusa_chat.training.distill import DistillSettings, distill, load_for_training, make_logger  # noqa: E402
+from medusa_chat.training.pipeline import train_and_save  # noqa: E402
+from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache  # noqa: E402
+from medusa_chat.training.store import DistillStore, export_npz  # noqa: E402
+from medusa_chat.training.train_heads import TrainSettings, heads_file_bytes  # noqa: E402
 
 HF_SMALL_FILES = (
     "config.json",
@@ -135,7 +124,9 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
 
     t = time.time()
     if hf_files is None:
-        from medusa_chat.embedded import _convert  # converts config, tokenizer and weights from the GGUF
+        from medusa_chat.model.embedded import (
+            _convert,  # converts config, tokenizer and weights from the GGUF
+        )
 
         _convert(path, out)
     else:
@@ -196,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- model ----------------------------------------------------------------------------------------
     model_dir = prepare_model(args.model, work, args.hf_files, log)
-    model, tok = load_backbone(model_dir, device)
+    model, tok = load_for_training(model_dir, device)
     if args.expect_hashes:
         want = json.loads(Path(args.expect_hashes).read_text())
         got = tensor_hashes({k: v for k, v in model.state_dict().items() if k in want})

@@ -18,10 +18,10 @@ import json
 import statistics
 from pathlib import Path
 
-from medusa_chat.decoding import MedusaEngine, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.loading import load_model
-from medusa_chat.tree_choice import resolve_tree
+from medusa_chat.model.loading import load_model
+from medusa_chat.tuning.calibrate import resolve_tree
 
 QUESTIONS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 

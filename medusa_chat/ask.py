@@ -9,8 +9,10 @@ import argparse
 import json
 import sys
 
-from medusa_chat.bench import _progress, add_accept_arg, describe, load_from_args
-from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.bench.cli import load_from_args, progress_printer
+from medusa_chat.bench.runs import describe
+from medusa_chat.cliargs import add_accept_arg, settings_from_args
+from medusa_chat.events import ReplySummary, StepEvent
 
 
 def add_ask_args(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,8 @@ def add_ask_args(parser: argparse.ArgumentParser) -> None:
 def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.decoding import MedusaEngine
-    from medusa_chat.tree_choice import resolve_tree
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.tuning.calibrate import resolve_tree
 
     err = Console(stderr=True)
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
@@ -49,17 +51,10 @@ def ask_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        accept=getattr(args, "accept", "typical"),
-    )
-    settings.validate()  # before the (slow) load: a bad option fails at once
+    settings = settings_from_args(args)  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
     tree, source = resolve_tree(
-        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), _progress(err, args.json)
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, args.json)
     )
     engine = MedusaEngine(loaded, tree)
     source += engine.tree_note

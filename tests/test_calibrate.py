@@ -15,21 +15,24 @@ from typing import Any
 import pytest
 import torch
 
-from medusa_chat import calibrate as cal
-from medusa_chat.calibrate import (
+from medusa_chat.engine.engine import MedusaEngine
+from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.tree import Tree
+from medusa_chat.tuning import calibrate as cal
+from medusa_chat.tuning import tree_choice
+from medusa_chat.tuning.calibrate import pick_tree_size
+from medusa_chat.tuning.measure import (
     accepted_per_size,
+    measure_step_latency,
+    measure_tokens_per_step,
+    tokens_per_step_from_tree_json,
+)
+from medusa_chat.tuning.tree_choice import (
     choose_tree,
     describe_calibration,
     load_calibration,
-    measure_step_latency,
-    measure_tokens_per_step,
-    pick_tree_size,
     save_calibration,
-    tokens_per_step_from_tree_json,
 )
-from medusa_chat.decoding import MedusaEngine
-from medusa_chat.events import GenerationSettings, StepEvent
-from medusa_chat.tree import Tree
 
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 
@@ -45,7 +48,7 @@ def brute_force_best(latency: dict[int, float], tps: dict[int, float]) -> int:
 
 # ---- the pure choice ----------------------------------------------------------------------------------------------
 def test_pick_tree_size_cpu_like_model_prefers_a_small_tree() -> None:
-    # CPU-like: per-step overhead 40 ms, each node costs 1.9 ms more (issue 7: 45 ms at 1 node, 165 at 64).
+    # CPU-like: per-step overhead 40 ms, each node costs 1.9 ms more (45 ms at 1 node, 165 at 64).
     latency = {n: 0.040 + 0.0019 * n for n in SIZES}
     tps = {n: synthetic_tokens_per_step(n) for n in SIZES}
     best = pick_tree_size(latency, tps)
@@ -162,7 +165,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_calibration_cache_round_trip(cache_dir: Path) -> None:
     record = {
-        "version": cal.CALIBRATION_VERSION,
+        "version": tree_choice.CALIBRATION_VERSION,
         "model": "m",
         "tree": "t",
         "tree_size": 16,
@@ -190,10 +193,10 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     base = loaded.default_tree
     tree, source = choose_tree(loaded)
     assert (tree.size, source) == (base.size, "default")
-    name, device, quant, dtype = cal.model_identity(loaded)
+    name, device, quant, dtype = tree_choice.model_identity(loaded)
     size = min(4, base.size)
     save_calibration(
-        {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4},
+        {"version": tree_choice.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4},
         name,
         device,
         quant,
@@ -204,7 +207,7 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     assert loaded.graph_step is None  # a CPU record says nothing about CUDA graphs
     # A GPU record that timed CUDA-graph steps slower than eager ones turns them off for engines on this model
     save_calibration(
-        {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "graph_step": False},
+        {"version": tree_choice.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "graph_step": False},
         name,
         device,
         quant,
@@ -215,7 +218,7 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     # A calibration made with other heads (retrained: another file stamp) does not apply.
     save_calibration(
         {
-            "version": cal.CALIBRATION_VERSION,
+            "version": tree_choice.CALIBRATION_VERSION,
             "tree": base.name,
             "tree_size": size,
             "heads_stamp": "other:1:2",
@@ -241,14 +244,14 @@ def test_info_reports_the_tree_and_path_chat_uses(
     """`medusa-chat info` and a chat session decide the tree in the same place (calibrate.choose_tree): with
     a cached calibration both use its size, and info names the same numeric path and forward."""
     from medusa_chat import cli
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
     loaded = make_loaded_model()
     base = loaded.default_tree
     size = min(4, base.size - 1)
-    record = {"version": cal.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4}
-    save_calibration(record, *cal.model_identity(loaded))
+    record = {"version": tree_choice.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "speedup_est": 1.4}
+    save_calibration(record, *tree_choice.model_identity(loaded))
     argv = ["info", "--model", loaded.model_dir, "--heads", str(loaded.spec.heads), "--device", "cpu"]
     assert cli.main([*argv, "--quant", loaded.quant, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

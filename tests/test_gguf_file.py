@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from medusa_chat.gguf_file import dequantize, read_tensors
+from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 
 
 def test_reader_skips_every_metadata_kind_and_finds_the_tensors(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_reader_matches_the_gguf_package_on_the_embedded_model() -> None:
     from gguf import GGUFReader
     from gguf import dequantize as gguf_dequantize
 
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     path = gguf_path()
     if path is None:

@@ -1,4 +1,4 @@
-"""The GPU step as a CUDA graph (medusa_chat/graph_step.py): what can be checked without a GPU, is, here.
+"""The GPU step as a CUDA graph (medusa_chat/model/graph_step.py): what can be checked without a GPU, is, here.
 
 The graph records a static-shape body (whole-window KV buffer, device-side start slot, in-graph positions, cache
 slots and tree mask). That body runs eagerly on a CPU (`capture=False`) and must give what the engine gives
@@ -14,10 +14,11 @@ import copy
 import pytest
 import torch
 
-from medusa_chat import decoding
-from medusa_chat.decoding import MedusaEngine, plain_tree, wants_graphs
+from medusa_chat.engine import graphs
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.engine.graphs import wants_graphs
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.graph_step import MIN_BUCKET, bucket_for
+from medusa_chat.model.graph_step import MIN_BUCKET, bucket_for
 from medusa_chat.tree import Tree
 from tests.tinymodels import moved, tiny_loaded
 
@@ -35,7 +36,7 @@ def _reply(engine: MedusaEngine, prompt: list[int], **settings) -> list[int]:
 
 def _graph_engine(loaded, tree: Tree) -> MedusaEngine:
     engine = MedusaEngine(loaded, tree)
-    engine._graph = engine._new_graph(capture=False)
+    engine.use_graphs(capture=False)
     return engine
 
 
@@ -75,11 +76,11 @@ def test_a_growing_reply_records_one_graph_per_bucket(loaded64) -> None:
     prompt = _prompts(1, MIN_BUCKET - 40)[0]
     reply = _reply(engine, prompt, max_new_tokens=120)  # crosses from the 256 bucket into 512
     assert len(reply) == 120
-    assert engine._graph is not None
-    assert set(engine._graph._graphs) == {(tree.size, MIN_BUCKET), (tree.size, 2 * MIN_BUCKET)}
-    assert engine._graph.captures == 2
+    assert engine.graph is not None
+    assert set(engine.graph._graphs) == {(tree.size, MIN_BUCKET), (tree.size, 2 * MIN_BUCKET)}
+    assert engine.graph.captures == 2
     assert _reply(engine, prompt, max_new_tokens=120) == reply  # the second reply reuses both
-    assert engine._graph.captures == 2
+    assert engine.graph.captures == 2
 
 
 def test_buckets_are_powers_of_two_within_the_cache() -> None:
@@ -91,12 +92,12 @@ def test_buckets_are_powers_of_two_within_the_cache() -> None:
 
 
 def test_a_conversation_past_the_graphs_cache_goes_on_eagerly(loaded64, monkeypatch) -> None:
-    monkeypatch.setattr(decoding, "GRAPH_CACHE_LIMIT", 300)
+    monkeypatch.setattr(graphs, "GRAPH_CACHE_LIMIT", 300)
     tree = Tree.chain(3)
     engine, plain = _graph_engine(loaded64, tree), MedusaEngine(loaded64, plain_tree())
     prompt = _prompts(1, 260, seed=2)[0]
     assert _reply(engine, prompt, max_new_tokens=80) == _reply(plain, prompt, max_new_tokens=80)
-    assert engine._graph is None and "outgrew" in engine.graph_note
+    assert engine.graph is None and "outgrew" in engine.graph_note
 
 
 def test_graphs_are_wanted_for_a_lean_forward_unless_turned_off(loaded64, monkeypatch) -> None:
@@ -109,7 +110,7 @@ def test_graphs_are_wanted_for_a_lean_forward_unless_turned_off(loaded64, monkey
     measured_slower.graph_step = False
     assert not wants_graphs(measured_slower, runner)
     # a CPU engine never records graphs (its default is the native C step)
-    assert MedusaEngine(loaded64, plain_tree())._graph is None
+    assert MedusaEngine(loaded64, plain_tree()).graph is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""Hydra heads (heads.py, HydraDrafter in decoding.py): the format, the depth-by-depth drafter, and the engine
+"""Hydra heads (heads.py, HydraDrafter in engine/drafters.py): the format, the depth-by-depth drafter, and the engine
 with them -- greedy output must still be plain greedy decoding, token for token."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.decoding import HydraDrafter, MedusaEngine, plain_tree
+from medusa_chat.engine.engine import HydraDrafter, MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.heads import HydraHeads, MedusaHeads, heads_from_state_dict
-from medusa_chat.loading import load_heads_file
-from medusa_chat.training.train_heads import HEADS_FILE, save_heads, warm_start_
+from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.heads_files import load_heads_file
+from medusa_chat.training.pipeline import HEADS_FILE, save_heads
+from medusa_chat.training.train_heads import warm_start_
 from medusa_chat.tree import Tree, tree_levels
 from tests.test_decoding import assert_lossless, run
 from tests.tinymodels import block_loaded, tiny_loaded, training_prompts
@@ -127,7 +128,7 @@ def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> Non
     """With an int8/int4 backbone on the block kernel, the drafter runs a Q8_0 copy of the heads' linears (the
     loaded heads are untouched), its cell and ResBlocks in C; each node still comes from its own path, and
     greedy output is still exactly the plain loop's."""
-    from medusa_chat.cpu_linears import BlockLinearWithBias
+    from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 
     loaded = block_loaded("int8")
     heads = loaded.heads
@@ -223,7 +224,7 @@ def test_typical_acceptance_with_hydra_heads_is_seeded_and_stops() -> None:
 
 
 def test_hydra_heads_for_a_larger_vocabulary_are_refused() -> None:
-    from medusa_chat.loading import check_heads_fit
+    from medusa_chat.model.heads_files import check_heads_fit
 
     heads = HydraHeads(32, 0, 2, 1, torch.tensor([3, 900]))
     check_heads_fit(heads, {"hidden_size": 32, "vocab_size": 1000}, "x", "tiny")

@@ -1,4 +1,4 @@
-"""The lean Llama-family forward (medusa_chat/lean_forward.py) is bitwise the transformers forward.
+"""The lean Llama-family forward (medusa_chat/model/lean_forward.py) is bitwise the transformers forward.
 
 Compared the way the engine calls them: a prefill with the causal mask, then one-token steps; hidden states and
 the KV cache must be equal bit for bit, in fp32, NF4 (bitsandbytes on CPU) and bf16. (Tree steps are not
@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig
 
-from medusa_chat.decoding import BackboneRunner, MedusaEngine, TreeKVCache
-from medusa_chat.lean_forward import LeanForward, lean_forward_for
+from medusa_chat.engine.engine import MedusaEngine
+from medusa_chat.model.lean_forward import LeanForward, lean_forward_for
+from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from tests.tinymodels import VOCAB, moved, tiny_loaded
 
@@ -24,8 +25,7 @@ def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int =
     """Prefill, one tree step, commit 3 nodes, one single-token step: outputs and the cache's contents."""
     g = torch.Generator().manual_seed(7)
     vocab = engine.backbone.config.vocab_size
-    engine.cache = TreeKVCache(engine.backbone.config.num_hidden_layers, capacity=64)
-    engine._mask_prefix, engine._mask = 0, engine._mask[..., :0]
+    engine.fresh_cache(capacity=64)
     dev = engine.device
     prompt = torch.randint(3, vocab, (prompt_len,), generator=g).to(dev)
     tokens = torch.randint(3, vocab, (2,), generator=g).to(dev)
@@ -33,7 +33,7 @@ def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int =
     with torch.inference_mode():
         out.append(
             runner.forward(
-                prompt, torch.arange(prompt_len), engine._prefill_mask(0, prompt_len), engine.cache
+                prompt, torch.arange(prompt_len), engine.causal_mask(0, prompt_len), engine.cache
             )
         )
         for token in tokens:

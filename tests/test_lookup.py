@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from medusa_chat.decoding import MedusaEngine, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
-from medusa_chat.lookup import ContextLookup
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_chat.peer import LlamaBench, find_llama_bench, parse_llama_bench_json
+from medusa_chat.bench.peer import LlamaBench, find_llama_bench, parse_llama_bench_json
 
 REAL_OUTPUT = [
     {
@@ -77,8 +77,8 @@ def test_missing_binary_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_without_a_binary_an_installed_llama_cpp_python_is_the_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from medusa_chat import peer
-    from medusa_chat.registry import DEFAULT_MODEL, MODELS
+    from medusa_chat.bench import peer
+    from medusa_chat.model.registry import DEFAULT_MODEL, MODELS
 
     monkeypatch.setenv("MEDUSA_CHAT_LLAMA_BENCH", str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -96,13 +96,13 @@ def test_without_a_binary_an_installed_llama_cpp_python_is_the_peer(
 
 
 @pytest.mark.skipif(
-    not __import__("medusa_chat.peer").peer.llama_cpp_installed(), reason="llama-cpp-python absent"
+    not __import__("medusa_chat.bench.peer").bench.peer.llama_cpp_installed(), reason="llama-cpp-python absent"
 )
 def test_llama_cpp_python_decodes_the_same_prompt_greedily() -> None:
     """Runs only where llama-cpp-python is installed (CI does not build it): the real library on the real
     GGUF, the bench's own prompt, greedy."""
-    from medusa_chat.embedded import gguf_path
-    from medusa_chat.peer import LlamaCppPython
+    from medusa_chat.bench.peer import LlamaCppPython
+    from medusa_chat.model.embedded import gguf_path
 
     runner = LlamaCppPython(gguf_path(), threads=2, context=256)
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]

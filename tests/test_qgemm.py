@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medusa_chat import qgemm
-from medusa_chat.cpu_linears import quantize_q4_1
+from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.cpu_linears import quantize_q4_1
+from medusa_chat.machine import cpu_flags
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
 
@@ -57,7 +58,7 @@ def test_kernels_compute_their_definition_and_are_row_invariant(n: int, k: int) 
 def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The VNNI builds compute the same exact integer block sums as the AVX2 build, then the same float ops:
     a machine's choice of instructions must not change a single output bit (nor its layout assumptions)."""
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"]
     if "avx_vnni" in flags:
         isas.append("avxvnni")
@@ -118,7 +119,7 @@ def test_fused_projections_equal_the_separate_ones() -> None:
 
 @pytest.mark.slow
 def test_embedded_gguf_blocks_are_the_files_weights() -> None:
-    from medusa_chat.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
 
     gguf = gguf_path()
     if gguf is None:
@@ -126,7 +127,7 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from medusa_chat.cpu_linears import gguf_blocks, gguf_tensor_types
+    from medusa_chat.kernels.cpu_linears import gguf_blocks, gguf_tensor_types
 
     folder = embedded_model_dir()
     config = AutoConfig.from_pretrained(folder)
@@ -151,7 +152,7 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
 def test_embedded_conversion_equals_transformers_gguf_loader() -> None:
     """The float folder (our own dequantizer, gguf_file.py) holds bit for bit the weights transformers' own GGUF
     loader produces from the same file, under the same names (q/k rows in transformers' rotary order)."""
-    from medusa_chat.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
 
     gguf = gguf_path()
     if gguf is None:
@@ -173,9 +174,9 @@ def test_the_fused_argmax_is_greedy_tokens_of_the_outputs(monkeypatch: pytest.Mo
     outputs q8_0_gemm writes, on every instruction set: ties (duplicated weight rows: the first index), a row
     count that leaves padding columns in the last group (all outputs negative: the zero padding must never win),
     1 to 64 rows, a row of NaNs (torch.max's first NaN); more rows than it takes: None."""
-    from medusa_chat.acceptance import greedy_tokens
+    from medusa_chat.engine.acceptance import greedy_tokens
 
-    flags = qgemm._cpu_flags()
+    flags = cpu_flags()
     isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1000, 96, generator=g) * 0.05

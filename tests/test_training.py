@@ -9,38 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.heads import heads_from_state_dict
-from medusa_chat.loading import load_heads_file
+from medusa_chat.model.heads import heads_from_state_dict
+from medusa_chat.model.heads_files import load_heads_file
 from medusa_chat.training.distill import (
     TASK_OPENERS,
     DistillSettings,
-    DistillStore,
     chat_prompt_ids,
     distill,
-    export_npz,
     greedy_replies,
-    import_npz,
-    load_backbone,
+    load_for_training,
     read_prompt_file,
     sample_user_turns,
     user_prefix_ids,
 )
+from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, grow_tree, independent_gain
-from medusa_chat.training.train_heads import (
-    HEADS_FILE,
-    PositionData,
-    TrainSettings,
-    cache_hidden_states,
-    evaluate_heads,
-    head_logits,
-    head_losses,
-    heldout_mask,
-    load_cache,
-    new_heads,
-    round_heads_,
-    save_heads,
-    train_heads,
-)
+from medusa_chat.training.pipeline import HEADS_FILE, round_heads_, save_heads
+from medusa_chat.training.positions import PositionData, cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.store import DistillStore, export_npz, import_npz
+from medusa_chat.training.train_heads import TrainSettings, head_logits, head_losses, new_heads, train_heads
 from medusa_chat.tree import Tree
 
 CHATML = (
@@ -110,7 +97,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def backbone(tiny_dir: Path):
-    return load_backbone(tiny_dir, CPU)
+    return load_for_training(tiny_dir, CPU)
 
 
 PROMPTS = [
@@ -394,7 +381,8 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
 def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_path: Path) -> None:
     """Fine-tuning Hydra heads on a small new set keeps the warm start's draft vocabulary when asked (counted on
     more data); without it the vocabulary is counted from the new set; a wrong size is refused."""
-    from medusa_chat.training.train_heads import draft_vocabulary, train_and_save
+    from medusa_chat.training.pipeline import train_and_save
+    from medusa_chat.training.train_heads import draft_vocabulary
 
     _, data = distilled
     model, _ = backbone

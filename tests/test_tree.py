@@ -92,7 +92,7 @@ def test_host_greedy_walk_accepts_as_much_as_the_device_rule(seed: int) -> None:
     """greedy_path (host lists, the engine's small-tree greedy step) against best_path(greedy_node_ok(...)) (the
     device rule): random trees, tokens and argmaxes over a 3-token vocabulary, so siblings often share a token
     and many paths are accepted at once."""
-    from medusa_chat.acceptance import best_path, greedy_node_ok, greedy_path
+    from medusa_chat.engine.acceptance import best_path, greedy_node_ok, greedy_path
 
     g = torch.Generator().manual_seed(seed)
     for name in ("mc_sim_7b_63", "vicuna_7b_stage2", "chain-5"):
@@ -113,7 +113,7 @@ def test_host_greedy_walk_accepts_as_much_as_the_device_rule(seed: int) -> None:
 def test_greedy_tokens_is_argmax_including_ties(dtype: torch.dtype) -> None:
     """The engine's greedy token (`max(dim).indices`, faster on a CPU) is `argmax`'s: the first maximal index,
     on rows with many exact ties (values from a small set), on 1-D and 2-D logits."""
-    from medusa_chat.acceptance import greedy_tokens
+    from medusa_chat.engine.acceptance import greedy_tokens
 
     g = torch.Generator().manual_seed(0)
     for vocab in (7, 49152):

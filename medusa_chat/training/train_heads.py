@@ -10,7 +10,7 @@ Pipeline pieces (the CLI and benchmarks/gpu_train_heads.py both use them):
 3. `evaluate_heads`: held-out per-head top-1/top-5, rank-r accuracy (r < 10, what fit-tree needs), chain
    (conditional) accuracies, and the joint distribution of rank tuples so trees can be fitted to correlated hits.
 4. `save_heads`: the published Hub layout (`config.json` + `medusa_lm_head.safetensors`, published key names,
-   fp16), which `medusa_chat.heads.heads_from_state_dict` reloads bit-exactly.
+   fp16), which `medusa_chat.model.heads.heads_from_state_dict` reloads bit-exactly.
 
 Hydra heads (`--heads-format hydra`) train the same way with teacher forcing: head k also sees the true tokens
 x_{t+1} .. x_{t+1+k} (already in the cached targets), which is exactly what it sees on a tree path whose
@@ -28,155 +28,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
-from medusa_chat.heads import HydraHeads, MedusaHeads
-from medusa_chat.training.distill import DistillStore, Log, atomic_torch_save
-
-MAX_CACHED_HEADS = 8  # targets are cached for up to this many heads, so K can change without a new pass
-MAX_RANK = 10  # rank-r accuracies for r < MAX_RANK (published trees use ranks 0-9)
-JOINT_TOP = 2048  # rank-tuple prefixes kept in accuracy.json (enough to grow trees of that many nodes)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# cached hidden states
-# ---------------------------------------------------------------------------------------------------------
-@dataclass
-class PositionData:
-    """Training positions: hidden state [N, H] (fp16/bf16), targets [N, 1 + M] (col 0 = next token, col 1 + k
-    = head k's target, -1 = none), sample [N] (global prompt index, for the held-out split)."""
-
-    hidden: torch.Tensor
-    targets: torch.Tensor
-    sample: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.hidden.shape[0])
-
-    def subset(self, mask: torch.Tensor) -> PositionData:
-        return PositionData(self.hidden[mask], self.targets[mask], self.sample[mask])
-
-    def to(self, device: torch.device | str) -> PositionData:
-        return PositionData(self.hidden.to(device), self.targets.to(device), self.sample.to(device))
-
-    @classmethod
-    def cat(cls, parts: list[PositionData]) -> PositionData:
-        return cls(
-            torch.cat([p.hidden for p in parts]),
-            torch.cat([p.targets for p in parts]),
-            torch.cat([p.sample for p in parts]),
-        )
-
-
-def _targets_for(ids: torch.Tensor, reply_start: int, max_heads: int) -> torch.Tensor:
-    n = ids.shape[0]
-    pos = torch.arange(reply_start - 1, n - 1)
-    cols = []
-    for k in range(-1, max_heads):  # k = -1: the backbone's own next token (a check on the cache)
-        idx = pos + 2 + k
-        cols.append(torch.where(idx < n, ids[idx.clamp(max=n - 1)], torch.full_like(idx, -1)))
-    return torch.stack(cols, dim=1).to(torch.int32)
-
-
-@torch.inference_mode()
-def hidden_states_for(
-    model: Any,
-    samples: list[tuple[int, list[int], int]],
-    batch_tokens: int = 8192,
-    store_dtype: torch.dtype = torch.float16,
-    max_heads: int = MAX_CACHED_HEADS,
-) -> PositionData:
-    """Backbone last hidden states at the reply positions of `samples` ((prompt index, ids, reply_start))."""
-    device = next(model.parameters()).device
-    body = model.base_model  # LlamaModel etc.: returns last_hidden_state after the final norm
-    keep = [s for s in samples if len(s[1]) - s[2] >= 1 and s[2] >= 1]
-    keep.sort(key=lambda s: len(s[1]))
-    hid, tgt, smp = [], [], []
-    i = 0
-    while i < len(keep):
-        # Pack samples of similar length while batch x longest <= batch_tokens (right padding, causal mask).
-        j = i + 1
-        while j < len(keep) and (j + 1 - i) * len(keep[j][1]) <= batch_tokens:
-            j += 1
-        batch = keep[i:j]
-        width = len(batch[-1][1])
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for b, (_, x, _) in enumerate(batch):
-            ids[b, : len(x)] = torch.tensor(x)
-            mask[b, : len(x)] = 1
-        h = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        if store_dtype == torch.float16 and float(h.abs().amax()) > 6e4:
-            raise OverflowError("hidden states overflow fp16: cache them in bf16 (store_dtype)")
-        h = h.to(store_dtype).cpu()  # one device->host copy per batch
-        for b, (pidx, x, rs) in enumerate(batch):
-            hid.append(h[b, rs - 1 : len(x) - 1].clone())
-            tgt.append(_targets_for(torch.tensor(x), rs, max_heads))
-            smp.append(torch.full((len(x) - rs,), pidx, dtype=torch.int32))
-        i = j
-    if not hid:
-        width = model.config.hidden_size
-        return PositionData(
-            torch.zeros((0, width), dtype=store_dtype),
-            torch.zeros((0, max_heads + 1), dtype=torch.int32),
-            torch.zeros((0,), dtype=torch.int32),
-        )
-    return PositionData(torch.cat(hid), torch.cat(tgt), torch.cat(smp))
-
-
-def cache_hidden_states(
-    model: Any,
-    store: DistillStore,
-    cache_dir: Path,
-    batch_tokens: int = 8192,
-    log: Log = print,
-    deadline: float | None = None,
-) -> list[Path]:
-    """Compute and save the hidden-state cache for every data shard that has none yet (resumable)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    out = []
-    for info in store.shards:
-        path = cache_dir / info.name
-        if path.is_file():
-            out.append(path)
-            continue
-        if out and deadline is not None and time.time() > deadline:  # the first shard always runs
-            log("time budget: hidden-state cache left incomplete")
-            break
-        t = time.time()
-        d = store.load_shard(info)
-        samples = [
-            (info.first + i, ids, rs)
-            for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True))
-        ]
-        pd = hidden_states_for(model, samples, batch_tokens)
-        atomic_torch_save({"hidden": pd.hidden, "targets": pd.targets, "sample": pd.sample}, path)
-        dt = time.time() - t
-        total = sum(len(ids) for _, ids, _ in samples)
-        log(f"hidden {info.name}: {len(pd)} positions, {total / max(dt, 1e-9):.0f} tok/s (prompt+reply)")
-        out.append(path)
-    return out
-
-
-def load_cache(paths: list[Path]) -> PositionData:
-    if not paths:
-        raise ValueError("no hidden-state cache to load: generate data first")
-    parts = []
-    for p in paths:
-        d = torch.load(p, weights_only=True)
-        parts.append(PositionData(d["hidden"], d["targets"], d["sample"]))
-    return PositionData.cat(parts)
-
-
-def heldout_mask(sample: torch.Tensor, frac: float) -> torch.Tensor:
-    """Deterministic split by prompt (never by position: neighbouring positions share context)."""
-    h = (sample.to(torch.int64) * 2654435761 + 97) % (1 << 32)
-    return h < int(frac * (1 << 32))
+from medusa_chat.machine import cpu_native_bf16
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.training.positions import MAX_CACHED_HEADS, PositionData
+from medusa_chat.training.store import Log, atomic_torch_save
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,18 +59,10 @@ class TrainSettings:
     bf16: bool | None = None  # None: on for CUDA, and on CPUs with native bf16 matmul
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 matmul (avx512_bf16 / AMX): bf16 autocast is ~4x faster than fp32 there, slower elsewhere."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # noqa: BLE001 - absent on some builds: assume no
-        return False
-
-
 def use_bf16(settings: TrainSettings, device: torch.device) -> bool:
     if settings.bf16 is not None:
         return settings.bf16
-    return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+    return device.type == "cuda" or (device.type == "cpu" and cpu_native_bf16())
 
 
 def new_heads(
@@ -377,7 +229,7 @@ def train_heads(
     lm_weight = head_projection(heads, lm_weight.detach().to(device))
     if bf16 and not heads.own_lm_head:
         lm_weight = lm_weight.to(torch.bfloat16)  # cast the frozen projection once, not every step
-    vocab_index, embed = _hydra_inputs(heads, embed_weight, device, bf16)
+    vocab_index, embed = hydra_inputs(heads, embed_weight, device, bf16)
     n = len(train)
     if n == 0:
         raise ValueError("no training positions: generate data first")
@@ -546,154 +398,8 @@ def heldout_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# evaluation
-# ---------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate_heads(
-    heads: MedusaHeads,
-    lm_weight: torch.Tensor,
-    data: PositionData,
-    device: torch.device,
-    max_rank: int = MAX_RANK,
-    batch_size: int = 512,
-    joint_top: int = JOINT_TOP,
-    embed_weight: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    """Held-out accuracies in fp32 (as the heads will run on CPU).
-
-    Returns per-head top1/top5/loss, `rank_acc[k][r]` = P(rank-r guess of head k is right), the chain
-    conditionals P(head k top-1 right | heads < k top-1 right), the backbone agreement (argmax of lm_head on the
-    cached state = the greedy next token: checks the cache), and `joint`: P(the true tokens have ranks starting
-    with path) for the most likely rank-tuple prefixes -- exactly the acceptance probability of that tree node
-    under greedy decoding, correlations included.
-    """
-    heads.eval().to(device)
-    w = lm_weight.detach().to(device).float()
-    proj = head_projection(heads, w)
-    vocab_index, embed = _hydra_inputs(heads, embed_weight, device, False)
-    k = heads.num_heads
-    ranks_all, valid_all, loss_sum, loss_cnt = [], [], torch.zeros(k), torch.zeros(k)
-    agree = agree_n = 0
-    for s in range(0, len(data), batch_size):
-        h = data.hidden[s : s + batch_size].to(device).float()
-        tg = data.targets[s : s + batch_size].to(device).long()
-        logits = head_logits(heads, h, proj, tg, embed)  # [K, B, V']
-        top = logits.topk(max_rank, dim=-1).indices  # [K, B, R]
-        t = head_targets(heads, tg, vocab_index).T  # [K, B]
-        hit = top == t.unsqueeze(-1)
-        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(t, max_rank))
-        valid = t != -1  # -2 (outside a Hydra draft vocabulary) is a target the heads always miss
-        ranks_all.append(rank.T.to(torch.int16).cpu())
-        valid_all.append(valid.T.cpu())
-        for i in range(k):
-            v = t[i] >= 0
-            if bool(v.any()):
-                loss_sum[i] += float(F.cross_entropy(logits[i][v], t[i][v], reduction="sum"))
-                loss_cnt[i] += int(v.sum())
-        base = F.linear(h, w).argmax(-1)
-        agree += int((base == tg[:, 0]).sum())
-        agree_n += h.shape[0]
-    if not ranks_all:
-        raise ValueError("no held-out positions to evaluate")
-    ranks = torch.cat(ranks_all).long()  # [N, K]
-    valid = torch.cat(valid_all)
-    rank_acc, top1, top5 = [], [], []
-    for i in range(k):
-        r = ranks[valid[:, i], i]
-        nv = max(1, r.numel())
-        rank_acc.append([round(float((r == j).sum()) / nv, 5) for j in range(max_rank)])
-        top1.append(round(float((r == 0).sum()) / nv, 4))
-        top5.append(round(float((r < 5).sum()) / nv, 4))
-    # Joint statistics over decoding steps: positions where head 0 has a target; a target past the end of the
-    # reply counts as a miss (decoding stops at EOS, nothing is accepted after it).
-    steps = ranks[valid[:, 0]].clone()
-    steps[~valid[valid[:, 0]]] = max_rank
-    chain = []
-    alive = torch.ones(steps.shape[0], dtype=torch.bool)
-    for i in range(k):
-        n_alive = int(alive.sum())
-        ok = alive & (steps[:, i] == 0)
-        chain.append(round(float(ok.sum()) / max(1, n_alive), 4))
-        alive = ok
-    return {
-        "positions": len(data),
-        "top1": top1,
-        "top5": top5,
-        "loss": [round(float(a / max(1, c)), 4) for a, c in zip(loss_sum, loss_cnt, strict=True)],
-        "rank_acc": rank_acc,
-        "chain_top1_conditional": chain,
-        "backbone_agreement": round(agree / max(1, agree_n), 5),
-        "joint": joint_path_probs(steps, max_rank, joint_top),
-    }
-
-
-def _hydra_inputs(
-    heads: MedusaHeads, embed_weight: torch.Tensor | None, device: torch.device, bf16: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(target -> draft-vocab index map, input embeddings on the device) for Hydra heads; (None, None) else."""
-    if not isinstance(heads, HydraHeads):
-        return None, None
-    if embed_weight is None:
-        raise ValueError("Hydra heads need the backbone's input embeddings (embed_weight=)")
-    embed = embed_weight.detach().to(device, torch.bfloat16 if bf16 else torch.float32)
-    return heads.vocab_index(embed.shape[0]).to(device), embed
-
-
-def joint_path_probs(steps: torch.Tensor, max_rank: int, top: int) -> dict[str, Any]:
-    """Frequencies of rank-tuple prefixes ([N, K] ranks, max_rank = miss); keep the `top` most frequent."""
-    n = steps.shape[0]
-    items: list[tuple[int, tuple[int, ...]]] = []
-    for d in range(1, steps.shape[1] + 1):
-        pre = steps[:, :d]
-        pre = pre[(pre < max_rank).all(1)]
-        if pre.shape[0] == 0:
-            break
-        uniq, counts = torch.unique(pre, dim=0, return_counts=True)
-        items += [
-            (int(c), tuple(int(x) for x in u)) for u, c in zip(uniq.tolist(), counts.tolist(), strict=True)
-        ]
-    # Most frequent first; ties by shorter path, then lexicographic (a parent always precedes its children).
-    items.sort(key=lambda it: (-it[0], len(it[1]), it[1]))
-    items = items[:top]
-    return {
-        "positions": n,
-        "max_rank": max_rank,
-        "paths": [list(p) for _, p in items],
-        "probs": [round(c / max(1, n), 6) for c, _ in items],
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------
 # saving
 # ---------------------------------------------------------------------------------------------------------
-HEADS_FILE = "medusa_lm_head.safetensors"
-
-
-def round_heads_(heads: MedusaHeads, dtype: torch.dtype = torch.float16) -> MedusaHeads:
-    """Round the weights to the file dtype in place, so what we evaluate is exactly what we ship."""
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(p.to(dtype).to(p.dtype))
-    return heads
-
-
-def save_heads(
-    heads: MedusaHeads, out_dir: Path, base_model: str, dtype: torch.dtype = torch.float16
-) -> dict[str, Any]:
-    """Write `config.json` + `medusa_lm_head.safetensors` (published keys, fp16) into `out_dir`."""
-    from safetensors.torch import save
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: v.detach().to("cpu", dtype if v.is_floating_point() else torch.int32).contiguous()
-        for k, v in heads.state_dict().items()
-    }
-    # Serialised in memory and written by the one atomic writer (a file readable like any other: the folder is
-    # meant to be shared, where safetensors' own save_file would leave it 0600).
-    atomic_write_bytes(out_dir / HEADS_FILE, save(tensors, metadata={"format": "pt"}))
-    cfg = heads.config_dict(base_model)
-    atomic_write_json(out_dir / "config.json", cfg)
-    return cfg
 
 
 def heads_file_bytes(settings: TrainSettings, hidden: int, vocab: int) -> int:
@@ -726,94 +432,15 @@ def warm_start_(heads: MedusaHeads, trained: MedusaHeads) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # one configuration end to end: train -> round -> evaluate -> save -> fit tree
 # ---------------------------------------------------------------------------------------------------------
-def train_and_save(
-    lm_head: nn.Module,
-    train: PositionData,
-    heldout: PositionData,
-    settings: TrainSettings,
-    out_dir: Path,
-    base_model: str,
-    device: torch.device,
-    checkpoint: Path | None = None,
-    resume: bool = False,
-    deadline: float | None = None,
-    tree_budget: int = 64,
-    log: Log = print,
-    extra_report: dict[str, Any] | None = None,
-    embed_weight: torch.Tensor | None = None,
-    init_from: MedusaHeads | None = None,
-    draft_vocab: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    """Train one head configuration and write the published folder + accuracy.json + tree.json.
 
-    Hydra heads need `embed_weight` (the backbone's input embeddings); `init_from` warm-starts from trained
-    heads of the same shape (Medusa v2 heads into Hydra: the ResBlocks are copied, the token cell starts at
-    zero, so training starts from exactly the Medusa heads' accuracy). `draft_vocab` keeps a given draft
-    vocabulary (e.g. the warm start's, counted on more data than a fine-tuning set) instead of counting one
-    from `train`."""
-    from medusa_chat.training.fit_tree import fit_tree, size_summary
 
-    weight = lm_head.weight.detach()
-    vocab, hidden = weight.shape
-    if settings.heads_format != "hydra":
-        draft_vocab = None
-    elif draft_vocab is None:
-        draft_vocab = draft_vocabulary(train, settings.draft_vocab_size, vocab)
-    elif len(draft_vocab) != settings.draft_vocab_size:
-        raise ValueError(
-            f"draft vocabulary of {len(draft_vocab)} tokens, settings say {settings.draft_vocab_size}"
-        )
-    heads = new_heads(settings, lm_head, hidden, vocab, draft_vocab)
-    if init_from is not None:
-        warm_start_(heads, init_from)
-    size_mb = heads_file_bytes(settings, hidden, vocab) / 1e6
-    log(
-        f"training {settings.num_heads} heads x {settings.num_layers} layer(s), {settings.heads_format} "
-        f"({size_mb:.2f} MB fp16) on {len(train)} positions, {settings.epochs} epochs, batch {settings.batch_size}"
-    )
-    result = train_heads(
-        heads,
-        weight,
-        train,
-        settings,
-        device,
-        checkpoint=checkpoint,
-        resume=resume,
-        heldout=heldout if len(heldout) else None,
-        deadline=deadline,
-        log=log,
-        embed_weight=embed_weight,
-    )
-    heads.cpu().float()
-    round_heads_(heads)  # evaluate exactly the fp16 weights that are shipped
-    cfg = save_heads(heads, out_dir, base_model)
-    report: dict[str, Any] = {
-        "heads": {
-            "format": settings.heads_format,
-            "num_heads": settings.num_heads,
-            "num_layers": settings.num_layers,
-            "file_mb": round(size_mb, 3),
-        },
-        "data": {"train_positions": len(train), "heldout_positions": len(heldout)},
-        "training": {**asdict(settings), **asdict(result), "seconds": round(result.seconds, 1)},
-        **(extra_report or {}),
-    }
-    if len(heldout):
-        t = time.time()
-        ev = evaluate_heads(heads.to(device), weight, heldout, device, embed_weight=embed_weight)
-        heads.cpu()
-        report["heldout"] = ev
-        tree = fit_tree(report, budget=tree_budget, name=f"{out_dir.name}-fitted")
-        atomic_write_json(out_dir / "tree.json", tree)
-        report["estimated_tokens_per_step"] = size_summary(tree)
-        report["estimated_tokens_per_step_chain"] = round(
-            1 + sum(math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(settings.num_heads)), 4
-        )
-        log(
-            f"held-out ({len(heldout)} positions, {time.time() - t:.0f}s): top1 {ev['top1']} top5 {ev['top5']} "
-            f"chain {ev['chain_top1_conditional']} backbone agreement {ev['backbone_agreement']}"
-        )
-        log(f"estimated tokens/step (greedy, fitted tree): {report['estimated_tokens_per_step']}")
-    atomic_write_json(out_dir / "accuracy.json", report)
-    report["config"] = cfg
-    return report
+def hydra_inputs(
+    heads: MedusaHeads, embed_weight: torch.Tensor | None, device: torch.device, bf16: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(target -> draft-vocab index map, input embeddings on the device) for Hydra heads; (None, None) else."""
+    if not isinstance(heads, HydraHeads):
+        return None, None
+    if embed_weight is None:
+        raise ValueError("Hydra heads need the backbone's input embeddings (embed_weight=)")
+    embed = embed_weight.detach().to(device, torch.bfloat16 if bf16 else torch.float32)
+    return heads.vocab_index(embed.shape[0]).to(device), embed

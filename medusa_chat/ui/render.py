@@ -12,11 +12,13 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from typing import Any
 
 from markdown_it import MarkdownIt
 
 from medusa_chat.events import ReplySummary, StepEvent
+from medusa_chat.units import human_bytes, human_count
 
 GREEDY_LABEL = "greedy: identical to plain decoding"
 TYPICAL_LABEL = "typical acceptance"
@@ -31,13 +33,6 @@ MODE_GUARANTEES = {
 # tokens produced by one step -> background colour of that step's text in the shaded reply
 STEP_SHADES = ["#e2e8f0", "#c7d2fe", "#a5b4fc", "#818cf8", "#6366f1", "#4f46e5"]
 PREFILL_SHADE = "#fde68a"
-
-_NODE_W = 112
-_NODE_H = 20
-_COL_GAP = 34
-_ROW_GAP = 4
-_PAD = 10
-_HEADER_H = 22
 
 
 def esc(text: object) -> str:
@@ -289,244 +284,7 @@ def meter_html(
     )
 
 
-# ---- the accepted tree ---------------------------------------------------------------------------------------
-def _layout(parents: Sequence[int], depths: Sequence[int], ranks: Sequence[int]) -> list[int]:
-    """Row of every node: columns by depth, nodes in depth-first order (children by rank), each node no
-    higher than its parent, packed downwards, so branches stay next to where they came from."""
-    n = len(parents)
-    children: dict[int, list[int]] = {i: [] for i in range(n)}
-    for i in range(1, n):
-        if 0 <= parents[i] < n:
-            children[parents[i]].append(i)
-    order: list[int] = []
-    stack = [0] if n else []
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        order.append(node)
-        stack.extend(sorted(children[node], key=lambda c: (ranks[c], c), reverse=True))
-    order += [i for i in range(n) if i not in seen]  # orphans (malformed input): still drawn
-    rows = [0] * n
-    next_free: dict[int, int] = {}
-    for node in order:
-        d = depths[node]
-        parent_row = rows[parents[node]] if 0 <= parents[node] < n and parents[node] in seen else 0
-        row = max(next_free.get(d, 0), parent_row)
-        rows[node] = row
-        next_free[d] = row + 1
-    return rows
-
-
-def tree_svg(event: StepEvent) -> str:
-    """The verified tree of one step: a column per depth (root, head 1, head 2, ...), one box per node with its
-    token text and rank, the accepted path highlighted and every rejected branch dimmed."""
-    tree = event.tree
-    if tree is None or not tree.tokens:
-        return ""
-    n = len(tree.tokens)
-    rows = _layout(tree.parents, tree.depths, tree.ranks)
-    accepted = set(event.accepted_nodes)
-    lookup = set(tree.lookup_nodes)
-    max_depth = max(tree.depths)
-    max_row = max(rows)
-    width = _PAD * 2 + (max_depth + 1) * _NODE_W + max_depth * _COL_GAP
-    height = _PAD * 2 + _HEADER_H + (max_row + 1) * (_NODE_H + _ROW_GAP)
-
-    def x_of(node: int) -> float:
-        return _PAD + tree.depths[node] * (_NODE_W + _COL_GAP)
-
-    def y_of(node: int) -> float:
-        return _PAD + _HEADER_H + rows[node] * (_NODE_H + _ROW_GAP)
-
-    out = [
-        f'<svg class="mc-tree" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" data-nodes="{n}" data-accepted="{len(accepted)}" '
-        f'aria-label="verified tree of step {event.step}">'
-    ]
-    for d in range(max_depth + 1):
-        label = "root" if d == 0 else f"head {d}"
-        out.append(
-            f'<text class="mc-col" x="{_PAD + d * (_NODE_W + _COL_GAP) + _NODE_W / 2:.1f}" y="{_PAD + 12}" '
-            f'text-anchor="middle">{label}</text>'
-        )
-    # edges first (under the boxes); the accepted ones last so they sit on top
-    edges_dim, edges_hot = [], []
-    for i in range(1, n):
-        p = tree.parents[i]
-        if not 0 <= p < n:
-            continue
-        x1, y1 = x_of(p) + _NODE_W, y_of(p) + _NODE_H / 2
-        x2, y2 = x_of(i), y_of(i) + _NODE_H / 2
-        mid = (x1 + x2) / 2
-        hot = i in accepted and p in accepted
-        path = (
-            f'<path class="mc-edge{" accepted" if hot else ""}" '
-            f'd="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"/>'
-        )
-        (edges_hot if hot else edges_dim).append(path)
-    out += edges_dim + edges_hot
-    for i in range(n):
-        is_acc = i in accepted
-        text = tree.texts[i] if i < len(tree.texts) else ""
-        rank = tree.ranks[i] if i < len(tree.ranks) else 0
-        x, y = x_of(i), y_of(i)
-        cls = "node accepted" if is_acc else ("node root" if i == 0 else "node rejected")
-        rank_label = "" if i == 0 else ("ctx" if i in lookup else f"#{rank}")
-        where = "root (the backbone's token)" if i == 0 else f"head {tree.depths[i]} guess, rank {rank}"
-        if i in lookup:  # the main chain took the context lookup's guess instead of the head's (lookup.py)
-            cls += " lookup"
-            where = "context lookup guess: what followed the same tokens earlier in the conversation"
-        title = f"{text!r} · token {tree.tokens[i]} · {where}" + (" · accepted" if is_acc else "")
-        out.append(
-            f'<g class="{cls}" data-node="{i}" data-depth="{tree.depths[i]}" data-rank="{rank}">'
-            f"<title>{esc(title)}</title>"
-            f'<rect x="{x:.1f}" y="{y:.1f}" width="{_NODE_W}" height="{_NODE_H}" rx="5"/>'
-            f'<text class="mc-tok" x="{x + 7:.1f}" y="{y + 14:.1f}">{esc(visible_token(text))}</text>'
-            f'<text class="mc-rank" x="{x + _NODE_W - 6:.1f}" y="{y + 14:.1f}" text-anchor="end">'
-            f"{esc(rank_label)}</text></g>"
-        )
-    out.append("</svg>")
-    return "".join(out)
-
-
-def _chip(text: str, cls: str, title: str = "") -> str:
-    t = f' title="{esc(title)}"' if title else ""
-    return f'<span class="mc-chip {cls}"{t}>{esc(visible_token(text, 24))}</span>'
-
-
-def _after_tokens(text: str, pieces: Sequence[str]) -> str:
-    """What is left of `text` after the token texts `pieces` (in order; the tokenizer may put spaces between
-    them when it decodes them together). "" when they cannot be found."""
-    pos = 0
-    for piece in pieces:
-        piece = piece.strip()
-        if not piece:
-            continue
-        found = text.find(piece, pos)
-        if found < 0:
-            return ""
-        pos = found + len(piece)
-    return text[pos:]
-
-
-def accepted_chain_html(event: StepEvent) -> str:
-    """The step's outcome as a line: root -> accepted guesses -> bonus token."""
-    tree = event.tree
-    if tree is None:
-        return ""
-    chips = []
-    for pos, node in enumerate(event.accepted_nodes):
-        text = tree.texts[node] if node < len(tree.texts) else ""
-        if pos == 0:
-            chips.append(_chip(text, "root", "root: the token chosen by the previous step"))
-        else:
-            source = (
-                "context lookup guess"
-                if node in tree.lookup_nodes
-                else f"head {tree.depths[node]} guess, rank {tree.ranks[node]}"
-            )
-            chips.append(_chip(text, "acc", f"{source}: accepted"))
-    # the step's last token is the bonus one, sampled from the backbone at the last accepted node
-    if len(event.token_ids) == len(event.accepted_nodes):
-        bonus_text = _after_tokens(
-            event.text, [tree.texts[n] for n in event.accepted_nodes[1:] if n < len(tree.texts)]
-        )
-        title = "bonus token: the backbone's own next token after the last accepted node"
-        if bonus_text:
-            chips.append(_chip(bonus_text, "bonus", title))
-        else:
-            chips.append(f'<span class="mc-chip bonus" title="{esc(title)}">+ bonus</span>')
-    return '<div class="mc-chain">' + '<span class="mc-arrow">→</span>'.join(chips) + "</div>"
-
-
-def step_header_html(event: StepEvent, total_steps: int | None = None) -> str:
-    of = f" of {total_steps}" if total_steps is not None else ""
-    if event.tree is None:
-        return (
-            f'<div class="mc-step-head"><b>Step {event.step}{of}</b> · prefill: the first token comes from the '
-            "backbone alone, no tree is verified.</div>"
-        )
-    n = len(event.tree.tokens)
-    return (
-        f'<div class="mc-step-head"><b>Step {event.step}{of}</b> · verified {n} tree nodes in '
-        f"{event.step_time_s * 1000:.0f} ms · accepted {event.accepted_length} guess"
-        f"{'es' if event.accepted_length != 1 else ''} → "
-        f"<b>{len(event.token_ids)} new token{'s' if len(event.token_ids) != 1 else ''}</b></div>"
-    )
-
-
-def shaded_reply_html(events: Sequence[StepEvent], selected_step: int | None = None) -> str:
-    """The reply with its text shaded by the step that produced it (darker = more tokens in one step)."""
-    if not events:
-        return '<div class="mc-reply mc-empty">The reply, shaded by decoding step, appears here.</div>'
-    spans = []
-    for e in events:
-        count = len(e.token_ids)
-        shade = PREFILL_SHADE if e.step == 0 else STEP_SHADES[min(max(count, 1), len(STEP_SHADES)) - 1]
-        fg = "#ffffff" if e.step > 0 and count >= 5 else "#0f172a"
-        sel = " selected" if selected_step is not None and e.step == selected_step else ""
-        what = "prefill (first token)" if e.step == 0 else f"{count} token{'s' if count != 1 else ''}"
-        spans.append(
-            f'<span class="mc-seg{sel}" data-step="{e.step}" data-tokens="{count}" '
-            f'style="background:{shade};color:{fg}" title="step {e.step}: {what}">{esc(e.text)}</span>'
-        )
-    legend = (
-        "".join(
-            f'<span class="mc-sw" style="background:{c};color:{"#fff" if i >= 4 else "#0f172a"}">'
-            f"{i + 1}{'+' if i == len(STEP_SHADES) - 1 else ''}</span>"
-            for i, c in enumerate(STEP_SHADES)
-        )
-        + "</div>"
-    )
-    return (
-        '<div class="mc-reply-box"><div class="mc-label">The reply, shaded by the step that produced it</div>'
-        f'<div class="mc-reply">{"".join(spans)}</div>'
-        f'<div class="mc-legend">tokens per step: <span class="mc-sw" style="background:{PREFILL_SHADE}">'
-        f"prefill</span>{legend}</div>"
-    )
-
-
-def tree_panel_html(
-    events: Sequence[StepEvent], step: int | None = None, *, live: bool = False, note: str = ""
-) -> str:
-    """The whole visualiser: header, accepted chain, tree SVG for the chosen (or latest) step, shaded reply."""
-    if not events:
-        msg = note or "Send a message: each decoding step's verified tree is drawn here."
-        return f'<div class="mc-tree-panel mc-empty">{esc(msg)}</div>'
-    by_step = {e.step: e for e in events}
-    chosen = by_step.get(step) if step is not None else None
-    if chosen is None:
-        chosen = events[-1]
-    total = max(by_step)
-    live_badge = '<span class="mc-live">live</span>' if live else ""
-    body = tree_svg(chosen)
-    return (
-        f'<div class="mc-tree-panel" data-step="{chosen.step}">'
-        f"{live_badge}{step_header_html(chosen, total)}{accepted_chain_html(chosen)}"
-        f'<div class="mc-tree-body"><div class="mc-tree-scroll">{body}</div>'
-        f"{shaded_reply_html(events, chosen.step)}</div></div>"
-    )
-
-
 # ---- model panel ---------------------------------------------------------------------------------------------
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _human_count(n: float) -> str:
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= div:
-            return f"{n / div:.1f}{suffix}"
-    return f"{n:.0f}"
-
-
 def format_info_value(key: str, value: object) -> str:
     """One model-info value as short plain text (not escaped)."""
     k = key.lower()
@@ -538,9 +296,9 @@ def format_info_value(key: str, value: object) -> str:
         return str(value)
     if isinstance(value, (int, float)):
         if any(w in k for w in ("memory", "bytes", "size_b")):
-            return _human_bytes(float(value))
+            return human_bytes(float(value), binary=True)
         if "param" in k:
-            return _human_count(float(value))
+            return human_count(float(value))
         return f"{value:g}" if isinstance(value, float) else str(value)
     return str(value)
 
@@ -556,7 +314,7 @@ def _heads_summary(heads: object) -> str:
     if heads.get("dtype"):
         bits.append(str(heads["dtype"]))
     if heads.get("params"):
-        bits.append(f"{_human_count(float(heads['params']))} params")  # type: ignore[arg-type]
+        bits.append(f"{human_count(float(heads['params']))} params")  # type: ignore[arg-type]
     return ", ".join(bits) or format_info_value("heads", heads)
 
 
@@ -564,10 +322,10 @@ def _memory_summary(memory: object) -> str:
     if not isinstance(memory, Mapping):
         return format_info_value("memory", memory)
     total = memory.get("total_bytes")
-    out = _human_bytes(float(total)) if isinstance(total, (int, float)) else ""  # type: ignore[arg-type]
+    out = human_bytes(float(total), binary=True) if isinstance(total, (int, float)) else ""  # type: ignore[arg-type]
     cuda = memory.get("cuda_allocated_bytes")
     if isinstance(cuda, (int, float)) and cuda:
-        out += f" (GPU allocated {_human_bytes(float(cuda))})"
+        out += f" (GPU allocated {human_bytes(float(cuda), binary=True)})"
     return out or format_info_value("memory", memory)
 
 
@@ -639,102 +397,5 @@ def error_html(message: str | None) -> str:
     return f'<div class="mc-error" role="alert"><b>Error:</b> {esc(message)}</div>'
 
 
-CSS = """
-#meter, #accepted-tree, #model-panel { min-height: 0; }
-.mc-meter { display: flex; flex-direction: column; gap: 8px; }
-.mc-stats { display: grid; grid-template-columns: repeat(3, minmax(0, 1fr)); gap: 6px; }
-.mc-stat { background: var(--block-background-fill); border: 1px solid var(--border-color-primary);
-  border-radius: 8px; padding: 6px 8px; }
-.mc-label { font-size: 11px; color: var(--body-text-color-subdued); text-transform: uppercase;
-  letter-spacing: .03em; }
-.mc-value { font-size: 19px; white-space: nowrap; font-weight: 650; font-variant-numeric: tabular-nums; line-height: 1.25; }
-.mc-unit { font-size: 12px; font-weight: 400; margin-left: 3px; color: var(--body-text-color-subdued); }
-.mc-note { display: inline-block; font-size: 10px; padding: 0 5px; border-radius: 6px; background: #eef2ff;
-  color: #3730a3; }
-.mc-chart-box { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 6px 8px; }
-.mc-chart { display: block; background: transparent; }
-.mc-legend-mean { color: #dc2626; text-transform: none; }
-.mc-badges { display: flex; gap: 6px; flex-wrap: wrap; }
-.mc-badge { font-size: 12px; padding: 1px 8px; border-radius: 10px; background: var(--background-fill-secondary);
-  border: 1px solid var(--border-color-primary); }
-.mc-mode { font-size: 13px; padding: 4px 8px; border-radius: 6px; }
-.mc-mode-greedy { background: #ecfdf5; color: #065f46; }
-.mc-mode-typical { background: #fff7ed; color: #9a3412; }
-.mc-mode-exact { background: #eff6ff; color: #1e40af; }
-.mc-mode-note { font-size: 12px; opacity: 0.85; }
-.mc-tree-panel { display: flex; flex-direction: column; gap: 8px; position: relative; }
-.mc-empty { color: var(--body-text-color-subdued); font-style: italic; padding: 8px 0; }
-.mc-live { position: absolute; right: 0; top: 0; font-size: 11px; background: #dc2626; color: #fff;
-  border-radius: 8px; padding: 0 7px; }
-.mc-step-head { font-size: 14px; }
-.mc-chain { display: flex; flex-wrap: wrap; align-items: center; gap: 4px; font-family: var(--font-mono);
-  font-size: 13px; }
-.mc-chip { padding: 1px 7px; border-radius: 5px; border: 1px solid #15803d; background: #dcfce7; color: #14532d;
-  white-space: pre; }
-.mc-chip.root { background: #f1f5f9; border-color: #64748b; color: #0f172a; }
-.mc-chip.bonus { background: #fff; border-style: dashed; border-color: #4f46e5; color: #3730a3; }
-.mc-arrow { color: #64748b; }
-.mc-tree-body { display: flex; gap: 14px; align-items: flex-start; flex-wrap: wrap; }
-.mc-tree-scroll { flex: 0 1 auto; max-width: 100%; overflow: auto; max-height: 620px; background: #ffffff;
-  border: 1px solid #e2e8f0; border-radius: 8px; padding: 2px; }
-.mc-reply-box { flex: 1 1 340px; min-width: 280px; display: flex; flex-direction: column; gap: 6px; }
-.mc-tree { display: block; font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
-.mc-tree .mc-col { font-size: 11px; fill: #64748b; font-family: ui-sans-serif, system-ui, sans-serif;
-  font-weight: 600; letter-spacing: .04em; }
-.mc-tree .node rect { fill: #f8fafc; stroke: #cbd5e1; stroke-width: 1; }
-.mc-tree .node.rejected { opacity: .42; }
-.mc-tree .node.accepted rect { fill: #dcfce7; stroke: #15803d; stroke-width: 2; }
-.mc-tree .node.accepted .mc-tok { font-weight: 700; fill: #14532d; }
-.mc-tree .node.lookup rect { stroke-dasharray: 4 2; }
-.mc-tree .mc-tok { font-size: 12px; fill: #0f172a; white-space: pre; }
-.mc-tree .mc-rank { font-size: 10px; fill: #64748b; }
-.mc-tree .mc-edge { fill: none; stroke: #94a3b8; stroke-width: 1; opacity: .5; }
-.mc-tree .mc-edge.accepted { stroke: #15803d; stroke-width: 2.5; opacity: 1; }
-.mc-reply { white-space: pre-wrap; line-height: 1.75; font-size: 14px; padding: 8px 10px; border-radius: 8px;
-  border: 1px solid var(--border-color-primary); max-height: 560px; overflow: auto;
-  background: var(--background-fill-primary); }
-.mc-seg { border-radius: 3px; padding: 1px 0; margin-right: 1px; box-decoration-break: clone;
-  -webkit-box-decoration-break: clone; }
-.mc-seg.selected { outline: 2px solid #f97316; outline-offset: 1px; }
-.mc-legend { font-size: 11px; color: var(--body-text-color-subdued); display: flex; gap: 4px;
-  align-items: center; flex-wrap: wrap; }
-.mc-sw { display: inline-block; min-width: 18px; text-align: center; border-radius: 3px; padding: 0 4px;
-  color: #0f172a; }
-.mc-model { font-size: 13px; }
-.mc-model-head { font-weight: 650; margin-bottom: 4px; display: flex; align-items: center; gap: 6px; }
-.mc-model.mc-ready .mc-model-head { color: #15803d; }
-.mc-model.mc-error .mc-model-head { color: #b91c1c; }
-.mc-info { width: 100%; border-collapse: collapse; border: none !important; margin: 0 !important; }
-.mc-info tr, .mc-info th, .mc-info td { border: none !important; background: transparent !important; }
-.mc-info th { text-align: left; font-weight: 500; color: var(--body-text-color-subdued); padding: 1px 8px 1px 0;
-  white-space: nowrap; vertical-align: top; width: 1%; }
-.mc-info td { padding: 1px 0; word-break: break-word; }
-.mc-details summary { cursor: pointer; font-size: 12px; color: var(--body-text-color-subdued); }
-.mc-note-line { font-size: 12px; color: #92400e; margin-top: 2px; }
-.mc-progress { font-family: var(--font-mono); font-size: 12px; color: var(--body-text-color-subdued);
-  margin-top: 4px; white-space: pre-wrap; }
-.mc-spinner { width: 12px; height: 12px; border: 2px solid #c7d2fe; border-top-color: #4f46e5; border-radius: 50%;
-  display: inline-block; animation: mc-spin 0.8s linear infinite; }
-@keyframes mc-spin { to { transform: rotate(360deg); } }
-/* the chat bubble is white-space: pre-wrap (made for plain text): the HTML's own newlines between tags must not
-   show as extra blank lines; line breaks are <br> elements, code blocks keep theirs */
-.mc-msg { white-space: normal; }
-.mc-msg pre, .mc-msg code { white-space: pre-wrap; }
-.mc-msg p { margin: 0 0 .5em 0; }
-.mc-msg p:last-child { margin-bottom: 0; }
-.mc-msg-stats { margin-top: 6px; font-size: 12px; font-style: italic; color: var(--body-text-color-subdued); }
-.mc-image-link { font-style: italic; }
-.mc-cursor { opacity: .6; }
-.mc-error { background: #fef2f2; color: #991b1b; border: 1px solid #fecaca; border-radius: 8px;
-  padding: 8px 10px; font-size: 14px; }
-#mc-title h1 { margin: 0; font-size: 24px; }
-#error-box:has(.mc-error) { margin: 4px 0; }
-#send, #stop { min-height: 42px; }
-#send { background: #4f46e5; color: #fff; border-color: #4338ca; }
-#send:hover { background: #4338ca; }
-#stop { background: #fee2e2; color: #b91c1c; border-color: #fecaca; }
-#stop:hover { background: #fecaca; }
-#tree-group { padding: 8px 12px; }
-#tree-help p { margin-top: 0; color: var(--body-text-color-subdued); font-size: 13px; }
-#mc-title p { margin: 0; color: var(--body-text-color-subdued); }
-"""
+# The web UI's stylesheet (web.css, package data next to this module)
+CSS = "\n" + resources.files("medusa_chat.ui").joinpath("web.css").read_text()

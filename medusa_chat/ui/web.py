@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_chat.embedded import cache_root
+from medusa_chat.paths import cache_root
 
 
 def _configure_env() -> None:
@@ -35,14 +35,13 @@ import gradio as gr  # noqa: E402  (after the environment above)
 
 from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
-from medusa_chat.ui import render  # noqa: E402
+from medusa_chat.ui import render, tree_panel  # noqa: E402
+from medusa_chat.ui.web_layout import TREE_CHOICES_DEFAULT, build_blocks  # noqa: E402
 
 if TYPE_CHECKING:
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
-TREE_CHOICES_DEFAULT = "model default"
 STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams
 
 
@@ -163,7 +162,7 @@ class WebApp:
         note = ""
         if not self.events and any(m.role == "assistant" for m in self.session.conversation.messages):
             note = "Decoding steps are kept for replies made since the app started: send a message to see its tree."
-        return render.tree_panel_html(self.events, step, live=live, note=note)
+        return tree_panel.tree_panel_html(self.events, step, live=live, note=note)
 
     def model_panel(self) -> str:
         try:
@@ -437,246 +436,8 @@ class WebApp:
 
     # ---- layout -----------------------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
-        s = self.session.settings
-        info = {}
-        try:
-            info = self.session.info
-        except Exception:  # noqa: BLE001
-            pass
-        tree_names = [TREE_CHOICES_DEFAULT, *_published_tree_names(), *(f"chain-{d}" for d in range(1, 6))]
-        with gr.Blocks(title="medusa-chat", analytics_enabled=False) as demo:
-            edit_state = gr.State(False)
-            with gr.Row(equal_height=False):
-                gr.Markdown(
-                    "# medusa-chat\nLocal chat that answers faster with **Medusa tree decoding**: "
-                    "each step verifies a tree of guesses from the Medusa heads and keeps the longest "
-                    "accepted path.",
-                    elem_id="mc-title",
-                )
-            with gr.Row(equal_height=False):
-                with gr.Column(scale=7, min_width=420):
-                    chatbot = gr.Chatbot(
-                        value=self.history(),
-                        elem_id="chat",
-                        height=520,
-                        show_label=False,
-                        buttons=["copy", "copy_all"],
-                        # Messages arrive as HTML made by render.chat_html (Markdown rendered on the server with
-                        # raw HTML off, images as links). The browser-side Markdown would parse raw HTML in
-                        # the text (only sanitised, so <img src=http://...> would still load), so it is off;
-                        # gradio's sanitiser stays on as a second line; no LaTeX rendering of "$" in replies.
-                        render_markdown=False,
-                        sanitize_html=True,
-                        latex_delimiters=[],
-                        placeholder="Ask anything. Replies stream here; the meter and the tree update live.",
-                    )
-                    error_box = gr.HTML("", elem_id="error-box", container=False, padding=False)
-                    with gr.Row(equal_height=True):
-                        msg = gr.Textbox(
-                            placeholder="Type a message and press Enter (Shift+Enter for a new line)",
-                            show_label=False,
-                            lines=1,
-                            max_lines=8,
-                            scale=8,
-                            elem_id="msg",
-                            autofocus=True,
-                        )
-                        send_btn = gr.Button("Send", variant="primary", scale=1, min_width=96, elem_id="send")
-                        stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=96, elem_id="stop")
-                    with gr.Row():
-                        regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regen")
-                        undo_btn = gr.Button("↶ Undo", size="sm", elem_id="undo")
-                        edit_btn = gr.Button("✎ Edit last", size="sm", elem_id="edit")
-                        cancel_edit_btn = gr.Button(
-                            "Cancel edit", size="sm", visible=False, elem_id="cancel-edit"
-                        )
-                        clear_btn = gr.Button("✕ Clear", size="sm", elem_id="clear")
-                    with gr.Accordion("Model", open=True):
-                        model_panel = gr.HTML(self.model_panel(), elem_id="model-panel")
-                        with gr.Row():
-                            baseline_btn = gr.Button("Measure plain decoding", size="sm", elem_id="baseline")
-                            retry_btn = gr.Button("Load / retry", size="sm", elem_id="retry-load")
-                with gr.Column(scale=5, min_width=340):
-                    meter = gr.HTML(self.meter(), elem_id="meter")
-                    with gr.Accordion("Settings", open=True):
-                        system = gr.Textbox(
-                            label="System prompt",
-                            value=self.session.conversation.system_prompt,
-                            lines=2,
-                            max_lines=6,
-                            placeholder="(model default): press Enter or leave the box to apply",
-                            elem_id="system",
-                        )
-                        temperature = gr.Slider(
-                            0.0,
-                            1.5,
-                            value=s.temperature,
-                            step=0.05,
-                            label="Temperature",
-                            elem_id="temperature",
-                        )
-                        accept = gr.Radio(
-                            ["typical", "exact"],
-                            value=s.accept,
-                            label="Sampling rule at temperature > 0",
-                            info="typical: faster, favours the heads' guesses; exact: the model's own distribution",
-                            elem_id="accept",
-                        )
-                        mode = gr.HTML(render.mode_html(s.temperature, s.accept), elem_id="mode")
-                        max_new = gr.Slider(
-                            1, 4096, value=s.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new"
-                        )
-                        with gr.Accordion("Advanced", open=False):
-                            top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.01, label="top_p")
-                            epsilon = gr.Slider(
-                                0.0, 1.0, value=s.typical_epsilon, step=0.01, label="typical epsilon"
-                            )
-                            delta = gr.Slider(
-                                0.0, 1.0, value=s.typical_delta, step=0.01, label="typical delta"
-                            )
-                            seed = gr.Number(
-                                value=s.seed if s.seed is not None else -1,
-                                precision=0,
-                                label="seed (-1 = random)",
-                            )
-                            lookup = gr.Checkbox(
-                                value=s.context_lookup,
-                                label="context lookup",
-                                info="guess repeated text from the conversation on the tree's main chain "
-                                "(greedy and exact sampling: same output, fewer steps)",
-                                elem_id="context-lookup",
-                            )
-                            tree_name = gr.Dropdown(tree_names, value=TREE_CHOICES_DEFAULT, label="tree")
-                            tree_size = gr.Slider(
-                                1, 64, value=int(info.get("tree_size") or 64), step=1, label="tree size"
-                            )
-                            tree_btn = gr.Button("Apply tree", size="sm")
-                    with gr.Accordion("Conversations", open=True):
-                        conv_list = gr.Dropdown(
-                            self.conversation_choices(), label="Saved conversations", elem_id="conv-list"
-                        )
-                        with gr.Row():
-                            refresh_btn = gr.Button("Refresh", size="sm")
-                            load_btn = gr.Button("Open", size="sm")
-                            delete_btn = gr.Button("Delete", size="sm", variant="stop")
-                        with gr.Row(equal_height=True):
-                            fmt = gr.Radio(["md", "json"], value="md", label="Export format", scale=2)
-                            export_btn = gr.Button("Export", size="sm", scale=1, elem_id="export")
-                        export_file = gr.File(label="Download", visible=False, interactive=False)
-            with gr.Group(elem_id="tree-group"):
-                gr.Markdown(
-                    "### Accepted tree\nColumns are depths (head *k* guesses the token *k* positions ahead); "
-                    "each box is a candidate token with its rank in that head's top-k. The accepted path is "
-                    "green, rejected branches are dimmed. Drag the step slider to look at any step of the reply.",
-                    elem_id="tree-help",
-                )
-                step = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False, elem_id="step")
-                tree_html = gr.HTML(self.tree_panel(), elem_id="accepted-tree")
-
-            timer = gr.Timer(1.0, active=True)
-
-            # ---- events ---------------------------------------------------------------------------------
-            stream_outs = [chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
-                           cancel_edit_btn]  # fmt: skip
-            reply_kw: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden"}
-            send_btn.click(
-                self.send,
-                [msg, edit_state],
-                stream_outs,
-                api_name="send",
-                **reply_kw,
-            )
-            msg.submit(
-                self.send,
-                [msg, edit_state],
-                stream_outs,
-                api_visibility="private",
-                **reply_kw,
-            )
-            regen_btn.click(
-                self.regenerate,
-                None,
-                stream_outs,
-                api_name="regenerate",
-                **reply_kw,
-            )
-            stop_btn.click(
-                self.stop, None, None, api_name="stop", concurrency_limit=None, show_progress="hidden"
-            )
-            change_outs = [chatbot, meter, tree_html, step, error_box, conv_list]
-            undo_btn.click(self.undo, None, change_outs, api_name="undo", concurrency_limit=None)
-            clear_btn.click(self.clear, None, change_outs, api_name="clear", concurrency_limit=None)
-            edit_btn.click(
-                self.edit_last, None, [msg, edit_state, send_btn, cancel_edit_btn], api_visibility="private"
-            )
-            cancel_edit_btn.click(
-                self.cancel_edit, None, [msg, edit_state, send_btn, cancel_edit_btn], api_visibility="private"
-            )
-            system.submit(self.set_system, system, error_box, api_name="set_system")
-            system.blur(self.set_system, system, error_box, api_visibility="private")
-
-            quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
-            for evt in (temperature.input, temperature.change, accept.change):
-                evt(render.mode_html, [temperature, accept], mode, api_visibility="private", **quiet)
-            lookup.change(
-                lambda v: self.update_setting("context_lookup", v),
-                lookup,
-                error_box,
-                api_visibility="private",
-                **quiet,
-            )
-            accept.change(
-                lambda v: self.update_setting("accept", v),
-                accept,
-                error_box,
-                api_visibility="private",
-                **quiet,
-            )
-            temperature.change(
-                lambda v: self.update_setting("temperature", v), temperature, error_box,
-                api_visibility="private", **quiet,
-            )  # fmt: skip
-            for comp, name in ((max_new, "max_new_tokens"), (top_p, "top_p"), (epsilon, "typical_epsilon"),
-                               (delta, "typical_delta"), (seed, "seed")):  # fmt: skip
-                comp.change(
-                    (lambda n: lambda v: self.update_setting(n, v))(name), comp, error_box,
-                    api_visibility="private", **quiet,
-                )  # fmt: skip
-            tree_btn.click(
-                self.set_tree, [tree_name, tree_size], [model_panel, error_box], api_visibility="private"
-            )
-
-            refresh_btn.click(lambda: self.conv_dropdown(), None, conv_list, api_visibility="private")
-            load_btn.click(
-                self.load_conversation, conv_list, [*change_outs, system], api_visibility="private"
-            )
-            delete_btn.click(self.delete_conversation, conv_list, change_outs, api_visibility="private")
-            export_btn.click(self.export, fmt, [export_file, error_box], api_visibility="private")
-
-            step.input(self.show_step, step, tree_html, api_visibility="private", trigger_mode="always_last",
-                       **quiet)  # fmt: skip
-            baseline_btn.click(
-                self.measure_baseline, None, [model_panel, meter, error_box], api_name="baseline"
-            )
-            retry_btn.click(self.retry_load, None, [model_panel, timer], api_visibility="private")
-            timer.tick(self.tick, None, [model_panel, timer], api_visibility="private", **quiet)
-            demo.load(
-                self.page_load,
-                None,
-                [model_panel, timer, meter, tree_html, chatbot, step, conv_list, system],
-                api_visibility="private",
-            )
-        demo.medusa_web = self  # type: ignore[attr-defined]  (launch() starts the loader through it)
-        return demo
-
-
-def _published_tree_names() -> list[str]:
-    try:
-        from medusa_chat.tree import published_trees
-
-        return sorted(published_trees())
-    except Exception:  # noqa: BLE001
-        return []
+        """The page (web_layout.py): its components and their events, wired to this object's handlers."""
+        return build_blocks(self)
 
 
 def theme() -> gr.themes.Base:
@@ -687,16 +448,6 @@ def theme() -> gr.themes.Base:
         neutral_hue="slate",
         font=["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"],
         font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
-    )
-
-
-def host_warning(host: str) -> str | None:
-    """The warning printed when the server listens on anything but this machine's loopback address."""
-    if host in LOCAL_HOSTS:
-        return None
-    return (
-        f"warning: serving on {host}: anyone who can reach this machine at that address can use this chat and "
-        "your model (there is no login). Leave out --host to keep it on 127.0.0.1."
     )
 
 
@@ -718,8 +469,10 @@ def launch(
     """Start the web UI. Binds 127.0.0.1 unless `host` says otherwise (with a warning); never shares.
     The model loads in a background thread at once, its progress shown in the browser. With `block=False`
     the server runs in a background thread and the launched app is returned (tests; `app.close()` ends it).
-    The OpenAI-compatible API (medusa_chat.api) is served at /v1 on the same port and session."""
-    warning = host_warning(host)
+    The OpenAI-compatible API (medusa_chat.openai.server) is served at /v1 on the same port and session."""
+    from medusa_chat.openai.server import host_warning
+
+    warning = host_warning(host, api_key, "this chat (there is no login) and the API")
     if warning:
         print(warning, file=sys.stderr)
     Path(os.environ["GRADIO_TEMP_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -743,7 +496,7 @@ def launch(
         css=render.CSS,
         js=render.COPY_JS,
     )
-    from medusa_chat.api import mount_api
+    from medusa_chat.openai.routes import mount_api
 
     # Mounted on the running server (routes are looked up per request): one process, one model, one session.
     mount_api(app.app, session, api_key=api_key)
@@ -764,7 +517,7 @@ def add_web_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=None, help="port (default: first free one from 7860)")
     parser.add_argument("--open-browser", action="store_true", help="open the app in the default web browser")
-    from medusa_chat.api import add_api_key_argument
+    from medusa_chat.openai.server import add_api_key_argument
 
     add_api_key_argument(parser)
     return parser
@@ -775,8 +528,8 @@ add_arguments = add_web_args  # the name medusa_chat.cli looks for
 
 def main(args: argparse.Namespace) -> int:
     """`medusa-chat web`: build the session from the CLI's options and serve it until Ctrl-C."""
-    from medusa_chat.api import resolve_api_key
-    from medusa_chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.openai.server import resolve_api_key
 
     session = SessionManager.from_args(args)
     try:

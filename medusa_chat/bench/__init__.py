@@ -1,0 +1,1 @@
+"""The benchmark: prompts through the engine vs the plain loop (and llama.cpp where installed)."""

@@ -1,0 +1,135 @@
+"""`medusa-chat bench`: its options and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from medusa_chat.bench.harness import BenchConfig, run_bench
+from medusa_chat.bench.report import print_summary
+from medusa_chat.bench.runs import BASELINES, DEFAULT_BASELINES, read_prompts
+from medusa_chat.cliargs import add_accept_arg, int_list, settings_from_args
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from medusa_chat.model.loading import LoadedModel
+
+
+def _baselines(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown baseline(s) {bad}: choose from {','.join(BASELINES)}")
+    return names
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `medusa-chat bench`."""
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        required=True,
+        metavar="FILE.jsonl",
+        help="one JSON object a line with `turns` (first turn used) or `prompt`",
+    )
+    parser.add_argument("--limit", type=int, default=None, metavar="K", help="first K prompts only")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="reply length limit (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy, outputs compared token by token (default); > 0 = speed only",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at T > 0")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (default: %(default)s)")
+    add_accept_arg(parser)
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="OUT", help="write the results as JSON to OUT"
+    )
+    parser.add_argument(
+        "--baselines",
+        type=_baselines,
+        default=list(DEFAULT_BASELINES),
+        metavar="hf,plain,lookup,llamacpp,heads",
+        help="baselines to run beside Medusa (default: hf,plain,lookup,llamacpp; llamacpp is skipped with a "
+        "note without llama-bench or llama-cpp-python; heads = the same tree without context lookup)",
+    )
+    parser.add_argument(
+        "--no-context-lookup",
+        dest="context_lookup",
+        action="store_false",
+        help="Medusa without context-lookup guesses on the main chain (heads only)",
+    )
+    parser.add_argument(
+        "--llamacpp-bench",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary for the llamacpp baseline (default: $MEDUSA_CHAT_LLAMA_BENCH or "
+        "PATH; without one, an installed llama-cpp-python decodes the same prompts)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed warm-up runs of every method (default: 1)"
+    )
+    parser.add_argument(
+        "--tree-sizes",
+        type=int_list,
+        default=None,
+        metavar="8,16,32,64",
+        help="also run Medusa with the first N nodes of the tree for each N",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no per-prompt tables, only the summary")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """cli.py hook: the options of `medusa-chat bench`."""
+    add_bench_args(parser)
+
+
+def load_from_args(args: argparse.Namespace, console: Console | None = None) -> LoadedModel:
+    from medusa_chat.model.loading import load_from_args as _load
+
+    return _load(args, progress=(lambda m: console.print(f"[dim]{m}[/dim]")) if console is not None else None)
+
+
+def progress_printer(console: Console, quiet: bool) -> Callable[[str], None] | None:
+    return None if quiet else (lambda m: console.print(f"[dim]{m}[/dim]"))
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from medusa_chat.tuning.calibrate import resolve_tree
+
+    out = Console()
+    err = Console(stderr=True)
+    prompts = read_prompts(args.prompts, args.limit)
+    settings_from_args(args)  # validates the options before the (slow) load
+    loaded = load_from_args(args, err)
+    tree, source = resolve_tree(
+        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, False)
+    )
+    config = BenchConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        accept=getattr(args, "accept", "typical"),
+        baselines=args.baselines,
+        warmup=args.warmup,
+        tree_sizes=args.tree_sizes,
+        llamacpp_bench=args.llamacpp_bench,
+        context_lookup=getattr(args, "context_lookup", True),
+    )
+    doc = run_bench(loaded, tree, prompts, config, None if args.quiet else out, tree_source=source)
+    print_summary(out, doc)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+        err.print(f"[dim]results written to {args.json}[/dim]")
+    return 0

@@ -1,0 +1,169 @@
+"""The bench on the terminal: a table per prompt and the summary."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from medusa_chat.bench.runs import LOOKUP_TOKENS, METHODS, TIMING_NOTE, Run
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+
+def _busy(doc: dict[str, Any]) -> bool:
+    """Did other processes compete for the CPUs? The load after the run includes this run's own threads."""
+    loads, cpus = doc.get("load_average") or [None, None], doc.get("cpu_count")
+    if doc.get("device") != "cpu" or not cpus or None in loads:
+        return False
+    before, after = loads
+    # The 1-minute average decays slowly: a run that just ended (this tool's own) still shows up "before".
+    return before > 0.9 * cpus or after - doc.get("threads", 1) > cpus / 2
+
+
+def _median(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
+
+
+def _heads_label(loaded: Any) -> str | None:
+    heads = getattr(loaded, "heads", None)
+    if heads is None:
+        return None
+    src = getattr(loaded, "heads_file", "") or ""
+    return f"{heads.num_heads} x {heads.format}" + (f" ({src})" if src else "")
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _print_prompt(console: Console, i: int, n: int, row: dict[str, Any], runs: dict[str, Run]) -> None:
+    from rich.table import Table
+
+    short = row["prompt"].replace("\n", " ")
+    table = Table(
+        title=f"[{i}/{n}] {short[:90]}{'...' if len(short) > 90 else ''}", title_justify="left", box=None
+    )
+    for col in ("method", "tokens", "tokens/step", "decode tok/s", "vs HF", "identical"):
+        table.add_column(col, justify="right" if col not in ("method",) else "left")
+    hf = runs.get("hf")
+    for m in [x for x in METHODS if x in runs] + [x for x in runs if x.startswith("medusa@")]:
+        r = runs[m]
+        same = "-"
+        if row.get("identical") is not None and row.get("reference") != m:
+            if m == "medusa":
+                same = (
+                    "yes"
+                    if row["identical"]
+                    else f"no @{row['first_divergence']}" + (" (near-tie)" if row.get("near_tie") else "")
+                )
+            elif f"{m}_identical" in row:
+                same = "yes" if row[f"{m}_identical"] else "no"
+        table.add_row(
+            m,
+            str(len(r.token_ids)),
+            _fmt(r.tokens_per_step),
+            _fmt(r.tokens_per_s, ".1f"),
+            _fmt(r.tokens_per_s / hf.tokens_per_s if hf and hf.tokens_per_s else None, ".2f", "x"),
+            same,
+        )
+    console.print(table)
+
+
+def print_summary(console: Console, doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    s = doc["summary"]
+    title = (
+        f"{doc['model']} ({doc['device']}, {doc['dtype']}, quant {doc['quant']}), tree {doc['tree']} "
+        f"({doc['tree_size']} nodes, {doc['tree_source'] or 'given'}), {s['prompts']} prompts x <= "
+        f"{doc['max_new_tokens']} tokens, {doc['accept_mode']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("method", "decode tok/s", "tokens/step", "Medusa speedup vs it"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    table.add_row("medusa", _fmt(s["medusa_tokens_per_s"], ".1f"), _fmt(s["tokens_per_step"]), "")
+    for m, label, key in (
+        ("hf", "HF generate", "speedup_vs_hf_generate"),
+        ("plain", "plain loop (root-only tree)", "speedup_vs_plain_loop"),
+        ("lookup", f"HF prompt lookup ({LOOKUP_TOKENS})", "speedup_vs_prompt_lookup"),
+        ("heads", "Medusa heads only (no context lookup)", "speedup_vs_heads_only"),
+    ):
+        if m in doc["baselines"]:
+            tps_step = s[f"{m}_tokens_per_step"] if m in ("lookup", "heads") else 1.0
+            table.add_row(
+                label, _fmt(s[f"{m}_tokens_per_s"], ".1f"), _fmt(tps_step), _fmt(s[key], ".2f", "x")
+            )
+    if s.get("llamacpp_tokens_per_s"):
+        table.add_row(
+            "llama.cpp (llama-cpp-python, same GGUF, same prompts)"
+            if s.get("llamacpp_runner") == "LlamaCppPython"
+            else "llama.cpp (llama-bench tg, same GGUF)",
+            _fmt(s["llamacpp_tokens_per_s"], ".1f"),
+            "1.00",
+            _fmt(s["speedup_vs_llamacpp"], ".2f", "x"),
+        )
+    console.print(table)
+    if doc.get("context_lookup") and s.get("context_lookup_share") is not None:
+        console.print(
+            f"context lookup guessed {s['context_lookup_share'] * 100:.0f}% of the draft tokens Medusa accepted "
+            "(--no-context-lookup: heads only)"
+        )
+    if s.get("llamacpp_note"):
+        console.print(f"[yellow]{s['llamacpp_note']}[/yellow]")
+    if s.get("identical_to_plain_loop_fraction") is not None:
+        console.print(
+            f"greedy output identical to the engine's plain loop: {s['identical_to_plain_loop_fraction'] * 100:.0f}%"
+            " of prompts"
+        )
+    if s["identical_fraction"] is not None:
+        ties = f", {s['near_ties']} divergence(s) at near-ties" if s.get("near_ties") else ""
+        console.print(
+            f"greedy output identical to {'HF generate' if 'hf' in doc['baselines'] else 'the plain loop'}: "
+            f"{s['identical_fraction'] * 100:.0f}% of prompts{ties}"
+        )
+    if s.get("exact_identical_to_plain_fraction") is not None:
+        console.print(
+            "exact sampling, same seed: reply identical to the plain loop's in "
+            f"{s['exact_identical_to_plain_fraction'] * 100:.0f}% of prompts"
+        )
+    if doc.get("tree_sizes"):
+        t = Table(title="Medusa by tree size (first N nodes)", title_justify="left")
+        for col in ("nodes", "tokens/step", "decode tok/s", "vs HF", "vs plain", "identical"):
+            t.add_column(col, justify="right")
+        for r in doc["tree_sizes"]:
+            t.add_row(
+                str(r["size"]),
+                _fmt(r["tokens_per_step"]),
+                _fmt(r["tokens_per_s"], ".1f"),
+                _fmt(r["speedup_vs_hf_generate"], ".2f", "x"),
+                _fmt(r["speedup_vs_plain_loop"], ".2f", "x"),
+                _fmt(
+                    r["identical_fraction"] * 100 if r["identical_fraction"] is not None else None, ".0f", "%"
+                ),
+            )
+        console.print(t)
+    if s.get("speedup_vs_hf_generate_median") is not None:
+        console.print(
+            "per-prompt median speedup: "
+            + ", ".join(
+                f"vs {label} {s[key]:.2f}x"
+                for label, key in (
+                    ("HF generate", "speedup_vs_hf_generate_median"),
+                    ("plain loop", "speedup_vs_plain_loop_median"),
+                    ("prompt lookup", "speedup_vs_prompt_lookup_median"),
+                    ("heads only", "speedup_vs_heads_only_median"),
+                    ("llama.cpp", "speedup_vs_llamacpp_median"),
+                )
+                if s.get(key) is not None
+            )
+        )
+    if _busy(doc):
+        before, after = doc["load_average"]
+        console.print(
+            f"[yellow]other work was running (1-minute load {before:.1f} before, {after:.1f} after, on "
+            f"{doc['cpu_count']} CPUs): absolute speeds are unreliable, ratios of side-by-side runs less so[/yellow]"
+        )
+    console.print(f"[dim]{TIMING_NOTE}[/dim]")

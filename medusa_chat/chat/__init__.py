@@ -1,0 +1,1 @@
+"""A chat: the session (turns, settings, history) and saved conversations."""

@@ -1,0 +1,1 @@
+"""The decoding engine: KV cache, drafters, acceptance, stop-string text, and MedusaEngine."""

@@ -1,0 +1,142 @@
+"""Where a step's tree tokens come from: the heads' guesses (Medusa: one lm_head call with the bonus row; Hydra:
+depth by depth from the root, HydraDrafter), laid out by the tree (`propose`), or a tree shaped per step by the
+draft's confidence (`confident_paths`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from medusa_chat.errors import HeadsError
+from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.tree import TreeBuffers
+
+
+def next_logits_and_guesses(
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    heads: MedusaHeads | None,
+    hidden: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From the hidden state [1, H] of the last accepted node: the backbone's next-token logits [V] (fp32) and
+    the heads' top-k guesses [K * top_k] (head-major), or None without heads (a root-only tree).
+
+    With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
+    device the vocab projection costs a full read of its weight however few rows it has.
+    """
+    if heads is None or isinstance(heads, HydraHeads):  # Hydra heads draft after the root is known
+        return lm_head(hidden)[0].float(), None
+    if heads.own_lm_head:
+        logits = lm_head(hidden)[0].float()
+        head_logits = heads(hidden[0], lm_head)
+    else:
+        rows = torch.cat([hidden, heads.features(hidden[0]).to(hidden.dtype)])
+        both = lm_head(rows)
+        logits, head_logits = both[0].float(), both[1:]
+    return logits, head_logits.topk(top_k, dim=-1).indices.flatten()
+
+
+class HydraDrafter:
+    """Fills a tree depth by depth with Hydra heads (heads.py): a node's children are the top-k of head d on
+    the state that folded in every token on the node's path, starting from the root (the bonus token).
+
+    Per step: one cell + ResBlocks + draft-vocabulary projection + top-k per depth, on the nodes of that depth
+    that have children; the index buffers come from the tree (`TreeBuffers.levels`, built once per tree), the
+    projection is built once per model, everything stays on the device.
+    The projection is the lm_head's draft-vocabulary rows, in the backbone's dtype (packed for oneDNN like
+    the lm_head where the lean forward packs), so a depth reads ~1/6 of the full lm_head.
+    """
+
+    def __init__(self, heads: HydraHeads, backbone: torch.nn.Module) -> None:
+        self.heads = heads
+        self.embed = backbone.get_input_embeddings()
+        lm_head = backbone.get_output_embeddings()
+        weight = getattr(lm_head, "weight", None)
+        if weight is not None and not weight.is_floating_point():
+            raise HeadsError(
+                "Hydra heads need a floating-point lm_head; this backbone's is quantized by bitsandbytes: load "
+                "it with --quant none, or use v1/v2 Medusa heads"
+            )
+        device = backbone.get_input_embeddings().weight.device
+        vocab = heads.draft_vocab.to(device)
+        # the lm_head's draft-vocabulary rows, in the lm_head's own kind (dense, packed, int8) and dtype
+        self.project = linear_rows(lm_head, vocab)
+        self.proj_dtype = backbone.get_input_embeddings().weight.dtype
+        self.draft_vocab = vocab
+        self.dtype = next(heads.parameters()).dtype
+        from medusa_chat.kernels.qgemm import BlockLinear
+
+        if isinstance(lm_head, BlockLinear) and self.dtype == torch.float32:
+            # the backbone runs on the block kernel (int8/int4 on a CPU): so do the heads' linears (8 bits), and
+            # the draft-vocabulary projection in 4 bits (Q4_1 of the lm_head's rows): it is read once per tree
+            # depth, from DRAM after the backbone's weights went through the caches (5 MB in Q8_0, 2.9 in Q4_1)
+            self.heads = block_quantized_copy(heads)
+            self.project = block_q4_rows(self.project)
+            from medusa_chat.model.block_forward import native_hydra_for
+
+            self.native = native_hydra_for(self.heads)
+            if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):
+                self.native_draft = self.native.draft
+
+    native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel
+    native_draft = None  # the same drafting loop as `propose`, all depths in one C call (NativeHydra.draft)
+
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
+        """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
+        if self.native_draft is not None:
+            return self.native_draft(root, hidden, buf)
+        tokens = root.new_zeros(buf.tree.size)
+        tokens[:1] = root
+        cell = self.native.cell if self.native is not None else self.heads.draft
+        features = self.native.head_features if self.native is not None else self.heads.head_features
+        state = cell(hidden.to(self.dtype), self.embed(root))  # depth 0: the root only
+        for d, level in enumerate(buf.levels):
+            x = features(d, state.index_select(0, level.internal_rows))
+            top = self.project(x.to(self.proj_dtype)).topk(level.top_k, dim=-1).indices
+            child = self.draft_vocab[top[level.child_slot, level.child_rank]]
+            tokens.index_copy_(0, level.child_nodes, child)
+            if d + 1 < len(buf.levels):
+                state = cell(state.index_select(0, level.child_parent_row), self.embed(child))
+        return tokens
+
+
+def propose(
+    root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: HydraDrafter | None
+) -> torch.Tensor:
+    """The tree's tokens [N]. `draft` is the Medusa heads' flat top-k guesses, or for Hydra heads the last
+    accepted node's hidden state (their guesses depend on the root, known only now)."""
+    if drafter is not None and draft is not None:
+        return drafter.propose(root, draft, buf)
+    flat = torch.cat([root, draft]) if draft is not None else root
+    return flat[buf.candidate_index]
+
+
+def confident_paths(probs: list[list[float]], size: int) -> tuple[tuple[int, ...], ...]:
+    """The tree of `size` nodes (root included) the draft is most confident in: EAGLE-2's dynamic tree (Li et al.
+    2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees") on the Hydra draft's spine.
+
+    probs[d][r]: the draft's probability of its rank-r token at depth d below the top-1 spine (the spine is the
+    rank-0 tokens). Candidate (d, r) is the path (0,) * d + (r,), with path probability probs[0][0] * ... *
+    probs[d - 1][0] * probs[d][r]; the tree is the size - 1 most probable candidates. A candidate is never more
+    probable than its parent (a spine node, one depth up: a product of probabilities <= 1) nor than its
+    lower-ranked sibling, and ties go to the shallower node, then the lower rank, so the chosen set is always a
+    tree. Returned in growth order (depth, then ranks), as Tree wants them.
+
+    Why: a static tree spends its nodes where the heads are right on average; per step the draft knows more. When
+    the first guess is unsure, its runner-up beats the guess's own child (which needs the unsure guess right
+    too); when it is sure, depth wins. Measured with this project's heads on its 2-core CPU, 3 nodes, all 80
+    Vicuna-bench prompts side by side (benchmarks/ab_engines.py): 1.708 -> 1.753 tokens per step, 1.273x ->
+    1.305x the plain loop (the draft costs 13 us more a step).
+    """
+    cands: list[tuple[float, int, int]] = []
+    spine = 1.0
+    for d, row in enumerate(probs):
+        for r, p in enumerate(row):
+            cands.append((-(spine * p), d, r))
+        spine *= row[0] if row else 0.0
+    if len(cands) < size - 1:
+        raise ValueError(f"confident_paths: {len(cands)} candidates for a tree of {size} nodes")
+    cands.sort()
+    return tuple(sorted(((0,) * d + (r,) for _, d, r in cands[: size - 1]), key=lambda p: (len(p), p)))

@@ -1,0 +1,463 @@
+"""MedusaEngine: the Medusa decoding loop, top to bottom (prefill -> step -> generate).
+
+    prefill(prompt)                        -> first token (root) + the heads' top-k guesses
+    repeat:
+        propose   tree tokens = [root, guesses picked by the tree layout]          (gather, on device)
+        verify    one backbone forward over all N tree tokens, ancestor-only mask   (the only big compute)
+        accept    longest tree path the backbone agrees with (greedy/typical/exact)  (vectorised, on device)
+        commit    keep the accepted tokens' KV entries in place, drop the rest      (one index_select)
+        bonus     the backbone's own next token after the accepted path = next root (no extra forward)
+        guesses   heads on the hidden state of the last accepted node only (same lm_head call as the bonus);
+                  Hydra heads instead draft at the next propose, depth by depth from the root (HydraDrafter)
+        lookup    where the context's last 2-4 tokens occurred before, what followed them then goes on the
+                  tree's main chain instead of the heads' guesses (lookup.py; host side, O(1) per step);
+                  after a 4-token match the step verifies a chain of up to LOOKUP_RUN lookup tokens instead
+        shape     on a CPU with the C drafter, the tree's N nodes are the N - 1 the draft is most confident
+                  in (drafters.confident_paths: EAGLE-2's dynamic tree on the Hydra spine), not a fixed layout
+
+One host sync per step (to learn how many tokens were accepted), tree buffers built once per tree, and a
+preallocated KV cache whose accepted entries are compacted in place: nothing per step grows with the
+conversation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
+from medusa_chat.engine.drafters import HydraDrafter, next_logits_and_guesses, propose
+from medusa_chat.engine.graphs import GraphSteps, wants_graphs
+from medusa_chat.engine.kv_cache import TreeKVCache
+from medusa_chat.engine.lookup import ContextLookup
+from medusa_chat.engine.text import (
+    StreamDecoder,
+    keep_until_end,
+    limit_reason,
+    release_held,
+    stop_string_cut,
+)
+from medusa_chat.engine.trees import StepTrees
+from medusa_chat.errors import PromptError
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.model.graph_step import GraphStep
+from medusa_chat.model.heads import HydraHeads
+from medusa_chat.model.runner import BackboneRunner
+from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.tree import Tree, TreeBuffers
+
+if TYPE_CHECKING:
+    from medusa_chat.model.loading import LoadedModel
+
+
+# The longest run of context-lookup guesses one step verifies, where the context's last `max_match` (4) tokens
+# occurred before (the text is being copied: a name, code, a list's scaffolding, a quoted sentence). Measured on
+# this project's 2-core CPU (40 Vicuna-bench replies, the backbone's greedy continuations): after a 4-token match
+# the lookup's next 1 / 2 / 3 / 4 tokens were all right 78 / 61 / 48 / 39% of the time, after a 2-token match 54
+# / 31 / 23 / 17%, so the long chain pays only after the long match, and a weak match keeps the tree's chain (2
+# nodes by default). Three: root + 3 guesses are 4 rows, one tile of the block kernel; a 5th row starts a second
+# tile (~0.6 ms there against ~0.2-0.4 for the 2nd-4th). Side by side (benchmarks/ab_engines.py, all 80 prompts):
+# runs of 3 / 4 / 6 gave 1.345x / 1.334x / 1.321x the plain loop, no runs 1.331x; at 1000-2000 tokens of
+# conversation 3 and 4 were even (1.40x / 1.39x, 1.89x / 1.86x), no runs 1.27x / 1.83x.
+LOOKUP_RUN = 3
+
+
+@dataclass
+class StepResult:
+    """One verification step after its host sync: what was accepted (host) and what the next step needs."""
+
+    tokens: list[int]  # the tree's tokens, by node
+    accepted: list[int]  # the accepted path's nodes, root first (len = accepted candidates + 1)
+    bonus: int  # the backbone's own next token after the path: the next root
+    bonus_on_device: torch.Tensor  # the same, [1] on the device
+    path: torch.Tensor | None  # the accepted path on the device (padded), when the rule computed it there
+    draft: torch.Tensor | None  # the next draft: Medusa guesses, or for Hydra the last accepted node's state
+
+
+class MedusaEngine(StepTrees, GraphSteps):
+    """Batch-1 Medusa tree decoding on a loaded backbone + heads. One reply at a time.
+
+    Public calls besides `generate`: `prefill` (tokens into the cache), `next_logits_and_guesses`, `step` and
+    `trial_step` (one verification step, as the calibration times it), `causal_mask`, `tree_for_room`,
+    `use_graphs` / `graph`, `fresh_cache` and `reset`.
+    """
+
+    def __init__(
+        self, model: LoadedModel, tree: Tree | None = None, graphs: bool = True, shaped: bool = True
+    ) -> None:
+        self.model = model
+        self.shaped = shaped and os.environ.get("MEDUSA_CHAT_SHAPED_TREES", "1") != "0"
+        self.lookup_run = LOOKUP_RUN  # 0: lookup guesses only on the tree's own chain
+        self.backbone = model.backbone
+        self.runner = BackboneRunner(model.backbone)
+        self.lm_head = self.runner.lm_head
+        self.heads = model.heads
+        self.device = model.device
+        self.dtype = model.backbone.get_input_embeddings().weight.dtype  # activations' dtype (NF4 too)
+        self.context_limit = model.context_limit
+        self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
+        self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
+        self._token_text: dict[int, str] = {}
+        # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy)
+        self._hydra = HydraDrafter(self.heads, self.backbone) if isinstance(self.heads, HydraHeads) else None
+        # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
+        # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
+        self._graph: GraphStep | None = None
+        self.graph_note = ""
+        if graphs and self.device.type == "cuda" and wants_graphs(model, self.runner):
+            try:
+                self._graph = self._new_graph(capture=True)
+            except torch.cuda.OutOfMemoryError:  # the whole-window cache does not fit: the eager cache grows
+                self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
+                self.graph_note = "CUDA graphs off: no room for their whole-window KV cache"
+        self.set_tree(tree or model.default_tree)
+
+    def fresh_cache(self, capacity: int = 1024) -> None:
+        """Start over on a new, empty KV cache of `capacity` tokens (it grows as needed)."""
+        self.cache = TreeKVCache(self.backbone.config.num_hidden_layers, capacity=capacity)
+        self.cached_ids.clear()
+        self._mask_prefix, self._mask = 0, self._mask[..., :0]
+
+    # ---- model calls --------------------------------------------------------------------------------------
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan
+    ) -> torch.Tensor:
+        return self.runner.forward(ids, positions, attend, self.cache)
+
+    def prefill(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Run `ids` [T] at positions start .. start + T - 1 into the cache (which holds `start` entries): each
+        sees the cache and the ones before it. Returns their last hidden states [T, H]."""
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        return self._forward(ids, positions, self.causal_mask(start, len(ids)))
+
+    def _greedy_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """greedy_tokens(lm_head(hidden)): the block kernel's fused argmax where the lm_head is its Q8_0 linear
+        (the same values compared in place, no logits written: qgemm.c, q8_0_gemm_argmax), else the logits."""
+        fused = getattr(self.lm_head, "argmax", None)
+        top = fused(hidden) if fused is not None else None
+        return top if top is not None else greedy_tokens(self.lm_head(hidden))
+
+    def next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
+        heads = self.heads if self.tree.size > 1 else None
+        logits, guesses = next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
+        return logits, (hidden if self.drafter is not None else guesses)
+
+    def _text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.model.tokenizer.decode([token])
+        return text
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def step(
+        self,
+        root: torch.Tensor,
+        draft: torch.Tensor | None,
+        start: int,
+        acceptor: Any,
+        produced: int,
+        buf: TreeBuffers | None = None,
+        plan: TreePlan | None = None,
+        lookup_guess: list[int] | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> StepResult:
+        """One decoding step: propose -> verify -> accept -> bonus, then the step's one host sync.
+
+        Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
+        commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
+        timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
+        context window, `tree_for_room`); by default the whole tree. `lookup_guess`: context-lookup guesses for
+        the tree's main chain (lookup.py), host ints; they replace the drafter's tokens there. `tokens`: the
+        tree's tokens when the caller drafted them already (a draft-shaped tree, `_confident_tree`).
+        """
+        if buf is None:
+            buf, plan = self.buffers, self.plan
+        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
+        logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
+        # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
+        if tokens is None:
+            tokens = self._propose(root, draft, buf, lookup_guess)
+        # verify: one forward over the N tree tokens (on a GPU a replayed CUDA graph of it: graph_step.py)
+        step_logits = None
+        if self._graph is not None:
+            hidden, step_logits = self._graph_step(tokens, start, buf)
+        if step_logits is None:
+            attend = plan if plan is not None else self._tree_mask(start, buf)
+            hidden = self._forward(tokens, start + buf.depth, attend)
+        # accept: nodes with children need full-vocab logits to judge their children, the last accepted node
+        # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
+        # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
+        # the rows they need (about a third of a published tree), the bonus row after acceptance.
+        if logits_once and acceptor.mode == "greedy":
+            # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
+            # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
+            # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
+            # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
+            top = self._greedy_rows(hidden) if step_logits is None else greedy_tokens(step_logits)
+            n = buf.tree.size
+            host = torch.cat([tokens, top]).tolist()  # the step's one host sync
+            tree_tokens, tops = host[:n], host[n:]
+            accepted = greedy_path(tree_tokens, tops, buf.tree.children)
+            last = accepted[-1]
+            draft = hidden[last : last + 1] if self.drafter is not None else None
+            return StepResult(tree_tokens, accepted, tops[last], top[last : last + 1], None, draft)
+        if logits_once or step_logits is not None:
+            logits = (self.lm_head(hidden) if step_logits is None else step_logits).float()
+            parent_logits = logits.index_select(0, buf.internal)
+        else:
+            parent_logits = self.lm_head(hidden[buf.internal]).float()
+        # judge every node against its parent by the reply's rule, then the path / bonus code all share
+        ok, logp = acceptor.judge(parent_logits, tokens, buf, produced)
+        path, count = best_path(ok, buf.leaf_paths, logp)
+        last = path.gather(0, count.view(1))
+        if logits_once or (step_logits is not None and self.drafter is not None):
+            last_logits = logits.index_select(0, last)[0]
+            draft = hidden.index_select(0, last) if self.drafter is not None else None
+        else:
+            last_logits, draft = self.next_logits_and_guesses(hidden.index_select(0, last))
+        bonus = acceptor.bonus(last_logits, last, count)
+        n, width = buf.tree.size, path.shape[0]
+        host = torch.cat([tokens, path, count[None].to(tokens.dtype), bonus]).tolist()  # the one host sync
+        accepted = host[n : n + host[n + width] + 1]
+        return StepResult(host[:n], accepted, host[-1], bonus, path, draft)
+
+    def _propose(
+        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup_guess: list[int] | None
+    ) -> torch.Tensor:
+        """The tree's tokens [N]: the drafter's guesses, with the lookup's on the main chain where it has some."""
+        chain = buf.chain[: len(lookup_guess)] if lookup_guess else []
+        if not chain:
+            return propose(root, draft, buf, self.drafter)
+        guess = torch.tensor(lookup_guess[: len(chain)], dtype=root.dtype, device=root.device)
+        if len(chain) == buf.tree.size - 1:  # the tree is that chain: the lookup fills it, nothing to draft
+            return torch.cat([root, guess])
+        tokens = propose(root, draft, buf, self.drafter)
+        return tokens.index_copy_(0, buf.chain_index[: len(chain)], guess)
+
+    def trial_step(self, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> StepResult:
+        """One step at the cache's end with its host sync and commit, then the cache put back as it was: what
+        the calibration times (every repetition sees the same context)."""
+        start = self.cache.length
+        done = self.step(root, draft, start, acceptor, 0)
+        self.cache.keep(start, done.accepted, done.path)
+        self.cache.crop(start)
+        return done
+
+    # ---- one reply ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        settings: GenerationSettings | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[StepEvent | ReplySummary]:
+        """One reply: prefill, then one tree step after another until EOS, a stop string, the token limit, the
+        context window or `stop`. Yields a StepEvent per step (the prefill's first token is step 0), then the
+        ReplySummary."""
+        settings = settings or GenerationSettings()
+        acceptor = self._reply_acceptor(prompt_ids, settings)
+        eos = set(self.model.eos_token_ids)
+        stop_strings = tuple(s for s in (*settings.stop_strings, *self.model.stop_strings) if s)
+        # The reply ends at max_new_tokens or where prompt + reply fill the context window, whichever is first.
+        limit = min(settings.max_new_tokens, self.context_limit - len(prompt_ids))
+        t0 = time.perf_counter()
+
+        # ---- prefill: reuse the cached prefix of the previous reply when the prompt extends it ----
+        reused, hidden = self._prefill_prompt(prompt_ids)
+        root_logits, guesses = self.next_logits_and_guesses(hidden)
+        root = acceptor.first(root_logits)
+        first = int(root.item())
+        prefill_s = time.perf_counter() - t0
+
+        reply, stop_reason = keep_until_end([first], 0, eos, limit)
+        stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
+        detok = StreamDecoder(self.model.tokenizer)
+        # Streamed text that could be the start of a stop string is held back until a later step settles it.
+        text, held, hit = release_held(detok.push(reply), stop_strings, final=bool(stop_reason))
+        stop_reason = "stop_string" if hit else stop_reason
+        yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
+        steps, accepted_lengths = 0, []
+        # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token).
+        # Not under typical acceptance: that rule keeps any plausible guess, so lookup guesses would make
+        # sampled replies repeat earlier text more often than the model does (greedy and exact: no such effect).
+        use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != "typical"
+        lookup = ContextLookup([*prompt_ids, first]) if use_lookup else None
+        # runs of lookup guesses longer than the tree's chain: where a step's tree is free (the exact CPU step)
+        runs = self.lookup_run if self._exact and self._graph is None else 0
+        decode_t0 = time.perf_counter()
+
+        # ---- decode: one tree verification per step ----
+        while not stop_reason:
+            if stop is not None and stop.is_set():
+                stop_reason = "stopped"
+                break
+            start = self.cache.length
+            step_t0 = time.perf_counter()
+            tree, buf, plan, guess, tokens = self._step_tree(root, guesses, start, lookup, runs)
+            done = self.step(root, guesses, start, acceptor, len(reply), buf, plan, guess, tokens)
+            new_tokens = self._commit(start, done)
+            root, guesses = done.bonus_on_device, done.draft
+            steps += 1
+            accepted_lengths.append(len(done.accepted) - 1)
+            # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
+            new_tokens, stop_reason = keep_until_end(new_tokens, len(reply), eos, limit)
+            reply.extend(new_tokens)
+            if lookup is not None:
+                lookup.extend(new_tokens)
+            stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
+            delta, held, hit = release_held(held + detok.push(new_tokens), stop_strings, final=bool(stop_reason))
+            stop_reason = "stop_string" if hit else stop_reason
+            now = time.perf_counter()
+            decode_s = now - decode_t0
+            yield StepEvent(
+                step=steps,
+                token_ids=new_tokens,
+                text=delta,
+                accepted_nodes=done.accepted,
+                tree=self._tree_view(tree, buf, done.tokens, guess),
+                step_time_s=now - step_t0,
+                new_tokens_total=len(reply),
+                elapsed_s=now - t0,
+                decode_tokens_per_s=(len(reply) - 1) / decode_s if decode_s > 0 else 0.0,
+                tokens_per_step=(len(reply) - 1) / steps,
+            )
+
+        decode_s = time.perf_counter() - decode_t0
+        decode_tokens = len(reply) - 1
+        message = ""
+        if stop_reason == "context_limit":
+            message = f"stopped at the model's context window ({self.context_limit} tokens)"
+        yield ReplySummary(
+            text=self._reply_text(reply, stop_strings, held),
+            token_ids=reply,
+            new_tokens=len(reply),
+            steps=steps,
+            tokens_per_step=decode_tokens / steps if steps else 0.0,
+            decode_tokens_per_s=decode_tokens / decode_s if steps and decode_s > 0 else 0.0,
+            time_to_first_token_s=prefill_s,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            prompt_tokens=len(prompt_ids),
+            reused_prefix_tokens=reused,
+            accept_mode=settings.accept_mode,
+            stop_reason=stop_reason,
+            tree_size=self.tree.size,
+            message=message,
+            accepted_lengths=accepted_lengths,
+        )
+
+    # ---- the reply's steps, by name ----------------------------------------------------------------------
+    def _reply_acceptor(self, prompt_ids: list[int], settings: GenerationSettings) -> Any:
+        """Check the request, then the reply's acceptance rule (greedy / typical / exact, acceptance.py) with
+        its random generator (exact draws the reply's uniforms here)."""
+        settings.validate()
+        if not prompt_ids:
+            raise PromptError("the prompt is empty: type a message first")
+        if len(prompt_ids) + 1 >= self.context_limit:
+            raise PromptError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context window is {self.context_limit}: "
+                "shorten it or start a new conversation"
+            )
+        generator = None
+        if settings.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            seed = (
+                settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
+            generator.manual_seed(seed)
+        return make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
+
+    def _prefill_prompt(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor]:
+        """Prefill the prompt past the prefix the cache already holds (at least its last token): (tokens
+        reused, the last prompt token's hidden state [1, H])."""
+        reused = 0
+        for a, b in zip(self.cached_ids, prompt_ids[:-1], strict=False):  # keep >= 1 token to prefill
+            if a != b:
+                break
+            reused += 1
+        self.cache.crop(reused)
+        del self.cached_ids[reused:]
+        new = torch.tensor(prompt_ids[reused:], dtype=torch.long, device=self.device)
+        hidden = self.prefill(new, reused)[-1:]
+        self.cached_ids.extend(prompt_ids[reused:])
+        return reused, hidden
+
+    def _step_tree(
+        self,
+        root: torch.Tensor,
+        guesses: torch.Tensor | None,
+        start: int,
+        lookup: ContextLookup | None,
+        runs: int,
+    ) -> tuple[Tree, TreeBuffers, TreePlan | None, list[int], torch.Tensor | None]:
+        """This step's tree, buffers and plan, the lookup's guesses for its main chain, and its tokens where
+        they are known already (a lookup run, a draft-shaped tree; else None: the step proposes them)."""
+        room = self.context_limit - start
+        # near the end of the context window a prefix of the tree still fits: the reply runs to the end
+        tree, buf, plan = self.tree_for_room(room)
+        guess: list[int] = []
+        tokens = None
+        if lookup is not None and buf.chain:
+            whole = tree is self.tree and runs > len(buf.chain)
+            guess = lookup.continuation(runs if whole else len(buf.chain))
+            if whole and lookup.matched == lookup.max_match and len(buf.chain) < len(guess) < room:
+                # a long match: the text is being copied, so the step verifies the lookup's whole run (a
+                # chain of its tokens, nothing drafted) instead of the tree's few chain nodes
+                tree, buf, plan = self._lookup_chain(len(guess))
+                tokens = torch.cat([root, torch.tensor(guess, dtype=root.dtype, device=root.device)])
+            guess = guess[: len(buf.chain)]
+        if self.draft_shaped and not guess and tree is self.tree:
+            tree, buf, plan, tokens = self._confident_tree(root, guesses)
+        return tree, buf, plan, guess, tokens
+
+    def _commit(self, start: int, done: StepResult) -> list[int]:
+        """Root + accepted candidates enter the cache (the rest of the tree's entries are dropped); returns the
+        step's new reply tokens (the accepted candidates, then the bonus, the next root)."""
+        self.cache.keep(start, done.accepted, done.path)
+        self.cached_ids.extend(done.tokens[n] for n in done.accepted)
+        return [done.tokens[n] for n in done.accepted[1:]] + [done.bonus]
+
+    def _tree_view(self, tree: Tree, buf: TreeBuffers, tokens: list[int], guess: list[int]) -> TreeView:
+        return TreeView(
+            tokens=tokens,
+            texts=[self._text(t) for t in tokens],
+            parents=tree.parents,
+            depths=tree.depths,
+            ranks=tree.ranks,
+            lookup_nodes=buf.chain[: len(guess)] if guess else [],
+        )
+
+    def _reply_text(self, reply: list[int], stop_strings: tuple[str, ...], held: str) -> str:
+        """The reply's text: one exact full decode (the stream's deltas add up to it), cut at a stop string."""
+        text = self._detok(reply)
+        if stop_strings:
+            cut = stop_string_cut(text, stop_strings)
+            text = text if cut is None else text[:cut]
+        if held and text.endswith(held):
+            # Stopped by the flag between two steps: no step is left to release the held text in, and a
+            # stopped reply keeps exactly what was shown (as a reply whose stream is abandoned does).
+            text = text[: -len(held)]
+        return text
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _detok(self, ids: list[int]) -> str:
+        text = self.model.tokenizer.decode(ids, skip_special_tokens=True)
+        # An incomplete multi-byte character decodes as U+FFFD: hold it back until the next token completes it.
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    def reset(self) -> None:
+        """Forget the cached prefix (e.g. after a model-level change)."""
+        self.cache.crop(0)
+        self.cached_ids.clear()
+
+
+def plain_tree() -> Tree:
+    """Root-only tree: the engine's own plain (one token per step) loop, used as a baseline."""
+    return Tree.chain(0)

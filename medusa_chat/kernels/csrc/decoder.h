@@ -1,0 +1,28 @@
+// The decoder step's model description (block linears, layers, the model) and the helpers its C files share.
+#pragma once
+#include <stdint.h>
+
+typedef struct {
+    int kind;  // 0 = Q8_0, 1 = Q4_1
+    int N, K;  // out, in features
+    const void *qs;
+    const uint16_t *d;  // fp16 scales
+    const void *aux;    // Q4_1: the minimums (fp16); Q8_0: the block sums of the codes (int16)
+} BLin;
+
+typedef struct {
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    BLin qkv, o, gate_up, down;  // q|k|v and gate|up fused along the output dimension
+} DLayer;
+
+typedef struct {
+    int n_layers, hidden, n_heads, n_kv, head_dim, inter;
+    float scale, final_eps;
+    const float *final_norm;
+    const DLayer *layers;
+} DModel;
+
+// A block linear as team work (qgemm.c, *_team): inside decoder_forward's parallel region the threads share it,
+// called alone (the drafter) one thread runs it.
+void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx);

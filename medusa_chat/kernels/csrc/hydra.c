@@ -1,0 +1,212 @@
+// The Hydra drafter (heads.py: ResBlock, TokenCell) on Q8_0 block weights, and the shaped-tree draft.
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include "simd.h"
+#include "decoder.h"
+#include "qgemm.h"
+// The drafter runs a few of these per step at batch 1-8; in PyTorch each is ~10 small ops whose dispatch cost
+// more than their arithmetic. Drafts only choose what the backbone verifies: none of this affects the output.
+typedef struct {
+    const int8_t *qs;
+    const uint16_t *d;
+    const int16_t *ws;
+    const float *bias;
+} Q8Lin;
+
+// y = x + silu(W x + b), one row at a time in fixed order
+static void add_silu_bias(float *y, const float *x, const float *t, const float *b, int M, int H) {
+    for (int r = 0; r < M; r++) {
+        const float *tr = t + (size_t)r * H, *xr = x + (size_t)r * H;
+        float *yr = y + (size_t)r * H;
+        int i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(tr + i), _mm256_loadu_ps(b + i));
+            const __m256 sg = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+            _mm256_storeu_ps(yr + i, _mm256_add_ps(_mm256_loadu_ps(xr + i), sg));
+        }
+        for (; i < H; i++) {
+            const float v = tr[i] + b[i];
+            yr[i] = xr[i] + v / (1.0f + expf(-v));
+        }
+    }
+}
+
+// x [M, H] -> y [M, H] through n ResBlocks; tmp [M, H]; scratch for the 8-bit activations as q8_0_gemm's
+void hydra_resblocks(int M, int H, int n, const Q8Lin *blocks, const float *x, float *y, float *tmp, int8_t *qx,
+                     float *dx, float *sx) {
+    memcpy(y, x, (size_t)M * H * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        q8_0_gemm(y, M, H, blocks[i].qs, blocks[i].d, blocks[i].ws, H, tmp, qx, dx, sx);
+        add_silu_bias(y, y, tmp, blocks[i].bias, M, H);
+    }
+}
+
+// TokenCell: out = state + silu(W [state ; e * rsqrt(mean(e^2) + 1e-6)] + b); cat [M, 2H], tmp [M, H]
+void hydra_cell(int M, int H, const Q8Lin *cell, const float *state, const float *emb, float *out, float *cat,
+                float *tmp, int8_t *qx, float *dx, float *sx) {
+    for (int r = 0; r < M; r++) {
+        const float *e = emb + (size_t)r * H;
+        float ss = 0.0f;
+        for (int i = 0; i < H; i++) ss += e[i] * e[i];
+        const float scale = 1.0f / sqrtf(ss / (float)H + 1e-6f);
+        float *c = cat + (size_t)r * 2 * H;
+        memcpy(c, state + (size_t)r * H, (size_t)H * sizeof(float));
+        for (int i = 0; i < H; i++) c[H + i] = e[i] * scale;
+    }
+    q8_0_gemm(cat, M, 2 * H, cell->qs, cell->d, cell->ws, H, tmp, qx, dx, sx);
+    add_silu_bias(out, state, tmp, cell->bias, M, H);
+}
+
+// The indices of the k largest of v[0 .. n), largest first; ties go to the lower index (a strict > test), so the
+// result never depends on anything but the values. k is a tree's width at one depth (a few).
+static void top_k(const float *v, int n, int k, int *out) {
+    float best[64];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const float x = v[i];
+        if (m == k && !(x > best[k - 1])) continue;
+        int j = m < k ? m++ : k - 1;
+        while (j > 0 && x > best[j - 1]) {
+            best[j] = best[j - 1];
+            out[j] = out[j - 1];
+            j--;
+        }
+        best[j] = x;
+        out[j] = i;
+    }
+}
+
+// A whole Hydra draft (engine/drafters.py, HydraDrafter.propose) in one call: the cell folds the root into the last
+// accepted node's state, then depth by depth the ResBlocks of head d on the nodes that have children, the
+// draft-vocabulary projection (a Q4_1 block linear), top-k, the children's tokens and (except at the last depth)
+// the cell folding each child's token into its parent's state. Python paid ~12 small tensor ops per depth for
+// this; here a depth costs its arithmetic.
+//
+// plan (int32), per depth: I, C, K, then internal_rows[I], child_nodes[C], child_slot[C], child_rank[C],
+// child_parent_row[C] (tree.py, TreeLevel). heads[d] / n_blocks[d]: head d's ResBlocks. embed: the token
+// embedding, an fp32 table [vocab, H] or a Q8_0 block linear's rows (the tied lm_head's: q8_0_rows).
+// work: floats, at least (6 * R + 2 * R) * H + R * V + R * 64, R = the most rows of a depth (I or C), V = the
+// projection's padded rows; qx/dx/sx: the 8-bit activation scratch for R rows of 2H.
+typedef struct {
+    const float *table;  // fp32 [vocab, H], or NULL: then the Q8_0 blocks below
+    const int8_t *qs;
+    const uint16_t *d;
+    int group;
+} Embed;
+
+static void embed_row(const Embed *e, int64_t tok, int H, float *out) {
+    if (e->table)
+        memcpy(out, e->table + (size_t)tok * H, (size_t)H * sizeof(float));
+    else
+        q8_0_rows(e->qs, e->d, H, e->group, &tok, 1, out);
+}
+
+void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
+                 const int64_t *draft_vocab, const Embed *embed, const float *hidden, const int64_t *root,
+                 const int *plan, int n_levels, int64_t *tokens, float *work, int R, int8_t *qx, float *dx,
+                 float *sx) {
+    float *state = work, *nstate = state + (size_t)R * H, *x = nstate + (size_t)R * H, *y = x + (size_t)R * H,
+          *tmp = y + (size_t)R * H, *emb = tmp + (size_t)R * H, *cat = emb + (size_t)R * H,
+          *logits = cat + (size_t)2 * R * H;
+    int *top = (int *)(logits + (size_t)R * proj->N);
+    const size_t row_bytes = (size_t)H * sizeof(float);
+    tokens[0] = root[0];
+    embed_row(embed, root[0], H, emb);
+    hydra_cell(1, H, cell, hidden, emb, state, cat, tmp, qx, dx, sx);  // depth 0: the root only
+    for (int d = 0; d < n_levels; d++) {
+        const int I = plan[0], C = plan[1], K = plan[2];
+        const int *internal = plan + 3, *nodes = internal + I, *slot = nodes + C, *rank = slot + C,
+                  *parent_row = rank + C;
+        plan = parent_row + C;
+        for (int i = 0; i < I; i++) memcpy(x + (size_t)i * H, state + (size_t)internal[i] * H, row_bytes);
+        hydra_resblocks(I, H, n_blocks[d], heads[d], x, y, tmp, qx, dx, sx);
+#pragma omp parallel
+        block_linear(proj, y, I, logits, qx, dx, sx);
+        for (int i = 0; i < I; i++) top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
+        for (int c = 0; c < C; c++) {
+            const int64_t tok = draft_vocab[top[slot[c] * 64 + rank[c]]];
+            tokens[nodes[c]] = tok;
+            if (d + 1 < n_levels) {
+                embed_row(embed, tok, H, emb + (size_t)c * H);
+                memcpy(x + (size_t)c * H, state + (size_t)parent_row[c] * H, row_bytes);
+            }
+        }
+        if (d + 1 < n_levels) {
+            hydra_cell(C, H, cell, x, emb, nstate, cat, tmp, qx, dx, sx);
+            float *t = state;
+            state = nstate;
+            nstate = t;
+        }
+    }
+}
+
+// A tree shaped by the draft's confidence (EAGLE-2's dynamic tree on the Hydra spine; engine/drafters.py,
+// confident_paths, is the same rule in Python and documents it): the cell folds the root into the last accepted
+// node's state; per depth d < D the ResBlocks of head d, the draft-vocabulary projection, the top-K tokens and
+// their probabilities (softmax over the V draft-vocabulary logits), then the cell folds the top-1 token in for
+// the next depth (the spine). Candidate (d, r), the path (0,) * d + (r,), has the spine's probabilities down to
+// depth d - 1 times its own; the size - 1 most probable candidates (ties: shallower, then lower rank) are the
+// tree. Out: codes[size - 1] = d * K + r of the chosen nodes in growth order (depth, then rank) and
+// node_tokens[size] (the root first, then those nodes' tokens); returns the number of nodes chosen (size - 1, or
+// fewer when D * K is smaller). work: floats, >= 8 * H + proj->N + 2 * D * K + 64.
+int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
+                       int V, const int64_t *draft_vocab, const Embed *embed, const float *hidden,
+                       const int64_t *root, int D, int K, int size, int *codes, int64_t *node_tokens, float *work,
+                       int8_t *qx, float *dx, float *sx) {
+    float *state = work, *nstate = state + H, *y = nstate + H, *tmp = y + H, *emb = tmp + H, *cat = emb + H,
+          *logits = cat + 2 * H, *path_p = logits + proj->N;
+    int64_t cand_tok[8 * 64];
+    int *top = (int *)(path_p + D * K);
+    if (D * K > 8 * 64) return 0;
+    embed_row(embed, root[0], H, emb);
+    hydra_cell(1, H, cell, hidden, emb, state, cat, tmp, qx, dx, sx);
+    float spine = 1.0f;
+    for (int d = 0; d < D; d++) {
+        hydra_resblocks(1, H, n_blocks[d], heads[d], state, y, tmp, qx, dx, sx);
+#pragma omp parallel
+        block_linear(proj, y, 1, logits, qx, dx, sx);
+        top_k(logits, V, K, top);
+        // softmax normaliser: sum of exp(l - max), 8 lanes at a time (a confidence: it shapes the tree, verification
+        // decides what is accepted)
+        const float mx = logits[top[0]];
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= V; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vm)));
+        float sum = hsum8(acc);
+        for (; j < V; j++) sum += expf(logits[j] - mx);
+        for (int r = 0; r < K; r++) {
+            cand_tok[d * K + r] = draft_vocab[top[r]];
+            path_p[d * K + r] = spine * (expf(logits[top[r]] - mx) / sum);
+        }
+        spine = path_p[d * K];
+        if (d + 1 < D) {
+            embed_row(embed, cand_tok[d * K], H, emb);
+            hydra_cell(1, H, cell, state, emb, nstate, cat, tmp, qx, dx, sx);
+            float *t = state;
+            state = nstate;
+            nstate = t;
+        }
+    }
+    // the size - 1 best candidates: selection by repeated maximum (a few dozen candidates at most); a strict >
+    // in candidate order (depth, then rank) keeps ties on the shallower, lower-ranked one
+    const int n = size - 1 < D * K ? size - 1 : D * K;
+    unsigned char taken[8 * 64] = {0};
+    for (int i = 0; i < n; i++) {
+        int best = -1;
+        for (int c = 0; c < D * K; c++)
+            if (!taken[c] && (best < 0 || path_p[c] > path_p[best])) best = c;
+        taken[best] = 1;
+    }
+    node_tokens[0] = root[0];
+    int m = 0;
+    for (int c = 0; c < D * K; c++)
+        if (taken[c]) {
+            codes[m] = c;
+            node_tokens[++m] = cand_tok[c];
+        }
+    return m;
+}

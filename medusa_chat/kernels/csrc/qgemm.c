@@ -1,0 +1,526 @@
+// Weight-only quantized GEMM for small batches (a decoding step: 1 to a few dozen rows), AVX2 + FMA, with
+// AVX-VNNI / AVX512-VNNI dot products where the CPU has them (the build passes -mavxvnni etc.: qgemm.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] with w stored as GGUF blocks of 32 along k:
+//   Q4_1: w = d * q + mn, q in 0..15
+//   Q8_0: w = d * q, q in -127..127
+// The weights are the file's blocks; the activations are quantized to 8 bits per block of 32 (llama.cpp's own
+// scheme for these formats), and the block dot products are exact integer sums.
+//
+// Layout: output columns in groups of GW (16 in AVX512-VNNI builds, else 8; qgemm.py, interleave_*), each
+// group's blocks interleaved: per block, GW * 4-byte vectors where vector j holds for each column c of the group
+// the 4 codes of block elements 4j..4j+3 at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements
+// 16+4j..16+4j+3). One multiply-add of such a vector with the row's 4 activation codes broadcast gives the
+// partial dots of all the group's columns at once, so there is no horizontal sum, and the columns' scales apply
+// with one vector FMA. A 512-bit tile takes a 16-column group, a 256-bit tile an 8-column one; both compute
+// every column with the same arithmetic, so every build gives the same bits.
+// Why a kernel of our own: at batch 1 the step is bound by these products, and torch's CPU weight-only kernels
+// re-read or re-expand the weight for every row, so a 4-row tree step costs ~2x a 1-row step. Here each weight
+// block is read and expanded once and applied to up to 4 rows. Row invariance (the tree step must reproduce the
+// plain step bit for bit): each row's outputs are computed by the same instruction sequence whatever the number
+// of rows (exact integer block sums, then acc = fma(d * dx, dot, acc) over the blocks in order), so a row's
+// result never depends on the rows computed beside it.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include "qgemm.h"
+
+#define QK 32
+#define GC 8    // output columns per 256-bit tile (one 8-lane vector)
+// Output columns per interleaved group (the layout, qgemm.py reads it from qgemm_group()): 16 where 512-bit
+// tiles take a whole group per instruction; else 8, one 256-bit tile (a 16-wide layout read half by half
+// streamed worse from DRAM on AVX2: the second half's compute no longer overlapped the loads)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GW 16
+#else
+#define GW 8
+#endif
+#define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
+#define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
+// Software prefetch of the weight stream, this many bytes ahead of the block being read. A decoding step reads
+// ~100 MB of weights (the backbone, the lm_head, the drafter), more than a small machine's share of the L3, so
+// they stream from DRAM every step; the hardware prefetcher alone left the kernel at ~24 GB/s there, and an extra
+// tree row's arithmetic then came on top of the stream instead of under it. Measured on the 2-vCPU Xeon, one
+// step's projections of SmolLM2-135M in one parallel region (benchmarks/step_gemms.c): weights from DRAM, 1 / 2 /
+// 3 rows 5.5 / 6.2 / 6.6 ms -> 3.4 / 3.5 / 3.8 ms; from L3 1.41 / 1.46 / 1.62 -> 1.32 / 1.37 / 1.42 ms (4 KB
+// ahead: a little faster at 1 row, slower at 3; 16 KB: slower). A prefetch is a hint: the arithmetic, so the
+// bits, are unchanged. (It must stay inlined: GCC deletes calls to a function that only prefetches.)
+#ifndef PF_AHEAD  // benchmarks/step_gemms.c builds with -DPF_AHEAD=0 for the before
+#define PF_AHEAD 8192
+#endif
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes) {
+#pragma GCC unroll 8
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define HAVE_VNNI 0
+#endif
+
+int qgemm_isa(void) { return HAVE_VNNI; }
+int qgemm_group(void) { return GW; }
+
+// Activation rows quantized per block of 32 the way llama.cpp does (Q8_1): q = round(x / d), d = max|x| / 127,
+// plus s = d * sum(q) for Q4_1's minimum term. Integer dot products then cost a few instructions per 32 weights
+// (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant; the
+// max and the integer sum are exact in any order, and the rounding is the FPU's round-to-nearest-even.
+// qu (optional): the same codes plus 128, as unsigned bytes (the VNNI Q8_0 product's unsigned operand).
+// Every block is independent: the blocks are shared among the threads of the team that calls this (an orphaned
+// worksharing loop; called outside a parallel region, one thread does them all).
+static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu) {
+    const int nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
+#pragma omp for collapse(2) schedule(static)
+    for (int r = 0; r < M; r++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * K + (size_t)b * QK;
+            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                         v3 = _mm256_loadu_ps(xb + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid)),
+                          i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
+            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            const __m256i codes = _mm256_permutevar8x32_epi32(p, perm);
+            _mm256_storeu_si256((__m256i *)(q + (size_t)r * K + (size_t)b * QK), codes);
+            if (qu)
+                _mm256_storeu_si256((__m256i *)(qu + (size_t)r * K + (size_t)b * QK),
+                                    _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)));
+            dx[(size_t)r * nb + b] = d;
+            sx[(size_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+        }
+    }
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// 8 fp16 values (the blocks' scales, stored as in the file) to fp32: exact
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void store_cols(float *out, __m256 v, int w) {
+    if (w == GC) {
+        _mm256_storeu_ps(out, v);
+    } else {
+        float t[GC];
+        _mm256_storeu_ps(t, v);
+        for (int c = 0; c < w; c++) out[c] = t[c];
+    }
+}
+
+// Q4_1, 8 columns (a group, or with GW = 16 one half of it: qs, d, mn offset to it) x MR_ rows. Codes are 0..15 (unsigned
+// operand), activations -127..127.
+// Without VNNI, the 8 maddubs partials of a block add up exactly in 16 bits (|sum| <= 8 * 2 * 15 * 127 < 32768).
+static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, const float *dx, const float *sx,
+                                                             int nb, int r0, const uint8_t *qs, const uint16_t *d,
+                                                             const uint16_t *mn, float *y, int N, int n0,
+                                                             const int MR_) {
+    __m256 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if !HAVE_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = qs + (size_t)b * GW * 16;
+        prefetch_lines(wb + PF_AHEAD, GW * 16);
+        if ((b & 1) == 0) {  // the scales: 2 blocks per 64-byte line
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64);
+            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64);
+        }
+        __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + GW * 4 * j));
+            lo[j] = _mm256_and_si256(raw, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        const __m256 db = load_f16(d + (size_t)b * GW), mb = load_f16(mn + (size_t)b * GW);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+            const int8_t *q = qx + xb * QK;
+#if HAVE_VNNI
+            // two independent chains (low and high halves), added at the end: exact integers either way
+            __m256i s0 = DPBUSD(_mm256_setzero_si256(), lo[0], bcast4(q));
+            __m256i s1 = DPBUSD(_mm256_setzero_si256(), hi[0], bcast4(q + 16));
+            s0 = DPBUSD(s0, lo[1], bcast4(q + 4));
+            s1 = DPBUSD(s1, hi[1], bcast4(q + 20));
+            s0 = DPBUSD(s0, lo[2], bcast4(q + 8));
+            s1 = DPBUSD(s1, hi[2], bcast4(q + 24));
+            s0 = DPBUSD(s0, lo[3], bcast4(q + 12));
+            s1 = DPBUSD(s1, hi[3], bcast4(q + 28));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+#else
+            __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(q));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[1], bcast4(q + 4)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[2], bcast4(q + 8)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[3], bcast4(q + 12)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(q + 16)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[1], bcast4(q + 20)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[2], bcast4(q + 24)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[3], bcast4(q + 28)));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[xb])), dot, acc[r]);
+            acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[xb]), acc[r]);
+        }
+    }
+    const int w = N - n0 < GC ? N - n0 : GC;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+
+// Q8_0, 8 columns (a group, or half of one as for Q4_1) x MR_ rows; both operands are signed.
+//   VNNI: the unsigned operand is the activation shifted by 128 (xu = x + 128, kept beside qx by quantize_rows),
+//         and 128 * (the column's block sum of codes, `ws`) is subtracted again: exact.
+//   AVX2: the sign moves from w to x (|w| * sign(x, w)), pairs summed in 32 bits (two pairs could pass 16).
+static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, const int8_t *qxu, const float *dx,
+                                                             int nb, int r0, const int8_t *qs, const uint16_t *d,
+                                                             const int16_t *ws, float *y, int N, int n0,
+                                                             const int MR_) {
+    __m256 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+#if !HAVE_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)qxu, (void)ws;
+#else
+    (void)qx;
+#endif
+    for (int b = 0; b < nb; b++) {
+        const int8_t *wb = qs + (size_t)b * GW * 32;
+        prefetch_lines(wb + PF_AHEAD, GW * 32);
+        if ((b & 1) == 0) {
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64);
+            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64);
+        }
+        __m256i w[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wb + GW * 4 * j));
+        const __m256 db = load_f16(d + (size_t)b * GW);
+#if HAVE_VNNI
+        const __m256i corr =
+            _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)b * GW))), 7);
+#endif
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+#if HAVE_VNNI
+            const int8_t *q = qxu + xb * QK;
+            __m256i s0 = DPBUSD(_mm256_setzero_si256(), bcast4(q), w[0]);
+            __m256i s1 = DPBUSD(_mm256_setzero_si256(), bcast4(q + 4), w[1]);
+#pragma GCC unroll 3
+            for (int j = 2; j < 8; j += 2) {
+                s0 = DPBUSD(s0, bcast4(q + 4 * j), w[j]);
+                s1 = DPBUSD(s1, bcast4(q + 4 * j + 4), w[j + 1]);
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr));
+#else
+            const int8_t *q = qx + xb * QK;
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(bcast4(q + 4 * j), w[j]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(s);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[xb])), dot, acc[r]);
+        }
+    }
+    const int w = N - n0 < GC ? N - n0 : GC;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 512-bit tiles: a whole group of 16 columns per register, per lane exactly the 256-bit tiles' arithmetic
+// (same integer sums, same FMAs in the same order), so the results are bitwise theirs. Half the instructions
+// per multiply-add: a tree step's extra rows are compute, not memory, and cost that much less.
+#define HAVE_512 1
+static inline __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __m512 load_f16x16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline void store_cols16(float *out, __m512 v, int w) {
+    if (w == GW)
+        _mm512_storeu_ps(out, v);
+    else
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << w) - 1), v);
+}
+
+static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, const float *dx, const float *sx,
+                                                               int nb, int r0, const uint8_t *qs,
+                                                               const uint16_t *d, const uint16_t *mn, float *y,
+                                                               int N, int n0, const int MR_) {
+    __m512 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = qs + (size_t)b * 256;
+        prefetch_lines(wb + PF_AHEAD, 256);
+        if ((b & 1) == 0) {
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64);
+            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64);
+        }
+        __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(wb + 64 * j));
+            lo[j] = _mm512_and_si512(raw, m4);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        const __m512 db = load_f16x16(d + (size_t)b * GW), mb = load_f16x16(mn + (size_t)b * GW);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+            const int8_t *q = qx + xb * QK;
+            // one accumulation chain (exact integers, so any order gives the same sums): an add fewer per row and
+            // block than two chains, and the rows' and blocks' chains in flight hide the latency. Measured with
+            // benchmarks/step_gemms.c (30 layers, 2-vCPU Xeon, three alternating runs): 1 / 3 / 8 rows 1.50-1.63
+            // / 1.65-1.80 / 3.17-3.39 ms -> 1.43-1.47 / 1.61-1.65 / 3.07-3.15 ms
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4_512(q));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                if (j) s = _mm512_dpbusd_epi32(s, lo[j], bcast4_512(q + 4 * j));
+                s = _mm512_dpbusd_epi32(s, hi[j], bcast4_512(q + 16 + 4 * j));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(s);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_set1_ps(dx[xb])), dot, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[xb]), acc[r]);
+        }
+    }
+    const int w = N - n0 < GW ? N - n0 : GW;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols16(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu, const float *dx, int nb, int r0,
+                                                               const int8_t *qs, const uint16_t *d,
+                                                               const int16_t *ws, float *y, int N, int n0,
+                                                               const int MR_) {
+    __m512 acc[TR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int8_t *wb = qs + (size_t)b * 512;
+        prefetch_lines(wb + PF_AHEAD, 512);
+        if ((b & 1) == 0) {
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64);
+            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64);
+        }
+        __m512i w[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(wb + 64 * j));
+        const __m512 db = load_f16x16(d + (size_t)b * GW);
+        const __m512i corr =
+            _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(ws + (size_t)b * GW))), 7);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR_; r++) {
+            const size_t xb = (size_t)(r0 + r) * nb + b;
+            const int8_t *q = qxu + xb * QK;
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bcast4_512(q), w[0]);
+#pragma GCC unroll 7
+            for (int j = 1; j < 8; j++) s = _mm512_dpbusd_epi32(s, bcast4_512(q + 4 * j), w[j]);
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, corr));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_set1_ps(dx[xb])), dot, acc[r]);
+        }
+    }
+    const int w = N - n0 < GW ? N - n0 : GW;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR_; r++) store_cols16(y + (size_t)(r0 + r) * N + n0, acc[r], w);
+}
+#else
+#define HAVE_512 0
+#endif
+
+#define ROW_TILES(CALL)                                                     \
+    for (int r0 = 0; r0 < M; r0 += TR) {                                    \
+        switch (M - r0 < TR ? M - r0 : TR) {                                \
+            case 1: CALL(1); break;                                         \
+            case 2: CALL(2); break;                                         \
+            case 3: CALL(3); break;                                         \
+            default: CALL(4); break;                                        \
+        }                                                                   \
+    }
+
+// The products as team work: called by every thread of a parallel region (decoder.c runs a whole step in one),
+// each call shares the activation blocks, then the column groups, among the threads, with a barrier after each
+// (the implicit one of `omp for`). Outside a parallel region one thread does everything. Which thread computes a
+// column never changes its arithmetic.
+//
+// x [M, K] fp32 row-major; qs, d, mn: ceil(N / GW) interleaved groups (K / 2 * GW bytes, K / 32 * GW fp16
+// each); y [M, N] fp32; scratch: qx 2 * M * K bytes, dx and sx M * K / 32 floats each.
+void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+                    float *y, int8_t *qx, float *dx, float *sx) {
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
+    quantize_rows(x, M, K, qx, dx, sx, NULL);
+#pragma omp for schedule(static)
+    for (int g = 0; g < ng; g++) {
+        const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
+        const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
+#if HAVE_512
+#define Q41(MRc) q4_1_tile16(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GW, MRc)
+        ROW_TILES(Q41)
+#undef Q41
+#else
+        for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq + 32 * h, gd + GC * h, gm + GC * h, y, N, g * GW + GC * h, MRc)
+            ROW_TILES(Q41)
+#undef Q41
+        }
+#endif
+    }
+}
+
+// Column group g of a Q8_0 product, all M rows, to y[r * ldy + c0 + c]: the product's own output (ldy = N, c0 =
+// g * GW) or a group-sized scratch (ldy = GW, c0 = 0, q8_0_gemm_argmax). N: the product's outputs (the last
+// group's padding columns are computed, never stored beyond N).
+static inline __attribute__((always_inline)) void q8_0_group(const int8_t *qx, const int8_t *qxu, const float *dx,
+                                                              int M, int nb, const int8_t *qs, const uint16_t *d,
+                                                              const int16_t *ws, int N, int g, float *y, int ldy,
+                                                              int c0) {
+    const int8_t *gq = qs + (size_t)g * nb * GW * 32;
+    const uint16_t *gd = d + (size_t)g * nb * GW;
+    const int16_t *gs = ws + (size_t)g * nb * GW;
+#if HAVE_512
+    (void)qx, (void)N;
+#define Q80(MRc) q8_0_tile16(qxu, dx, nb, r0, gq, gd, gs, y, ldy, c0, MRc)
+    ROW_TILES(Q80)
+#undef Q80
+#else
+    for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define Q80(MRc) q8_0_tile(qx, qxu, dx, nb, r0, gq + 32 * h, gd + GC * h, gs + GC * h, y, ldy, c0 + GC * h, MRc)
+        ROW_TILES(Q80)
+#undef Q80
+    }
+#endif
+}
+
+// x [M, K] fp32; qs, d, ws: ceil(N / GW) interleaved groups (K * GW bytes, K / 32 * GW fp16 scales, K / 32 * GW
+// int16 block sums of the codes); y [M, N] fp32; scratch as above.
+void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                    float *y, int8_t *qx, float *dx, float *sx) {
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
+    int8_t *qxu = qx + (size_t)M * K;
+    quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+#pragma omp for schedule(static)
+    for (int g = 0; g < ng; g++) q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, N, g * GW);
+}
+
+// The greedy tokens of a Q8_0 vocab projection (the lm_head): per row the index of the largest output, the first
+// one where several are equal, and a NaN counting as the largest (torch.max's semantics, acceptance.greedy_tokens),
+// without writing the [M, N] outputs: each thread keeps a running best per row over its own column groups (a
+// contiguous range, in order), and the threads' bests are merged in column order. The outputs compared are the
+// very values q8_0_gemm computes (the same tiles on the same activation codes), so the result is exactly
+// greedy_tokens(q8_0_gemm(...)). Saves the logits' round trip through memory and a pass over them per step.
+#define ARGMAX_ROWS 64
+#define ARGMAX_THREADS 64
+static inline int better(float v, float best) { return v > best || (v != v && best == best); }
+
+int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                     int64_t *out, int8_t *qx, float *dx, float *sx) {
+    if (M > ARGMAX_ROWS) return 0;
+    const int nb = K / QK, ng = (N + GW - 1) / GW;
+    int8_t *qxu = qx + (size_t)M * K;
+    float team_best[ARGMAX_THREADS][ARGMAX_ROWS];  // the caller's stack, shared by its team (48 KB)
+    int64_t team_index[ARGMAX_THREADS][ARGMAX_ROWS];
+    int threads = 1;
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    {
+        quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+        const int t = omp_get_thread_num();
+#pragma omp single
+        threads = omp_get_num_threads();
+        float best[ARGMAX_ROWS];
+        int64_t index[ARGMAX_ROWS];
+        __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
+        for (int r = 0; r < M; r++) best[r] = 0.0f, index[r] = -1;
+#pragma omp for schedule(static)
+        for (int g = 0; g < ng; g++) {
+            q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, GW, 0);
+            const int w = N - g * GW < GW ? N - g * GW : GW;  // the last group's padding columns are not outputs
+            for (int r = 0; r < M; r++)
+                for (int c = 0; c < w; c++) {
+                    const float v = y[r * GW + c];
+                    if (index[r] < 0 || better(v, best[r])) best[r] = v, index[r] = (int64_t)g * GW + c;
+                }
+        }
+        if (t < ARGMAX_THREADS)
+            for (int r = 0; r < M; r++) team_best[t][r] = best[r], team_index[t][r] = index[r];
+    }
+    if (threads > ARGMAX_THREADS) return 0;
+    for (int r = 0; r < M; r++) {
+        int64_t index = -1;
+        float best = 0.0f;
+        for (int t = 0; t < threads; t++)  // static schedule: thread t's columns follow thread t - 1's
+            if (team_index[t][r] >= 0 && (index < 0 || better(team_best[t][r], best)))
+                best = team_best[t][r], index = team_index[t][r];
+        out[r] = index;
+    }
+    return 1;
+}
+
+// One product on its own (the Python modules' calls): its own parallel region, or one thread when it is small
+// (a region costs more than it saves below PAR_MIN).
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+               float *y, int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    q4_1_gemm_team(x, M, K, qs, d, mn, N, y, qx, dx, sx);
+}
+
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
+               int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN)
+    q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
+}
+
+// Rows of a Q8_0 block linear's weight, dequantized: out[i] = row ids[i] (K floats), w = d * q exactly as the
+// file defines it (the fp16 scale converted exactly, the product of an 11-bit and an 8-bit integer is exact in
+// fp32). The token embedding of a model whose lm_head is tied to it is looked up this way (qgemm.py,
+// BlockEmbedding), so the table is not also held in fp32. group: the layout's rows per interleaved group.
+void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out) {
+    const int nb = K / QK;
+    for (int i = 0; i < n; i++) {
+        const int64_t g = ids[i] / group, c = ids[i] % group;
+        const int8_t *gq = qs + (size_t)g * nb * group * 32;
+        const uint16_t *gd = d + (size_t)g * nb * group;
+        float *o = out + (size_t)i * K;
+        for (int b = 0; b < nb; b++) {
+            const float db = _cvtsh_ss(gd[(size_t)b * group + c]);
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < 4; t++)
+                    o[b * QK + 4 * j + t] = db * (float)gq[(size_t)b * group * 32 + (size_t)j * group * 4 + c * 4 + t];
+        }
+    }
+}

@@ -1,0 +1,17 @@
+// The block kernels of qgemm.c (GGUF Q4_1 / Q8_0 weights, 8-bit activations), for the other C files.
+#pragma once
+#include <stdint.h>
+
+int qgemm_isa(void);
+int qgemm_group(void);
+void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+                    float *y, int8_t *qx, float *dx, float *sx);
+void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                    float *y, int8_t *qx, float *dx, float *sx);
+int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
+                     int64_t *out, int8_t *qx, float *dx, float *sx);
+void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
+               float *y, int8_t *qx, float *dx, float *sx);
+void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
+               int8_t *qx, float *dx, float *sx);
+void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out);

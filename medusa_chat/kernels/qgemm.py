@@ -1,0 +1,470 @@
+"""GGUF-block linears (Q4_1, Q8_0) on the CPU with a small AVX2 kernel of our own (csrc/qgemm.c), built with
+AVX-VNNI / AVX512-VNNI dot products where this CPU has them (`best_isa`; the results are the same bits).
+
+The kernel is compiled once per instruction set with the system C compiler the first time it is needed (a few
+seconds) and kept in the user cache dir; a machine without a compiler or without AVX2+FMA simply does not get these linears
+(`available()` is False) and the CPU paths fall back to torch's weight-only kernels. It runs on the OpenMP
+runtime torch already loaded (same libgomp soname), so it shares torch's threads instead of adding a pool.
+
+Why a kernel: see csrc/qgemm.c. In short, a tree step reads each weight block once for all its rows, and the
+weights are the file's own blocks (Q4_1 for the projections, Q8_0 for the embedding / lm_head), dequantized
+exactly as the float model converted from the file has them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from medusa_chat.machine import cpu_flags
+
+QK = 32
+# -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
+# its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# Integer dot-product instructions, used where this CPU has them (qgemm.c: the same exact integer block sums in
+# fewer instructions, so results are bitwise the same as the AVX2 build's)
+ISA_FLAGS = {
+    "avx2": (),
+    "avxvnni": ("-mavxvnni",),
+    "avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+}
+_LIBS: dict[str, ctypes.CDLL | None] = {}
+_ERROR = ""
+
+
+def best_isa(flags: set[str] | None = None) -> str:
+    """The widest integer-dot instruction set of this CPU the kernel has a path for (MEDUSA_CHAT_QGEMM_ISA
+    overrides it, e.g. `avx2` to measure the plain AVX2 path on a VNNI machine)."""
+    forced = os.environ.get("MEDUSA_CHAT_QGEMM_ISA")
+    if forced:
+        if forced not in ISA_FLAGS:
+            raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(ISA_FLAGS)} (got {forced!r})")
+        return forced
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512vnni"
+    if "avx_vnni" in flags:
+        return "avxvnni"
+    return "avx2"
+
+
+def _sources() -> tuple[list[str], list[str]]:
+    """The C sources and headers in csrc/ (sorted): every one is compiled or included, and hashed."""
+    names = sorted(f.name for f in resources.files("medusa_chat.kernels.csrc").iterdir() if f.is_file())
+    return [n for n in names if n.endswith(".c")], [n for n in names if n.endswith(".h")]
+
+
+def _build(out: Path, flags: tuple[str, ...]) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc/clang) found")
+    with tempfile.TemporaryDirectory() as tmp:
+        c_files = []
+        sources, headers = _sources()
+        for name in headers:
+            (Path(tmp) / name).write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
+        for name in sources:
+            c_file = Path(tmp) / name
+            c_file.write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
+            c_files.append(str(c_file))
+        so = Path(tmp) / "qgemm.so"
+        cmd = [cc, *flags, *c_files, "-o", str(so)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling the qgemm kernel failed: {done.stderr.strip()[:300]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copy(so, tmp_out)
+        os.replace(tmp_out, out)
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library for `isa` (default: this CPU's best), building it on first use; None where it
+    cannot run here."""
+    global _ERROR
+    if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0":
+        _ERROR = "disabled by MEDUSA_CHAT_QGEMM=0"
+        return None
+    cpu = cpu_flags()
+    if not {"avx2", "fma"} <= cpu:
+        _ERROR = "this CPU lacks AVX2/FMA"
+        return None
+    isa = isa or best_isa(cpu)
+    if isa in _LIBS:
+        return _LIBS[isa]
+    from medusa_chat.paths import cache_root
+
+    flags = (*CFLAGS, *ISA_FLAGS[isa])
+    h = hashlib.sha256(" ".join(flags).encode())
+    for name in (n for group in _sources() for n in group):
+        h.update(name.encode())
+        h.update(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_bytes())
+    path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
+    lib = None
+    try:
+        if not path.is_file():
+            _build(path, flags)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        _ERROR = str(err)
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.q4_1_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q8_0_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q4_1_gemm.restype = lib.q8_0_gemm.restype = None
+        lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
+        lib.decoder_forward.restype = None
+        lib.decoder_scratch_bytes.argtypes = [p, i, i]
+        lib.decoder_scratch_bytes.restype = ctypes.c_size_t
+        lib.qgemm_isa.restype = lib.qgemm_group.restype = i
+        lib.hydra_resblocks.argtypes = [i, i, i, p, p, p, p, p, p, p]
+        lib.hydra_cell.argtypes = [i, i, p, p, p, p, p, p, p, p, p]
+        lib.hydra_draft.argtypes = [i, p, p, p, p, p, p, p, p, p, i, p, p, i, p, p, p]
+        lib.hydra_draft_shaped.argtypes = [i, p, p, p, p, i, p, p, p, p, i, i, i, p, p, p, p, p, p]
+        lib.hydra_draft_shaped.restype = i
+        lib.q8_0_gemm_argmax.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
+        lib.q8_0_gemm_argmax.restype = i
+        lib.q8_0_rows.argtypes = [p, p, i, i, p, i, p]
+        lib.q8_0_rows.restype = None
+        lib.hydra_resblocks.restype = lib.hydra_cell.restype = lib.hydra_draft.restype = None
+    _LIBS[isa] = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str:
+    load()
+    return _ERROR
+
+
+class BlockLinear(nn.Module):
+    """A bias-free linear whose weight is stored as GGUF blocks; fp32 in, fp32 out (other dtypes converted)."""
+
+    kind = ""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        if in_features % QK:
+            raise ValueError(f"{self.kind} needs in_features divisible by {QK} (got {in_features})")
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
+        self._fn = getattr(lib, f"{self.kind}_gemm")
+        # rows per interleaved group, the layout of this build's kernel (qgemm.c GW: 16 with 512-bit tiles, else
+        # 8); each module records the width its weights were laid out for
+        self.group = int(lib.qgemm_group())
+        self.in_features, self.out_features = in_features, out_features
+
+    def _call(self, x: int, m: int, y: int) -> None:
+        raise NotImplementedError
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as contiguous fp32 rows [M, K], with activation scratch for M rows."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        if x2.shape[0] > self._scratch_rows:
+            self._grow_scratch(x2.shape[0])
+        return x2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The hot path of a decoding step (7 calls per layer): no per-call allocation but the output.
+        shape = x.shape
+        x2 = self._rows(x)
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        self._call(x2.data_ptr(), m, y.data_ptr())  # type: ignore[attr-defined]
+        return (
+            y.view(*shape[:-1], self.out_features)
+            if x.dtype == torch.float32
+            else y.view(*shape[:-1], self.out_features).to(x.dtype)
+        )
+
+    _scratch_rows = 0
+
+    def _bind(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        out = super()._apply(fn, recurse)
+        self._bind()  # buffers may have moved: refresh the raw pointers
+        return out
+
+    def _grow_scratch(self, rows: int) -> None:
+        """Scratch for the 8-bit activation blocks (codes, block scales, scaled sums), kept between calls."""
+        rows = max(rows, 16)
+        self._qx = torch.empty(2 * rows * self.in_features, dtype=torch.int8)  # codes, and codes + 128 (Q8_0)
+        self._dx = torch.empty(2, rows * self.in_features // QK, dtype=torch.float32)
+        self._scratch = (self._qx.data_ptr(), self._dx[0].data_ptr(), self._dx[1].data_ptr())
+        self._scratch_rows = rows
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class Q41Linear(BlockLinear):
+    """GGUF Q4_1: per 32 weights a scale d and a minimum m, w = d * q + m.
+
+    Stored as the kernel reads it (csrc/qgemm.c, q4_1_tile): output rows in groups (`group`: 16 rows for
+    512-bit builds, else 8), each group's blocks interleaved so that one vector load holds 4 codes of every row
+    of the group. The buffers keep the shapes of the plain layout (qs [N, K / 2], d and m [N, K / 32])
+    and a group occupies the same bytes as its rows, so slicing or concatenating at multiples of the group
+    (`fuse`) still works. N is padded to a multiple of the group with
+    zero weights, never read back (`out_features` is the true N). d and m are fp16 as in the file: a block costs
+    the file's 20 bytes, so a step streams no more bytes than llama.cpp's does (the step is memory-bound).
+    """
+
+    kind = "q4_1"
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """codes [N, K] in 0..15 (block element order), d and m [N, K / 32]."""
+        n, k = codes.shape
+        super().__init__(n, k)
+        pad = -n % self.group
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            d, m = torch.cat([d, d.new_zeros(pad, k // QK)]), torch.cat([m, m.new_zeros(pad, k // QK)])
+        # d, m stored as fp16, as in the file
+        qs, d8, m8 = interleave_q4_1(codes, d.float(), m.float(), self.group)
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d8)
+        self.register_buffer("m", m8)
+        self._bind()
+
+    def _bind(self) -> None:
+        # plain ints in __dict__: reading buffers through nn.Module.__getattr__ costs microseconds per call
+        self._args = (
+            self.in_features,
+            self.qs.data_ptr(),
+            self.d.data_ptr(),
+            self.m.data_ptr(),
+            self.out_features,
+        )
+
+    def _call(self, x: int, m: int, y: int) -> None:
+        k, qs, d, mn, n = self._args
+        self._fn(x, m, k, qs, d, mn, n, y, *self._scratch)
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K], d, m [N, K / 32]) in the plain layout."""
+        codes, d, m = deinterleave_q4_1(self.qs, self.d, self.m, self.group)
+        n = self.out_features
+        return codes[:n], d[:n], m[:n]
+
+    def dequantized(self) -> torch.Tensor:
+        codes, d, m = self.blocks()
+        w = d[..., None] * codes.float().view(self.out_features, -1, QK) + m[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> Q41Linear:
+        codes, d, m = self.blocks()
+        return Q41Linear(codes.index_select(0, index), d.index_select(0, index), m.index_select(0, index))
+
+
+def interleave_q4_1(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain Q4_1 blocks (codes [N, K], N % group == 0; d, m [N, K / 32]) -> the kernel's interleaved layout.
+
+    Within a group of `group` rows and a block b: byte (j, c, t) = code of block element 4j + t of row c (low nibble)
+    and of element 16 + 4j + t (high nibble), j, t in 0..3; then the group's d, then their m."""
+    n, k = codes.shape
+    g, nb = n // group, k // QK
+    c = codes.to(torch.uint8).view(g, group, nb, 2, 4, 4)  # [group, row, block, half, j, t]
+    packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [group, row, block, j, t]
+    qs = packed.permute(0, 2, 3, 1, 4).contiguous().view(n, k // 2)
+    d8 = d.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    m8 = m.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    return qs, d8, m8
+
+
+def deinterleave_q4_1(
+    qs: torch.Tensor, d8: torch.Tensor, m8: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_q4_1`."""
+    n, nb = d8.shape
+    g = n // group
+    p = qs.reshape(g, nb, 4, group, 4).permute(0, 3, 1, 2, 4)  # [group, row, block, j, t]
+    codes = torch.stack([p & 0x0F, p >> 4], dim=3).reshape(n, nb * QK)  # [group, row, block, half, j, t]
+    d = d8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
+    m = m8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
+    return codes, d, m
+
+
+class Q80Linear(BlockLinear):
+    """GGUF Q8_0: per 32 weights a scale d, w = d * q, q in -127..127.
+
+    Interleaved in groups of output rows like Q41Linear (qs [N, K], d [N, K / 32] fp16 in the kernel's order),
+    plus `s` [N, K / 32] int16: each block's sum of codes (the VNNI product's correction term, qgemm.c)."""
+
+    kind = "q8_0"
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
+        n, k = codes.shape
+        super().__init__(n, k)
+        pad = -n % self.group
+        if pad:
+            codes, d = torch.cat([codes, codes.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, k // QK)])
+        qs, d8, s8 = interleave_q8_0(codes.to(torch.int8), d.float(), self.group)
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d8)
+        self.register_buffer("s", s8)
+        self._argmax = load().q8_0_gemm_argmax  # type: ignore[union-attr]  # BlockLinear checked the kernel
+        self._bind()
+
+    def _bind(self) -> None:
+        self._args = (
+            self.in_features,
+            self.qs.data_ptr(),
+            self.d.data_ptr(),
+            self.s.data_ptr(),
+            self.out_features,
+        )
+
+    def _call(self, x: int, m: int, y: int) -> None:
+        k, qs, d, ws, n = self._args
+        self._fn(x, m, k, qs, d, ws, n, y, *self._scratch)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """greedy_tokens(self(x)) [rows] without the outputs ever being written (qgemm.c, q8_0_gemm_argmax: the
+        same values, compared in place): for a vocab projection, the greedy tokens of a step. None when the
+        kernel does not take this many rows (then compute the outputs)."""
+        x2 = self._rows(x)
+        m = x2.shape[0]
+        out = torch.empty(m, dtype=torch.long)
+        k, qs, d, ws, n = self._args
+        if not self._argmax(x2.data_ptr(), m, k, qs, d, ws, n, out.data_ptr(), *self._scratch):
+            return None
+        return out.view(x.shape[:-1])
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K] int8, d [N, K / 32]) in the plain layout."""
+        codes, d = deinterleave_q8_0(self.qs, self.d, self.group)
+        return codes[: self.out_features], d[: self.out_features]
+
+    def dequantized(self) -> torch.Tensor:
+        codes, d = self.blocks()
+        w = d[..., None] * codes.float().view(self.out_features, -1, QK)
+        return w.view(self.out_features, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> Q80Linear:
+        codes, d = self.blocks()
+        return Q80Linear(codes.index_select(0, index), d.index_select(0, index))
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up in a Q8_0 block linear's own blocks: the lm_head's, when the model ties the
+    two and the float table is exactly those blocks dequantized (the embedded GGUF stores one Q8_0 token_embd
+    for both; `cpu_linears.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
+    is looked up (csrc/qgemm.c, q8_0_rows: d * q, exact in fp32), so the table is not held a second time in fp32
+    (49152 x 576: 113 MB for the embedded model).
+
+    `weight` is an empty [0, H] fp32 buffer: it answers the dtype/device questions code asks of an embedding,
+    and fails loudly where code would read its values."""
+
+    def __init__(self, table: Q80Linear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
+        self._rows_fn = lib.q8_0_rows
+        self.__dict__["table"] = table  # not a submodule: the lm_head owns (and saves) the blocks
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.padding_idx = padding_idx
+        self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        t = self.table
+        self._rows_fn(
+            t.qs.data_ptr(),
+            t.d.data_ptr(),
+            t.in_features,
+            t.group,
+            flat.data_ptr(),
+            flat.numel(),
+            out.data_ptr(),
+        )
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the Q8_0 lm_head"
+
+
+def interleave_q8_0(
+    codes: torch.Tensor, d: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain Q8_0 blocks (codes [N, K] int8, N % group == 0; d [N, K / 32]) -> the kernel's interleaved layout:
+    within a group of rows and a block, byte (j, c, t) = code of element 4j + t of row c, j in 0..7; then
+    the group's d and block sums of codes."""
+    n, k = codes.shape
+    g, nb = n // group, k // QK
+    c = codes.view(g, group, nb, 8, 4)  # [group, row, block, j, t]
+    qs = c.permute(0, 2, 3, 1, 4).contiguous().view(n, k)
+    sums = codes.view(n, nb, QK).sum(-1, dtype=torch.int16)  # |sum| <= 32 * 127: 16 bits hold it
+    d8 = d.view(g, group, nb).transpose(1, 2).to(torch.float16).contiguous().view(n, nb)
+    s8 = sums.view(g, group, nb).transpose(1, 2).contiguous().view(n, nb)
+    return qs, d8, s8
+
+
+def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_q8_0` (the block sums follow from the codes)."""
+    n, nb = d8.shape
+    g = n // group
+    codes = qs.reshape(g, nb, 8, group, 4).permute(0, 3, 1, 2, 4).reshape(n, nb * QK)
+    d = d8.reshape(g, nb, group).transpose(1, 2).reshape(n, nb).float()
+    return codes, d
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 rule: d = max|w| / 127 per block of 32, q = round(w / d)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // QK, QK)
+    d = g.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    return codes, d.half().float()  # the file stores d as fp16, and so does Q80Linear
+
+
+def fuse(modules: list[nn.Module]) -> BlockLinear | None:
+    """One block linear computing several projections of the same input (q/k/v, gate/up): one kernel call
+    instead of three. The originals are rebound to row views of the fused buffers, so no weight is stored
+    twice. None unless all are block linears of one kind and input size."""
+    first = modules[0] if modules else None
+    if not isinstance(first, BlockLinear) or any(
+        type(m) is not type(first) or m.in_features != first.in_features for m in modules
+    ):
+        return None
+    cls = type(first)
+    if any(m.group != first.group or m.out_features % m.group for m in modules):
+        return None  # interleaved groups of rows: only whole groups of one layout can be laid end to end
+    fused = cls.__new__(cls)
+    BlockLinear.__init__(fused, sum(m.out_features for m in modules), first.in_features)
+    fused.group = first.group
+    for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d", "s"):
+        whole = torch.cat([getattr(m, name) for m in modules])
+        fused.register_buffer(name, whole)
+        offset = 0
+        for m in modules:
+            m._buffers[name] = whole[offset : offset + m.out_features]
+            offset += m.out_features
+    for m in (*modules, fused):
+        m._bind()
+    return fused

@@ -1,0 +1,394 @@
+"""The backbone step in C, for Llama-family models whose projections are GGUF blocks (the CPU default).
+
+`NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
+states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
+rotary, the KV write and attention (csrc/attention.c). Python only looks up the embeddings and the rotary tables.
+
+Why: a step of SmolLM2-135M in 8-bit reads ~140 MB of weights (~13 ms on 2 cores); eager PyTorch added ~10 ms
+of per-op dispatch around those reads and ~50 us per SDPA call, and exact tree attention needs one call per node
+per layer. Natively a step costs about its weight reads, and a tree's extra nodes cost little: the weights are
+read once for all rows and attention of all nodes is one pass over the cached keys.
+
+Exactness is by construction (see decoder.c): every row is computed the same way whatever rows are beside it,
+and a tree node attends over exactly the key sequence the plain step at its position has. So tree steps
+reproduce the engine's plain loop bit for bit, and a token's K/V are the same whether it was prefilled in a
+block or decoded alone (a reply's output does not depend on how its prompt was chunked). This is its own
+numeric path (its own attention and norm kernels): outputs are close to, not bitwise, the transformers
+forward on the same weights. `attend` is a TreePlan for a verification step; any mask tensor means a causal
+block (the engine's prefill). MEDUSA_CHAT_NATIVE=0 turns it off (the lean PyTorch forward is used instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+from medusa_chat.model.tree_plan import TreePlan
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
+
+
+class _BLin(ctypes.Structure):
+    _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("aux", _p)]
+
+
+class _DLayer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", _p),
+        ("norm2", _p),
+        ("eps1", _f),
+        ("eps2", _f),
+        ("qkv", _BLin),
+        ("o", _BLin),
+        ("gate_up", _BLin),
+        ("down", _BLin),
+    ]
+
+
+class _DModel(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", _i),
+        ("hidden", _i),
+        ("n_heads", _i),
+        ("n_kv", _i),
+        ("head_dim", _i),
+        ("inter", _i),
+        ("scale", _f),
+        ("final_eps", _f),
+        ("final_norm", _p),
+        ("layers", ctypes.POINTER(_DLayer)),
+    ]
+
+
+def _blin(module: Any) -> _BLin:
+    from medusa_chat.kernels.qgemm import Q41Linear
+
+    q41 = isinstance(module, Q41Linear)
+    return _BLin(
+        1 if q41 else 0,
+        module.out_features,
+        module.in_features,
+        module.qs.data_ptr(),
+        module.d.data_ptr(),
+        module.m.data_ptr() if q41 else module.s.data_ptr(),
+    )
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).contiguous()
+
+
+class NativeForward:
+    """All decoder layers of a GGUF-block Llama in one C call per step (module doc)."""
+
+    path = "native C step, exact tree attention"
+
+    def __init__(self, causal_lm: Any, lib: ctypes.CDLL, fused: list[tuple[Any, Any]]) -> None:
+        body, cfg = causal_lm.model, causal_lm.config
+        self.lib = lib
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.hidden = int(cfg.hidden_size)
+        layers = body.layers[: cfg.num_hidden_layers]
+        # keep every tensor whose address the C structs hold alive for as long as this object
+        self._keep: list[Any] = []
+        c_layers = (_DLayer * len(layers))()
+        for i, (layer, (qkv, gate_up)) in enumerate(zip(layers, fused, strict=True)):
+            n1, n2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
+            self._keep += [n1, n2, qkv, gate_up]
+            c_layers[i] = _DLayer(
+                n1.data_ptr(),
+                n2.data_ptr(),
+                float(layer.input_layernorm.variance_epsilon),
+                float(layer.post_attention_layernorm.variance_epsilon),
+                _blin(qkv),
+                _blin(layer.self_attn.o_proj),
+                _blin(gate_up),
+                _blin(layer.mlp.down_proj),
+            )
+        final = _f32(body.norm.weight)
+        self._keep += [final, c_layers]
+        self.model = _DModel(
+            len(layers),
+            self.hidden,
+            int(cfg.num_attention_heads),
+            self.kv_heads,
+            self.head_dim,
+            int(cfg.intermediate_size),
+            self.head_dim**-0.5,
+            float(body.norm.variance_epsilon),
+            final.data_ptr(),
+            c_layers,
+        )
+        self._model_ref = ctypes.byref(self.model)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
+        # than the rotary module's few ops per step, and a position's values never depend on the batch it
+        # came in (a prefill, a tree, one token)
+        self._cos = self._sin = torch.empty(0, self.head_dim)
+
+    def _rotary_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
+        cos, sin = self.rotary(probe, positions[None])
+        return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(self.rotary, "rope_type", "default") not in STATIC_ROPE:  # depends on the call's length
+            return self._rotary_of(positions)
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 1024)
+            self._cos, self._sin = self._rotary_of(torch.arange(size, device=positions.device))
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
+    ) -> torch.Tensor:
+        t = ids.shape[0]
+        start = cache.length
+        x = self.embed(ids).to(torch.float32).contiguous()  # [T, H], overwritten with the output in place
+        cos, sin = self._rotary(positions)
+        # the cache holds fp16 (decoder.c, store_kv / load_kv)
+        kv = cache.reserve(start + t, self.kv_heads, self.head_dim, torch.float16, x.device)
+        if isinstance(attend, TreePlan):
+            blocks, lens = attend.blocks, attend.block_len
+            blk, blen, stride, longest = blocks.data_ptr(), lens.data_ptr(), blocks.shape[1], attend.depth + 1
+        else:  # the engine's prefill mask: a causal block after the cached prefix
+            blk = blen = None
+            stride, longest = 0, t
+        need = self.lib.decoder_scratch_bytes(self._model_ref, t, start + longest)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need + need // 4, dtype=torch.uint8)
+        self.lib.decoder_forward(
+            self._model_ref,
+            t,
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[-2],
+            start,
+            blk,
+            blen,
+            stride,
+            self._scratch.data_ptr(),
+        )
+        cache.length = start + t
+        return x
+
+
+def native_forward_for(causal_lm: Any) -> NativeForward | None:
+    """The native step when every projection of this (supported, CPU) Llama is a GGUF-block linear of our
+    kernel and the shapes suit it; else None (the lean PyTorch forward is used)."""
+    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+        return None
+    from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
+
+    lib = load()
+    cfg = causal_lm.config
+    body = causal_lm.model
+    if lib is None or body.embed_tokens.weight.device.type != "cpu":
+        return None
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if hd % 8 or hd > 256 or cfg.num_attention_heads % cfg.num_key_value_heads:  # decoder.c: MAX_HD
+        return None
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return None
+    fused = []
+    for layer in body.layers[: cfg.num_hidden_layers]:
+        att, mlp = layer.self_attn, layer.mlp
+        mods = [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(m, BlockLinear) for m in mods):
+            return None
+        qkv, gate_up = fuse(mods[:3]), fuse(mods[4:6])
+        if qkv is None or gate_up is None:
+            return None
+        fused.append((qkv, gate_up))
+    return NativeForward(causal_lm, lib, fused)
+
+
+class _Q8Lin(ctypes.Structure):
+    _fields_ = [("qs", _p), ("d", _p), ("ws", _p), ("bias", _p)]
+
+
+class _Embed(ctypes.Structure):  # decoder.c Embed: an fp32 table, or Q8_0 blocks (table NULL)
+    _fields_ = [("table", _p), ("qs", _p), ("d", _p), ("group", _i)]
+
+
+class NativeHydra:
+    """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/hydra.c), on the Q8_0
+    copy of the heads that `block_quantized_copy` makes: per tree depth 2 calls instead of ~20 PyTorch ops.
+    Drafts only: the output never depends on them."""
+
+    def __init__(self, quantized_heads: Any, lib: ctypes.CDLL) -> None:
+        from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
+
+        def q8(module: Any) -> _Q8Lin:
+            if not isinstance(module, BlockLinearWithBias) or module.bias is None:
+                raise TypeError(
+                    "NativeHydra needs the block-quantized heads (cpu_linears.block_quantized_copy)"
+                )
+            b = module.block
+            return _Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), module.bias.data_ptr())
+
+        self.lib, self._heads = lib, quantized_heads  # keeps the buffers alive
+        self._plans: dict[int, tuple[Any, torch.Tensor, int, int]] = {}  # per tree: hydra_draft's index plan
+        self.hidden = int(quantized_heads.hidden_size)
+        self._cell = q8(quantized_heads.draft.linear)
+        self._blocks = []
+        for k in range(int(quantized_heads.num_heads)):  # (iterating the ModuleList would include `draft`)
+            head = quantized_heads[k]
+            arr = (_Q8Lin * len(head))(*(q8(block.linear) for block in head))
+            self._blocks.append((len(head), arr))
+        self._rows = 0
+        self._grow(8)
+        self._head_ptrs = (ctypes.POINTER(_Q8Lin) * len(self._blocks))(
+            *(ctypes.cast(arr, ctypes.POINTER(_Q8Lin)) for _, arr in self._blocks)
+        )
+        self._head_counts = (_i * len(self._blocks))(*(n for n, _ in self._blocks))
+        self._proj: tuple[Any, ...] | None = None
+        self._work = torch.empty(0)
+        self._codes = torch.empty(0, dtype=torch.int32)
+
+    def bind_draft(self, project: Any, draft_vocab: torch.Tensor, embed: Any) -> bool:
+        """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
+        cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
+        the lm_head's Q8_0 blocks), and `draft` stays unused."""
+        from medusa_chat.kernels.qgemm import BlockEmbedding, BlockLinear
+
+        if not isinstance(project, BlockLinear):
+            return False
+        if isinstance(embed, BlockEmbedding):
+            t = embed.table
+            emb = _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group)
+            keep: Any = t
+        elif isinstance(getattr(embed, "weight", None), torch.Tensor) and embed.weight.dtype == torch.float32:
+            keep = embed.weight.detach().contiguous()
+            emb = _Embed(keep.data_ptr(), None, None, 0)
+        else:
+            return False
+        vocab = draft_vocab.to(torch.int64).contiguous()
+        # the modules / tensors keep the buffers the C structs point to alive
+        self._proj = (project, _blin(project), vocab, emb, keep)
+        return True
+
+    def _plan(self, buf: Any) -> tuple[Any, torch.Tensor, int, int]:
+        """hydra_draft's int32 index plan for a tree (built once per TreeBuffers): per depth I, C, K and the
+        TreeLevel index lists; plus the most rows any depth has."""
+        plan = self._plans.get(id(buf))
+        if plan is None or plan[0] is not buf:
+            flat: list[int] = []
+            rows = 1
+            for level in buf.levels:
+                if level.top_k > 64:  # hydra_draft's top-k buffer
+                    raise ValueError("hydra_draft supports top-k up to 64 per depth")
+                i, c = len(level.internal_rows), len(level.child_nodes)
+                flat += [i, c, level.top_k, *level.internal_rows.tolist(), *level.child_nodes.tolist()]
+                flat += [
+                    *level.child_slot.tolist(),
+                    *level.child_rank.tolist(),
+                    *level.child_parent_row.tolist(),
+                ]
+                rows = max(rows, i, c)
+            plan = self._plans[id(buf)] = (buf, torch.tensor(flat, dtype=torch.int32), len(buf.levels), rows)
+        return plan
+
+    def draft(self, root: torch.Tensor, hidden: torch.Tensor, buf: Any) -> torch.Tensor:
+        """The tree's tokens [N] (root first) drafted in one C call (decoder.c, hydra_draft); `bind_draft` first."""
+        project, blin, vocab, emb, _ = self._proj  # type: ignore[misc]
+        _, plan, levels, rows = self._plan(buf)
+        if rows > self._rows:
+            self._grow(rows)
+        h = self.hidden
+        need = 8 * rows * h + rows * project.out_features + rows * 64
+        if self._work.numel() < need:
+            self._work = torch.empty(need)
+        hidden = hidden.float().contiguous()
+        root = root.to(torch.int64).contiguous()
+        tokens = torch.empty(buf.tree.size, dtype=torch.int64)
+        self.lib.hydra_draft(
+            h, ctypes.byref(self._cell), self._head_ptrs, self._head_counts, ctypes.byref(blin),
+            vocab.data_ptr(), ctypes.byref(emb), hidden.data_ptr(), root.data_ptr(), plan.data_ptr(), levels,
+            tokens.data_ptr(), self._work.data_ptr(), rows, *self._scratch,
+        )  # fmt: skip
+        return tokens
+
+    def draft_shaped(
+        self, root: torch.Tensor, hidden: torch.Tensor, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A tree of `size` nodes shaped by the draft's confidence (decoder.c, hydra_draft_shaped; the rule is
+        drafters.confident_paths): (codes, tokens). codes: d * k + r of each chosen node, the rank-r token at
+        depth d below the draft's top-1 spine, in growth order; tokens [size]: the root, then those nodes' tokens
+        (a fresh tensor). `bind_draft` first."""
+        project, blin, vocab, emb, _ = self._proj  # type: ignore[misc]
+        if not 1 <= k <= min(64, len(vocab)) or depth * k > 8 * 64 or not 1 < size <= depth * k + 1:
+            raise ValueError(f"draft_shaped: no {size}-node tree from depth {depth} x top-{k}")
+        h = self.hidden
+        need = 8 * h + project.out_features + 2 * depth * k + 64
+        if self._work.numel() < need:
+            self._work = torch.empty(need)
+        if self._codes.numel() < size:
+            self._codes = torch.empty(size, dtype=torch.int32)
+        hidden = hidden.float().contiguous()
+        root = root.to(torch.int64).contiguous()
+        tokens = torch.empty(size, dtype=torch.int64)
+        n = self.lib.hydra_draft_shaped(
+            h, ctypes.byref(self._cell), self._head_ptrs, self._head_counts, ctypes.byref(blin), len(vocab),
+            vocab.data_ptr(), ctypes.byref(emb), hidden.data_ptr(), root.data_ptr(), depth, k, size,
+            self._codes.data_ptr(), tokens.data_ptr(), self._work.data_ptr(), *self._scratch,
+        )  # fmt: skip
+        return tuple(self._codes[:n].tolist()), tokens
+
+    def _grow(self, rows: int) -> None:
+        h = self.hidden
+        self._cat = torch.empty(rows, 2 * h)
+        self._tmp = torch.empty(rows, h)
+        self._qx = torch.empty(2 * rows * 2 * h, dtype=torch.int8)
+        self._dx = torch.empty(2, rows * 2 * h // 32)
+        self._scratch = (self._qx.data_ptr(), self._dx[0].data_ptr(), self._dx[1].data_ptr())
+        self._rows = rows
+
+    def head_features(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        m = x.shape[0]
+        if m > self._rows:
+            self._grow(m)
+        y = torch.empty_like(x)
+        n, arr = self._blocks[k]
+        self.lib.hydra_resblocks(
+            m, self.hidden, n, arr, x.data_ptr(), y.data_ptr(), self._tmp.data_ptr(), *self._scratch
+        )
+        return y
+
+    def cell(self, state: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        state, emb = state.float().contiguous(), emb.float().contiguous()
+        m = state.shape[0]
+        if m > self._rows:
+            self._grow(m)
+        out = torch.empty_like(state)
+        self.lib.hydra_cell(
+            m, self.hidden, ctypes.byref(self._cell), state.data_ptr(), emb.data_ptr(), out.data_ptr(),
+            self._cat.data_ptr(), self._tmp.data_ptr(), *self._scratch,
+        )  # fmt: skip
+        return out
+
+
+def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
+    """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
+    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+        return None
+    from medusa_chat.kernels.qgemm import load
+
+    lib = load()
+    if lib is None or int(quantized_heads.hidden_size) % 32:
+        return None
+    try:
+        return NativeHydra(quantized_heads, lib)
+    except TypeError:
+        return None

@@ -1,0 +1,90 @@
+"""Where and how a model runs: the device, the compute dtype and the quantization the options ask for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from medusa_chat.errors import DeviceError
+
+Progress = Callable[[str], None]
+
+
+QUANTS = ("auto", "nf4", "int8", "int4", "none")
+
+
+CPU_QUANTS = ("none", "int8", "int4")  # torch kernels, row-invariant (cpu_linears.py)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def pick_device(device: str) -> torch.device:
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise DeviceError(f"unknown device {device!r} (use auto, cpu or cuda)")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(
+            f"--device {device} was asked for but no CUDA GPU is usable here (torch {torch.__version__}"
+            f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu (--quant nf4 "
+            "also works on CPU, slowly) or install a CUDA build of torch"
+        )
+    dev = torch.device(device)
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    )
+
+
+def pick_quant(quant: str, device: torch.device) -> str:
+    """auto: NF4 on CUDA; on a CPU "auto" stays until the session measures the paths (numeric_path.py).
+    On a CPU int8 and int4 are torch's weight-only kernels; nf4 is bitsandbytes (slow on a CPU)."""
+    if quant not in QUANTS:
+        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8, int4 or none)")
+    if quant == "auto":
+        return "nf4" if device.type == "cuda" else "auto"
+    if device.type == "cpu" and quant in CPU_QUANTS:
+        return quant
+    if quant == "int4":
+        raise DeviceError("--quant int4 is the CPU's 4-bit path; on a GPU use --quant nf4")
+    if quant != "none":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as err:
+            raise DeviceError(
+                f"--quant {quant} needs bitsandbytes: `pip install bitsandbytes`, or use --quant none"
+            ) from err
+    return quant
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # fp32 on a CPU: greedy Medusa output is then bit-identical to plain greedy decoding. bf16 is ~2x
+        # faster on CPUs with native bf16 but only identical up to bf16 rounding ties; it is one flag away
+        # (--dtype bfloat16) and load_model says so in its notes.
+        return torch.float32
+    if dtype not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def quantization_config(quant: str, dtype: torch.dtype) -> Any:
+    if quant == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,  # ~0.4 bit/param saved, no measurable quality cost
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)

@@ -1,0 +1,154 @@
+"""Medusa heads from files: a heads folder's safetensors, or the medusa_head.* tensors inside a backbone checkpoint;
+and the check that heads fit their backbone."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_chat.atomic import read_json
+from medusa_chat.errors import HeadsError, MedusaChatError
+from medusa_chat.model import hub
+from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.registry import HEADS_FILES
+
+Progress = Callable[[str], None]
+
+
+MEDUSA_PREFIX = "medusa_head."
+
+
+def find_heads_file(folder: Path) -> Path:
+    for name in HEADS_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise HeadsError(f"no Medusa heads in {folder}: expected {' or '.join(HEADS_FILES)}")
+
+
+def read_state_file(path: Path, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors or pickled .pt/.bin file; pickles are read with weights_only=True.
+
+    `keys`: only these (safetensors reads just those; a pickle is memory-mapped when possible).
+    Any unreadable file becomes a one-line HeadsError naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path.suffix == ".safetensors":
+            out: dict[str, torch.Tensor] = {}
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys() if keys is None else keys:
+                    out[key] = f.get_tensor(key)
+            return out
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) pickle
+    except pickle.UnpicklingError as err:
+        raise HeadsError(
+            f"{path} holds objects other than tensors; it was not loaded (pickles are read with "
+            f"weights_only=True and never executed): {str(err).splitlines()[0]}"
+        ) from err
+    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HeadsError(f"cannot read {path}: the file is truncated or corrupt ({first[:200]})") from err
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise HeadsError(f"{path} does not hold a state dict of tensors")
+    if keys is not None:
+        obj = {k: obj[k] for k in keys}
+    return obj
+
+
+def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
+    try:
+        return heads_from_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise HeadsError(f"{where} does not hold Medusa heads in a known layout: {err}") from err
+
+
+def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
+    """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
+    the Hub give a wrong `medusa_num_heads`)."""
+    path = find_heads_file(folder)
+    config = read_json(folder / "config.json")
+    heads = _build_heads(read_state_file(path), str(path))
+    if str(config.get("version")) == "2" and heads.own_lm_head:
+        raise HeadsError(
+            f"{path}: config.json says version 2 (shared lm_head) but the file has a projection per head"
+        )
+    return heads, path, config
+
+
+def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str, list[str]]:
+    """{checkpoint file: [medusa_head.* keys in it]} for a model folder; {} when it has none.
+
+    Sharded checkpoints answer from their index; single files from the safetensors header, or by loading the
+    pickle (memory-mapped, weights_only) when `open_pickles`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for index in (hub.SAFETENSORS_INDEX, hub.BIN_INDEX):
+        if (folder / index).is_file():
+            weight_map = read_json(folder / index).get("weight_map", {})
+            out: dict[str, list[str]] = {}
+            for key, fname in weight_map.items():
+                if key.startswith(MEDUSA_PREFIX):
+                    out.setdefault(fname, []).append(key)
+            return out
+    files = hub.weight_files(p.name for p in folder.iterdir())
+    out = {}
+    for fname in files:
+        path = folder / fname
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = [k for k in f.keys() if k.startswith(MEDUSA_PREFIX)]
+            except (SafetensorError, OSError) as err:
+                raise MedusaChatError(
+                    f"cannot read {path}: the file is truncated or corrupt ({err})"
+                ) from err
+        elif open_pickles:
+            keys = [k for k in read_state_file(path) if k.startswith(MEDUSA_PREFIX)]
+        else:
+            keys = []
+        if keys:
+            out[fname] = keys
+    return out
+
+
+def load_checkpoint_heads(folder: Path, keys_by_file: dict[str, list[str]]) -> tuple[MedusaHeads, Path]:
+    state: dict[str, torch.Tensor] = {}
+    for fname, keys in keys_by_file.items():
+        for key, tensor in read_state_file(folder / fname, keys).items():
+            state[key[len(MEDUSA_PREFIX) :]] = tensor
+    first = folder / sorted(keys_by_file)[0]
+    return _build_heads(state, f"the medusa_head.* weights of {folder}"), first
+
+
+def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, backbone: str) -> None:
+    cfg = config.get("text_config") or config
+    hidden, vocab = cfg.get("hidden_size"), cfg.get("vocab_size")
+    if hidden is not None and heads.hidden_size != int(hidden):
+        raise HeadsError(
+            f"Medusa heads in {where} have hidden size {heads.hidden_size} but the backbone {backbone} has "
+            f"{hidden}: they were trained for another model"
+        )
+    if heads.own_lm_head and vocab is not None and heads.vocab_size != int(vocab):
+        raise HeadsError(
+            f"Medusa heads in {where} project to a vocabulary of {heads.vocab_size} but the backbone {backbone} "
+            f"has {vocab}: they were trained for another model"
+        )
+    if isinstance(heads, HydraHeads) and vocab is not None and int(heads.draft_vocab.max()) >= int(vocab):
+        raise HeadsError(
+            f"Hydra heads in {where} draft token ids up to {int(heads.draft_vocab.max())} but the backbone "
+            f"{backbone} has a vocabulary of {vocab}: they were trained for another model"
+        )

@@ -1,0 +1,148 @@
+"""Training data for the heads: the backbone's hidden states at every reply position of the distilled replies,
+with the tokens each head should predict there (computed once, cached on disk)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
+
+MAX_CACHED_HEADS = 8  # targets are cached for up to this many heads, so K can change without a new pass
+
+
+@dataclass
+class PositionData:
+    """Training positions: hidden state [N, H] (fp16/bf16), targets [N, 1 + M] (col 0 = next token, col 1 + k
+    = head k's target, -1 = none), sample [N] (global prompt index, for the held-out split)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    sample: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def subset(self, mask: torch.Tensor) -> PositionData:
+        return PositionData(self.hidden[mask], self.targets[mask], self.sample[mask])
+
+    def to(self, device: torch.device | str) -> PositionData:
+        return PositionData(self.hidden.to(device), self.targets.to(device), self.sample.to(device))
+
+    @classmethod
+    def cat(cls, parts: list[PositionData]) -> PositionData:
+        return cls(
+            torch.cat([p.hidden for p in parts]),
+            torch.cat([p.targets for p in parts]),
+            torch.cat([p.sample for p in parts]),
+        )
+
+
+def _targets_for(ids: torch.Tensor, reply_start: int, max_heads: int) -> torch.Tensor:
+    n = ids.shape[0]
+    pos = torch.arange(reply_start - 1, n - 1)
+    cols = []
+    for k in range(-1, max_heads):  # k = -1: the backbone's own next token (a check on the cache)
+        idx = pos + 2 + k
+        cols.append(torch.where(idx < n, ids[idx.clamp(max=n - 1)], torch.full_like(idx, -1)))
+    return torch.stack(cols, dim=1).to(torch.int32)
+
+
+@torch.inference_mode()
+def hidden_states_for(
+    model: Any,
+    samples: list[tuple[int, list[int], int]],
+    batch_tokens: int = 8192,
+    store_dtype: torch.dtype = torch.float16,
+    max_heads: int = MAX_CACHED_HEADS,
+) -> PositionData:
+    """Backbone last hidden states at the reply positions of `samples` ((prompt index, ids, reply_start))."""
+    device = next(model.parameters()).device
+    body = model.base_model  # LlamaModel etc.: returns last_hidden_state after the final norm
+    keep = [s for s in samples if len(s[1]) - s[2] >= 1 and s[2] >= 1]
+    keep.sort(key=lambda s: len(s[1]))
+    hid, tgt, smp = [], [], []
+    i = 0
+    while i < len(keep):
+        # Pack samples of similar length while batch x longest <= batch_tokens (right padding, causal mask).
+        j = i + 1
+        while j < len(keep) and (j + 1 - i) * len(keep[j][1]) <= batch_tokens:
+            j += 1
+        batch = keep[i:j]
+        width = len(batch[-1][1])
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, (_, x, _) in enumerate(batch):
+            ids[b, : len(x)] = torch.tensor(x)
+            mask[b, : len(x)] = 1
+        h = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        if store_dtype == torch.float16 and float(h.abs().amax()) > 6e4:
+            raise OverflowError("hidden states overflow fp16: cache them in bf16 (store_dtype)")
+        h = h.to(store_dtype).cpu()  # one device->host copy per batch
+        for b, (pidx, x, rs) in enumerate(batch):
+            hid.append(h[b, rs - 1 : len(x) - 1].clone())
+            tgt.append(_targets_for(torch.tensor(x), rs, max_heads))
+            smp.append(torch.full((len(x) - rs,), pidx, dtype=torch.int32))
+        i = j
+    if not hid:
+        width = model.config.hidden_size
+        return PositionData(
+            torch.zeros((0, width), dtype=store_dtype),
+            torch.zeros((0, max_heads + 1), dtype=torch.int32),
+            torch.zeros((0,), dtype=torch.int32),
+        )
+    return PositionData(torch.cat(hid), torch.cat(tgt), torch.cat(smp))
+
+
+def cache_hidden_states(
+    model: Any,
+    store: DistillStore,
+    cache_dir: Path,
+    batch_tokens: int = 8192,
+    log: Log = print,
+    deadline: float | None = None,
+) -> list[Path]:
+    """Compute and save the hidden-state cache for every data shard that has none yet (resumable)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for info in store.shards:
+        path = cache_dir / info.name
+        if path.is_file():
+            out.append(path)
+            continue
+        if out and deadline is not None and time.time() > deadline:  # the first shard always runs
+            log("time budget: hidden-state cache left incomplete")
+            break
+        t = time.time()
+        d = store.load_shard(info)
+        samples = [
+            (info.first + i, ids, rs)
+            for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True))
+        ]
+        pd = hidden_states_for(model, samples, batch_tokens)
+        atomic_torch_save({"hidden": pd.hidden, "targets": pd.targets, "sample": pd.sample}, path)
+        dt = time.time() - t
+        total = sum(len(ids) for _, ids, _ in samples)
+        log(f"hidden {info.name}: {len(pd)} positions, {total / max(dt, 1e-9):.0f} tok/s (prompt+reply)")
+        out.append(path)
+    return out
+
+
+def load_cache(paths: list[Path]) -> PositionData:
+    if not paths:
+        raise ValueError("no hidden-state cache to load: generate data first")
+    parts = []
+    for p in paths:
+        d = torch.load(p, weights_only=True)
+        parts.append(PositionData(d["hidden"], d["targets"], d["sample"]))
+    return PositionData.cat(parts)
+
+
+def heldout_mask(sample: torch.Tensor, frac: float) -> torch.Tensor:
+    """Deterministic split by prompt (never by position: neighbouring positions share context)."""
+    h = (sample.to(torch.int64) * 2654435761 + 97) % (1 << 32)
+    return h < int(frac * (1 << 32))

@@ -1,0 +1,220 @@
+"""The distillation store: prompts and the backbone's replies in resumable shards (see distill.py for the layout),
+and their export to / import from one .npz file."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_chat.atomic import atomic_write, atomic_write_json
+
+Log = Callable[[str], None]
+MANIFEST = "manifest.json"
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save through the package's one atomic writer (a killed run never leaves a truncated shard)."""
+    atomic_write(path, lambda fh: torch.save(obj, fh))
+
+
+def norm_key(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    first: int
+    count: int
+    tokens: int  # reply tokens in the shard
+
+
+@dataclass
+class DistillStore:
+    """A distillation folder: manifest (prompts, Magpie rounds, shards) + token shards."""
+
+    root: Path
+    prompts: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    magpie_rounds: int = 0
+    magpie_sampled: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+    model: str = ""
+    _keys: set[str] = field(default_factory=set)
+
+    @classmethod
+    def open(cls, root: str | Path, model: str = "") -> DistillStore:
+        root = Path(root)
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        store = cls(root=root, model=model)
+        mpath = root / MANIFEST
+        if mpath.is_file():
+            m = json.loads(mpath.read_text(encoding="utf-8"))
+            if model and m.get("model") and m["model"] != model:
+                raise ValueError(
+                    f"{root} holds data distilled from {m['model']!r}, not {model!r}: use another --out/--work"
+                )
+            store.model = m.get("model") or model
+            store.prompts = list(m["prompts"])
+            store.sources = list(m["sources"])
+            store.magpie_rounds = int(m["magpie_rounds"])
+            store.magpie_sampled = int(m.get("magpie_sampled", 0))
+            store.shards = [ShardInfo(**s) for s in m["shards"]]
+        store._keys = {norm_key(p) for p in store.prompts}
+        store._reconcile()
+        return store
+
+    def _reconcile(self) -> None:
+        """A run killed between writing a shard and the manifest leaves a shard the manifest lacks: adopt it."""
+        known = {s.name for s in self.shards}
+        changed = False
+        for f in sorted((self.root / "data").glob("shard-*.pt")):
+            if f.name in known:
+                continue
+            d = torch.load(f, weights_only=True)
+            if d["first"] != self.next_prompt_index():
+                continue  # not contiguous with what we have: ignore (it is rewritten later)
+            self.shards.append(ShardInfo(f.name, d["first"], len(d["ids"]), _reply_tokens(d)))
+            changed = True
+        if changed:
+            self.save()
+
+    def save(self) -> None:
+        atomic_write_json(
+            self.root / MANIFEST,
+            {
+                "version": 1,
+                "model": self.model,
+                "magpie_rounds": self.magpie_rounds,
+                "magpie_sampled": self.magpie_sampled,
+                "shards": [s.__dict__ for s in self.shards],
+                "prompts": self.prompts,
+                "sources": self.sources,
+            },
+        )
+
+    def add_prompts(self, texts: Iterable[str], source: str) -> int:
+        """Append new prompts (deduplicated on case- and whitespace-normalised text). Returns how many."""
+        added = 0
+        for t in texts:
+            key = norm_key(t)
+            if not key or key in self._keys:
+                continue
+            self._keys.add(key)
+            self.prompts.append(t)
+            self.sources.append(source)
+            added += 1
+        return added
+
+    def next_prompt_index(self) -> int:
+        return max((s.first + s.count for s in self.shards), default=0)
+
+    @property
+    def reply_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def write_shard(
+        self, first: int, ids: list[list[int]], reply_start: list[int], finished: list[bool]
+    ) -> ShardInfo:
+        name = f"shard-{len(self.shards):05d}.pt"
+        d = {"first": first, "ids": ids, "reply_start": reply_start, "finished": finished}
+        atomic_torch_save(d, self.root / "data" / name)
+        info = ShardInfo(name, first, len(ids), _reply_tokens(d))
+        self.shards.append(info)
+        self.save()
+        return info
+
+    def load_shard(self, info: ShardInfo) -> dict[str, Any]:
+        return torch.load(self.root / "data" / info.name, weights_only=True)
+
+    def samples(self) -> Iterator[tuple[int, list[int], int]]:
+        """(prompt index, ids, reply_start) over all shards."""
+        for info in self.shards:
+            d = self.load_shard(info)
+            for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True)):
+                yield info.first + i, ids, rs
+
+
+def _reply_tokens(d: dict[str, Any]) -> int:
+    return sum(len(ids) - rs for ids, rs in zip(d["ids"], d["reply_start"], strict=True))
+
+
+def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
+    """All samples of `store` in one compressed .npz (uint16 ids when the vocabulary allows) + prompts."""
+    import numpy as np
+
+    ids: list[int] = []
+    offsets, starts, index, finished = [0], [], [], []
+    for info in store.shards:
+        d = store.load_shard(info)
+        for i, (seq, rs, fin) in enumerate(zip(d["ids"], d["reply_start"], d["finished"], strict=True)):
+            ids.extend(seq)
+            offsets.append(len(ids))
+            starts.append(rs)
+            index.append(info.first + i)
+            finished.append(fin)
+    arr = np.asarray(ids, dtype=np.int64)
+    dtype = np.uint16 if (arr.size == 0 or arr.max() < 65536) else np.int32
+    meta = {
+        "model": store.model,
+        "magpie_rounds": store.magpie_rounds,
+        "magpie_sampled": store.magpie_sampled,
+    }
+
+    def blob(obj: Any) -> Any:
+        return np.frombuffer(json.dumps(obj).encode("utf-8"), dtype=np.uint8)
+
+    np.savez_compressed(
+        path,
+        ids=arr.astype(dtype),
+        offsets=np.asarray(offsets, dtype=np.int64),
+        reply_start=np.asarray(starts, dtype=np.int32),
+        prompt_index=np.asarray(index, dtype=np.int32),
+        finished=np.asarray(finished, dtype=bool),
+        prompts=blob(store.prompts),
+        sources=blob(store.sources),
+        meta=blob(meta),
+    )
+    return {"samples": len(starts), "tokens": int(arr.size)}
+
+
+def import_npz(
+    store: DistillStore, path: str | Path, shard_size: int = 1024, eos: Iterable[int] = ()
+) -> DistillStore:
+    """Load an `export_npz` file into an empty store (same prompt indices), so training can resume from it."""
+    import numpy as np
+
+    stop = set(eos)
+
+    if store.prompts or store.shards:
+        raise ValueError(f"{store.root} already holds data: import into a fresh --work folder")
+    d = np.load(path)
+    ids, offsets, starts, index = d["ids"].astype(np.int64), d["offsets"], d["reply_start"], d["prompt_index"]
+    finished = d["finished"] if "finished" in d.files else None
+    if len(index) and not np.array_equal(index, np.arange(len(index))):
+        raise ValueError(f"{path}: samples do not cover prompts 0..n-1 in order")
+    store.prompts = json.loads(d["prompts"].tobytes())
+    store.sources = json.loads(d["sources"].tobytes())
+    store._keys = {norm_key(p) for p in store.prompts}
+    if "meta" in d.files:
+        meta = json.loads(d["meta"].tobytes())
+        store.magpie_rounds = int(meta.get("magpie_rounds", 0))
+        store.magpie_sampled = int(meta.get("magpie_sampled", 0))
+    store.save()
+    for first in range(0, len(starts), shard_size):
+        rows = range(first, min(first + shard_size, len(starts)))
+        seqs = [ids[offsets[i] : offsets[i + 1]].tolist() for i in rows]
+        rs = [int(starts[i]) for i in rows]
+        if finished is not None:
+            fin = [bool(finished[i]) for i in rows]
+        else:  # older exports: a reply finished if it ends with an EOS id
+            fin = [len(q) > r and q[-1] in stop for q, r in zip(seqs, rs, strict=True)]
+        store.write_shard(first, seqs, rs, fin)
+    return store

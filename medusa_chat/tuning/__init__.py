@@ -1,0 +1,1 @@
+"""Tuning the tree to this machine: the calibration harness and the cached choice."""

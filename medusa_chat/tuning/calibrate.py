@@ -1,0 +1,284 @@
+"""Hardware-aware tree size: `medusa-chat calibrate`, the measurement harness (tree_choice.py holds the runtime
+part: the cache of choices and the one tree rule every entry point uses).
+
+A bigger tree accepts more tokens per step but costs more per step, and how much more depends on the device
+(on a 2-core CPU a 64-node step costs ~3x a 1-node step; on a big GPU at batch 1 it costs almost nothing
+extra, until the step stops being memory-bound). So the right tree is the one that maximises
+
+    expected tokens per second (n) = E[tokens per step](n) / step latency(n)
+
+over the first n nodes of the model's tree. Calibration measures the latency side on this device (the same
+tree forward the engine runs: TreeKVCache, additive 4D mask, lm_head over all nodes, heads on one hidden
+state, acceptance, commit) and takes the accuracy side from the heads folder's `tree.json`
+(`expected_tokens_per_step`) or, when that is missing, from a few short greedy replies on built-in prompts.
+The choice is cached per model + device + quantization + dtype, so the UIs can say which tree they use and why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from medusa_chat.model.runner import BackboneRunner
+from medusa_chat.tree import Tree
+from medusa_chat.tuning.measure import (
+    CALIBRATION_PROMPTS,
+    DEFAULT_PREFIX_TOKENS,
+    measure_step_latency,
+    measure_tokens_per_step,
+    tokens_per_step_from_tree_json,
+)
+from medusa_chat.tuning.tree_choice import (
+    CALIBRATION_VERSION,
+    calibrated_source,
+    choose_tree,
+    device_name,
+    heads_stamp,
+    model_identity,
+    save_calibration,
+)
+
+if TYPE_CHECKING:
+    pass
+
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Sizes whose estimated rates are this close count as tied, and the smaller tree wins: the estimates carry a few
+# percent of noise (acceptance from a few hundred tokens, latencies on a shared machine), a deeper node's
+# acceptance rests on fewer events, and a small tree's cost varies less with load and context length. Measured
+# on a 2-core EPYC: prefixes of 2, 3 and 4 nodes were estimated within 2% of each other, and in real replies
+# the 4-node tree was the slowest of the three (its deep nodes accepted less often than estimated).
+NEAR_TIE = 0.03
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The pure decision
+# ------------------------------------------------------------------------------------------------------------
+def expected_tokens_per_s(
+    latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float]
+) -> dict[int, float]:
+    """E[tokens/step](n) / latency(n) for every size present in both maps (and with a positive latency)."""
+    return {
+        n: tokens_per_step_by_size[n] / latency_by_size[n]
+        for n in sorted(set(latency_by_size) & set(tokens_per_step_by_size))
+        if latency_by_size[n] > 0
+    }
+
+
+def pick_tree_size(
+    latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float], near_tie: float = 0.0
+) -> int:
+    """The tree size with the most expected tokens per second. Ties go to the smaller tree (less memory,
+    less variance), and so do near-ties: with `near_tie` = 0.03 the smallest size within 3% of the best rate.
+    Only sizes present in both maps are considered."""
+    rates = expected_tokens_per_s(latency_by_size, tokens_per_step_by_size)
+    if not rates:
+        raise ValueError("pick_tree_size needs at least one size with both a latency and a tokens/step value")
+    best = max(rates.values())
+    return min(n for n, r in rates.items() if r >= best * (1 - max(near_tie, 1e-12)))
+
+
+def estimated_speedup(
+    latency_by_size: dict[int, float], tokens_per_step_by_size: dict[int, float], size: int
+) -> float:
+    """Speedup of `size` over plain one-token steps: E(size) * latency(1) / latency(size)."""
+    return tokens_per_step_by_size[size] * latency_by_size[1] / latency_by_size[size]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Latency: the engine's tree step, timed
+# ------------------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Accuracy: expected tokens per step for each prefix size of the tree
+# ------------------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The whole calibration
+# ------------------------------------------------------------------------------------------------------------
+def heads_tree_json(loaded: Any) -> Path | None:
+    """The heads folder's tree.json, if the heads come from a local folder that has one."""
+    heads_file = getattr(loaded, "heads_file", "") or ""
+    candidates: list[Any] = [
+        Path(heads_file).parent if heads_file else None,
+        getattr(loaded, "heads_dir", None),
+    ]
+    spec = getattr(loaded, "spec", None)
+    candidates.append(getattr(spec, "heads", None))
+    try:
+        info = loaded.info()
+        heads_info = info.get("heads") if isinstance(info, dict) else None
+        if isinstance(heads_info, dict):
+            candidates += [heads_info.get(k) for k in ("path", "dir", "folder", "location")]
+    except Exception:  # noqa: BLE001 - info() is display-only; calibration must not fail on it
+        pass
+    for c in candidates:
+        if c and isinstance(c, (str, Path)):
+            p = Path(c).expanduser()
+            if p.is_dir() and (p / "tree.json").is_file():
+                return p / "tree.json"
+    return None
+
+
+def calibrate(
+    loaded: Any,
+    base: Tree | None = None,
+    sizes: Iterable[int] = DEFAULT_SIZES,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    reps: int = 8,
+    accuracy_file: Path | None = None,
+    measure_replies: int = 4,
+    measure_tokens: int = 64,
+    progress: Callable[[str], None] | None = None,
+    measure_accuracy: bool = False,
+) -> dict[str, Any]:
+    """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record."""
+    from medusa_chat.engine.engine import MedusaEngine
+
+    base = base or loaded.default_tree
+    sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {base.size, 1})
+    model_name, device, quant, dtype = model_identity(loaded)
+
+    tps: dict[int, float] | None = None
+    source = ""
+    # tree.json's expectation comes from the heads' held-out accuracy; measuring on real replies is slower
+    # but catches a mismatch (e.g. prompts unlike the training data) - `measure_accuracy` forces it.
+    tree_json = None if measure_accuracy else (accuracy_file or heads_tree_json(loaded))
+    if tree_json is not None:
+        tps = tokens_per_step_from_tree_json(tree_json, base)
+        source = f"{tree_json} (expected_tokens_per_step)" if tps else ""
+        if tps:
+            missing = [n for n in sizes if n not in tps]
+            if missing and progress:
+                progress(f"tree.json has no value for sizes {missing}: those sizes are skipped")
+            sizes = [n for n in sizes if n in tps]
+    if not tps:
+        if progress:
+            progress(
+                f"measuring tokens/step with {measure_replies} greedy replies on built-in prompts ({base.name}, {base.size} nodes)"
+            )
+        # the static tree: accepted_per_size reads every step's tokens in its node layout
+        engine = MedusaEngine(loaded, base, shaped=False)
+        engine.lookup_run = 0
+        prompts = [
+            loaded.build_prompt([{"role": "user", "content": p}])
+            for p in CALIBRATION_PROMPTS[:measure_replies]
+        ]
+        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress)
+        source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
+        engine.reset()
+    tps[1] = 1.0  # a root-only step makes exactly one token
+
+    if progress:
+        progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
+    lat = measure_step_latency(
+        loaded,
+        sizes,
+        tree=base,
+        prefix_tokens=prefix_tokens,
+        reps=reps,
+        progress=progress,
+    )
+    latency = {n: v["median_s"] for n, v in lat.items()}
+    eager: dict[int, float] = {}
+    if device.type == "cuda":  # the same steps without CUDA graphs, for the record (graph_step.py)
+        if progress:
+            progress("timing the same steps without CUDA graphs")
+        eager = {
+            n: v["median_s"]
+            for n, v in measure_step_latency(
+                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, graphs=False
+            ).items()
+        }
+    best = pick_tree_size(latency, tps, NEAR_TIE)
+    rates = expected_tokens_per_s(latency, tps)
+    return {
+        "version": CALIBRATION_VERSION,
+        "model": model_name,
+        "device": str(device),
+        "device_name": device_name(device),
+        "quant": quant,
+        "dtype": dtype,
+        "tree": base.name,
+        "forward": BackboneRunner(loaded.backbone).path,
+        "tree_size": best,
+        # on a GPU: were the CUDA-graph steps faster than the eager ones at the chosen size (graph_step.py)?
+        **({"graph_step": latency[best] < eager[best]} if best in eager else {}),
+        "heads_stamp": heads_stamp(loaded),
+        "speedup_est": round(estimated_speedup(latency, tps, best), 3),
+        "tokens_per_s_est": round(rates[best], 2),
+        "prefix_tokens": prefix_tokens,
+        "accuracy_source": source,
+        "sizes": [
+            {
+                "size": n,
+                "latency_s": round(latency[n], 6),
+                "tokens_per_step": round(tps[n], 4),
+                "tokens_per_s_est": round(rates[n], 2),
+                "speedup_est": round(estimated_speedup(latency, tps, n), 3),
+                **({"eager_latency_s": round(eager[n], 6)} if n in eager else {}),
+            }
+            for n in sorted(rates)
+        ],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------------------
+
+
+
+
+# On a CPU a tree step's cost grows with every node (the exact per-node attention, the projections' extra
+# rows): measured on a 2-core AVX2 EPYC, 8 nodes cost ~3x a plain step and 16 ~9x, so the first-start
+# calibration looks at prefixes up to 8 nodes (and stays short: ~10 s).
+CPU_MAX_TREE = 8
+
+
+CPU_SIZES = (1, 2, 3, 4, 6, 8)
+
+
+def resolve_tree(
+    loaded: Any,
+    tree_name: str | None = None,
+    tree_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    auto_calibrate: bool | None = None,
+) -> tuple[Tree, str]:
+    """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
+
+    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
+    (about 10 s; cached for every later start and command); else the model's default tree.
+    """
+    if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
+        auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
+    tree, source = choose_tree(loaded, tree_name, tree_size)
+    if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
+        return tree, source
+    base = tree.prefix(min(tree.size, CPU_MAX_TREE))
+    if progress is not None:
+        progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
+    record = calibrate(
+        loaded,
+        base=base,
+        sizes=CPU_SIZES,
+        reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
+        measure_accuracy=True,
+        measure_replies=len(CALIBRATION_PROMPTS),  # ~600 tokens: a reply costs well under a second here
+        measure_tokens=48,
+        progress=progress,
+    )
+    record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
+    model_name, device, quant, dtype = model_identity(loaded)
+    save_calibration(record, model_name, device, quant, dtype)
+    return tree.prefix(record["tree_size"]), calibrated_source(record)

@@ -1,0 +1,254 @@
+"""What calibration measures: a tree step's latency per tree size (the engine's own step, timed), and the tokens
+each step accepts per size (from the heads' tree.json, or measured on built-in prompts)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.tree import Tree
+
+if TYPE_CHECKING:
+    from medusa_chat.engine.engine import MedusaEngine
+
+
+DEFAULT_PREFIX_TOKENS = 256
+
+
+# Built-in prompts for measuring acceptance when the heads ship no expected_tokens_per_step. Deliberately not
+# the benchmark prompts (a tree tuned on the benchmark says nothing about it) and varied in style. The second
+# six (opinion, role play, explanation, summary, arithmetic, naming) were added because the first six alone
+# are unusually predictable (lists, code, recipes): on the AMX Xeon VM they estimated 1.55 / 1.87 / 2.07
+# tokens per step for 2 / 3 / 4 nodes, Vicuna-bench's 20 first prompts measured 1.47 / 1.67 / 1.76, the
+# estimate favoured the deeper trees, and the 3-node choice decoded 4% slower than 2 nodes. All twelve:
+# 1.41 / 1.62 / 1.74.
+CALIBRATION_PROMPTS = (
+    "Explain how the gears on a bicycle make it easier to ride up a hill.",
+    "Write a short poem about autumn leaves falling in a city park.",
+    "List five unusual uses for a paperclip and explain each briefly.",
+    "What is the difference between weather and climate? Give an example.",
+    "Describe step by step how to make a good cup of tea.",
+    "Write a Python function that checks whether a word is a palindrome.",
+    "What are the advantages and disadvantages of working from home?",
+    "Imagine you are a ship's captain in a storm. Describe what you tell your crew.",
+    "Why do leaves change colour in autumn? Answer in a short paragraph.",
+    "Summarize the causes of the French Revolution in a few sentences.",
+    "If a train travels 60 miles in 1.5 hours, what is its average speed? Explain.",
+    "Suggest a name and a slogan for a small bakery, and say why they fit.",
+)
+
+
+def latency_tree(base: Tree, size: int) -> Tree:
+    """A tree of exactly `size` nodes for timing: the first `size` nodes of `base`, or, beyond its end, `base`
+    widened with more top-k ranks. Only the node count and mask shape matter for latency, not which tokens."""
+    if size <= base.size:
+        return base.prefix(size)
+    paths = list(base.paths)
+    seen = set(paths)
+    depth = max(base.depth, 1)
+    rank = 0
+    while len(paths) + 1 < size:
+        for d in range(1, depth + 1):
+            p = (0,) * (d - 1) + (rank,)
+            if p not in seen and len(paths) + 1 < size:
+                seen.add(p)
+                paths.append(p)
+        rank += 1
+    return Tree(tuple(paths), name=f"{base.name}+{size - base.size}")
+
+
+@torch.inference_mode()
+def measure_step_latency(
+    loaded: Any,
+    sizes: Iterable[int],
+    *,
+    tree: Tree | None = None,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    reps: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    graphs: bool = True,
+) -> dict[int, dict[str, float]]:
+    """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
+
+    A step is `MedusaEngine.step` itself (propose, verify, greedy accept, bonus; the lean forward's exact
+    per-node attention on a CPU, the heads' draft for the next step) plus the one host sync and the in-place
+    KV commit `generate` does after it. After each rep the cache is cropped back to the prefix, so every rep sees
+    the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
+    events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
+    pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
+    them, the event time equals the wall time: the GPU waits for the launches.) graphs=False times the eager
+    step where an engine would replay CUDA graphs (graph_step.py).
+    """
+    from medusa_chat.engine.acceptance import make_acceptor
+    from medusa_chat.engine.engine import MedusaEngine
+
+    sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
+    device = torch.device(loaded.device)
+    backbone = loaded.backbone
+    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
+    base = tree or Tree.named("mc_sim_7b_63")
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
+    acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
+    step_args: dict[int, tuple] = {}
+    for n in sizes:
+        t = latency_tree(base, n)
+        if loaded.heads is not None and n > 1:
+            t.check_fits(loaded.heads.num_heads)
+        engine = MedusaEngine(
+            loaded, t, graphs=graphs
+        )  # each size its own cache: key rows are sized per tree
+        hidden = engine.prefill(prefix)
+        logits, draft = engine.next_logits_and_guesses(hidden[-1:])
+        step_args[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+        for _ in range(warmup):
+            _trial_step(*step_args[n], acceptor)
+
+    # Sizes are timed round-robin (one rep of each size per round), so a slow spell of a shared machine (other
+    # processes, clock changes) hits every size alike instead of skewing the sizes measured during it.
+    walls: dict[int, list[float]] = {n: [] for n in step_args}
+    events: dict[int, list[float]] = {n: [] for n in step_args}
+    for _ in range(reps):
+        for n, args in step_args.items():
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                e0.record()
+            t0 = time.perf_counter()
+            _trial_step(*args, acceptor)
+            if cuda:
+                e1.record()
+                torch.cuda.synchronize(device)
+            walls[n].append(time.perf_counter() - t0)
+            if cuda:
+                events[n].append(e0.elapsed_time(e1) / 1000.0)
+    results: dict[int, dict[str, float]] = {}
+    for n in step_args:
+        w = walls[n]
+        results[n] = {"median_s": statistics.median(w), "min_s": min(w), "mean_s": statistics.fmean(w)}
+        if events[n]:
+            results[n]["event_median_s"] = statistics.median(events[n])
+        if progress:
+            progress(
+                f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
+            )
+    for engine, _, _ in step_args.values():
+        engine.reset()
+    return results
+
+
+def _trial_step(engine: Any, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> None:
+    """The engine's step, its host sync and commit, then the cache put back (so every rep sees one context)."""
+    engine.trial_step(root, draft, acceptor)
+
+
+def tokens_per_step_from_tree_json(path: Path, tree: Tree) -> dict[int, float] | None:
+    """Read `expected_tokens_per_step` from a heads folder's tree.json, if it describes `tree`.
+
+    Accepted forms: a list whose entry i is the expected tokens per step of the first i+1 nodes (root
+    included, so entry 0 is 1.0), or a dict {size: value}. The file's paths must start with `tree`'s paths
+    (the values are only valid for the tree they were computed for).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    values = data.get("expected_tokens_per_step")
+    paths = data.get("paths")
+    if values is None:
+        return None
+    if isinstance(paths, list):
+        file_paths = tuple(tuple(int(r) for r in p) for p in paths if p)
+        n = min(len(file_paths), len(tree.paths))
+        if file_paths[:n] != tree.paths[:n]:
+            return None
+    out: dict[int, float] = {}
+    if isinstance(values, list):
+        out = {i + 1: float(v) for i, v in enumerate(values) if v is not None}
+    elif isinstance(values, dict):
+        out = {int(k): float(v) for k, v in values.items() if v is not None}
+    return {n: v for n, v in out.items() if n <= tree.size} or None
+
+
+def accepted_per_size(
+    tree: Tree, tree_tokens: list[int], continuation: list[int], sizes: Iterable[int]
+) -> dict[int, int]:
+    """How many candidates the first n nodes of `tree` would have accepted this step, for each n.
+
+    Greedy acceptance of a node depends only on its own token and its parent's logits, and tree attention
+    lets a node see only its ancestors, so a smaller prefix of the tree accepts exactly the longest of its
+    own paths that matches the true greedy continuation (the reply's next tokens after this step's root).
+    """
+    depth_ok = [True] + [False] * (tree.size - 1)  # node i's whole path matches the continuation
+    longest_within: list[int] = [0] * tree.size  # best accepted depth among nodes 0..i
+    best = 0
+    for i in range(1, tree.size):
+        d = tree.depths[i]
+        parent = tree.parents[i]
+        depth_ok[i] = depth_ok[parent] and d <= len(continuation) and tree_tokens[i] == continuation[d - 1]
+        if depth_ok[i]:
+            best = max(best, d)
+        longest_within[i] = best
+    return {n: longest_within[min(n, tree.size) - 1] for n in sizes}
+
+
+def measure_tokens_per_step(
+    engine: MedusaEngine,
+    prompts: list[list[int]],
+    sizes: Iterable[int],
+    max_new_tokens: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, float]:
+    """E[tokens/step] for each prefix size of `engine.tree`, from greedy replies with the full tree.
+
+    One reply with the full tree gives the estimate for every smaller prefix at once (see
+    `accepted_per_size`). Steps whose true continuation is cut off by the end of the reply are skipped, as
+    their acceptance cannot be known.
+    """
+    tree = engine.tree
+    sizes = [n for n in sizes if n <= tree.size]
+    totals = {n: 0 for n in sizes}
+    steps = 0
+    for i, prompt in enumerate(prompts):
+        events: list[StepEvent] = []
+        summary: ReplySummary | None = None
+        for item in engine.generate(
+            prompt, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+        ):
+            if isinstance(item, StepEvent):
+                events.append(item)
+            else:
+                summary = item
+        assert summary is not None
+        reply = summary.token_ids
+        pos = 0  # index in the reply of the current step's root
+        for ev in events:
+            if ev.step == 0:
+                pos = 0
+                continue
+            assert ev.tree is not None
+            cont = reply[pos + 1 : pos + 1 + tree.depth]
+            if len(cont) >= tree.depth:
+                for n, a in accepted_per_size(tree, ev.tree.tokens, cont, sizes).items():
+                    totals[n] += a
+                steps += 1
+            pos += len(ev.token_ids)
+        if progress:
+            progress(
+                f"  reply {i + 1}/{len(prompts)}: {summary.new_tokens} tokens, {summary.tokens_per_step:.2f} tokens/step"
+            )
+    if steps == 0:
+        return {n: 1.0 for n in sizes}
+    return {n: 1.0 + totals[n] / steps for n in sizes}

@@ -1,0 +1,129 @@
+"""Which tree a reply uses: the calibration cache (keyed by model + device + quantization + dtype, stamped with
+the heads file, so retrained heads or another numeric path are calibrated anew) and `choose_tree`, which takes
+--tree / --tree-size, else this machine's cached calibration, else the model's default tree. Every entry point
+goes through `calibrate.resolve_tree`, which adds: on a CPU without a cached calibration, calibrate once now.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from medusa_chat.kernels.numeric_path import device_name
+from medusa_chat.machine import slug
+from medusa_chat.tree import Tree
+
+CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def calibration_path(
+    model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> Path:
+    from medusa_chat.paths import cache_root
+
+    name = "__".join(slug(x) for x in (model_name, device_name(device), quant or "none", dtype_name(dtype)))
+    return cache_root() / "calibration" / f"{name}.json"
+
+
+def save_calibration(
+    result: dict[str, Any], model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> Path:
+    """Write atomically (a half-written file must never be read back as a calibration)."""
+    path = calibration_path(model_name, device, quant, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from medusa_chat.atomic import atomic_write_text  # the package's one atomic writer (unique temp, fsync)
+
+    atomic_write_text(path, json.dumps(result, indent=1))
+    return path
+
+
+def load_calibration(
+    model_name: str, device: torch.device | str, quant: str, dtype: torch.dtype | str
+) -> dict[str, Any] | None:
+    """The cached calibration for this model on this device / quantization / dtype, or None."""
+    path = calibration_path(model_name, device, quant, dtype)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if (
+        not isinstance(data, dict)
+        or data.get("version") != CALIBRATION_VERSION
+        or not isinstance(data.get("tree_size"), int)
+    ):
+        return None
+    return data
+
+
+def calibrated_source(cal: dict[str, Any]) -> str:
+    """Why this tree, for the UIs' tree line: "calibrated (1.8x est.)" or the plain-decoding verdict."""
+    if cal["tree_size"] == 1:
+        return "calibrated: plain decoding is fastest on this device"
+    return f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
+
+
+def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -> str:
+    """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
+    if cal is None:
+        return f"tree: {tree.size} nodes (default)" if tree is not None else "tree: default"
+    if cal["tree_size"] == 1:
+        return "tree: root only (calibrated: plain decoding is fastest on this device)"
+    return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.)"
+
+
+def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
+    """(model name, device, quant, dtype) of a LoadedModel, the calibration key."""
+    spec = getattr(loaded, "spec", None)
+    name = getattr(spec, "name", None) or getattr(loaded, "name", None) or "model"
+    dtype = getattr(loaded, "dtype", None) or loaded.backbone.get_input_embeddings().weight.dtype
+    return str(name), torch.device(loaded.device), str(getattr(loaded, "quant", "none")), dtype_name(dtype)
+
+
+def heads_stamp(loaded: Any) -> str | None:
+    """Identifies the heads file a calibration was made with (path, size, mtime): retrained or other heads
+    accept differently, so their calibration does not apply."""
+    path = getattr(loaded, "heads_file", "") or ""
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        return None
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}" if st else None
+
+
+def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
+    """The tree chat, `info`, `ask`, `bench` and the API use, and why: (tree, source). The one place this is
+    decided, so every command reports and runs the same tree.
+
+    `--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N` wins, checked against the
+    heads; otherwise a cached calibration for this model + device, if it was made for the model's default
+    tree and these heads; otherwise the model's default tree. source is "--tree", "--tree-size",
+    "calibrated (1.8x est.)" or "default".
+    """
+    if tree_name or tree_size is not None:
+        chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
+        if tree_size is not None:
+            chosen = chosen.prefix(tree_size)
+        chosen.check_fits(loaded.heads.num_heads)
+        return chosen, "--tree-size" if tree_size is not None else "--tree"
+    base = loaded.default_tree
+    cal = load_calibration(*model_identity(loaded))
+    stamp = heads_stamp(loaded)
+    if (
+        cal
+        and cal.get("tree") == base.name
+        and 1 <= cal["tree_size"] <= base.size
+        and (cal.get("heads_stamp") is None or stamp is None or cal["heads_stamp"] == stamp)
+    ):
+        if "graph_step" in cal:  # a GPU calibration that timed CUDA-graph steps against eager ones
+            loaded.graph_step = bool(cal["graph_step"])
+        return base.prefix(cal["tree_size"]), calibrated_source(cal)
+    return base, "default"
+
+
