@@ -245,7 +245,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"tree used  {tree.name} ({tree.size} nodes, depth {tree.depth}; {source})")
     print(f"forward    {info['forward']}")
     print(f"drafts     {info['drafts']}")
+    print(f"fidelity   {_fidelity_line(loaded)}")
     return 0
+
+
+def _fidelity_line(loaded: Any) -> str:
+    """The numeric path's measured agreement with the float model, or why there is none."""
+    f = loaded.fidelity
+    if f:
+        return (
+            f"{loaded.quant}: top-1 {f['top1'] * 100:.1f}%, KL {f['mean_kl']:.4f} nats/token vs the float model "
+            f"({f['tokens']} tokens, teacher-forced; `medusa-chat bench --fidelity` for the full measure)"
+        )
+    if loaded.quant in ("none", "") and str(loaded.dtype) == "torch.float32":
+        return "the float model itself (fp32)"
+    return "not measured (`medusa-chat bench --fidelity` measures it)"
 
 
 def _drafts_line(loaded: Any, tree: Any) -> str:

@@ -112,7 +112,7 @@ def test_wheel_installs_and_answers(tmp_path: Path) -> None:
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     where = subprocess.run(
-        [str(python), "-c", "import medusa_chat.registry as r; print(r.__file__); print(r.assets_dir())"],
+        [str(python), "-c", "import medusa_chat.model.registry as r; print(r.__file__); print(r.assets_dir())"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -32,7 +32,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         type=Path,
-        required=True,
+        default=None,
         metavar="FILE.jsonl",
         help="one JSON object a line with `turns` (first turn used) or `prompt`",
     )
@@ -84,6 +84,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="also run Medusa with the first N nodes of the tree for each N",
     )
     parser.add_argument("--quiet", action="store_true", help="no per-prompt tables, only the summary")
+    parser.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="instead of speed: each numeric path's agreement with the float model (teacher-forced top-1 and KL on a "
+        "fixed text, greedy replies' agreement), beside llama.cpp's on the same text where it is built",
+    )
+    parser.add_argument(
+        "--fidelity-paths",
+        default=None,
+        metavar="int4,int8",
+        help="with --fidelity: the numeric paths to score (default: the one --quant picks)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,8 +118,16 @@ def bench_main(args: argparse.Namespace) -> int:
 
     from medusa_chat.tuning.calibrate import resolve_tree
 
+    if getattr(args, "fidelity", False):
+        from medusa_chat.bench.fidelity import fidelity_main
+
+        return fidelity_main(args)
     out = Console()
     err = Console(stderr=True)
+    if args.prompts is None:
+        from medusa_chat.errors import MedusaChatError
+
+        raise MedusaChatError("bench needs --prompts FILE.jsonl (e.g. benchmarks/data/vicuna_bench_question.jsonl)")
     prompts = read_prompts(args.prompts, args.limit)
     settings_from_args(args)  # validates the options before the (slow) load
     loaded = load_from_args(args, err)

@@ -34,7 +34,6 @@ import torch
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
 from medusa_chat.engine.drafters import HydraDrafter, next_logits_and_guesses, propose
 from medusa_chat.engine.graphs import GraphSteps, wants_graphs
-from medusa_chat.engine.kv_cache import TreeKVCache
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
     StreamDecoder,
@@ -48,6 +47,7 @@ from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.model.graph_step import GraphStep
 from medusa_chat.model.heads import HydraHeads
+from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers

@@ -16,7 +16,7 @@ from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.kv_cache import TreeKVCache
+    from medusa_chat.model.kv_cache import TreeKVCache
 
 # The graphs' cache is allocated whole for the context window, up to this many tokens (Llama-2-7B in fp16: 0.5 GB
 # per 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.

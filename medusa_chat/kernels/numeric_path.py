@@ -6,8 +6,14 @@ on AVX512-BF16 machines int4 reads the fewest bytes and wins; on AVX2-only CPUs 
 time unpacking than it saves and int8 wins; a CPU whose kernels are not row-invariant loses the candidate.
 So each candidate's decoding-step projections (one layer's shapes x layers, plus the lm_head) are timed on
 random weights of the model's shapes, one row (the plain step) and a few rows (a small tree step), and the
-fastest is kept. The measurement takes a couple of seconds at the first start; the result is cached per model,
-CPU, thread count and torch version, so later starts reuse it.
+fastest is kept among those faithful enough to the float model.
+
+Speed alone is not the choice: a path counts only if its replies are the model's. Where the float model fits in
+memory, each candidate is also scored teacher-forced against it on a fixed text (model/fidelity.py: top-1 agreement and
+KL per token, llama-perplexity's method), and a candidate whose KL exceeds the most faithful quantized
+candidate's by more than FIDELITY_SLACK is out (e.g. the embedded GGUF's Q4_1 blocks re-quantized as Q8_0:
+two roundings, 1.4x the KL of the file's own blocks). The measurements take a few seconds at the first start;
+the result is cached per model, CPU, thread count and torch version, so later starts reuse it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ from medusa_chat.kernels.cpu_linears import (
 from medusa_chat.machine import cpu_model, slug
 
 CANDIDATES = ("none", "int8", "int4")
-VERSION = 6  # v6: packed fp32 pads a lone row where oneDNN needs it (was refused on AMX Xeons: re-measure)
+VERSION = 7  # v7: the choice weighs fidelity to the float model (re-measure)
+# a candidate may have at most this multiple of the most faithful quantized candidate's KL (plus a hair, for
+# models whose paths all agree to within float noise)
+FIDELITY_SLACK = 1.2
+FIDELITY_EPS = 1e-4
 
 
 def device_name(device: torch.device | str) -> str:
@@ -142,18 +152,34 @@ def measure_paths(config: dict[str, Any], reps: int = 5, rows: tuple[int, ...] =
     return out
 
 
-def pick(measured: dict[str, Any]) -> str:
-    """The candidate with the cheapest one-row step (the plain loop's cost; tree calibration comes after)."""
-    timed = {m: v["step_s"]["1"] for m, v in measured.items() if "step_s" in v}
+def faithful(fidelity: dict[str, Any]) -> set[str]:
+    """The candidates that meet the fidelity floor: "none" (the float model itself) always; a quantized one when
+    its KL is within FIDELITY_SLACK of the most faithful quantized candidate's. Without measurements: all."""
+    kl = {m: float(v["mean_kl"]) for m, v in fidelity.items() if m != "none" and "mean_kl" in v}
+    if not kl:
+        return set(CANDIDATES)
+    best = min(kl.values())
+    return {"none"} | {m for m, v in kl.items() if v <= FIDELITY_SLACK * best + FIDELITY_EPS}
+
+
+def pick(measured: dict[str, Any], fidelity: dict[str, Any] | None = None) -> str:
+    """The candidate with the cheapest one-row step (the plain loop's cost; tree calibration comes after) among
+    those that meet the fidelity floor."""
+    ok = faithful(fidelity or {})
+    timed = {m: v["step_s"]["1"] for m, v in measured.items() if "step_s" in v and m in ok}
     if not timed:
         return "none"
     return min(timed, key=timed.__getitem__)
 
 
 def choose_cpu_quant(
-    model_name: str, config: dict[str, Any], progress: Callable[[str], None] | None = None
+    model_name: str,
+    config: dict[str, Any],
+    progress: Callable[[str], None] | None = None,
+    fidelity_probe: Callable[[list[str]], dict[str, Any]] | None = None,
 ) -> str:
-    """The CPU numeric path for `--quant auto`: cached, else measured now (and cached)."""
+    """The CPU numeric path for `--quant auto`: cached, else measured now (and cached). `fidelity_probe(modes)`
+    scores the runnable candidates against the float model (see model/fidelity.py); None: speed alone."""
     path = _cache_file(model_name)
     try:
         cached = json.loads(path.read_text())
@@ -164,13 +190,35 @@ def choose_cpu_quant(
     if progress:
         progress("Measuring this CPU's numeric paths once (packed fp32, int8, int4)")
     measured = measure_paths(config)
-    quant = pick(measured)
+    runnable = [m for m in CANDIDATES if "step_s" in measured[m] and m != "none"]
+    fidelity = fidelity_probe(runnable) if fidelity_probe and len(runnable) > 1 else {}
+    quant = pick(measured, fidelity)
     if progress:
         costs = ", ".join(
             f"{m} {v['step_s']['1'] * 1000:.1f} ms" if "step_s" in v else f"{m} excluded"
             for m, v in measured.items()
         )
-        progress(f"  projections per token: {costs} -> {quant}")
-    record = {"version": VERSION, "quant": quant, "threads": torch.get_num_threads(), "measured": measured}
+        progress(f"  projections per token: {costs}")
+        for m, v in fidelity.items():
+            if "mean_kl" in v:
+                progress(f"  fidelity of {m}: top-1 {v['top1'] * 100:.1f}%, KL {v['mean_kl']:.4f} nats/token")
+        progress(f"  -> {quant}")
+    record = {
+        "version": VERSION,
+        "quant": quant,
+        "threads": torch.get_num_threads(),
+        "measured": measured,
+        "fidelity": fidelity,
+    }
     atomic_write_text(path, json.dumps(record, indent=1))
     return quant
+
+
+def cached_fidelity(model_name: str, quant: str) -> dict[str, Any] | None:
+    """The measured fidelity of `quant` for this model on this machine, where the choice measured it."""
+    try:
+        record = json.loads(_cache_file(model_name).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = (record.get("fidelity") or {}).get(quant) if isinstance(record, dict) else None
+    return value if isinstance(value, dict) else None

@@ -15,6 +15,7 @@ This module imports neither rich nor gradio (see docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,10 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
     # On a GPU: False when this device's calibration timed CUDA-graph steps slower than eager ones (tree_choice)
     graph_step: bool | None = None
+    # this numeric path's teacher-forced agreement with the float model where the `--quant auto` choice measured
+    # it (numeric_path.cached_fidelity: top1, mean_kl, p99_kl, tokens); "none" on a float checkpoint is the
+    # float model itself
+    fidelity: dict[str, Any] | None = None
 
     def build_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return build_prompt_ids(self.tokenizer, self.spec.chat_template, messages, add_generation_prompt)
@@ -119,6 +124,7 @@ class LoadedModel:
                 "size": self.default_tree.size,
                 "depth": self.default_tree.depth,
             },
+            "fidelity": self.fidelity,
             "notes": list(self.notes),
         }
 
@@ -308,6 +314,44 @@ def _check_size(spec: ModelSpec, params: float, device_arg: str, dev: torch.devi
 
 
 # ---- the entry point --------------------------------------------------------------------------------------------
+def _fidelity_probe(
+    model: str, heads: str | None, config: dict[str, Any], trust_remote_code: bool, say: Progress
+) -> Callable[[list[str]], dict[str, Any]] | None:
+    """For `--quant auto`: a probe that scores the candidate paths against the float model (model/fidelity.py), or
+    None where it cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float
+    model and a quantized copy would not fit in memory beside each other."""
+    if os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") == "0":
+        return None
+    need = estimate_params(config) * 4 * 1.5  # fp32 reference + a quantized copy + activations
+    avail = _available_memory()
+    if avail is not None and need > 0.6 * avail:
+        say(f"fidelity of the numeric paths not measured: the float model needs ~{need / 2**30:.1f} GB")
+        return None
+
+    def probe(modes: list[str]) -> dict[str, Any]:
+        from medusa_chat.model.fidelity import PROBE_CHUNKS, measure
+
+        say(f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)")
+
+        def loader(quant: str) -> Callable[[], LoadedModel]:
+            return lambda: load_model(model, heads, quant=quant, device="cpu", trust_remote_code=trust_remote_code)
+
+        results, _ = measure({m: loader(m) for m in modes}, loader("none"), limit=PROBE_CHUNKS)
+        return {m: r.as_dict() for m, r in results.items()}
+
+    return probe
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def load_model(
     model: str = "smollm2-135m",
     heads: str | None = None,
@@ -351,8 +395,14 @@ def load_model(
 
         # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they
         # are named (a heads repo naming its backbone, or the backbone with --heads).
-        q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress)
+        probe = _fidelity_probe(model, heads, config, trust_remote_code, say)
+        q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress, fidelity_probe=probe)
     cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
+    fidelity = None
+    if cpu_quant:
+        from medusa_chat.kernels.numeric_path import cached_fidelity
+
+        fidelity = cached_fidelity(spec.backbone or spec.name, q)
     say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
     backbone = load_backbone(
         model_dir,
@@ -412,6 +462,7 @@ def load_model(
         heads_file=str(heads_path),
         model_dir=str(model_dir),
         notes=notes,
+        fidelity=fidelity,
     )
 
 

@@ -12,7 +12,7 @@ from medusa_chat.model.lean_forward import lean_forward_for
 from medusa_chat.model.tree_plan import TreePlan
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.kv_cache import TreeKVCache
+    from medusa_chat.model.kv_cache import TreeKVCache
 
 
 class BackboneRunner:
