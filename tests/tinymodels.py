@@ -657,8 +657,12 @@ def block_loaded(quant: str, arch: str = "llama", heads: str = "hydra") -> Any:
         pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
     base = tiny_loaded(arch, heads=heads)
     loaded = copy.copy(base)
-    loaded.backbone = copy.deepcopy(base.backbone)
-    loaded.backbone.__dict__.pop("_medusa_lean_forward", None)
+    lean = base.backbone.__dict__.pop("_medusa_lean_forward", None)  # a native step's C structs do not copy
+    try:
+        loaded.backbone = copy.deepcopy(base.backbone)
+    finally:
+        if lean is not None:
+            base.backbone._medusa_lean_forward = lean
     prepare_cpu_linears(loaded.backbone, quant)
     return loaded
 
