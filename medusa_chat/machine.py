@@ -45,3 +45,14 @@ def cpu_native_bf16() -> bool:
 def slug(text: str) -> str:
     """`text` as a file-name part: lower case, runs of other characters as one dash."""
     return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "unknown"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (/proc/meminfo MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -26,7 +26,7 @@ import torch
 
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
-from medusa_chat.machine import cpu_native_bf16
+from medusa_chat.machine import available_memory, cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
@@ -323,7 +323,7 @@ def _fidelity_probe(
     if os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") == "0":
         return None
     need = estimate_params(config) * 4 * 1.5  # fp32 reference + a quantized copy + activations
-    avail = _available_memory()
+    avail = available_memory()
     if avail is not None and need > 0.6 * avail:
         say(f"fidelity of the numeric paths not measured: the float model needs ~{need / 2**30:.1f} GB")
         return None
@@ -340,16 +340,6 @@ def _fidelity_probe(
         return {m: r.as_dict() for m, r in results.items()}
 
     return probe
-
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def load_model(
