@@ -22,8 +22,12 @@ def _reply(engine: MedusaEngine, prompt: list[int], n: int = 32) -> list[int]:
 
 @pytest.fixture
 def restore_threads():
+    import torch
+
+    torch_threads = torch.get_num_threads()
     yield
     qgemm.set_threads(0)
+    torch.set_num_threads(torch_threads)
 
 
 def test_the_team_size_really_applies(restore_threads) -> None:
@@ -36,15 +40,79 @@ def test_the_team_size_really_applies(restore_threads) -> None:
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_one_and_two_threads_decode_the_same_tokens(quant: str, restore_threads) -> None:
+def test_one_and_two_threads_decode_the_same_tokens(quant: str, restore_threads, monkeypatch) -> None:
     model = block_loaded(quant)
     prompts = training_prompts()[:2] + [[5, 9, 17, 33, 65, 129, 257, 7, 11]]
     replies = {}
     for n in (1, 2):
-        qgemm.set_threads(n)
+        monkeypatch.setenv("MEDUSA_CHAT_THREADS", str(n))  # fixed: the engines' governors keep it
         plain = MedusaEngine(model, plain_tree())
         tree = MedusaEngine(model, Tree.named("mc_sim_7b_63"))
+        assert not tree.threads.adaptive and qgemm.get_threads() == n and qgemm.load().mc_team_probe() == n
         replies[n] = [(_reply(plain, p), _reply(tree, p)) for p in prompts]
     assert replies[1] == replies[2]
     for ref, got in replies[1]:
         assert got == ref  # Medusa's greedy reply is the plain loop's
+
+
+class _Clock:
+    """A governor fed made-up step times: the rule, without a loaded machine."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+
+def _feed(gov, seconds: float, until: int, most: int) -> int:
+    """Steps of `seconds` (tree size 8) until the governor runs `until` threads; how many it took."""
+    for n in range(1, most + 1):
+        gov.observe(seconds, 8)
+        if gov.threads == until:
+            return n
+    raise AssertionError(f"still on {gov.threads} threads after {most} steps")
+
+
+def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch) -> None:
+    from medusa_chat.engine import threads
+
+    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
+    gov = threads.ThreadGovernor(full=2, set_threads=_Clock())
+    assert gov.adaptive and gov.threads == 2
+    for _ in range(20):
+        gov.observe(0.005, 8)  # quiet: 5 ms
+    assert gov.threads == 2
+    _feed(gov, 1.0, until=1, most=threads.WINDOW)  # loaded: every barrier waits; dropped within the window
+    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)  # 1 thread under load; then a try of 2
+    _feed(gov, 1.0, until=1, most=threads.PROBE)  # still loaded: the try loses
+    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)
+    for _ in range(threads.PROBE):
+        gov.observe(0.005, 8)  # the load is gone: 2 threads win the try and stay
+    for _ in range(10):
+        gov.observe(0.005, 8)
+        assert gov.threads == 2
+
+
+def test_a_load_present_from_the_start_is_found_by_a_try_of_one_thread(monkeypatch) -> None:
+    from medusa_chat.engine import threads
+
+    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
+    gov = threads.ThreadGovernor(full=2, set_threads=_Clock())
+    _feed(gov, 1.0, until=1, most=threads.DOWN_EVERY + 1)  # 2 threads, slow all along: the try of 1 begins
+    for _ in range(threads.PROBE):
+        gov.observe(0.008, 8)
+    assert gov.threads == 1  # and wins
+
+
+def test_a_fixed_count_disables_adaptation(monkeypatch) -> None:
+    from medusa_chat.engine import threads
+
+    monkeypatch.setenv("MEDUSA_CHAT_THREADS", "1")
+    calls = _Clock()
+    gov = threads.ThreadGovernor(full=2, set_threads=calls)
+    assert not gov.adaptive and gov.threads == 1
+    for _ in range(50):
+        gov.observe(1.0, 8)
+    assert gov.threads == 1 and set(calls.calls) == {1}
+    assert threads.describe() == "1, fixed by MEDUSA_CHAT_THREADS"
