@@ -116,3 +116,26 @@ def test_a_fixed_count_disables_adaptation(monkeypatch) -> None:
         gov.observe(1.0, 8)
     assert gov.threads == 1 and set(calls.calls) == {1}
     assert threads.describe() == "1, fixed by MEDUSA_CHAT_THREADS"
+
+
+def test_products_and_the_fused_argmax_are_the_same_bits_on_1_2_3_threads(restore_threads) -> None:
+    """Above PAR_MIN (qgemm.c: N * K >= 2^18) a standalone product and the lm_head's fused argmax run their own
+    multi-threaded regions (the tiny models' products are below it): same outputs, same tokens (ties: the first
+    index, merged across threads in column order)."""
+    import torch
+
+    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+
+    if not qgemm.available():
+        pytest.skip(qgemm.unavailable_reason())
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1000, 512, generator=g) * 0.05
+    w[700:] = w[100:400]  # tied pairs across the threads' column ranges: the earlier index must win
+    q8, q4 = qgemm.Q80Linear(*qgemm.quantize_q8_0(w)), qgemm.Q41Linear(*quantize_q4_1(w[:992]))
+    x = torch.randn(9, 512, generator=g)
+    got = {}
+    for n in (1, 2, 3):
+        qgemm.set_threads(n)
+        got[n] = (q8(x), q4(x), q8.argmax(x))
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[n], strict=True)), n
