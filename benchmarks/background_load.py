@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
+import sys
 from pathlib import Path
 
 from medusa_chat.bench.runs import read_prompts
@@ -58,6 +60,7 @@ def _phase(engines, loaded, prompts, settings) -> dict[str, float]:  # noqa: ANN
             replies[name] = summary.token_ids
             totals[name][0] += summary.new_tokens - 1
             totals[name][1] += summary.decode_s
+            print(f"  prompt {i + 1} {name}: {summary.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
         ref = replies[next(n for n in replies if n.startswith("plain/"))]
         if any(r != ref for r in replies.values()):
             raise SystemExit(f"prompt {i + 1}: a reply differs from the plain loop's")
@@ -77,7 +80,10 @@ def main() -> None:
     prompts = read_prompts(args.prompts)[: args.limit]
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0)
     _phase({k: v for k, v in engines.items() if "fixed" in k}, loaded, prompts[:1], settings)  # warm-up
+    # `timeout` (SIGTERM) ends the run as an exception, so the busy processes are still stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
     rates = {"quiet": _phase(engines, loaded, prompts, settings)}
+    print(f"quiet: {rates['quiet']}", file=sys.stderr, flush=True)
     busy = [mp.Process(target=_busy, daemon=True) for _ in range(args.busy)]
     for p in busy:
         p.start()

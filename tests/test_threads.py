@@ -83,10 +83,13 @@ def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch)
     for _ in range(20):
         gov.observe(0.005, 8)  # quiet: 5 ms
     assert gov.threads == 2
-    _feed(gov, 1.0, until=1, most=threads.WINDOW)  # loaded: every barrier waits; dropped within the window
+    _feed(gov, 0.015, until=1, most=threads.WINDOW)  # 3x slower: dropped within the window
     _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)  # 1 thread under load; then a try of 2
+    assert gov.threads == 2
+    _feed(gov, 1.0, until=1, most=1)  # a stall in the try (200x): it loses
+    _feed(gov, 0.008, until=2, most=2 * threads.PROBE_EVERY)
     _feed(gov, 1.0, until=1, most=threads.PROBE)  # still loaded: the try loses
-    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)
+    _feed(gov, 0.008, until=2, most=4 * threads.PROBE_EVERY)  # each lost try puts the next one further off
     for _ in range(threads.PROBE):
         gov.observe(0.005, 8)  # the load is gone: 2 threads win the try and stay
     for _ in range(10):

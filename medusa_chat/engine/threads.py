@@ -9,11 +9,11 @@ tests/test_threads.py), so it can change between any two steps.
 
 The rule (ThreadGovernor.observe, fed each decoding step's wall time and tree size):
 - on all threads: a step time is compared with the median of recent quiet steps of the same tree size; when the
-  last WINDOW steps' median runs more than SLOW times that, the step drops to 1 thread. Rarely (every
+  last WINDOW steps' median runs more than SLOW times that (or one step STALL times), the step drops to 1 thread. Rarely (every
   `down_every` steps, doubling after each probe that lost) it also tries 1 thread for PROBE steps, which catches
   a load that was already there when the quiet median formed.
-- on 1 thread: every PROBE_EVERY steps it tries all threads for PROBE steps and keeps them when they were faster
-  than the 1-thread steps of the same sizes.
+- on 1 thread: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps and
+  keeps them when they were clearly (WIN) faster than the 1-thread steps of the same sizes.
 A fixed count (`--threads N`, or MEDUSA_CHAT_THREADS) turns this off; torch's own pool follows it too.
 """
 
@@ -25,7 +25,10 @@ from collections import deque
 
 WINDOW = 8  # recent steps judged together (a median: one hiccup is not load)
 SLOW = 2.0  # "much slower than quiet"
-PROBE_EVERY = 32  # steps on 1 thread between two tries of all threads
+STALL = 10.0  # one step this much slower than quiet: a barrier waited on a descheduled thread, drop at once
+PROBE_EVERY = 32  # steps on 1 thread between two tries of all threads (doubles after each lost try, up to
+PROBE_MAX = 256  # PROBE_MAX: under lasting load every try costs PROBE slow steps)
+WIN = 0.8  # a try wins when its steps' median is below this fraction of the other count's (noise is not a win)
 PROBE = 4  # steps per try
 DOWN_EVERY = 64  # steps on all threads before a try of 1 thread (doubles after each lost try, up to DOWN_MAX)
 DOWN_MAX = 1024
@@ -105,6 +108,7 @@ class ThreadGovernor:
         self._probing = False
         self._since = 0  # steps since the last switch or try
         self._down_every = DOWN_EVERY
+        self._up_every = PROBE_EVERY
         self.fixed = f is not None
         self.resume()
 
@@ -143,11 +147,14 @@ class ThreadGovernor:
                 self._probe.append(seconds / base)
             if self.threads == 1 or (base and seconds / base < 1.0):  # no slow step into the quiet median
                 self._record(self.threads, size, seconds)
-            if len(self._probe) >= PROBE or self._since >= 2 * PROBE:
-                won = bool(self._probe) and statistics.median(self._probe) < 1.0
+            stalled = bool(self._probe) and self._probe[-1] > STALL  # no need to sit through more of those
+            if stalled or len(self._probe) >= PROBE or self._since >= 2 * PROBE:
+                won = not stalled and bool(self._probe) and statistics.median(self._probe) < WIN
                 self._probing = False
                 if self.threads == 1:  # a try of 1 thread from all threads
                     self._down_every = DOWN_EVERY if won else min(2 * self._down_every, DOWN_MAX)
+                else:
+                    self._up_every = PROBE_EVERY if won else min(2 * self._up_every, PROBE_MAX)
                 self._use(self.threads if won else other)
             return
         if self.threads == self.full:
@@ -156,13 +163,13 @@ class ThreadGovernor:
             self._recent.append(ratio)
             if ratio <= SLOW:  # only quiet steps make the quiet median: load must not raise it
                 self._record(self.full, size, seconds)
-            if len(self._recent) == WINDOW and statistics.median(self._recent) > SLOW:
+            if ratio > STALL or (len(self._recent) == WINDOW and statistics.median(self._recent) > SLOW):
                 self._use(1)
             elif self._since >= self._down_every:
                 self._try(1)
         else:
             self._record(1, size, seconds)
-            if self._since >= PROBE_EVERY:
+            if self._since >= self._up_every:
                 self._try(self.full)
 
     def _try(self, n: int) -> None:
