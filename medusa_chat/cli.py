@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from medusa_chat import __version__
+from medusa_chat.cliargs import positive_int
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.units import human_bytes
 
@@ -76,6 +77,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--tree-size", type=int, default=None, metavar="N", help="use the first N nodes of the tree"
     )
     g.add_argument("--trust-remote-code", action="store_true", help="allow a Hub model's own Python code")
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for the native step and torch, fixed (default: all cores, 1 while other processes keep "
+        "them busy; env MEDUSA_CHAT_THREADS)",
+    )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -237,6 +246,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     info["tree"] = {"name": tree.name, "size": tree.size, "depth": tree.depth, "source": source}
     info["forward"] = BackboneRunner(loaded.backbone).path
     info["drafts"] = _drafts_line(loaded, tree)
+    info["threads"] = _threads_line(loaded)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -245,8 +255,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"tree used  {tree.name} ({tree.size} nodes, depth {tree.depth}; {source})")
     print(f"forward    {info['forward']}")
     print(f"drafts     {info['drafts']}")
+    print(f"threads    {info['threads']}")
     print(f"fidelity   {_fidelity_line(loaded)}")
     return 0
+
+
+def _threads_line(loaded: Any) -> str:
+    """The CPU thread count a reply runs with, and whether it adapts (engine/threads.py)."""
+    import torch
+
+    from medusa_chat.engine import threads
+
+    if loaded.device.type != "cpu":
+        return f"{torch.get_num_threads()} (torch, host side)"
+    return threads.describe()
 
 
 def _fidelity_line(loaded: Any) -> str:
@@ -281,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["chat", *argv]
     try:
         args = build_parser(argv[0]).parse_args(argv)
+        if getattr(args, "threads", None) is not None:
+            from medusa_chat.engine import threads
+
+            threads.fix(args.threads, "--threads")  # before any engine: it keeps this count
         if args.command == "models":
             code = cmd_models(args)
         elif args.command == "info":

@@ -19,6 +19,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts like `--threads 2`."""
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def settings_from_args(args: Any) -> GenerationSettings:
     """The reply settings the options --max-new-tokens, --temperature, --top-p, --seed and --accept give,
     validated (before any slow load, so a bad option fails at once)."""

@@ -42,6 +42,7 @@ from medusa_chat.engine.text import (
     release_held,
     stop_string_cut,
 )
+from medusa_chat.engine.threads import ThreadGovernor
 from medusa_chat.engine.trees import StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
@@ -117,6 +118,13 @@ class MedusaEngine(StepTrees, GraphSteps):
                 self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
                 self.graph_note = "CUDA graphs off: no room for their whole-window KV cache"
         self.set_tree(tree or model.default_tree)
+        # the native CPU step's thread count: 1 while other processes keep the cores busy (threads.py)
+        self.threads: ThreadGovernor | None = None
+        if self.device.type == "cpu":
+            from medusa_chat.model.block_forward import NativeForward
+
+            self.threads = ThreadGovernor()
+            self.threads.adaptive = self.threads.adaptive and isinstance(self.runner.lean, NativeForward)
 
     def fresh_cache(self, capacity: int = 1024) -> None:
         """Start over on a new, empty KV cache of `capacity` tokens (it grows as needed)."""
@@ -262,6 +270,8 @@ class MedusaEngine(StepTrees, GraphSteps):
         context window or `stop`. Yields a StepEvent per step (the prefill's first token is step 0), then the
         ReplySummary."""
         settings = settings or GenerationSettings()
+        if self.threads is not None:
+            self.threads.resume()
         acceptor = self._reply_acceptor(prompt_ids, settings)
         eos = set(self.model.eos_token_ids)
         stop_strings = tuple(s for s in (*settings.stop_strings, *self.model.stop_strings) if s)
@@ -315,6 +325,8 @@ class MedusaEngine(StepTrees, GraphSteps):
             delta, held, hit = release_held(held + detok.push(new_tokens), stop_strings, final=bool(stop_reason))
             stop_reason = "stop_string" if hit else stop_reason
             now = time.perf_counter()
+            if self.threads is not None:
+                self.threads.observe(now - step_t0, tree.size)
             decode_s = now - decode_t0
             yield StepEvent(
                 step=steps,

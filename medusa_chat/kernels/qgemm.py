@@ -137,8 +137,27 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.q8_0_rows.argtypes = [p, p, i, i, p, i, p]
         lib.q8_0_rows.restype = None
         lib.hydra_resblocks.restype = lib.hydra_cell.restype = lib.hydra_draft.restype = None
+        lib.mc_set_threads.argtypes = [i]
+        lib.mc_set_threads.restype = None
+        lib.mc_get_threads.restype = lib.mc_team_probe.restype = i
     _LIBS[isa] = lib
     return lib
+
+
+def set_threads(n: int) -> None:
+    """How many threads our kernels' parallel regions use (every built ISA's library; 0: the OpenMP runtime's
+    default). The outputs are the same bits whatever the count (the work is split by rows, column groups, heads
+    and key ranges, never inside one sum)."""
+    for isa in list(_LIBS) or [None]:
+        lib = _LIBS.get(isa) if isa else load()
+        if lib is not None:
+            lib.mc_set_threads(int(n))
+
+
+def get_threads() -> int:
+    """The team size our kernels' regions use now (0 where the kernel cannot run here)."""
+    lib = load()
+    return int(lib.mc_get_threads()) if lib is not None else 0
 
 
 def available() -> bool:

@@ -111,7 +111,7 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
     const size_t layer_stride = (size_t)2 * nkv * cap * hd, half_stride = (size_t)nkv * cap * hd;
     const int n_chunks = (I + 7) / 8;
 
-#pragma omp parallel
+#pragma omp parallel num_threads(mc_team())
     {
         for (int li = 0; li < m->n_layers; li++) {
             const DLayer *L = &m->layers[li];

@@ -123,7 +123,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
         plan = parent_row + C;
         for (int i = 0; i < I; i++) memcpy(x + (size_t)i * H, state + (size_t)internal[i] * H, row_bytes);
         hydra_resblocks(I, H, n_blocks[d], heads[d], x, y, tmp, qx, dx, sx);
-#pragma omp parallel
+#pragma omp parallel num_threads(mc_team())
         block_linear(proj, y, I, logits, qx, dx, sx);
         for (int i = 0; i < I; i++) top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
         for (int c = 0; c < C; c++) {
@@ -166,7 +166,7 @@ int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, cons
     float spine = 1.0f;
     for (int d = 0; d < D; d++) {
         hydra_resblocks(1, H, n_blocks[d], heads[d], state, y, tmp, qx, dx, sx);
-#pragma omp parallel
+#pragma omp parallel num_threads(mc_team())
         block_linear(proj, y, 1, logits, qx, dx, sx);
         top_k(logits, V, K, top);
         // softmax normaliser: sum of exp(l - max), 8 lanes at a time (a confidence: it shapes the tree, verification

@@ -37,6 +37,24 @@
 #define GW 8
 #endif
 #define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
+// The team size of every parallel region of ours (mc_set_threads; 0: the OpenMP runtime's default, i.e.
+// omp_get_max_threads of the calling thread). A `num_threads` clause on each region rather than
+// omp_set_num_threads: it applies whatever runtime (torch's bundled libgomp or the system one) and whichever
+// thread calls, and it leaves torch's own pool size alone. With 1 the regions run on the caller alone, so no
+// barrier ever waits for a descheduled thread (a loaded machine: engine/threads.py).
+static int mc_threads = 0;
+void mc_set_threads(int n) { mc_threads = n > 0 ? n : 0; }
+int mc_get_threads(void) { return mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
+int mc_team(void) { return mc_get_threads(); }
+// The team a region of ours really gets (tests: the clause applies on the runtime actually loaded)
+int mc_team_probe(void) {
+    int n = 0;
+#pragma omp parallel num_threads(mc_team())
+#pragma omp single
+    n = omp_get_num_threads();
+    return n;
+}
+
 #define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
 // Software prefetch of the weight stream, this many bytes ahead of the block being read. A decoding step reads
 // ~100 MB of weights (the backbone, the lm_head, the drafter), more than a small machine's share of the L3, so
@@ -456,7 +474,7 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
     float team_best[ARGMAX_THREADS][ARGMAX_ROWS];  // the caller's stack, shared by its team (48 KB)
     int64_t team_index[ARGMAX_THREADS][ARGMAX_ROWS];
     int threads = 1;
-#pragma omp parallel if ((long)N * K >= PAR_MIN)
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     {
         quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
         const int t = omp_get_thread_num();
@@ -495,13 +513,13 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
 // (a region costs more than it saves below PAR_MIN).
 void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
-#pragma omp parallel if ((long)N * K >= PAR_MIN)
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q4_1_gemm_team(x, M, K, qs, d, mn, N, y, qx, dx, sx);
 }
 
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx) {
-#pragma omp parallel if ((long)N * K >= PAR_MIN)
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
 }
 

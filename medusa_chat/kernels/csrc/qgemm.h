@@ -4,6 +4,10 @@
 
 int qgemm_isa(void);
 int qgemm_group(void);
+// our regions' team size (qgemm.c): set from Python, read by every `num_threads` clause
+void mc_set_threads(int n);
+int mc_get_threads(void);
+int mc_team(void);
 void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                     float *y, int8_t *qx, float *dx, float *sx);
 void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
