@@ -22,6 +22,7 @@ from medusa_chat.bench.runs import read_prompts
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model.loading import load_model
+from medusa_chat.tuning.calibrate import resolve_tree
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 
@@ -33,6 +34,8 @@ def _busy() -> None:  # a Python busy loop: one core held, as another user's job
 
 
 def _engines(loaded, fixed: int) -> dict[str, MedusaEngine]:  # noqa: ANN001 - a LoadedModel
+    # the tree every entry point uses (calibrated on this machine), not the heads' full 64-node default
+    tree, _ = resolve_tree(loaded)
     engines = {}
     for mode in ("adaptive", f"fixed{fixed}"):
         # the governor reads MEDUSA_CHAT_THREADS when an engine is built (and resumes its count per reply)
@@ -40,7 +43,7 @@ def _engines(loaded, fixed: int) -> dict[str, MedusaEngine]:  # noqa: ANN001 - a
             os.environ.pop("MEDUSA_CHAT_THREADS", None)
         else:
             os.environ["MEDUSA_CHAT_THREADS"] = str(fixed)
-        engines[f"medusa/{mode}"] = MedusaEngine(loaded)
+        engines[f"medusa/{mode}"] = MedusaEngine(loaded, tree)
         engines[f"plain/{mode}"] = MedusaEngine(loaded, plain_tree())
     os.environ.pop("MEDUSA_CHAT_THREADS", None)
     return engines
