@@ -116,7 +116,7 @@ def test_embedded_default_path_is_as_faithful_as_llama_cpp() -> None:
     from medusa_chat.model.fidelity import PROBE_CHUNKS, measure
     from medusa_chat.model.loading import load_model
 
-    results, _ = measure({"int4": lambda: load_model(quant="int4")}, lambda: load_model(quant="none"),
+    results = measure({"int4": lambda: load_model(quant="int4")}, lambda: load_model(quant="none"),
                              limit=PROBE_CHUNKS)  # fmt: skip
     got: Fidelity = results["int4"]
     assert got.top1 >= 0.95 and got.mean_kl <= 0.0035, got

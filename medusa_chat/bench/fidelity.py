@@ -18,13 +18,20 @@ import json
 import re
 import statistics
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from medusa_chat.model.fidelity import CHUNK, agreement_chars, fixed_text, measure
+from medusa_chat.model.fidelity import (
+    CHUNK,
+    agreement_chars,
+    compare,
+    fixed_text,
+    scored_logprobs,
+    text_chunks,
+)
+from medusa_chat.paths import cache_root
 
 PROMPT_RE = re.compile(r"^User: (.*)$", re.MULTILINE)
 
@@ -111,10 +118,15 @@ def _parse_kld(out: str) -> dict[str, Any]:
     }
 
 
-def llama_teacher_forced(perplexity: Path, gguf: Path, text: str, threads: int, work: Path) -> dict[str, Any]:
+def llama_teacher_forced(perplexity: Path, gguf: Path, text: str, threads: int) -> dict[str, Any]:
+    # the F32 copy is written once and kept in the cache (hundreds of MB: not rewritten per run)
+    work = cache_root() / "fidelity"
+    work.mkdir(parents=True, exist_ok=True)
     f32 = work / f"{gguf.stem}.f32.gguf"
     if not f32.is_file():
-        write_float_gguf(gguf, f32)
+        partial = f32.with_suffix(".partial")
+        write_float_gguf(gguf, partial)
+        partial.replace(f32)
     text_file, base = work / "fidelity_text.txt", work / "fidelity_base.kld"
     text_file.write_text(text, encoding="utf-8")
     common = [str(perplexity), "-f", str(text_file), "-c", str(CHUNK), "-t", str(threads)]
@@ -158,19 +170,21 @@ def run_fidelity(args: argparse.Namespace, say: Any) -> dict[str, Any]:
 
     say("float reference: teacher-forced log-probabilities and greedy replies")
     reference = loader("none")()
+    chunks = text_chunks(reference.tokenizer, text)
+    ref_logprobs = list(scored_logprobs(reference, chunks))  # once, for every path
     ref_replies = greedy_replies(reference, prompts, args.max_new_tokens)
-    doc: dict[str, Any] = {"text_tokens_scored": None, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     rows: dict[str, Any] = {}
     for quant in paths:
         say(f"path {quant}")
-        results, model = measure({quant: loader(quant)}, lambda reference=reference: reference)
-        tf = results[quant]
-        doc["text_tokens_scored"] = tf.tokens
+        model = loader(quant)()
+        tf = compare(ref_logprobs, list(scored_logprobs(model, chunks)))
         rows[f"medusa-chat {model.quant}"] = {
             "teacher_forced": tf.as_dict(),
             "greedy": agreement(greedy_replies(model, prompts, args.max_new_tokens), ref_replies),
         }
         del model
+    scored = sum(r.shape[0] for r in ref_logprobs)
+    doc: dict[str, Any] = {"text_tokens_scored": scored, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     perplexity, completion = llama_tools(getattr(args, "llamacpp_bench", None))
     gguf = model_gguf(reference)
     if gguf is None or perplexity is None or completion is None:
@@ -180,8 +194,7 @@ def run_fidelity(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     else:
         say("llama.cpp on the same text and prompts")
         threads = torch.get_num_threads()
-        with tempfile.TemporaryDirectory() as tmp:
-            tf_llama = llama_teacher_forced(perplexity, gguf, text, threads, Path(tmp))
+        tf_llama = llama_teacher_forced(perplexity, gguf, text, threads)
         replies = llama_greedy(completion, gguf, reference, prompts, args.max_new_tokens, threads)
         rows[f"llama.cpp {gguf.name}"] = {
             "teacher_forced": {**tf_llama, "tokens": doc["text_tokens_scored"]},

@@ -101,21 +101,14 @@ def compare(reference: Sequence[torch.Tensor], path: Sequence[torch.Tensor]) -> 
 
 def measure(
     paths: dict[str, Callable[[], Any]], reference: Callable[[], Any], limit: int | None = None
-) -> tuple[dict[str, Fidelity], Any]:
+) -> dict[str, Fidelity]:
     """Teacher-forced fidelity of each path (a loader of a LoadedModel) against the float model (a loader too),
-    on the shipped text. Models are loaded one at a time beside the float reference's kept log-probabilities.
-    Returns the results and the last loaded path model."""
+    on the shipped text. The float model's log-probabilities are computed once; models load one at a time."""
     ref_model = reference()
     chunks = text_chunks(ref_model.tokenizer, fixed_text(), limit=limit)
     ref = list(scored_logprobs(ref_model, chunks))
     del ref_model
-    results: dict[str, Fidelity] = {}
-    last = None
-    for name, load in paths.items():
-        last = None  # release the previous path's weights before the next one loads
-        last = load()
-        results[name] = compare(ref, list(scored_logprobs(last, chunks)))
-    return results, last
+    return {name: compare(ref, list(scored_logprobs(load(), chunks))) for name, load in paths.items()}
 
 
 def agreement_chars(reply: str, reference: str) -> int:

@@ -336,7 +336,7 @@ def _fidelity_probe(
         def loader(quant: str) -> Callable[[], LoadedModel]:
             return lambda: load_model(model, heads, quant=quant, device="cpu", trust_remote_code=trust_remote_code)
 
-        results, _ = measure({m: loader(m) for m in modes}, loader("none"), limit=PROBE_CHUNKS)
+        results = measure({m: loader(m) for m in modes}, loader("none"), limit=PROBE_CHUNKS)
         return {m: r.as_dict() for m, r in results.items()}
 
     return probe
