@@ -19,8 +19,15 @@ import numpy as np
 import torch
 
 # GGML types this project reads: (bytes per block, weights per block)
-TYPE_NAMES = {0: "F32", 1: "F16", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
-BLOCK = {0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 30: (2, 1)}
+TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16",
+}  # fmt: skip
+BLOCK = {
+    0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
+    10: (84, 256), 11: (110, 256), 12: (144, 256), 13: (176, 256), 14: (210, 256), 30: (2, 1),
+}  # fmt: skip
+QK_K = 256  # weights per K-quant superblock
 # metadata value types -> struct format of a scalar (8: string, 9: array)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
@@ -149,9 +156,77 @@ def unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, to
     return torch.from_numpy(q.copy()), torch.from_numpy(d)
 
 
+def unpack_q4_0(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 bytes [rows, cols / 32 * 18] -> codes [rows, cols] (0..15; the weight is d * (q - 8)), d (fp32)."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    qs = blocks[..., 2:18]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return torch.from_numpy(codes.astype(np.int32)), torch.from_numpy(d.astype(np.float32))
+
+
+KBlocks = dict[str, np.ndarray]  # a K-quant tensor's fields, one row per output row (unpack_k)
+
+
+def unpack_k(type_name: str, raw: np.ndarray, rows: int, cols: int) -> KBlocks:
+    """K-quant bytes [rows, cols / 256 * block bytes] -> their fields (ggml-common.h's block_q4_K etc.):
+    codes [rows, cols] uint8 (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, in weight order), d [rows, cols / 256] fp16,
+    and per sub-block: Q4_K / Q5_K sc, m [rows, cols / 32] uint8 (6-bit) and dmin fp16; Q6_K sc [rows,
+    cols / 16] int8."""
+    nsb = cols // QK_K
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(rows, nsb, size)
+    if type_name == "Q6_K":
+        ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+        lo = (ql.reshape(rows, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+        hi = (qh.reshape(rows, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03
+        codes = lo.reshape(rows, nsb, 8, 32) | (hi.reshape(rows, nsb, 8, 32) << 4)
+        return {
+            "codes": codes.reshape(rows, cols),
+            "sc": blocks[..., 192:208].copy().view(np.int8).reshape(rows, nsb * 16),
+            "d": blocks[..., 208:210].copy().view(np.float16).reshape(rows, nsb),
+        }
+    d = blocks[..., 0:2].copy().view(np.float16).reshape(rows, nsb)
+    dmin = blocks[..., 2:4].copy().view(np.float16).reshape(rows, nsb)
+    s = blocks[..., 4:16].reshape(rows, nsb, 3, 4)
+    sd, sm, smd = s[:, :, 0], s[:, :, 1], s[:, :, 2]  # get_scale_min_k4's three 4-byte rows
+    sc = np.concatenate([sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)], axis=-1)
+    qs = blocks[..., 16:144] if type_name == "Q4_K" else blocks[..., 48:176]
+    q = qs.reshape(rows, nsb, 4, 1, 32)  # 32 bytes hold sub-blocks 2i (low nibbles) and 2i + 1 (high)
+    codes = np.concatenate([q & 0x0F, q >> 4], axis=3).reshape(rows, nsb, 8, 32)
+    if type_name == "Q5_K":  # bit j of qh[e]: the 5th bit of element e of sub-block j
+        qh = blocks[..., 16:48].reshape(rows, nsb, 1, 32)
+        codes = codes | (((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 4)
+    return {
+        "codes": codes.reshape(rows, cols),
+        "sc": sc.reshape(rows, nsb * 8),
+        "m": mn.reshape(rows, nsb * 8),
+        "d": d,
+        "dmin": dmin,
+    }
+
+
+def dequantize_k(type_name: str, k: KBlocks) -> torch.Tensor:
+    """The fp32 weights [rows, cols] K-quant fields define, in ggml's (and gguf-py's) order of fp32 operations:
+    Q4_K / Q5_K (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32); every factor exact, one rounding each."""
+    codes = torch.from_numpy(np.ascontiguousarray(k["codes"]))
+    rows, cols = codes.shape
+    d = torch.from_numpy(np.ascontiguousarray(k["d"]).astype(np.float32))
+    sc = torch.from_numpy(np.ascontiguousarray(k["sc"]).astype(np.float32))
+    if type_name == "Q6_K":
+        a = d.repeat_interleave(16, dim=1) * sc
+        return (a[..., None] * (codes.view(rows, -1, 16).float() - 32)).reshape(rows, cols)
+    a = d.repeat_interleave(8, dim=1) * sc
+    dmin = torch.from_numpy(np.ascontiguousarray(k["dmin"]).astype(np.float32))
+    b = dmin.repeat_interleave(8, dim=1) * torch.from_numpy(np.ascontiguousarray(k["m"]).astype(np.float32))
+    return (a[..., None] * codes.view(rows, -1, 32).float() - b[..., None]).reshape(rows, cols)
+
+
 def dequantize(t: GGUFTensor) -> np.ndarray:
-    """The tensor as float32 in its torch shape (F32, F16, Q4_1, Q8_0): exactly the values the blocks define
-    (w = d * q + m, w = d * q, each product and sum rounded once in fp32, as gguf-py and transformers do)."""
+    """The tensor as float32 in its torch shape (F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): exactly the
+    values the blocks define (w = d * q + m, w = d * q, ...; each product and sum rounded once in fp32, as
+    gguf-py and transformers do)."""
     if t.type_id == 0:
         return t.data.view(np.float32).reshape(t.shape).copy()
     if t.type_id == 1:
@@ -165,4 +240,9 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
     if t.type_id == 8:
         codes, d = unpack_q8_0(t.data, rows, cols)
         return (d[..., None] * codes.float().view(rows, -1, 32)).reshape(t.shape).numpy()
+    if t.type_id == 2:
+        codes, d = unpack_q4_0(t.data, rows, cols)
+        return (d[..., None] * (codes.float().view(rows, -1, 32) - 8)).reshape(t.shape).numpy()
+    if t.type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        return dequantize_k(t.type_name, unpack_k(t.type_name, t.data, rows, cols)).reshape(t.shape).numpy()
     raise ValueError(f"tensor {t.name}: dequantizing GGML type {t.type_name} is not supported here")

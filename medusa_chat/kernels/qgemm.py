@@ -122,6 +122,9 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.q4_1_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
         lib.q8_0_gemm.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
         lib.q4_1_gemm.restype = lib.q8_0_gemm.restype = None
+        for kq in ("q4_k_gemm", "q5_k_gemm", "q6_k_gemm"):  # kquants.c: (x, M, K, stream, N, y, scratch x3)
+            getattr(lib, kq).argtypes = [p, i, i, p, i, p, p, p, p]
+            getattr(lib, kq).restype = None
         lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
         lib.decoder_forward.restype = None
         lib.decoder_scratch_bytes.argtypes = [p, i, i]
@@ -173,6 +176,8 @@ class BlockLinear(nn.Module):
     """A bias-free linear whose weight is stored as GGUF blocks; fp32 in, fp32 out (other dtypes converted)."""
 
     kind = ""
+    c_kind = -1  # decoder.h BLin.kind: how the native C step calls this kind
+    buffer_names: tuple[str, ...] = ()  # the weight buffers, rows first (`fuse` concatenates them)
 
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
@@ -247,6 +252,8 @@ class Q41Linear(BlockLinear):
     """
 
     kind = "q4_1"
+    c_kind = 1
+    buffer_names = ("qs", "d", "m")
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """codes [N, K] in 0..15 (block element order), d and m [N, K / 32]."""
@@ -330,6 +337,8 @@ class Q80Linear(BlockLinear):
     plus `s` [N, K / 32] int16: each block's sum of codes (the VNNI product's correction term, qgemm.c)."""
 
     kind = "q8_0"
+    c_kind = 0
+    buffer_names = ("qs", "d", "s")
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         n, k = codes.shape
@@ -477,7 +486,7 @@ def fuse(modules: list[nn.Module]) -> BlockLinear | None:
     fused = cls.__new__(cls)
     BlockLinear.__init__(fused, sum(m.out_features for m in modules), first.in_features)
     fused.group = first.group
-    for name in ("qs", "d", "m") if cls is Q41Linear else ("qs", "d", "s"):
+    for name in cls.buffer_names:
         whole = torch.cat([getattr(m, name) for m in modules])
         fused.register_buffer(name, whole)
         offset = 0

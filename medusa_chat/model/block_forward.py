@@ -65,17 +65,11 @@ class _DModel(ctypes.Structure):
 
 
 def _blin(module: Any) -> _BLin:
-    from medusa_chat.kernels.qgemm import Q41Linear
-
-    q41 = isinstance(module, Q41Linear)
-    return _BLin(
-        1 if q41 else 0,
-        module.out_features,
-        module.in_features,
-        module.qs.data_ptr(),
-        module.d.data_ptr(),
-        module.m.data_ptr() if q41 else module.s.data_ptr(),
-    )
+    """The C description of a block linear (decoder.h BLin): its kind and buffers. Q4_1 / Q8_0 pass the codes,
+    the fp16 scales and their third buffer (minimums / block sums); a K-quant passes its one stream (kquants.c)."""
+    buffers = [getattr(module, name).data_ptr() for name in module.buffer_names]
+    qs, d, aux = (buffers + [None, None])[:3]
+    return _BLin(module.c_kind, module.out_features, module.in_features, qs, d, aux)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

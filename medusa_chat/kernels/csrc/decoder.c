@@ -44,10 +44,13 @@ static void rms_norm(const float *x, const float *w, float eps, int T, int H, fl
 }
 
 void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
-    if (l->kind == 1)
-        q4_1_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx);
-    else
-        q8_0_gemm_team(x, M, l->K, (const int8_t *)l->qs, l->d, (const int16_t *)l->aux, l->N, y, qx, dx, sx);
+    switch (l->kind) {
+        case 1: q4_1_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx); break;
+        case 2: q4_k_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->N, y, qx, dx, sx); break;
+        case 3: q5_k_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->N, y, qx, dx, sx); break;
+        case 4: q6_k_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->N, y, qx, dx, sx); break;
+        default: q8_0_gemm_team(x, M, l->K, (const int8_t *)l->qs, l->d, (const int16_t *)l->aux, l->N, y, qx, dx, sx);
+    }
 }
 
 // HF's rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].

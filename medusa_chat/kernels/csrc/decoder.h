@@ -3,7 +3,7 @@
 #include <stdint.h>
 
 typedef struct {
-    int kind;  // 0 = Q8_0, 1 = Q4_1
+    int kind;  // 0 = Q8_0, 1 = Q4_1, 2 = Q4_K, 3 = Q5_K, 4 = Q6_K (kquants.c: qs is the stream, d and aux unused)
     int N, K;  // out, in features
     const void *qs;
     const uint16_t *d;  // fp16 scales

@@ -25,18 +25,8 @@
 #include <string.h>
 #include <omp.h>
 #include "qgemm.h"
+#include "qblock.h"  // the layout sizes, ISA switches and vector helpers shared with kquants.c
 
-#define QK 32
-#define GC 8    // output columns per 256-bit tile (one 8-lane vector)
-// Output columns per interleaved group (the layout, qgemm.py reads it from qgemm_group()): 16 where 512-bit
-// tiles take a whole group per instruction; else 8, one 256-bit tile (a 16-wide layout read half by half
-// streamed worse from DRAM on AVX2: the second half's compute no longer overlapped the loads)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define GW 16
-#else
-#define GW 8
-#endif
-#define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
 // The team size of every parallel region of ours (mc_set_threads; 0: the OpenMP runtime's default, i.e.
 // omp_get_max_threads of the calling thread). A `num_threads` clause on each region rather than
 // omp_set_num_threads: it applies whatever runtime (torch's bundled libgomp or the system one) and whichever
@@ -55,33 +45,6 @@ int mc_team_probe(void) {
     return n;
 }
 
-#define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
-// Software prefetch of the weight stream, this many bytes ahead of the block being read. A decoding step reads
-// ~100 MB of weights (the backbone, the lm_head, the drafter), more than a small machine's share of the L3, so
-// they stream from DRAM every step; the hardware prefetcher alone left the kernel at ~24 GB/s there, and an extra
-// tree row's arithmetic then came on top of the stream instead of under it. Measured on the 2-vCPU Xeon, one
-// step's projections of SmolLM2-135M in one parallel region (benchmarks/step_gemms.c): weights from DRAM, 1 / 2 /
-// 3 rows 5.5 / 6.2 / 6.6 ms -> 3.4 / 3.5 / 3.8 ms; from L3 1.41 / 1.46 / 1.62 -> 1.32 / 1.37 / 1.42 ms (4 KB
-// ahead: a little faster at 1 row, slower at 3; 16 KB: slower). A prefetch is a hint: the arithmetic, so the
-// bits, are unchanged. (It must stay inlined: GCC deletes calls to a function that only prefetches.)
-#ifndef PF_AHEAD  // benchmarks/step_gemms.c builds with -DPF_AHEAD=0 for the before
-#define PF_AHEAD 8192
-#endif
-static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes) {
-#pragma GCC unroll 8
-    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define HAVE_VNNI 1
-#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
-#elif defined(__AVXVNNI__)
-#define HAVE_VNNI 1
-#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
-#else
-#define HAVE_VNNI 0
-#endif
-
 int qgemm_isa(void) { return HAVE_VNNI; }
 int qgemm_group(void) { return GW; }
 
@@ -90,9 +53,11 @@ int qgemm_group(void) { return GW; }
 // (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant; the
 // max and the integer sum are exact in any order, and the rounding is the FPU's round-to-nearest-even.
 // qu (optional): the same codes plus 128, as unsigned bytes (the VNNI Q8_0 product's unsigned operand).
+// sx may be NULL (no minimum term); s16 (optional): the integer code sums of each 16-half of a block (Q6_K's
+// per-16 scales, kquants.c), exact in 16 bits (|sum| <= 16 * 127).
 // Every block is independent: the blocks are shared among the threads of the team that calls this (an orphaned
 // worksharing loop; called outside a parallel region, one thread does them all).
-static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu) {
+void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu, int16_t *s16) {
     const int nb = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
@@ -123,29 +88,20 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, fl
                 _mm256_storeu_si256((__m256i *)(qu + (size_t)r * K + (size_t)b * QK),
                                     _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)));
             dx[(size_t)r * nb + b] = d;
-            sx[(size_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+            if (sx) sx[(size_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+            if (s16) {
+                const __m256i h0 = _mm256_add_epi32(i0, i1), h1 = _mm256_add_epi32(i2, i3);
+                int32_t t0[8], t1[8], a0 = 0, a1 = 0;
+                _mm256_storeu_si256((__m256i *)t0, h0);
+                _mm256_storeu_si256((__m256i *)t1, h1);
+                for (int i = 0; i < 8; i++) a0 += t0[i], a1 += t1[i];
+                s16[((size_t)r * nb + b) * 2] = (int16_t)a0;
+                s16[((size_t)r * nb + b) * 2 + 1] = (int16_t)a1;
+            }
         }
     }
 }
 
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-// 8 fp16 values (the blocks' scales, stored as in the file) to fp32: exact
-static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-
-static inline void store_cols(float *out, __m256 v, int w) {
-    if (w == GC) {
-        _mm256_storeu_ps(out, v);
-    } else {
-        float t[GC];
-        _mm256_storeu_ps(t, v);
-        for (int c = 0; c < w; c++) out[c] = t[c];
-    }
-}
 
 // Q4_1, 8 columns (a group, or with GW = 16 one half of it: qs, d, mn offset to it) x MR_ rows. Codes are 0..15 (unsigned
 // operand), activations -127..127.
@@ -274,28 +230,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
     for (int r = 0; r < MR_; r++) store_cols(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// 512-bit tiles: a whole group of 16 columns per register, per lane exactly the 256-bit tiles' arithmetic
-// (same integer sums, same FMAs in the same order), so the results are bitwise theirs. Half the instructions
-// per multiply-add: a tree step's extra rows are compute, not memory, and cost that much less.
-#define HAVE_512 1
-static inline __m512i bcast4_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-static inline __m512 load_f16x16(const uint16_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
-
-static inline void store_cols16(float *out, __m512 v, int w) {
-    if (w == GW)
-        _mm512_storeu_ps(out, v);
-    else
-        _mm512_mask_storeu_ps(out, (__mmask16)((1u << w) - 1), v);
-}
-
+#if HAVE_512  // 512-bit tiles (qblock.h)
 static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, const float *dx, const float *sx,
                                                                int nb, int r0, const uint8_t *qs,
                                                                const uint16_t *d, const uint16_t *mn, float *y,
@@ -378,19 +313,7 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) store_cols16(y + (size_t)(r0 + r) * N + n0, acc[r], w);
 }
-#else
-#define HAVE_512 0
 #endif
-
-#define ROW_TILES(CALL)                                                     \
-    for (int r0 = 0; r0 < M; r0 += TR) {                                    \
-        switch (M - r0 < TR ? M - r0 : TR) {                                \
-            case 1: CALL(1); break;                                         \
-            case 2: CALL(2); break;                                         \
-            case 3: CALL(3); break;                                         \
-            default: CALL(4); break;                                        \
-        }                                                                   \
-    }
 
 // The products as team work: called by every thread of a parallel region (decoder.c runs a whole step in one),
 // each call shares the activation blocks, then the column groups, among the threads, with a barrier after each
@@ -402,7 +325,7 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
 void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                     float *y, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK, ng = (N + GW - 1) / GW;
-    quantize_rows(x, M, K, qx, dx, sx, NULL);
+    quantize_rows(x, M, K, qx, dx, sx, NULL, NULL);
 #pragma omp for schedule(static)
     for (int g = 0; g < ng; g++) {
         const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
@@ -451,7 +374,7 @@ void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16
                     float *y, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     int8_t *qxu = qx + (size_t)M * K;
-    quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+    quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL, NULL);
 #pragma omp for schedule(static)
     for (int g = 0; g < ng; g++) q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, N, g * GW);
 }
@@ -476,7 +399,7 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
     int threads = 1;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     {
-        quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL);
+        quantize_rows(x, M, K, qx, dx, sx, HAVE_VNNI ? qxu : NULL, NULL);
         const int t = omp_get_thread_num();
 #pragma omp single
         threads = omp_get_num_threads();

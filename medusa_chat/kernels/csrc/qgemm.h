@@ -1,4 +1,5 @@
-// The block kernels of qgemm.c (GGUF Q4_1 / Q8_0 weights, 8-bit activations), for the other C files.
+// The block kernels of qgemm.c (GGUF Q4_1 / Q8_0 weights, 8-bit activations) and kquants.c (Q4_K / Q5_K /
+// Q6_K), for the other C files.
 #pragma once
 #include <stdint.h>
 
@@ -19,3 +20,15 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx);
 void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out);
+// 8-bit activation blocks of 32 (qgemm.c): codes, scales, optional scaled sums / codes + 128 / per-16 sums
+void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu, int16_t *s16);
+// K-quants (kquants.c): w is the interleaved superblock stream gguf_linears.py writes; K % 256 == 0
+void q4_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx);
+void q5_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx);
+void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx);
+void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
+void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
+void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);

@@ -1,0 +1,216 @@
+// GGUF K-quant weights (Q4_K, Q5_K, Q6_K) on the block kernel, in the file's own arithmetic: no second rounding.
+//
+// A K-quant superblock holds 256 weights along k with fp16 factors and small integer scales per sub-block
+// (ggml-common.h; gguf_linears.py unpacks the file's bit layout):
+//   Q4_K / Q5_K: 8 sub-blocks of 32, w = (d * sc) * q - (dmin * m), sc and m 6-bit, q 0..15 / 0..31
+//   Q6_K: 16 sub-blocks of 16, w = (d * sc) * (q - 32), sc int8, q 0..63
+// d * sc and dmin * m are exact in fp32 (an 11-bit significand times at most 8 bits), not in fp16, so the kernel
+// keeps the compact codes (bytes) and fp16 d per superblock, as the file does, and forms the fp32 factors as it
+// reads them: the weights streamed per step stay near the file's size (a step is memory bound at batch 1).
+// The activations are qgemm.c's 8-bit blocks of 32 (quantize_rows); the dot product of a sub-block is an exact
+// integer sum, then fp32 FMAs in a fixed order (kq_tile.h), per row: row-invariant like qgemm.c's kernels.
+//
+// Layout (gguf_linears.py writes it): output columns in interleaved groups of GW as in qgemm.c, and per group
+// one byte stream, superblock after superblock (so one stream to prefetch per group):
+//   Q4_K, 148 * GW bytes: 8 sub-blocks of 16 * GW code bytes (qgemm.c's Q4_1 vectors: vector j, column c,
+//         bytes 4c..4c+3 = elements 4j..4j+3 in the low nibbles, 16+4j.. in the high), then sc[8][GW],
+//         m[8][GW] (bytes), d[GW], dmin[GW] (fp16)
+//   Q5_K, 180 * GW: per sub-block the 16 * GW code bytes, then GW 32-bit words of 5th bits (element 4j+t at
+//         bit 8t+j, element 16+4j+t at bit 8t+4+j: one shift and mask per vector puts them at bit 4); then as Q4_K
+//   Q6_K, 210 * GW: per sub-block the 16 * GW code bytes, GW words of 4th bits, GW words of 5th bits (as Q5_K's);
+//         then sc[16][GW] (int8, half-blocks in order), d[GW] (fp16)
+// Bytes per weight: Q4_K 4.625 bits (the file: 4.5; its 12 packed scale bytes are 16 here), Q5_K 5.625 (5.5),
+// Q6_K 6.5625 (the same).
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include "qgemm.h"
+#include "qblock.h"
+
+static inline __m256 u8_ps8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 i8_ps8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+// 256-bit tiles (8 columns)
+#define KV_NAME(f) f##_8
+#define KV_LANES 8
+#define KV_VNNI HAVE_VNNI
+#define KV_I __m256i
+#define KV_F __m256
+#define KV_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define KV_ZERO_I() _mm256_setzero_si256()
+#define KV_ZERO_PS() _mm256_setzero_ps()
+#define KV_SET1_8(c) _mm256_set1_epi8((char)(c))
+#define KV_SET1_16(c) _mm256_set1_epi16(c)
+#define KV_SET1_32(c) _mm256_set1_epi32(c)
+#define KV_SET1_PS(f) _mm256_set1_ps(f)
+#define KV_AND _mm256_and_si256
+#define KV_OR _mm256_or_si256
+#define KV_SRLI16 _mm256_srli_epi16
+#define KV_SLLI32 _mm256_slli_epi32
+#define KV_SRLI32 _mm256_srli_epi32
+#define KV_ADD16 _mm256_add_epi16
+#define KV_ADD32 _mm256_add_epi32
+#define KV_SUB32 _mm256_sub_epi32
+#define KV_MADDUBS _mm256_maddubs_epi16
+#define KV_MADD16 _mm256_madd_epi16
+#define KV_DP(acc, u, s) DPBUSD(acc, u, s)
+#define KV_BCAST4 bcast4
+#define KV_CVT_PS _mm256_cvtepi32_ps
+#define KV_MUL_PS _mm256_mul_ps
+#define KV_FMADD _mm256_fmadd_ps
+#define KV_FNMADD _mm256_fnmadd_ps
+#define KV_LOAD_F16 load_f16
+#define KV_U8_PS u8_ps8
+#define KV_I8_PS i8_ps8
+#define KV_STORE store_cols
+#include "kq_tile.h"
+#undef KV_NAME
+#undef KV_LANES
+#undef KV_VNNI
+#undef KV_I
+#undef KV_F
+#undef KV_LOAD
+#undef KV_ZERO_I
+#undef KV_ZERO_PS
+#undef KV_SET1_8
+#undef KV_SET1_16
+#undef KV_SET1_32
+#undef KV_SET1_PS
+#undef KV_AND
+#undef KV_OR
+#undef KV_SRLI16
+#undef KV_SLLI32
+#undef KV_SRLI32
+#undef KV_ADD16
+#undef KV_ADD32
+#undef KV_SUB32
+#undef KV_MADDUBS
+#undef KV_MADD16
+#undef KV_DP
+#undef KV_BCAST4
+#undef KV_CVT_PS
+#undef KV_MUL_PS
+#undef KV_FMADD
+#undef KV_FNMADD
+#undef KV_LOAD_F16
+#undef KV_U8_PS
+#undef KV_I8_PS
+#undef KV_STORE
+
+#if HAVE_512
+// 512-bit tiles: a whole group of 16 columns per register
+static inline __m512 u8_ps16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 i8_ps16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#define KV_NAME(f) f##_16
+#define KV_LANES 16
+#define KV_VNNI 1
+#define KV_I __m512i
+#define KV_F __m512
+#define KV_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define KV_ZERO_I() _mm512_setzero_si512()
+#define KV_ZERO_PS() _mm512_setzero_ps()
+#define KV_SET1_8(c) _mm512_set1_epi8((char)(c))
+#define KV_SET1_32(c) _mm512_set1_epi32(c)
+#define KV_SET1_PS(f) _mm512_set1_ps(f)
+#define KV_AND _mm512_and_si512
+#define KV_OR _mm512_or_si512
+#define KV_SRLI16 _mm512_srli_epi16
+#define KV_SLLI32 _mm512_slli_epi32
+#define KV_SRLI32 _mm512_srli_epi32
+#define KV_ADD32 _mm512_add_epi32
+#define KV_SUB32 _mm512_sub_epi32
+#define KV_DP(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define KV_BCAST4 bcast4_512
+#define KV_CVT_PS _mm512_cvtepi32_ps
+#define KV_MUL_PS _mm512_mul_ps
+#define KV_FMADD _mm512_fmadd_ps
+#define KV_FNMADD _mm512_fnmadd_ps
+#define KV_LOAD_F16 load_f16x16
+#define KV_U8_PS u8_ps16
+#define KV_I8_PS i8_ps16
+#define KV_STORE store_cols16
+#include "kq_tile.h"
+#endif
+
+// Stream bytes per superblock and column (the layout above)
+#define SB_Q4K 148
+#define SB_Q5K 180
+#define SB_Q6K 210
+
+// One column group g of a K-quant product, all M rows (HB: Q5_K's 5th bits; Q6: the Q6_K tile)
+static inline __attribute__((always_inline)) void kq_group(const int8_t *qx, const float *dx, const float *sx,
+                                                            int M, int nsb, const uint8_t *w, int N, int g,
+                                                            float *y, const int HB, const int Q6) {
+    const size_t sb_bytes = Q6 ? SB_Q6K : HB ? SB_Q5K : SB_Q4K;
+    const uint8_t *gw = w + (size_t)g * nsb * sb_bytes * GW;
+    const int16_t *s16 = (const int16_t *)sx;
+#if HAVE_512
+    (void)s16;
+#define KQ(MRc)                                                                            \
+    if (Q6) k6_tile_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);                     \
+    else kmin_tile_16(qx, dx, sx, nsb, r0, gw, 0, y, N, g * GW, MRc, HB)
+    ROW_TILES(KQ)
+#undef KQ
+#else
+    for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define KQ(MRc)                                                                            \
+    if (Q6) k6_tile_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);             \
+    else kmin_tile_8(qx, dx, sx, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB)
+        ROW_TILES(KQ)
+#undef KQ
+    }
+#endif
+}
+
+// The products as team work (as qgemm.c's *_team): x [M, K] fp32, K a multiple of 256; w: ceil(N / GW) groups
+// of K / 256 superblocks; y [M, N]; scratch as qgemm.c's (qx 2 * M * K bytes, dx and sx M * K / 32 floats).
+// Q6_K has no minimum term: its sx scratch holds the activations' per-16 code sums instead (2 int16 per float).
+static void kq_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                         float *sx, const int HB, const int Q6) {
+    const int nsb = K / 256, ng = (N + GW - 1) / GW;
+    quantize_rows(x, M, K, qx, dx, Q6 ? NULL : sx, NULL, Q6 ? (int16_t *)sx : NULL);
+#pragma omp for schedule(static)
+    for (int g = 0; g < ng; g++) {
+        if (Q6)
+            kq_group(qx, dx, sx, M, nsb, w, N, g, y, 0, 1);
+        else if (HB)
+            kq_group(qx, dx, sx, M, nsb, w, N, g, y, 1, 0);
+        else
+            kq_group(qx, dx, sx, M, nsb, w, N, g, y, 0, 0);
+    }
+}
+
+void q4_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx) {
+    kq_gemm_team(x, M, K, w, N, y, qx, dx, sx, 0, 0);
+}
+void q5_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx) {
+    kq_gemm_team(x, M, K, w, N, y, qx, dx, sx, 1, 0);
+}
+void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
+                    float *sx) {
+    kq_gemm_team(x, M, K, w, N, y, qx, dx, sx, 0, 1);
+}
+
+// One product on its own (the Python modules' calls), as qgemm.c's q4_1_gemm
+void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q4_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}
+void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q5_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}
+void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}

@@ -1,0 +1,100 @@
+// What the block kernels' C files share (qgemm.c: Q4_1 / Q8_0, kquants.c: Q4_K / Q5_K / Q6_K): the interleaved
+// layout's sizes, the instruction-set switches and the small vector helpers. See qgemm.c for the why of each.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define GC 8    // output columns per 256-bit tile (one 8-lane vector)
+// Output columns per interleaved group (the layout, qgemm.py reads it from qgemm_group()): 16 where 512-bit
+// tiles take a whole group per instruction; else 8, one 256-bit tile (a 16-wide layout read half by half
+// streamed worse from DRAM on AVX2: the second half's compute no longer overlapped the loads)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GW 16
+#else
+#define GW 8
+#endif
+#define TR 4    // rows per tile: the unpacked weight registers plus one accumulator per row fit the registers
+#define PAR_MIN (1L << 18)  // smaller products run on one thread: a parallel region costs more than it saves
+
+// Software prefetch of the weight stream, this many bytes ahead of the block being read. A decoding step reads
+// ~100 MB of weights (the backbone, the lm_head, the drafter), more than a small machine's share of the L3, so
+// they stream from DRAM every step; the hardware prefetcher alone left the kernel at ~24 GB/s there, and an extra
+// tree row's arithmetic then came on top of the stream instead of under it. Measured on the 2-vCPU Xeon, one
+// step's projections of SmolLM2-135M in one parallel region (benchmarks/step_gemms.c): weights from DRAM, 1 / 2 /
+// 3 rows 5.5 / 6.2 / 6.6 ms -> 3.4 / 3.5 / 3.8 ms; from L3 1.41 / 1.46 / 1.62 -> 1.32 / 1.37 / 1.42 ms (4 KB
+// ahead: a little faster at 1 row, slower at 3; 16 KB: slower). A prefetch is a hint: the arithmetic, so the
+// bits, are unchanged. (It must stay inlined: GCC deletes calls to a function that only prefetches.)
+#ifndef PF_AHEAD  // benchmarks/step_gemms.c builds with -DPF_AHEAD=0 for the before
+#define PF_AHEAD 8192
+#endif
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes) {
+#pragma GCC unroll 8
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define HAVE_VNNI 0
+#endif
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// 8 fp16 values (the blocks' scales, stored as in the file) to fp32: exact
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void store_cols(float *out, __m256 v, int w) {
+    if (w == GC) {
+        _mm256_storeu_ps(out, v);
+    } else {
+        float t[GC];
+        _mm256_storeu_ps(t, v);
+        for (int c = 0; c < w; c++) out[c] = t[c];
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 512-bit tiles: a whole group of 16 columns per register, per lane exactly the 256-bit tiles' arithmetic
+// (same integer sums, same FMAs in the same order), so the results are bitwise theirs. Half the instructions
+// per multiply-add: a tree step's extra rows are compute, not memory, and cost that much less.
+#define HAVE_512 1
+static inline __m512i bcast4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __m512 load_f16x16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline void store_cols16(float *out, __m512 v, int w) {
+    if (w == GW)
+        _mm512_storeu_ps(out, v);
+    else
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << w) - 1), v);
+}
+#else
+#define HAVE_512 0
+#endif
+
+#define ROW_TILES(CALL)                                                     \
+    for (int r0 = 0; r0 < M; r0 += TR) {                                    \
+        switch (M - r0 < TR ? M - r0 : TR) {                                \
+            case 1: CALL(1); break;                                         \
+            case 2: CALL(2); break;                                         \
+            case 3: CALL(3); break;                                         \
+            default: CALL(4); break;                                        \
+        }                                                                   \
+    }
+

@@ -1,0 +1,211 @@
+"""A GGUF tensor's own blocks as a block-kernel linear, whatever its type among those real files use: Q4_0, Q4_1,
+Q8_0 (csrc/qgemm.c) and the K-quants Q4_K, Q5_K, Q6_K (csrc/kquants.c). No second rounding: each module
+computes with the file's codes and factors, and `dequantized()` is bit for bit gguf-py's dequantization of the
+same bytes (tests/test_kquants.py).
+
+- Q4_1, Q8_0: the kernel's own formats (qgemm.Q41Linear / Q80Linear).
+- Q4_0 (w = d * (q - 8)): Q4_1 with m = -8 d, exact in fp16 whenever 8 d is finite there (then d * q - 8 d is
+  exactly d * (q - 8) in fp32: both terms are multiples of d's last bit, 15 bits wide). A block whose 8 d would
+  overflow fp16 (|d| > 8188) makes the tensor Q8_0 with codes q - 8 instead: exact too, twice the bytes.
+- Q4_K, Q5_K, Q6_K: `KQuantLinear`, the superblock stream of kquants.c (its header has the layout), repacked
+  from the file's bytes a few thousand rows at a time, so a load holds at most one tensor's blocks plus a chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from medusa_chat.errors import DeviceError
+from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.gguf_file import (
+    QK_K,
+    KBlocks,
+    dequantize_k,
+    unpack_k,
+    unpack_q4_0,
+    unpack_q4_1,
+    unpack_q8_0,
+)
+
+SUPPORTED_TYPES: frozenset[str] = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# kquants.c: stream bytes per superblock and output column; per sub-block of 32: code bytes per column
+STREAM_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
+SUB_BYTES = {"Q4_K": 16, "Q5_K": 20, "Q6_K": 24}
+CHUNK_ROWS = 2048  # rows unpacked and repacked at a time (bounded scratch however large the tensor)
+
+
+def _words(bits: np.ndarray) -> np.ndarray:
+    """bits [..., 32] (one bit per element of a sub-block) -> [..., 4] bytes: the little-endian 32-bit word with
+    element 4j+t at bit 8t+j and element 16+4j+t at bit 8t+4+j (kquants.c)."""
+    b = bits.reshape(*bits.shape[:-1], 2, 4, 4)  # half, j, t
+    shifts = (np.arange(2).reshape(2, 1) * 4 + np.arange(4).reshape(1, 4)).astype(np.uint8)
+    return (b << shifts[..., None]).sum(axis=(-3, -2), dtype=np.uint8)
+
+
+def _unwords(words: np.ndarray) -> np.ndarray:
+    """The inverse of `_words`: [..., 4] bytes -> [..., 32] bits."""
+    shifts = (np.arange(2).reshape(2, 1) * 4 + np.arange(4).reshape(1, 4)).astype(np.uint8)
+    bits = (words[..., None, None, :] >> shifts[..., None]) & 1  # [..., half, j, t]
+    return bits.reshape(*words.shape[:-1], 32)
+
+
+def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
+    """A K-quant tensor's fields (gguf_file.unpack_k; rows a multiple of `group`) -> kquants.c's stream,
+    [rows, cols / 256 * STREAM_BYTES] uint8: each group of rows holds its own bytes, so groups slice and
+    concatenate (qgemm.fuse)."""
+    codes = k["codes"]
+    n, cols = codes.shape
+    g, nb, nsb, G = n // group, cols // 32, cols // QK_K, group
+    c = codes.reshape(g, G, nb, 2, 4, 4)  # [group, row, block, half, j, t]
+    nib = (c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)
+    parts = [nib.transpose(0, 2, 3, 1, 4).reshape(g, nb, G * 16)]
+    for bit in (4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]:
+        words = _words((codes.reshape(g, G, nb, 32) >> bit) & 1)  # [group, row, block, 4]
+        parts.append(words.transpose(0, 2, 1, 3).reshape(g, nb, G * 4))
+    sub = np.concatenate(parts, axis=-1).reshape(g, nsb, 8 * SUB_BYTES[type_name] * G)
+
+    def per_column(a: np.ndarray, per: int) -> np.ndarray:  # [n, nsb * per] -> [g, nsb, per * G]
+        a = np.ascontiguousarray(a.reshape(g, G, nsb, per).transpose(0, 2, 3, 1))
+        return a.view(np.uint8).reshape(g, nsb, -1)
+
+    if type_name == "Q6_K":
+        tail = [per_column(k["sc"].view(np.uint8), 16), per_column(k["d"], 1)]
+    else:
+        tail = [per_column(k["sc"], 8), per_column(k["m"], 8), per_column(k["d"], 1), per_column(k["dmin"], 1)]
+    return np.concatenate([sub, *tail], axis=-1).reshape(n, nsb * STREAM_BYTES[type_name])
+
+
+def deinterleave_k(type_name: str, stream: np.ndarray, group: int, cols: int) -> KBlocks:
+    """The inverse of `interleave_k`."""
+    n = stream.shape[0]
+    g, nb, nsb, G = n // group, cols // 32, cols // QK_K, group
+    sb = stream.reshape(g, nsb, STREAM_BYTES[type_name] * G)
+    sub_bytes = SUB_BYTES[type_name] * G
+    sub = sb[..., : 8 * sub_bytes].reshape(g, nb, sub_bytes)
+    nib = sub[..., : 16 * G].reshape(g, nb, 4, G, 4).transpose(0, 3, 1, 2, 4)  # [group, row, block, j, t]
+    codes = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(g, G, nb, 32)
+    for i, bit in enumerate((4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]):
+        words = sub[..., (16 + 4 * i) * G : (20 + 4 * i) * G].reshape(g, nb, G, 4).transpose(0, 2, 1, 3)
+        codes = codes | (_unwords(words) << bit)
+    tail = sb[..., 8 * sub_bytes :]
+
+    def per_column(off: int, per: int, dtype: type) -> np.ndarray:  # inverse of interleave_k's
+        size = per * G * np.dtype(dtype).itemsize
+        a = np.ascontiguousarray(tail[..., off : off + size]).view(dtype).reshape(g, nsb, per, G)
+        return np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(n, nsb * per)
+
+    out: KBlocks = {"codes": codes.reshape(n, cols)}
+    if type_name == "Q6_K":
+        out["sc"], out["d"] = per_column(0, 16, np.int8), per_column(16 * G, 1, np.float16)
+    else:
+        out["sc"], out["m"] = per_column(0, 8, np.uint8), per_column(8 * G, 8, np.uint8)
+        out["d"], out["dmin"] = per_column(16 * G, 1, np.float16), per_column(18 * G, 1, np.float16)
+    return out
+
+
+def _pad_rows(k: KBlocks, rows: int) -> KBlocks:
+    """Zero rows appended (zero factors: the padding columns compute 0 and are never stored)."""
+    return {name: np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)]) for name, a in k.items()}
+
+
+class KQuantLinear(qgemm.BlockLinear):
+    """A K-quant tensor on kquants.c: one uint8 buffer `qs` [N (padded to the group), K / 256 * stream bytes]."""
+
+    type_name = ""
+    buffer_names = ("qs",)
+
+    def __init__(self, rows: int, cols: int, raw: np.ndarray | None = None, blocks: KBlocks | None = None) -> None:
+        """From the file's bytes `raw` [rows, bytes per row] or from unpacked fields `blocks` (unpack_k)."""
+        if cols % QK_K:
+            raise ValueError(f"{self.type_name} needs in_features divisible by {QK_K} (got {cols})")
+        super().__init__(rows, cols)
+        G = self.group
+        padded = rows + (-rows % G)
+        stream = np.empty((padded, cols // QK_K * STREAM_BYTES[self.type_name]), np.uint8)
+        for r in range(0, rows, CHUNK_ROWS):
+            e = min(rows, r + CHUNK_ROWS)
+            if raw is not None:
+                k = unpack_k(self.type_name, raw[r:e], e - r, cols)
+            else:
+                assert blocks is not None
+                k = {name: a[r:e] for name, a in blocks.items()}
+            k = _pad_rows(k, padded - r if e == rows else e - r)
+            stream[r : r + k["codes"].shape[0]] = interleave_k(self.type_name, k, G)
+        self.register_buffer("qs", torch.from_numpy(stream))
+        self._bind()
+
+    def _bind(self) -> None:
+        self._args = (self.in_features, self.qs.data_ptr(), self.out_features)
+
+    def _call(self, x: int, m: int, y: int) -> None:
+        k, qs, n = self._args
+        self._fn(x, m, k, qs, n, y, *self._scratch)
+
+    def blocks(self) -> KBlocks:
+        """The fields (as gguf_file.unpack_k gives them) of the true rows."""
+        k = deinterleave_k(self.type_name, self.qs.numpy(), self.group, self.in_features)
+        return {name: a[: self.out_features] for name, a in k.items()}
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_k(self.type_name, self.blocks())
+
+    def rows(self, index: torch.Tensor) -> KQuantLinear:
+        k = self.blocks()
+        idx = index.cpu().numpy()
+        return type(self)(len(idx), self.in_features, blocks={name: a[idx] for name, a in k.items()})
+
+
+class Q4KLinear(KQuantLinear):
+    """GGUF Q4_K: per 32 weights w = (d * sc) * q - (dmin * m), q 0..15 (kquants.c)."""
+
+    kind, c_kind, type_name = "q4_k", 2, "Q4_K"
+
+
+class Q5KLinear(KQuantLinear):
+    """GGUF Q5_K: as Q4_K with 5-bit codes."""
+
+    kind, c_kind, type_name = "q5_k", 3, "Q5_K"
+
+
+class Q6KLinear(KQuantLinear):
+    """GGUF Q6_K: per 16 weights w = (d * sc) * (q - 32), q 0..63, sc int8 (kquants.c)."""
+
+    kind, c_kind, type_name = "q6_k", 4, "Q6_K"
+
+
+K_CLASSES: dict[str, type[KQuantLinear]] = {"Q4_K": Q4KLinear, "Q5_K": Q5KLinear, "Q6_K": Q6KLinear}
+
+
+def q4_0_linear(raw: np.ndarray, rows: int, cols: int) -> qgemm.BlockLinear:
+    """Q4_0 as Q4_1 (m = -8 d) when every 8 d is exact in fp16, else as Q8_0 (codes q - 8): both exact."""
+    codes, d = unpack_q4_0(raw, rows, cols)
+    m = -8 * d
+    if bool(torch.isfinite(m.half()).all()) and torch.equal(m.half().float(), m):
+        return qgemm.Q41Linear(codes, d, m)
+    return qgemm.Q80Linear((codes - 8).to(torch.int8), d)
+
+
+def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.nn.Module | None:
+    """The block-kernel linear [rows out, cols in] of a GGUF tensor's bytes `raw` ([rows, bytes per row] uint8,
+    rows already in the caller's order), computing with the file's own blocks; None for a type not in
+    SUPPORTED_TYPES (F32 / F16 / BF16 and the rest are the caller's). Raises DeviceError (one line) when the
+    block kernel cannot run here or its kind fails the known-answer check on this machine (the caller may then
+    use the float weights, gguf_file.dequantize)."""
+    if type_name not in SUPPORTED_TYPES:
+        return None
+    if not qgemm.available():
+        raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+    raw = np.asarray(raw)
+    if type_name in K_CLASSES:
+        lin: qgemm.BlockLinear = K_CLASSES[type_name](rows, cols, raw=raw)
+    elif type_name == "Q4_0":
+        lin = q4_0_linear(raw, rows, cols)
+    elif type_name == "Q4_1":
+        lin = qgemm.Q41Linear(*unpack_q4_1(raw, rows, cols))
+    else:
+        lin = qgemm.Q80Linear(*unpack_q8_0(raw, rows, cols))
+    from medusa_chat.kernels.known_answers import check_known_answer
+
+    check_known_answer(lin.kind)
+    return lin
