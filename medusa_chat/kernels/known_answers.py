@@ -3,11 +3,12 @@ float64 reference on a small fixed input, beside the row-invariance check (cpu_l
 
 Why: row invariance alone passes a kernel that is consistently wrong (a miscompiled build, an instruction that
 behaves differently on a new CPU, a layout bug): every row would be wrong in the same way. Here the weights
-come from fixed seeds, their float values from the format's definition computed independently of the
-kernel's layout (gguf_file's unpackers and dequantizers, or the codes themselves), and the kernel's outputs
-must lie within a bound of the exact product x @ W^T: the only approximation is the 8-bit activations, whose
-error per output is at most sum over blocks of (dx / 2) * sum |w| (round to nearest, |x - dx q| <= dx / 2),
-plus fp32 accumulation slack. A kernel that disagrees is refused with a one-line reason (DeviceError).
+come from fixed seeds and their float values from the format's definition, computed independently of the
+kernel's layout (gguf_file's unpackers and dequantizers, or the codes themselves). The reference takes the
+activations through the kernel's 8-bit rounding (per block of 32: d = max|x| / 127 and q = round(x / d),
+both in fp32 as quantize_rows does them), then sums exactly in float64; so the tolerance only covers the
+kernel's fp32 factors and accumulation (1e-5 of the sum of the terms' magnitudes), and an error of a part in
+a thousand in any output shows. A kernel that disagrees is refused with a one-line reason (DeviceError).
 """
 
 from __future__ import annotations
@@ -38,26 +39,39 @@ def _random_k_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndar
     return raw.reshape(rows, -1)
 
 
-def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor]:
-    """A module of `kind` with fixed weights, and those weights in float64 from the format's definition."""
-    from medusa_chat.kernels.gguf_file import dequantize_k, unpack_k
+def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor]:
+    """A module of `kind` with fixed weights; those weights in float64 from the format's definition; and the
+    magnitudes of the kernel's terms per weight (|scale * q| + |minimum|: the accumulation error's scale)."""
+    from medusa_chat.kernels.gguf_file import unpack_k
     from medusa_chat.kernels.gguf_linears import K_CLASSES
+
+    def per_weight(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.double().repeat_interleave(n, 1)
 
     gen = torch.Generator().manual_seed(1234)
     if kind == "q4_1":
         codes = torch.randint(0, 16, (OUT, IN), generator=gen)
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.02).half().float()
         m = (-torch.rand(OUT, IN // 32, generator=gen) * 0.1).half().float()
-        w = d.double().repeat_interleave(32, 1) * codes.double() + m.double().repeat_interleave(32, 1)
-        return qgemm.Q41Linear(codes, d, m), w
+        scaled = per_weight(d, 32) * codes.double()
+        return qgemm.Q41Linear(codes, d, m), scaled + per_weight(m, 32), scaled.abs() + per_weight(m, 32).abs()
     if kind == "q8_0":
         codes = torch.randint(-127, 128, (OUT, IN), generator=gen).to(torch.int8)
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.001).half().float()
-        return qgemm.Q80Linear(codes, d), d.double().repeat_interleave(32, 1) * codes.double()
+        w = per_weight(d, 32) * codes.double()
+        return qgemm.Q80Linear(codes, d), w, w.abs()
     type_name = kind.upper()
     raw = _random_k_blocks(type_name, OUT, IN, 1234)
-    w = dequantize_k(type_name, unpack_k(type_name, raw, OUT, IN)).double()
-    return K_CLASSES[type_name](OUT, IN, raw=raw), w
+    k = unpack_k(type_name, raw, OUT, IN)
+    codes = torch.from_numpy(k["codes"].astype(np.float64))
+    d = torch.from_numpy(k["d"].astype(np.float64))
+    sc = torch.from_numpy(k["sc"].astype(np.float64))
+    if type_name == "Q6_K":
+        scaled = per_weight(per_weight(d, 16) * sc, 16) * (codes - 32)
+        return K_CLASSES[type_name](OUT, IN, raw=raw), scaled, scaled.abs()
+    dmin, m = (torch.from_numpy(k[n].astype(np.float64)) for n in ("dmin", "m"))
+    scaled, low = per_weight(per_weight(d, 8) * sc, 32) * codes, per_weight(per_weight(dmin, 8) * m, 32)
+    return K_CLASSES[type_name](OUT, IN, raw=raw), scaled - low, scaled.abs() + low.abs()
 
 
 def known_input() -> torch.Tensor:
@@ -68,25 +82,32 @@ def known_input() -> torch.Tensor:
     return x
 
 
+def _activations_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 replaced by d * q (qgemm.c quantize_rows: fp32 d = max|x| / 127, q = x * (1 / d)
+    rounded half to even), in float64."""
+    xb = x.view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = (xb * inv).round().clamp(-127, 127)
+    return (q.double() * d.double()).view_as(x)
+
+
 def disagreement(kind: str) -> str:
     """"" when the kernel of `kind` computes the known answer on this machine, else why not (one line)."""
-    lin, w = known_case(kind)
+    lin, w, magnitude = known_case(kind)
     x = known_input()
     with torch.inference_mode():
         y = lin(x).double()
-    exact = x.double() @ w.t()
-    xb = x.double().view(ROWS, IN // 32, 32)
-    dx = xb.abs().amax(-1) / 127  # the activation blocks' step
-    wabs = w.abs().view(OUT, IN // 32, 32).sum(-1)
-    bound = (dx / 2) @ wabs.t() * 1.001 + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30
-    err = (y - exact).abs()
+    xq = _activations_as_the_kernel_rounds_them(x)
+    exact = xq @ w.t()
+    bound = 1e-5 * (xq.abs() @ magnitude.t()) + 1e-30
     if not bool(torch.isfinite(y).all()):
         return f"the {kind} block kernel gives non-finite outputs on a known input"
-    worst = float((err / bound).max())
+    worst = float(((y - exact).abs() / bound).max())
     if worst > 1.0:
         return (
             f"the {kind} block kernel disagrees with its float reference on a known input "
-            f"(error {worst:.3g}x the 8-bit activations' bound)"
+            f"(error {worst:.3g}x the tolerance)"
         )
     return ""
 

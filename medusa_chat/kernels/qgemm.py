@@ -292,8 +292,8 @@ class Q41Linear(BlockLinear):
 
     def dequantized(self) -> torch.Tensor:
         codes, d, m = self.blocks()
-        w = d[..., None] * codes.float().view(self.out_features, -1, QK) + m[..., None]
-        return w.view(self.out_features, self.in_features)
+        w = d[..., None] * codes.float().reshape(self.out_features, -1, QK) + m[..., None]
+        return w.reshape(self.out_features, self.in_features)
 
     def rows(self, index: torch.Tensor) -> Q41Linear:
         codes, d, m = self.blocks()
@@ -385,8 +385,9 @@ class Q80Linear(BlockLinear):
 
     def dequantized(self) -> torch.Tensor:
         codes, d = self.blocks()
-        w = d[..., None] * codes.float().view(self.out_features, -1, QK)
-        return w.view(self.out_features, self.in_features)
+        # reshape: with a single group the deinterleaved codes can be a strided view
+        w = d[..., None] * codes.float().reshape(self.out_features, -1, QK)
+        return w.reshape(self.out_features, self.in_features)
 
     def rows(self, index: torch.Tensor) -> Q80Linear:
         codes, d = self.blocks()

@@ -1,0 +1,181 @@
+"""GGUF tensors as stored on the block kernel (gguf_linears.py, csrc/kquants.c): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K, and the known-answer check at load (known_answers.py).
+
+- gguf_file.dequantize of every type is bit for bit gguf-py's `gguf.quants.dequantize` of the same bytes.
+- Each module's `dequantized()` is bit for bit gguf-py's dequantization (so the kernel runs the file's weights,
+  no second rounding), and its outputs are its definition: a float64 reference of the same arithmetic (8-bit
+  activation blocks, the file's per-sub-block factors); row-invariant; the same bits in every ISA build.
+- The native C step calls the K-quant kinds (decoder.c): its hidden states match the lean forward's.
+- The known-answer check passes every real kernel and refuses a deliberately wrong one.
+K-quant blocks are random valid bytes (every bit pattern of codes and scales is valid; gguf-py cannot
+quantize K-quants), with d / dmin written as fp16 in a weight-like range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from medusa_chat.errors import DeviceError
+from medusa_chat.kernels import known_answers, qgemm
+from medusa_chat.kernels.gguf_file import BLOCK, GGUFTensor, dequantize, unpack_k
+from medusa_chat.kernels.gguf_linears import (
+    SUPPORTED_TYPES,
+    Q4KLinear,
+    Q5KLinear,
+    Q6KLinear,
+    block_linear_from_gguf,
+)
+from medusa_chat.machine import cpu_flags
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
+
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+def _gguf_dequantize(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    return gguf_dequantize(raw, getattr(GGMLQuantizationType, type_name)).reshape(rows, cols)
+
+
+def _random_blocks(type_name: str, rows: int, cols: int, seed: int, scale: float = 1e-3) -> np.ndarray:
+    """Random valid bytes of `type_name` [rows, bytes per row], fp16 factors of magnitude ~scale."""
+    size, per = BLOCK[TYPE_IDS[type_name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    offsets = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[type_name]
+    for off in offsets:
+        d = rng.standard_normal((rows, cols // per)) * scale
+        raw[..., off : off + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, cols // per, 2)
+    return raw.reshape(rows, -1)
+
+
+def _quantized_by_gguf(type_name: str, w: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quantize
+
+    return quantize(w, getattr(GGMLQuantizationType, type_name))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", *K_TYPES])
+def test_dequantize_is_gguf_pys(type_name: str) -> None:
+    raw = _random_blocks(type_name, 9, 512, seed=1)
+    t = GGUFTensor("w", (9, 512), TYPE_IDS[type_name], raw.reshape(-1))
+    ours, theirs = dequantize(t), _gguf_dequantize(raw, type_name, 9, 512)
+    assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def _reference(x: torch.Tensor, type_name: str, k: dict) -> torch.Tensor:
+    """The K-quant kernel's definition in float64: per block of 32, x quantized to 8 bits (dx, qx), the weight
+    the fields define exactly ((d * sc) * q - dmin * m, or (d * sc) * (q - 32)), summed in float64."""
+    rows, cols = x.shape
+    xb = x.view(rows, cols // 32, 32).double()
+    dx = xb.abs().amax(-1) / 127
+    qx = torch.where(dx[..., None] > 0, xb / dx[..., None], torch.zeros_like(xb)).round()
+    codes = torch.from_numpy(k["codes"].astype(np.float64))
+    d = torch.from_numpy(k["d"].astype(np.float64))
+    sc = torch.from_numpy(k["sc"].astype(np.float64))
+    if type_name == "Q6_K":
+        w = (d.repeat_interleave(16, 1) * sc).repeat_interleave(16, 1) * (codes - 32)
+    else:
+        dmin, m = (torch.from_numpy(k[n].astype(np.float64)) for n in ("dmin", "m"))
+        a, b = d.repeat_interleave(8, 1) * sc, dmin.repeat_interleave(8, 1) * m
+        w = a.repeat_interleave(32, 1) * codes - b.repeat_interleave(32, 1)
+    return (qx * dx[..., None]).view(rows, cols) @ w.t()
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+@pytest.mark.parametrize(("n", "k"), [(40, 512), (96, 256)])
+def test_k_quants_compute_their_definition_and_are_row_invariant(type_name: str, n: int, k: int) -> None:
+    raw = _random_blocks(type_name, n, k, seed=n + k)
+    lin = block_linear_from_gguf(type_name, raw, n, k)
+    assert isinstance(lin, (Q4KLinear, Q5KLinear, Q6KLinear)) and lin.kind == type_name.lower()
+    # the weights are the file's: bit for bit gguf-py's dequantization of the same bytes
+    assert torch.equal(lin.dequantized(), torch.from_numpy(_gguf_dequantize(raw, type_name, n, k)))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(n)) * 2
+    x[3, :32] = 0  # an all-zero activation block
+    y = lin(x)
+    ref = _reference(x, type_name, unpack_k(type_name, raw, n, k))
+    assert y.shape == (19, n) and torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # tiles of 4 rows and their remainders
+        assert torch.equal(lin(x[:rows]), y[:rows]), f"{type_name}: rows 0..{rows} differ"
+    idx = torch.tensor([n - 1, 0, 5])  # row selection (the drafter's vocabulary rows) keeps the bits
+    assert torch.equal(lin.rows(idx)(x), y[:, idx])
+
+
+def test_k_quant_blocks_round_trip_and_fuse() -> None:
+    """The interleaved stream gives the file's fields back exactly; fused projections equal the separate ones
+    and keep one copy of the weights."""
+    mods = [block_linear_from_gguf("Q4_K", _random_blocks("Q4_K", n, 256, seed=n), n, 256) for n in (32, 16, 16)]
+    for n, m in zip((32, 16, 16), mods, strict=True):
+        raw = _random_blocks("Q4_K", n, 256, seed=n)
+        want = unpack_k("Q4_K", raw, n, 256)
+        assert all(np.array_equal(m.blocks()[f], want[f]) for f in want)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    separate = [m(x) for m in mods]
+    fused = qgemm.fuse(mods)
+    assert fused is not None and fused.out_features == 64 and isinstance(fused, Q4KLinear)
+    assert torch.equal(fused(x), torch.cat(separate, dim=-1))
+    assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))
+    assert mods[1].qs.data_ptr() == fused.qs[32:].data_ptr()
+    q6 = block_linear_from_gguf("Q6_K", _random_blocks("Q6_K", 16, 256, seed=3), 16, 256)
+    assert qgemm.fuse([mods[0], q6]) is None  # kinds do not mix
+
+
+def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = cpu_flags()
+    isas = ["avx2"] + (["avxvnni"] if "avx_vnni" in flags else [])
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        isas.append("avx512vnni")
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(7)) * 3
+    raws = {t: _random_blocks(t, 200, 512, seed=11) for t in K_TYPES}  # 12.5 groups of 16
+    outs: dict[str, list[torch.Tensor]] = {}
+    for isa in isas:
+        monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
+        assert qgemm.load() is not None, qgemm.unavailable_reason()
+        mods = [block_linear_from_gguf(t, raws[t], 200, 512) for t in K_TYPES]
+        outs[isa] = [m(x) for m in mods] + [m(x[:3]) for m in mods] + [m(x[:1]) for m in mods]
+    for isa in isas[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[isa], outs["avx2"], strict=True)), isa
+
+
+def test_legacy_types_are_the_files_weights() -> None:
+    """Q4_0 (as Q4_1 with m = -8 d), Q4_1 and Q8_0 bytes written by gguf-py's own quantizer: the modules'
+    weights are gguf-py's dequantization bit for bit; Q4_0 blocks whose -8 d overflows fp16 become Q8_0."""
+    w = np.random.default_rng(4).standard_normal((24, 128)).astype(np.float32) * 0.05
+    for type_name, cls in (("Q4_0", qgemm.Q41Linear), ("Q4_1", qgemm.Q41Linear), ("Q8_0", qgemm.Q80Linear)):
+        raw = _quantized_by_gguf(type_name, w)
+        lin = block_linear_from_gguf(type_name, raw, 24, 128)
+        assert type(lin) is cls, type_name
+        assert torch.equal(lin.dequantized(), torch.from_numpy(_gguf_dequantize(raw, type_name, 24, 128)))
+    raw = _random_blocks("Q4_0", 16, 64, seed=5)
+    raw[3, 0:2] = np.array([9000.0], np.float16).view(np.uint8)  # 8 d = 72000: not an fp16
+    lin = block_linear_from_gguf("Q4_0", raw, 16, 64)
+    assert type(lin) is qgemm.Q80Linear
+    assert torch.equal(lin.dequantized(), torch.from_numpy(_gguf_dequantize(raw, "Q4_0", 16, 64)))
+    assert block_linear_from_gguf("F16", np.zeros((2, 64), np.uint8), 2, 32) is None
+    assert SUPPORTED_TYPES == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    known_answers.reset()
+    for kind in ("q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
+        assert known_answers.disagreement(kind) == "", kind
+        known_answers.check_known_answer(kind)
+    # a kernel whose outputs are off by one part in 1000: refused, with one line naming the kind
+    def off(self: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
+        return qgemm.BlockLinear.forward(self, x) * 1.001
+
+    monkeypatch.setattr(Q6KLinear, "forward", off)
+    known_answers.reset()
+    reason = known_answers.disagreement("q6_k")
+    assert "q6_k" in reason and "\n" not in reason
+    with pytest.raises(DeviceError, match="q6_k block kernel disagrees"):
+        block_linear_from_gguf("Q6_K", _random_blocks("Q6_K", 16, 256, seed=1), 16, 256)
+    assert known_answers.kernels_agree(("q4_k", "q6_k")).startswith("the q6_k block kernel disagrees")
+    monkeypatch.undo()
+    known_answers.reset()
+    assert known_answers.kernels_agree(("q4_k", "q6_k")) == ""
