@@ -99,7 +99,9 @@ def test_k_quants_compute_their_definition_and_are_row_invariant(type_name: str,
     x[3, :32] = 0  # an all-zero activation block
     y = lin(x)
     ref = _reference(x, type_name, unpack_k(type_name, raw, n, k))
-    assert y.shape == (19, n) and torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert y.shape == (19, n) and torch.allclose(
+        y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()
+    )
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # tiles of 4 rows and their remainders
         assert torch.equal(lin(x[:rows]), y[:rows]), f"{type_name}: rows 0..{rows} differ"
     idx = torch.tensor([n - 1, 0, 5])  # row selection (the drafter's vocabulary rows) keeps the bits
@@ -109,7 +111,9 @@ def test_k_quants_compute_their_definition_and_are_row_invariant(type_name: str,
 def test_k_quant_blocks_round_trip_and_fuse() -> None:
     """The interleaved stream gives the file's fields back exactly; fused projections equal the separate ones
     and keep one copy of the weights."""
-    mods = [block_linear_from_gguf("Q4_K", _random_blocks("Q4_K", n, 256, seed=n), n, 256) for n in (32, 16, 16)]
+    mods = [
+        block_linear_from_gguf("Q4_K", _random_blocks("Q4_K", n, 256, seed=n), n, 256) for n in (32, 16, 16)
+    ]
     for n, m in zip((32, 16, 16), mods, strict=True):
         raw = _random_blocks("Q4_K", n, 256, seed=n)
         want = unpack_k("Q4_K", raw, n, 256)
@@ -160,11 +164,14 @@ def test_legacy_types_are_the_files_weights() -> None:
     assert SUPPORTED_TYPES == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     known_answers.reset()
     for kind in ("q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
         assert known_answers.disagreement(kind) == "", kind
         known_answers.check_known_answer(kind)
+
     # a kernel whose outputs are off by one part in 1000: refused, with one line naming the kind
     def off(self: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
         return qgemm.BlockLinear.forward(self, x) * 1.001

@@ -72,7 +72,12 @@ def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
     if type_name == "Q6_K":
         tail = [per_column(k["sc"].view(np.uint8), 16), per_column(k["d"], 1)]
     else:
-        tail = [per_column(k["sc"], 8), per_column(k["m"], 8), per_column(k["d"], 1), per_column(k["dmin"], 1)]
+        tail = [
+            per_column(k["sc"], 8),
+            per_column(k["m"], 8),
+            per_column(k["d"], 1),
+            per_column(k["dmin"], 1),
+        ]
     return np.concatenate([sub, *tail], axis=-1).reshape(n, nsb * STREAM_BYTES[type_name])
 
 
@@ -106,7 +111,9 @@ def deinterleave_k(type_name: str, stream: np.ndarray, group: int, cols: int) ->
 
 def _pad_rows(k: KBlocks, rows: int) -> KBlocks:
     """Zero rows appended (zero factors: the padding columns compute 0 and are never stored)."""
-    return {name: np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)]) for name, a in k.items()}
+    return {
+        name: np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)]) for name, a in k.items()
+    }
 
 
 class KQuantLinear(qgemm.BlockLinear):
@@ -115,7 +122,9 @@ class KQuantLinear(qgemm.BlockLinear):
     type_name = ""
     buffer_names = ("qs",)
 
-    def __init__(self, rows: int, cols: int, raw: np.ndarray | None = None, blocks: KBlocks | None = None) -> None:
+    def __init__(
+        self, rows: int, cols: int, raw: np.ndarray | None = None, blocks: KBlocks | None = None
+    ) -> None:
         """From the file's bytes `raw` [rows, bytes per row] or from unpacked fields `blocks` (unpack_k)."""
         if cols % QK_K:
             raise ValueError(f"{self.type_name} needs in_features divisible by {QK_K} (got {cols})")

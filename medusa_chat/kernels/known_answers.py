@@ -34,7 +34,7 @@ def _random_k_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndar
     raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
     offsets = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[type_name]
     for off in offsets:
-        d = (rng.uniform(0.2, 1.0, (rows, cols // per)) * rng.choice([-1, 1], (rows, cols // per)) * 1e-3)
+        d = rng.uniform(0.2, 1.0, (rows, cols // per)) * rng.choice([-1, 1], (rows, cols // per)) * 1e-3
         raw[..., off : off + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, cols // per, 2)
     return raw.reshape(rows, -1)
 
@@ -54,7 +54,11 @@ def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.02).half().float()
         m = (-torch.rand(OUT, IN // 32, generator=gen) * 0.1).half().float()
         scaled = per_weight(d, 32) * codes.double()
-        return qgemm.Q41Linear(codes, d, m), scaled + per_weight(m, 32), scaled.abs() + per_weight(m, 32).abs()
+        return (
+            qgemm.Q41Linear(codes, d, m),
+            scaled + per_weight(m, 32),
+            scaled.abs() + per_weight(m, 32).abs(),
+        )
     if kind == "q8_0":
         codes = torch.randint(-127, 128, (OUT, IN), generator=gen).to(torch.int8)
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.001).half().float()
@@ -93,7 +97,7 @@ def _activations_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
 
 
 def disagreement(kind: str) -> str:
-    """"" when the kernel of `kind` computes the known answer on this machine, else why not (one line)."""
+    """Empty when the kernel of `kind` computes the known answer on this machine, else why not (one line)."""
     lin, w, magnitude = known_case(kind)
     x = known_input()
     with torch.inference_mode():
@@ -119,11 +123,13 @@ def check_known_answer(kind: str) -> None:
     if key not in _RESULTS:
         _RESULTS[key] = disagreement(kind)
     if _RESULTS[key]:
-        raise DeviceError(_RESULTS[key] + "; it is not used (MEDUSA_CHAT_QGEMM=0 turns the block kernels off)")
+        raise DeviceError(
+            _RESULTS[key] + "; it is not used (MEDUSA_CHAT_QGEMM=0 turns the block kernels off)"
+        )
 
 
 def kernels_agree(kinds: tuple[str, ...]) -> str:
-    """"" when every kind gives its known answer here, else the first one's reason."""
+    """Empty when every kind gives its known answer here, else the first one's reason."""
     for kind in kinds:
         try:
             check_known_answer(kind)
