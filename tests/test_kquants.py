@@ -186,3 +186,81 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
     monkeypatch.undo()
     known_answers.reset()
     assert known_answers.kernels_agree(("q4_k", "q6_k")) == ""
+
+
+def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_cpu_linears (the int4 / int8 CPU paths) checks the kinds it would use: a wrong Q8_0 kernel makes
+    it take torch's weight-only kernels instead, and say why in one line."""
+    from torch import nn
+
+    from medusa_chat.kernels.cpu_linears import Int8Linear, check_row_invariant, prepare_cpu_linears
+
+    def off(self: qgemm.Q80Linear, x: torch.Tensor) -> torch.Tensor:
+        return qgemm.BlockLinear.forward(self, x) + 1e-3
+
+    monkeypatch.setattr(qgemm.Q80Linear, "forward", off)
+    known_answers.reset()
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].proj = nn.Linear(64, 32, bias=False)
+    model.lm_head = nn.Linear(64, 48, bias=False)
+    model.get_output_embeddings = lambda: model.lm_head
+    model.config = type("C", (), {})()
+    notes: list[str] = []
+    summary = prepare_cpu_linears(model, "int8", progress=notes.append)
+    assert (
+        summary["refused"].startswith("the q8_0 block kernel disagrees")
+        and notes[0].strip() == summary["refused"]
+    )
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].proj, Int8Linear)
+    with pytest.raises(DeviceError, match="q8_0"):  # and the row-invariance check refuses such a module too
+        check_row_invariant(qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(16, 64))), torch.float32)
+    monkeypatch.undo()
+    known_answers.reset()
+
+
+def test_the_native_step_runs_k_quant_projections() -> None:
+    """decoder.c calls the K-quant kinds (BLin.kind 2-4): a Llama whose projections are Q4_K / Q5_K / Q6_K
+    blocks gives, through the native C step, the hidden states of the transformers forward over the same
+    modules (up to the native step's fp16 KV cache), and a token decoded alone gets the bits it gets in a
+    prefill block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from medusa_chat.engine.engine import TreeKVCache
+    from medusa_chat.model.block_forward import native_forward_for
+
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(cfg).eval()
+    kinds = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q6_K"}
+    kinds |= {"gate_proj": "Q5_K", "up_proj": "Q5_K", "down_proj": "Q6_K"}
+    for i, layer in enumerate(lm.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, type_name in kinds.items():
+                if hasattr(parent, name):
+                    old = getattr(parent, name)
+                    n, k = old.out_features, old.in_features
+                    scale = 2e-5 if type_name == "Q6_K" else 1e-4
+                    raw = _random_blocks(type_name, n, k, seed=i * 10 + len(name), scale=scale)
+                    setattr(parent, name, block_linear_from_gguf(type_name, raw, n, k))
+    native = native_forward_for(lm)
+    assert native is not None
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = lm.model(ids[None]).last_hidden_state[0]
+        cache = TreeKVCache(cfg.num_hidden_layers, capacity=64)
+        block = native(ids, torch.arange(12), torch.zeros(1), cache).clone()
+        cache2 = TreeKVCache(cfg.num_hidden_layers, capacity=64)
+        native(ids[:11], torch.arange(11), torch.zeros(1), cache2)
+        alone = native(ids[11:], torch.arange(11, 12), torch.zeros(1), cache2).clone()
+    assert torch.allclose(block, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    assert torch.equal(alone[0], block[11])

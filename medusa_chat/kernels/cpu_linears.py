@@ -373,8 +373,9 @@ def prepare_cpu_linears(
     quantized here. With int4/int8 the lm_head becomes int8 per row (its argmax decides every token, so it keeps
     8 bits), a module of its own; a tied embedding whose float table is exactly the lm_head's Q8_0 blocks (the
     embedded GGUF) is then looked up in those blocks (`share_tied_embedding`), else it keeps its float table.
-    Returns a summary {mode, replaced, from_file, kept_float}; kept_float lists projections left as they were
-    whose GEMM is not row-invariant here (tree steps then equal the plain loop only up to rounding).
+    Returns a summary {mode, replaced, from_file, kept_float, refused}; kept_float lists projections left as
+    they were whose GEMM is not row-invariant here (tree steps then equal the plain loop only up to rounding);
+    refused: why the block kernels were not used ("" when they were, or were not needed), see known_answers.py.
     """
     if mode not in ("none", *QUANT_MODES):
         raise MedusaChatError(f"unknown CPU quantization {mode!r} (use none, int4 or int8)")
@@ -382,6 +383,15 @@ def prepare_cpu_linears(
     from medusa_chat.kernels.qgemm import available
 
     block_kernels = available()  # our AVX2 block kernels; else torch's weight-only kernels
+    refused = ""
+    if block_kernels and mode != "none":
+        from medusa_chat.kernels.known_answers import kernels_agree
+
+        # a block kernel that misses its known answer on this CPU is not used: torch's kernels instead
+        refused = kernels_agree(("q4_1", "q8_0") if mode == "int4" else ("q8_0",))
+        block_kernels = not refused
+        if refused and progress:
+            progress(f"  {refused}")
     layers = causal_lm.get_submodule("model.layers")
     done, from_file, kept = 0, 0, []
     targets = [
@@ -424,7 +434,7 @@ def prepare_cpu_linears(
         progress(
             f"  {done} projections as {mode if mode != 'none' else 'packed dense'} ({from_file} from the file)"
         )
-    return {"mode": mode, "replaced": done, "from_file": from_file, "kept_float": kept}
+    return {"mode": mode, "replaced": done, "from_file": from_file, "kept_float": kept, "refused": refused}
 
 
 def share_tied_embedding(causal_lm: nn.Module) -> bool:
@@ -474,8 +484,15 @@ PAD_TRIES = (1, 2, 4, 16)  # PackedLinear.min_rows tried in order: the smallest 
 
 def check_row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -> None:
     """Refuse a kernel whose row results depend on how many rows are computed together (then a tree step
-    could not reproduce the plain loop). Checked once per (kind, shape, dtype). A PackedLinear first gets the
+    could not reproduce the plain loop), or a block kernel that misses its known answer (known_answers.py).
+    Checked once per (kind, shape, dtype). A PackedLinear first gets the
     smallest zero-row padding (`min_rows`) under which it is row-invariant, if one exists."""
+    from medusa_chat.kernels.qgemm import BlockLinear
+
+    if isinstance(linear, BlockLinear):  # and it must compute the right values: its kind's known answer
+        from medusa_chat.kernels.known_answers import check_known_answer
+
+        check_known_answer(linear.kind)
     key = (type(linear).__name__, linear.in_features, linear.out_features, dtype)
     device = getattr(getattr(linear, "weight", None), "device", torch.device("cpu"))
     if key in _INVARIANT:

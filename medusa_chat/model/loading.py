@@ -528,6 +528,8 @@ def _prepare_cpu_linears(
     summary = prepare_cpu_linears(backbone, q, prebuilt, progress=progress)
     if summary["kept_float"]:
         notes.append(f"kept in float (no row-invariant kernel): {', '.join(summary['kept_float'][:4])}")
+    if summary["refused"]:
+        notes.append(summary["refused"])
 
 
 def _fit_heads(
