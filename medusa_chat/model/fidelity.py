@@ -28,9 +28,7 @@ import torch
 
 CHUNK = 128  # tokens per chunk, as `llama-perplexity -c 128`
 TEXT_RESOURCE = "fidelity_text.txt"
-PROBE_CHUNKS = (
-    9  # chunks the `--quant auto` choice scores (half the text: a few seconds for the embedded model)
-)
+PROBE_CHUNKS = 9  # chunks the `--quant auto` choice scores (half the text: a few seconds for the embedded model)
 
 
 @dataclass
@@ -68,9 +66,7 @@ def text_chunks(tokenizer: Any, text: str, chunk: int = CHUNK, limit: int | None
 
 def _causal_mask(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     mask = torch.zeros(count, count, dtype=dtype, device=device)
-    mask.masked_fill_(
-        torch.ones(count, count, dtype=torch.bool, device=device).triu(1), torch.finfo(dtype).min
-    )
+    mask.masked_fill_(torch.ones(count, count, dtype=torch.bool, device=device).triu(1), torch.finfo(dtype).min)
     return mask[None, None]
 
 
