@@ -115,7 +115,9 @@ def test_the_blocks_are_the_files_bitwise(gguf_files: dict[str, Path], gguf_head
         rows = model.get_input_embeddings()(ids)
         assert torch.equal(rows[0], state["model.embed_tokens.weight"][ids[0]]), name
         for i, layer in enumerate(model.model.layers):
-            assert torch.equal(layer.input_layernorm.weight, state[f"model.layers.{i}.input_layernorm.weight"])
+            assert torch.equal(
+                layer.input_layernorm.weight, state[f"model.layers.{i}.input_layernorm.weight"]
+            )
 
 
 def test_no_float_copy_of_the_weights(gguf_files: dict[str, Path], gguf_heads: Path) -> None:
@@ -155,7 +157,9 @@ def test_float_tensors_follow_the_quant_asked(gguf_files: dict[str, Path], gguf_
 
 # ---- decoding ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32"])
-def test_greedy_medusa_equals_the_plain_loop(name: str, gguf_files: dict[str, Path], gguf_heads: Path) -> None:
+def test_greedy_medusa_equals_the_plain_loop(
+    name: str, gguf_files: dict[str, Path], gguf_heads: Path
+) -> None:
     loaded = _loaded(str(gguf_files[name]), str(gguf_heads), "auto" if name != "f32" else "int8")
     prompts = [loaded.build_prompt([{"role": "user", "content": "Tell me about the sea."}]), [1, 2, 3, 400]]
     plain = MedusaEngine(loaded, plain_tree())
@@ -168,7 +172,9 @@ def test_greedy_medusa_equals_the_plain_loop(name: str, gguf_files: dict[str, Pa
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
-def test_unusable_files_are_clear_errors(gguf_files: dict[str, Path], gguf_heads: Path, tmp_path: Path) -> None:
+def test_unusable_files_are_clear_errors(
+    gguf_files: dict[str, Path], gguf_heads: Path, tmp_path: Path
+) -> None:
     heads = str(gguf_heads)
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         load_model(str(tmp_path / "missing.gguf"), heads=heads)
@@ -191,7 +197,9 @@ def test_unusable_files_are_clear_errors(gguf_files: dict[str, Path], gguf_heads
 
 
 # ---- the command line -------------------------------------------------------------------------------------------
-def test_cli_info_and_ask(gguf_files: dict[str, Path], gguf_heads: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_info_and_ask(
+    gguf_files: dict[str, Path], gguf_heads: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ["--model", str(gguf_files["q4_1"]), "--heads", str(gguf_heads), "--tree-size", "5"]
     assert cli.main(["info", *args, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -212,7 +220,10 @@ def test_the_embedded_file_named_by_path_decodes_as_the_embedded_model() -> None
     assert by_path.spec.kind == "gguf" and by_path.heads.num_heads > 0
     embedded = load_model("smollm2-135m", quant="int4", device="cpu")
     prompt = embedded.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])
-    assert by_path.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}]) == prompt
+    assert (
+        by_path.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])
+        == prompt
+    )
     a = _reply(MedusaEngine(by_path, by_path.default_tree), prompt, 32)
     b = _reply(MedusaEngine(embedded, plain_tree()), prompt, 32)
     assert a == b
