@@ -138,8 +138,10 @@ def find_llama_bench(explicit: str | os.PathLike[str] | None = None) -> Path | N
 
 
 def model_gguf(loaded: Any) -> Path | None:
-    """The GGUF the loaded model was made from (the embedded model's), else None."""
+    """The GGUF the loaded model was made from (the embedded model's, or the file `--model` named), else None."""
     spec = getattr(loaded, "spec", None)
+    if getattr(spec, "kind", None) == "gguf":
+        return Path(spec.backbone)
     if getattr(spec, "kind", None) == "embedded":
         from medusa_chat.model.embedded import gguf_path
 

@@ -262,7 +262,7 @@ class NativeHydra:
             t = embed.table
             emb = _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group)
             keep: Any = t
-        elif isinstance(getattr(embed, "weight", None), torch.Tensor) and embed.weight.dtype == torch.float32:
+        elif isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:  # a full table
             keep = embed.weight.detach().contiguous()
             emb = _Embed(keep.data_ptr(), None, None, 0)
         else:

