@@ -103,8 +103,8 @@ def measure_step_latency(
     step_args: dict[int, tuple] = {}
     for n in sizes:
         t = latency_tree(base, n)
-        if loaded.heads is not None and n > 1:
-            t.check_fits(loaded.heads.num_heads)
+        if n > 1:
+            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         engine = MedusaEngine(
             loaded, t, graphs=graphs
         )  # each size its own cache: key rows are sized per tree

@@ -110,7 +110,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
         chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
         if tree_size is not None:
             chosen = chosen.prefix(tree_size)
-        chosen.check_fits(loaded.heads.num_heads)
+        chosen.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         return chosen, "--tree-size" if tree_size is not None else "--tree"
     base = loaded.default_tree
     cal = load_calibration(*model_identity(loaded))
