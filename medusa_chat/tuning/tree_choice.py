@@ -14,6 +14,7 @@ import torch
 
 from medusa_chat.kernels.numeric_path import device_name
 from medusa_chat.machine import slug
+from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 
 CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
@@ -89,6 +90,8 @@ def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
 def heads_stamp(loaded: Any) -> str | None:
     """Identifies the heads file a calibration was made with (path, size, mtime): retrained or other heads
     accept differently, so their calibration does not apply."""
+    if getattr(loaded, "heads", True) is None:  # no heads: a lookup-only calibration, never one made with heads
+        return LOOKUP_ONLY
     path = getattr(loaded, "heads_file", "") or ""
     try:
         st = Path(path).stat() if path else None
