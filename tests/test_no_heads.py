@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -190,6 +191,15 @@ def test_info_says_lookup_only_and_names_train_heads(tiny_llama_dir: Path, capsy
     assert main(["info", "--model", str(tiny_llama_dir), "--quant", "none", "--device", "cpu", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["heads"]["source"] == LOOKUP_ONLY and "medusa-chat train-heads --model" in info["heads"]["note"]
+    # the command named is one the CLI takes, for this model (and a path with a space stays one argument)
+    from medusa_chat.cli import build_parser
+    from medusa_chat.model.lookup_only import train_heads_command
+
+    for model in (str(tiny_llama_dir), "/models/my model", "org/name"):
+        argv = shlex.split(train_heads_command(model))
+        assert argv[:2] == ["medusa-chat", "train-heads"]
+        args = build_parser("train-heads").parse_args(argv[1:])
+        assert args.command == "train-heads" and args.model == model
 
 
 @pytest.mark.slow
