@@ -8,6 +8,7 @@ that are given but missing or broken still fail loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError, ModelNotFoundError, TreeError
@@ -123,6 +125,33 @@ def test_greedy_is_the_plain_loop_and_lookup_guesses_are_accepted(tiny_llama_dir
             best = max(best, got.tokens_per_step)
             assert got.steps <= ref.steps
     assert accepted > 10 and best > 1.2, (accepted, best)  # the lookup really drafted, and was right
+
+
+@pytest.mark.parametrize("path", ["transformers", "graphs"])
+def test_the_masked_and_graph_steps_without_heads(tiny_llama_dir: Path, path: str, monkeypatch) -> None:
+    """What a GPU runs, here on the CPU: the transformers forward with the additive tree mask (no exact per-node
+    attention), and the CUDA-graph step's code run eagerly (float64, as tests/test_graph_step.py does). Each step
+    verifies a prefix of the chain as long as the lookup's guess, built once per size."""
+    from transformers import AutoModelForCausalLM
+
+    if path == "transformers":
+        monkeypatch.setenv("MEDUSA_CHAT_LEAN", "0")
+    dtype = torch.float64 if path == "graphs" else torch.float32
+    backbone = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval().requires_grad_(False)
+    loaded = dataclasses.replace(no_heads(tiny_llama_dir, "none"), backbone=backbone)  # unpacked float weights
+    plain, engine = MedusaEngine(loaded, plain_tree()), MedusaEngine(loaded, loaded.default_tree)
+    assert (engine.runner.lean is None) == (path == "transformers")
+    if path == "graphs":
+        engine.use_graphs(capture=False)
+    accepted = 0
+    for prompt in repetitive_prompts(plain, (40, 7)):
+        events, got = reply(engine, prompt, max_new_tokens=40)
+        assert got.token_ids == reply(plain, prompt, max_new_tokens=40)[1].token_ids, prompt[:4]
+        assert all(len(e.tree.tokens) == 1 + len(e.tree.lookup_nodes) for e in events)
+        accepted += sum(len(e.accepted_nodes) - 1 for e in events)
+    assert accepted > 4, accepted
+    if path == "graphs":
+        assert engine.graph is not None, engine.graph_note  # the graphs' code ran and agreed with the eager step
 
 
 def test_lookup_off_or_typical_is_the_plain_loop(tiny_llama_dir: Path) -> None:
