@@ -290,8 +290,15 @@ def _drafts_line(loaded: Any, tree: Any) -> str:
 
     if tree.size <= 1:
         return "none (root-only tree: plain decoding)"
-    heads = type(loaded.heads).__name__ if loaded.heads is not None else "no heads"
     lookup = GenerationSettings().context_lookup
+    if loaded.heads is None:
+        return (
+            "context lookup only (no Medusa heads): each step verifies the root plus the lookup's guesses "
+            "(greedy and exact sampling)"
+            if lookup
+            else "none (no Medusa heads, context lookup off: plain decoding)"
+        )
+    heads = type(loaded.heads).__name__
     return heads + (" + context lookup on the main chain (greedy and exact sampling)" if lookup else "")
 
 

@@ -115,7 +115,16 @@ class Tree:
             raise TreeError(f"tree size must be >= 1 (got {size})")
         return Tree(self.paths[: size - 1], name=f"{self.name}[:{size}]" if size < self.size else self.name)
 
-    def check_fits(self, num_heads: int, top_k: int | None = None) -> None:
+    def check_fits(self, num_heads: int | None, top_k: int | None = None) -> None:
+        """TreeError unless the tree suits `num_heads` heads; None: a model without heads, whose only drafter,
+        context lookup, fills one chain (any depth)."""
+        if num_heads is None:
+            if any(any(p) for p in self.paths):
+                raise TreeError(
+                    f"tree {self.name!r} branches, but this model has no Medusa heads: context lookup drafts "
+                    "one chain of guesses; use --tree chain-N"
+                )
+            return
         if self.depth > num_heads:
             raise TreeError(
                 f"tree {self.name!r} is {self.depth} deep but the model has only {num_heads} Medusa heads; "

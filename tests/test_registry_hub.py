@@ -290,10 +290,10 @@ def test_online_errors(fake_hub: FakeHub, tiny_llama_dir: Path) -> None:
     fake_hub.repos["org/plain"] = {n: Path(p).read_bytes() for n, p in folder_files(tiny_llama_dir).items()}
     with pytest.raises(HeadsError, match="org/plain has no Medusa heads file"):
         hub.fetch("org/plain", "heads")
-    with pytest.raises(
-        HeadsError, match="org/plain has no Medusa heads: its checkpoint holds no medusa_head"
-    ):
-        load_model(model="org/plain", device="cpu")
+    # a Hub model without heads is still a chat (context lookup only), and says how to get heads for it
+    loaded = load_model(model="org/plain", device="cpu", quant="none")
+    assert loaded.heads is None and loaded.spec.kind == "no-heads"
+    assert "`medusa-chat train-heads --model org/plain`" in loaded.info()["heads"]["note"]
 
 
 # ---- cache listing and the CLI ----------------------------------------------------------------------------------------
@@ -348,8 +348,10 @@ def test_cli_errors_are_one_line(tiny_llama_dir: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert err.startswith("error: unknown model 'vicuna-70b'") and err.count("\n") == 1
     assert "Traceback" not in err
-    assert cli.main(["info", "--model", str(tiny_llama_dir), "--device", "cpu"]) == 2
-    assert "has no Medusa heads" in capsys.readouterr().err
+    # heads that are asked for must be there (a model without any heads is fine: context lookup only)
+    assert cli.main(["info", "--model", str(tiny_llama_dir), "--heads", "/no/such/heads", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: heads folder '/no/such/heads' does not exist") and err.count("\n") == 1
     if not torch.cuda.is_available():
         assert cli.main(["info", "--device", "cuda", "--quant", "nf4"]) == 2
         assert capsys.readouterr().err.startswith("error: --device cuda was asked for but no CUDA GPU")

@@ -29,8 +29,8 @@ def _median(values: Any) -> float | None:
 
 def _heads_label(loaded: Any) -> str | None:
     heads = getattr(loaded, "heads", None)
-    if heads is None:
-        return None
+    if heads is None:  # a model without heads says so: "none (context lookup only)"
+        return getattr(loaded, "heads_source", "") or None
     src = getattr(loaded, "heads_file", "") or ""
     return f"{heads.num_heads} x {heads.format}" + (f" ({src})" if src else "")
 

@@ -109,6 +109,10 @@ def propose(
     accepted node's hidden state (their guesses depend on the root, known only now)."""
     if drafter is not None and draft is not None:
         return drafter.propose(root, draft, buf)
+    if draft is None and buf.tree.size > 1:
+        # No heads (lookup_only.py) and no lookup guess: only a timed trial step (calibration) gets here, as
+        # replies verify just the nodes the lookup filled; any tokens time the same, the root's are at hand.
+        return root.expand(buf.tree.size).clone()
     flat = torch.cat([root, draft]) if draft is not None else root
     return flat[buf.candidate_index]
 

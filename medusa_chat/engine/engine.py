@@ -11,7 +11,9 @@
                   Hydra heads instead draft at the next propose, depth by depth from the root (HydraDrafter)
         lookup    where the context's last 2-4 tokens occurred before, what followed them then goes on the
                   tree's main chain instead of the heads' guesses (lookup.py; host side, O(1) per step);
-                  after a 4-token match the step verifies a chain of up to LOOKUP_RUN lookup tokens instead
+                  after a 4-token match the step verifies a chain of up to LOOKUP_RUN lookup tokens instead;
+                  a model without heads drafts with the lookup alone (model/lookup_only.py): its tree is a
+                  chain, and each step verifies the root plus the lookup's guesses, or the root alone
         shape     on a CPU with the C drafter, the tree's N nodes are the N - 1 the draft is most confident
                   in (drafters.confident_paths: EAGLE-2's dynamic tree on the Hydra spine), not a fixed layout
 
@@ -187,8 +189,8 @@ class MedusaEngine(StepTrees, GraphSteps):
         """
         if buf is None:
             buf, plan = self.buffers, self.plan
-        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra or none)
-        logits_once = buf.tree.size <= 16 and (self.drafter is not None or buf.tree.size == 1)
+        # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra, no heads, none)
+        logits_once = buf.tree.size <= 16 and (self.drafter is not None or self.heads is None or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
         if tokens is None:
             tokens = self._propose(root, draft, buf, lookup_guess)
@@ -425,6 +427,10 @@ class MedusaEngine(StepTrees, GraphSteps):
                 tree, buf, plan = self._lookup_chain(len(guess))
                 tokens = torch.cat([root, torch.tensor(guess, dtype=root.dtype, device=root.device)])
             guess = guess[: len(buf.chain)]
+        if self.heads is None and len(guess) + 1 < buf.tree.size:
+            # no heads (lookup_only.py): the step verifies the nodes the lookup filled, the root alone without a
+            # guess (a plain step), never nodes nobody drafted
+            tree, buf, plan = self.tree_for_room(len(guess) + 1)
         if self.draft_shaped and not guess and tree is self.tree:
             tree, buf, plan, tokens = self._confident_tree(root, guesses)
         return tree, buf, plan, guess, tokens

