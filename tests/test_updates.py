@@ -29,12 +29,16 @@ class FakeClock:
 
 
 def step(i: int, text: str | None = None) -> StepEvent:
-    return StepEvent(i, [i], f"t{i} " if text is None else text, [0], None, 0.001, i + 1, i * 0.001, 100.0, 1.0)
+    return StepEvent(
+        i, [i], f"t{i} " if text is None else text, [0], None, 0.001, i + 1, i * 0.001, 100.0, 1.0
+    )
 
 
 def summary_of(steps: list[StepEvent]) -> ReplySummary:
     text = "".join(s.text for s in steps)
-    return ReplySummary(text, [], len(steps), len(steps) - 1, 1.0, 100.0, 0.0, 0.0, 0.0, 1, 0, "greedy", "eos", 4)
+    return ReplySummary(
+        text, [], len(steps), len(steps) - 1, 1.0, 100.0, 0.0, 0.0, 0.0, 1, 0, "greedy", "eos", 4
+    )
 
 
 def test_coalescer_merges_deltas_keeps_every_step_and_bounds_the_rate() -> None:
@@ -94,7 +98,9 @@ def test_inline_updates_with_a_fake_clock() -> None:
 
     out = list(updates(stream(), 1 / 15, ahead=False, clock=clock))
     assert len(out) <= 2 + 0.6 * 15 and [s for u in out for s in u.steps] == steps
-    assert out[-1].final and out[-1].summary is not None and out[-1].summary.text == "".join(u.text for u in out)
+    assert (
+        out[-1].final and out[-1].summary is not None and out[-1].summary.text == "".join(u.text for u in out)
+    )
 
 
 def test_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,7 +39,9 @@ def default_interval_s() -> float:
         try:
             hz = float(text)
         except ValueError as err:
-            raise ValueError(f"MEDUSA_CHAT_UI_HZ must be a number of updates per second (got {text!r})") from err
+            raise ValueError(
+                f"MEDUSA_CHAT_UI_HZ must be a number of updates per second (got {text!r})"
+            ) from err
         if hz <= 0:
             raise ValueError(f"MEDUSA_CHAT_UI_HZ must be > 0 (got {text!r})")
     return 1.0 / hz

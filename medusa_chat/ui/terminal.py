@@ -272,7 +272,10 @@ class TerminalChat(SlashCommands):
         # the whole reply) never holds up a step. While streaming only the tail that fits the screen is drawn
         # (Live cannot redraw lines that scrolled away); the final frame, drawn when Live stops, is the whole
         # reply.
-        with Live(TailView(view()), console=self.console, auto_refresh=False) as live, updates(stream) as feed:
+        with (
+            Live(TailView(view()), console=self.console, auto_refresh=False) as live,
+            updates(stream) as feed,
+        ):
             for update in feed:
                 events.extend(update.steps)
                 last = update.last or last
