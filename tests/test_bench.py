@@ -351,3 +351,38 @@ def test_llamacpp_peer_runs_once_per_prompt_in_the_rotation(
     assert s["llamacpp_tokens_per_s"] == pytest.approx(REAL_OUTPUT[0]["avg_ts"], rel=1e-4)
     ratios = sorted(r["speedup_vs_llamacpp"] for r in rows)
     assert s["speedup_vs_llamacpp_median"] == pytest.approx((ratios[0] + ratios[1]) / 2, rel=1e-3)
+
+
+def test_busy_processes_run_during_the_block_and_end_with_it() -> None:
+    from medusa_chat.bench.load import busy_processes
+
+    with busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)  # spinning
+    assert all(p.poll() is not None for p in procs)  # ended with the block
+    with pytest.raises(RuntimeError), busy_processes(1) as procs:  # an error in the phase ends them too
+        raise RuntimeError("boom")
+    assert procs[0].poll() is not None
+    with pytest.raises(ValueError), busy_processes(-1):
+        pass
+
+
+def test_bench_background_load_reports_quiet_and_loaded_side_by_side(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "240")  # the whole table on one line per method
+    loaded = make_loaded_model()
+    out = tmp_path / "load.json"
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--limit", "1", "--max-new-tokens", "8"]
+    assert cli.main([*args, "--background-load", "1", "--warmup", "0", "--quiet", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["background_load"] == 1 and set(doc) == {"background_load", "quiet", "loaded", "side_by_side"}
+    for phase in ("quiet", "loaded"):  # the default baselines under load: the plain loop (and llama.cpp if found)
+        assert doc[phase]["baselines"][0] == "plain" and set(doc[phase]["baselines"]) <= {"plain", "llamacpp"}
+        assert doc[phase]["summary"]["identical_to_plain_loop_fraction"] == 1.0
+    rows = {r["method"]: r for r in doc["side_by_side"]}
+    assert {"medusa", "plain"} <= set(rows)
+    for r in rows.values():
+        assert r["quiet_tokens_per_s"] > 0 and r["loaded_tokens_per_s"] > 0 and r["loaded_over_quiet"] > 0
+    assert rows["plain"]["medusa_speedup_loaded"] > 0 and rows["medusa"]["medusa_speedup_loaded"] == 1.0
+    text = capsys.readouterr().out
+    assert "loaded/quiet" in text and "1 busy process" in text and "plain loop" in text

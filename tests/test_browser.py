@@ -33,6 +33,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="browser test skipp
 
 from medusa_chat.chat.conversations import Conversation, Message  # noqa: E402
 from medusa_chat.chat.session import SessionManager  # noqa: E402
+from medusa_chat.chat.updates import UPDATES_PER_S  # noqa: E402
 from medusa_chat.ui import web  # noqa: E402
 from tests.test_render import INJECTIONS, MARKDOWN_TAGS  # noqa: E402
 
@@ -198,6 +199,51 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
     shot = shoot(page, tmp_path, "web-ui.png")
     assert shot.stat().st_size > 10_000
     assert page.outside == [], f"the page tried to reach other hosts: {page.outside[:5]}"
+
+
+def test_a_long_fast_reply_is_complete_with_a_bounded_number_of_page_updates(page: Any, served: Any) -> None:
+    """The engine unpaced: hundreds of steps in a second or two. The page gets at most ~15 updates a second
+    (chat/updates.py), and its last one shows the whole reply and every step in the tree view."""
+    session: SessionManager = served.medusa_web.session
+    ui = served.medusa_web
+    engine = session.engine
+    paced = engine.generate
+    del engine.generate  # the real engine, at full speed
+    counted: list[float] = []
+    real_stream = ui.stream
+
+    def counting(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for out in real_stream(*args, **kwargs):
+            counted.append(time.monotonic())
+            yield out
+
+    ui.stream = counting  # WebApp.send looks it up per call
+    try:
+        set_number(page, "max-new", 300)
+        wait_until(lambda: session.settings.max_new_tokens == 300, what="max new tokens to reach the session")
+        before = len(session.conversation.messages)
+        page.fill("#msg textarea", "Tell me a very long story.")
+        page.click("#send")
+        wait_until(lambda: len(session.conversation.messages) == before + 2 and not session.busy, 60, "a reply")
+        page.wait_for_function("document.querySelector('#meter').innerText.includes('max new tokens')")
+    finally:
+        engine.generate = paced
+        del ui.stream
+    summary = session.last_summary
+    assert summary is not None and summary.new_tokens == 300
+    steps = len(session.last_events)
+    elapsed = counted[-1] - counted[0]
+    # the user's message, "starting…", the bounded stream (the first step at once), the final update
+    assert len(counted) <= 3 + elapsed * UPDATES_PER_S + 1, (len(counted), elapsed, steps)
+    assert page.locator("#accepted-tree .mc-seg").count() == steps
+    reply = session.conversation.messages[-1]
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=served.local_url.rstrip("/"))
+    copy = page.get_by_role("button", name=re.compile(r"^copy message$", re.I)).last
+    page.evaluate("navigator.clipboard.writeText('-')")
+    copy.click()
+    # (the copy of the tiny model's noise turns a tab into a space: compared without that difference)
+    whole = reply.content.replace("\t", " ")
+    wait_until(lambda: page.evaluate("navigator.clipboard.readText()").replace("\t", " ") == whole, what="the reply")
 
 
 def test_stop_ends_a_long_reply(page: Any, served: Any, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-
 from gradio_client import Client  # noqa: E402
 
 from medusa_chat.chat.session import SessionManager  # noqa: E402
+from medusa_chat.chat.updates import UPDATES_PER_S  # noqa: E402
 from medusa_chat.errors import DeviceError  # noqa: E402
 from medusa_chat.ui import render, web  # noqa: E402
 
@@ -196,6 +197,25 @@ def test_edit_last_message(served: Any) -> None:
     contents = [(m.role, m.content) for m in ui.session.conversation.messages]
     assert contents[0] == ("user", "edited question") and len(contents) == 2 and contents[1][0] == "assistant"
     assert outputs[0][7] is False  # the edit mode ends with the resend
+
+
+def test_a_long_fast_reply_updates_the_page_at_a_bounded_rate(served: Any) -> None:
+    """Hundreds of fast steps: the page gets at most ~15 updates a second (chat/updates.py), the tree view
+    still every step, and the last update the whole reply."""
+    ui: web.WebApp = served.medusa_web
+    ui.clear()
+    ui.session.update_settings(max_new_tokens=300, temperature=0)
+    t0 = time.monotonic()
+    outputs = list(ui.send("Tell me a long story.", False))
+    elapsed = time.monotonic() - t0
+    steps = len(ui.session.last_events)
+    # the user's message, "starting…", the bounded stream (the first step at once), the final update
+    assert len(outputs) <= 3 + elapsed * UPDATES_PER_S + 1, (len(outputs), elapsed, steps)
+    assert ui.events == ui.session.last_events and ui.tree_panel().count('class="mc-seg') == steps
+    reply = ui.session.conversation.messages[-1]
+    assert reply.role == "assistant" and len(ui.session.last_summary.token_ids) > 50
+    assert outputs[-1][0][-1]["content"].startswith(render.chat_html(reply.content))
+    assert meter_values(outputs[-1][2])["new_tokens"] == ui.session.last_summary.new_tokens
 
 
 def test_second_request_while_busy_gets_a_clear_answer(served: Any) -> None:

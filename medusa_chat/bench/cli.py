@@ -55,10 +55,19 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baselines",
         type=_baselines,
-        default=list(DEFAULT_BASELINES),
+        default=None,
         metavar="hf,plain,lookup,llamacpp,heads",
-        help="baselines to run beside Medusa (default: hf,plain,lookup,llamacpp; llamacpp is skipped with a "
-        "note without llama-bench or llama-cpp-python; heads = the same tree without context lookup)",
+        help="baselines to run beside Medusa (default: hf,plain,lookup,llamacpp; with --background-load: "
+        "plain,llamacpp; llamacpp is skipped with a note without llama-bench or llama-cpp-python; heads = the "
+        "same tree without context lookup)",
+    )
+    parser.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the bench quiet, then again with N busy processes (one core each), and show each method's "
+        "speed side by side (bench/load.py)",
     )
     parser.add_argument(
         "--no-context-lookup",
@@ -128,6 +137,11 @@ def bench_main(args: argparse.Namespace) -> int:
         from medusa_chat.errors import MedusaChatError
 
         raise MedusaChatError("bench needs --prompts FILE.jsonl (e.g. benchmarks/data/vicuna_bench_question.jsonl)")
+    background = getattr(args, "background_load", 0) or 0
+    if background < 0:
+        from medusa_chat.errors import MedusaChatError
+
+        raise MedusaChatError(f"--background-load must be >= 0 (got {background})")
     prompts = read_prompts(args.prompts, args.limit)
     settings_from_args(args)  # validates the options before the (slow) load
     loaded = load_from_args(args, err)
@@ -140,14 +154,24 @@ def bench_main(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         accept=getattr(args, "accept", "typical"),
-        baselines=args.baselines,
+        baselines=args.baselines
+        if args.baselines is not None
+        else (["plain", "llamacpp"] if background else list(DEFAULT_BASELINES)),
         warmup=args.warmup,
         tree_sizes=args.tree_sizes,
         llamacpp_bench=args.llamacpp_bench,
         context_lookup=getattr(args, "context_lookup", True),
     )
-    doc = run_bench(loaded, tree, prompts, config, None if args.quiet else out, tree_source=source)
-    print_summary(out, doc)
+    if background:
+        from medusa_chat.bench.load import print_load_summary, run_with_background_load
+
+        doc = run_with_background_load(
+            loaded, tree, prompts, config, background, None if args.quiet else out, err, tree_source=source
+        )
+        print_load_summary(out, doc)
+    else:
+        doc = run_bench(loaded, tree, prompts, config, None if args.quiet else out, tree_source=source)
+        print_summary(out, doc)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, ensure_ascii=False))

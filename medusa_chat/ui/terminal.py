@@ -25,6 +25,7 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
+from medusa_chat.chat.updates import updates
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
 from medusa_chat.ui.commands import ALIASES, COMMANDS_NAMES, SlashCommands, help_table
@@ -64,6 +65,7 @@ class TerminalChat(SlashCommands):
         self.history_path = session.data_dir / "history"
         self._readline: Any = None
         self._interrupts = 0
+        self.screen_updates = 0  # redraws of the last streamed reply (bounded by chat/updates.py's rate)
 
     # ---- input --------------------------------------------------------------------------------------------
     def setup_history(self) -> None:
@@ -265,20 +267,24 @@ class TerminalChat(SlashCommands):
         def view() -> RenderableType:
             return Group(ReplyMarkdown(text or "..."), self._status(last, summary))
 
-        # Rich Live redraws from its own thread; the loop only swaps the renderable. A modest frame rate keeps
-        # the redraw (Markdown of the whole reply) from competing with the decode loop for the GIL. While
-        # streaming only the tail that fits the screen is drawn (Live cannot redraw lines that scrolled
-        # away); the final frame, drawn when Live stops, is the whole reply.
-        with Live(TailView(view()), console=self.console, refresh_per_second=8) as live:
-            for item in stream:
-                if isinstance(item, ReplySummary):
-                    summary = item
-                    text = item.text
-                else:
-                    events.append(item)
-                    last = item
-                    text += item.text
-                live.update(TailView(view()) if summary is None else view())
+        # The reply decodes in its own thread and the screen is redrawn here, at most ~15 times a second
+        # (chat/updates.py: each update carries every step since the previous one), so the redraw (Markdown of
+        # the whole reply) never holds up a step. While streaming only the tail that fits the screen is drawn
+        # (Live cannot redraw lines that scrolled away); the final frame, drawn when Live stops, is the whole
+        # reply.
+        with (
+            Live(TailView(view()), console=self.console, auto_refresh=False) as live,
+            updates(stream) as feed,
+        ):
+            for update in feed:
+                events.extend(update.steps)
+                last = update.last or last
+                text += update.text
+                if update.summary is not None:
+                    summary = update.summary
+                    text = summary.text
+                live.update(TailView(view()) if summary is None else view(), refresh=True)
+            self.screen_updates = feed.coalescer.emitted
         if summary is not None and summary.message:
             self.note(summary.message, "yellow")
         return summary

@@ -33,6 +33,7 @@ _configure_env()
 
 import gradio as gr  # noqa: E402  (after the environment above)
 
+from medusa_chat.chat.updates import ReplyUpdates, updates  # noqa: E402
 from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
 from medusa_chat.ui import render, tree_panel  # noqa: E402
@@ -41,7 +42,6 @@ from medusa_chat.ui.web_layout import TREE_CHOICES_DEFAULT, build_blocks  # noqa
 if TYPE_CHECKING:
     from medusa_chat.chat.session import SessionManager
 
-STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second while a reply streams
 STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams
 
 
@@ -236,6 +236,7 @@ class WebApp:
         else:
             draft = base[:-1] if base and base[-1]["role"] == "assistant" else list(base)
         stream = None
+        feed: ReplyUpdates | None = None
         try:
             for line in self._wait_for_model():
                 yield (draft, "", render.meter_html([], status=f"loading model: {line}"), skip, skip,
@@ -253,30 +254,31 @@ class WebApp:
                 self.session.stop()
             self.events, self.summary, self.streaming = [], None, True
             text = ""
-            last_yield = 0.0
             yield (draft + [{"role": "assistant", "content": ""}], "", self.meter("starting…"),
                    self.tree_panel(live=True), skip, "", skip, *reset_edit)  # fmt: skip
-            for item in stream:
-                if isinstance(item, ReplySummary):
-                    self.summary = item
+            # The reply decodes in its own thread; the page gets at most ~15 updates a second, each carrying
+            # every step since the previous one (chat/updates.py). The final one is the yield after the loop.
+            feed = updates(stream)
+            for update in feed:
+                self.events.extend(update.steps)
+                text += update.text
+                if update.summary is not None:
+                    self.summary = update.summary
+                last = update.last
+                if update.final or last is None:
                     continue
-                self.events.append(item)
-                text += item.text
-                now = time.monotonic()
-                if now - last_yield >= STREAM_INTERVAL_S or item.step == 0:
-                    last_yield = now
-                    yield (
-                        draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}],
-                        skip,
-                        self.meter("streaming…"),
-                        self.tree_panel(live=True),
-                        gr.update(maximum=max(item.step, 1), value=item.step),
-                        skip,
-                        skip,
-                        skip,
-                        skip,
-                        skip,
-                    )
+                yield (
+                    draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}],
+                    skip,
+                    self.meter("streaming…"),
+                    self.tree_panel(live=True),
+                    gr.update(maximum=max(last.step, 1), value=last.step),
+                    skip,
+                    skip,
+                    skip,
+                    skip,
+                    skip,
+                )
         except BusyError as err:  # another reply is running: leave its display alone, just say so
             yield (skip, skip, skip, skip, skip, self._warn(err), skip, skip, skip, skip)
             return
@@ -288,7 +290,10 @@ class WebApp:
         finally:
             if stream is not None:
                 self.streaming = False
-                stream.close()
+                if feed is not None:
+                    feed.close()  # ends the decoding thread (after its current step) and the reply's stream
+                else:
+                    stream.close()
         for notice in getattr(self.session, "notices", []) or []:
             gr.Info(render.esc(notice))
         reason = self.summary.stop_reason if self.summary is not None else "stopped"

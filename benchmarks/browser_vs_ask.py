@@ -1,0 +1,207 @@
+"""The web UI in a real browser against `ask`: the decode tokens/s the page's meter shows for a reply, and what
+the engine measures for the same prompt run the way `ask` runs it (same model, numeric path and tree, greedy).
+
+Why: the browser that shows the reply runs on the same cores as the decoder. Each page update costs the server
+(Gradio's diff and send) and the browser (layout, paint); when the decoder waits for them, the page shows a
+fraction of the speed (issue 29: 160 tok/s on the page against 500+ for `ask` on 2 cores). The UIs now update
+at most ~15 times a second from a decoding thread (medusa_chat/chat/updates.py); this measures what is left.
+
+One process: the web UI (`medusa_chat.ui.web.launch`) on the embedded model, headless Debian Chromium driven by
+playwright (executable_path=/usr/bin/chromium, as tests/test_browser.py; never `playwright install`), and the
+ask-style engine. Runs alternate (ask, page, ask, page, ...) so a slow spell hits both; medians are printed.
+Every page reply is checked token-identical to ask's.
+
+    python benchmarks/browser_vs_ask.py                       # 3 rounds, 256 new tokens at most
+    python benchmarks/browser_vs_ask.py --variants all         # also: what a page update costs the decoder
+
+Variants (each page run sets MEDUSA_CHAT_UI_HZ / MEDUSA_CHAT_UI_DECODE_AHEAD, read per reply):
+    bounded   at most 15 page updates a second, decoding in its own thread (the app's default)
+    inline    at most 15 a second, but the UI pulls each step itself (the decoder waits while it renders)
+    per-step  a page update after every step, pulled inline (what the cost of an update adds up to)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-bench-"))
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [  # MEDUSA_FACTS section 12: offline, no sandbox in containers, nothing but the app reachable
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+]
+VARIANTS = {  # name: (MEDUSA_CHAT_UI_HZ, MEDUSA_CHAT_UI_DECODE_AHEAD)
+    "bounded": ("15", "1"),
+    "inline": ("15", "0"),
+    "per-step": ("100000", "0"),
+}
+PROMPT = (
+    "Give me three tips for staying healthy."  # the issue's prompt: a 141-token reply on the embedded model
+)
+METER_JS = """() => {
+    const num = k => { const e = document.querySelector(`#meter .mc-num[data-key="${k}"]`);
+                       return e ? parseFloat(e.getAttribute('data-value')) : null; };
+    const s = document.querySelector('#meter .mc-status');
+    return {tps: num('decode_tps'), tokens: num('new_tokens'), status: s ? s.innerText : ''};
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ask_once(engine: Any, prompt_ids: list[int], settings: Any) -> Any:
+    """`ask`'s loop (medusa_chat/ask.py) without printing: the summary of one reply."""
+    summary = None
+    for item in engine.generate(prompt_ids, settings):
+        summary = item
+    return summary
+
+
+def page_once(page: Any, app: Any, timeout_s: float) -> tuple[dict[str, Any], Any, int, float]:
+    """One reply in the browser: (the meter's final figures, the session's summary, page updates, seconds)."""
+    ui = app.medusa_web
+    session = ui.session
+    ui.clear()  # a new conversation: the same prompt as ask's, not a follow-up
+    before = len(session.conversation.messages)
+    page.fill("#msg textarea", PROMPT)
+    t0 = time.monotonic()
+    page.click("#send")
+    deadline = t0 + timeout_s
+    while len(session.conversation.messages) < before + 2 or session.busy:
+        if time.monotonic() > deadline:
+            raise SystemExit("the page's reply did not finish in time")
+        time.sleep(0.02)
+    summary = session.last_summary
+    page.wait_for_function(
+        f"() => {{ const e = document.querySelector('#meter .mc-num[data-key=\"new_tokens\"]'); "
+        f"return e && parseFloat(e.getAttribute('data-value')) === {summary.new_tokens} "
+        f"&& !document.querySelector('#meter').innerText.includes('streaming'); }}",
+        timeout=timeout_s * 1000,
+    )
+    shown = page.evaluate(METER_JS)
+    return shown, summary, ui.updates_sent, time.monotonic() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="ask/page pairs (medians are printed)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a page reply may take")
+    parser.add_argument(
+        "--variants",
+        default="bounded",
+        help=f"comma-separated, or all: {', '.join(VARIANTS)} (default: bounded)",
+    )
+    args = parser.parse_args()
+    variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    if not variants or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants: choose from {', '.join(VARIANTS)} (or all)")
+    if not Path(CHROMIUM).is_file():
+        raise SystemExit(f"Debian chromium is needed at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.events import GenerationSettings
+    from medusa_chat.model.loading import load_model
+    from medusa_chat.tuning.calibrate import resolve_tree
+    from medusa_chat.ui import web
+
+    loaded = load_model()  # the embedded model, the default numeric path (as `ask` with no options)
+    tree, source = resolve_tree(loaded)
+    engine = MedusaEngine(loaded, tree)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    prompt_ids = loaded.build_prompt([{"role": "user", "content": PROMPT}])
+
+    session = SessionManager(loaded=loaded, data_dir=Path(tempfile.mkdtemp(prefix="medusa-bench-data-")))
+    app = web.launch(session, port=free_port(), block=False, quiet=True)
+    ui = app.medusa_web
+    if not (ui.loader.wait(600) and ui.loader.status == "ready"):
+        raise SystemExit(f"the web UI's model did not load: {ui.loader.error}")
+    session.update_settings(max_new_tokens=args.max_new_tokens, temperature=0)
+    if session.engine is None or session.engine.tree.paths != tree.paths:
+        print("note: the web session chose another tree than ask's", file=sys.stderr)
+    # count the page updates the server sends (WebApp.send looks `stream` up per call)
+    ui.updates_sent = 0
+    real_stream = ui.stream
+
+    def counting(*a: Any, **k: Any) -> Iterator[Any]:
+        ui.updates_sent = 0
+        for out in real_stream(*a, **k):
+            ui.updates_sent += 1
+            yield out
+
+    ui.stream = counting
+    xdg = Path(tempfile.mkdtemp(prefix="medusa-bench-xdg-"))
+    env = {**os.environ, "XDG_CONFIG_HOME": str(xdg / "config"), "XDG_CACHE_HOME": str(xdg / "cache")}
+    asks: list[float] = []
+    pages: dict[str, list[float]] = {v: [] for v in variants}
+    updates_sent: dict[str, list[int]] = {v: [] for v in variants}
+    tokens = 0
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(app.local_url)
+            page.wait_for_selector("#msg textarea")
+            page.wait_for_function("document.querySelector('#model-panel').innerText.includes('Model ready')")
+            ask_once(engine, prompt_ids, settings)  # warm-up, both ways
+            page_once(page, app, args.timeout)
+            for r in range(args.rounds):
+                engine.reset()
+                a = ask_once(engine, prompt_ids, settings)
+                asks.append(a.decode_tokens_per_s)
+                tokens = a.new_tokens
+                line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s"]
+                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
+                    os.environ["MEDUSA_CHAT_UI_HZ"], os.environ["MEDUSA_CHAT_UI_DECODE_AHEAD"] = VARIANTS[v]
+                    shown, s, n_updates, wall = page_once(page, app, args.timeout)
+                    if s.token_ids != a.token_ids:
+                        raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")
+                    pages[v].append(shown["tps"])
+                    updates_sent[v].append(n_updates)
+                    line.append(f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s)")
+                print(", ".join(line), file=sys.stderr, flush=True)
+            browser.close()
+    finally:
+        app.close()
+    a_med = statistics.median(asks)
+    print(
+        f"embedded model, tree {tree.size} nodes ({source}), greedy, {tokens} new tokens, {os.cpu_count()} CPUs"
+    )
+    if tokens < 128:
+        print(f"note: the reply has only {tokens} tokens (< 128)")
+    print(f"prompt: {PROMPT!r}; {args.rounds} rounds, medians; the page's figure is its meter's decode tok/s")
+    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}")
+    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}")
+    for v in variants:
+        p_med = statistics.median(pages[v])
+        print(
+            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}{statistics.median(updates_sent[v]):9.0f}"
+        )
+    print("target: bounded page >= 0.8x ask")
+
+
+if __name__ == "__main__":
+    main()
