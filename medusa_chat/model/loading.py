@@ -81,8 +81,9 @@ class LoadedModel:
 
     def info(self) -> dict[str, Any]:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
-        heads_params = sum(p.numel() for p in self.heads.parameters())
-        heads_bytes = sum(p.numel() * p.element_size() for p in self.heads.parameters())
+        from medusa_chat.model.block_heads import drafter_name, heads_footprint
+
+        heads_params, heads_bytes, heads_dtype = heads_footprint(self.heads, self.backbone)
         from medusa_chat.kernels.cpu_linears import weight_accounting
 
         swapped_weights, swapped_bytes = weight_accounting(
@@ -103,7 +104,8 @@ class LoadedModel:
                 "format": self.heads.format,  # "v1" own projections | "v2" shared lm_head | "hydra"
                 "source": self.heads_source,
                 "file": self.heads_file,
-                "dtype": _dtype_name(next(self.heads.parameters()).dtype),
+                "dtype": heads_dtype,  # "q8_0" / "q4_1": block linears on the CPU kernel (block_heads.py)
+                "drafter": drafter_name(self.heads, self.heads_source),  # hydra | medusa-1 | medusa-2
                 "params": heads_params,
                 "bytes": heads_bytes,
             },
@@ -139,7 +141,7 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
     lines = [
         f"model      {info['model']} ({info['kind']}, {info['architecture']}) from {info['backbone']}",
         f"heads      {h['count']} Medusa heads x {h['layers']} layer(s), format {h['format']} "
-        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}",
+        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}, drafter {h['drafter']}",
         f"device     {info['device']}, {info['dtype']}, quantization {info['quant']}",
         f"params     {human_count(info['params'])} backbone + {human_count(h['params'])} heads",
         f"memory     {human_bytes(mem['backbone_bytes'])} backbone + {human_bytes(mem['heads_bytes'])} heads"
@@ -545,6 +547,9 @@ def _fit_heads(
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
+    from medusa_chat.model.block_heads import block_medusa_heads, can_block
+    if dev.type == "cpu" and can_block(heads_mod, backbone):  # the CPU block path: the heads too (block_heads.py)
+        block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
 
 
 def _load_tokenizer(
