@@ -67,9 +67,12 @@ def _same_blocks(a: Q80Linear, b: Any) -> bool:
     )
 
 
-def block_medusa_heads(heads: MedusaHeads, backbone: Any, lm_head_kind: str = "q8_0") -> dict[str, Any]:
+def block_medusa_heads(
+    heads: MedusaHeads, backbone: Any, lm_head_kind: str = "q8_0", share: bool = True
+) -> dict[str, Any]:
     """Swap `heads`' linears for block linears in place (module doc); returns {"lm_head": kind, "shared": [head
-    indices whose lm_head is the backbone's module]}. `heads.block_kind` records the kind afterwards."""
+    indices whose lm_head is the backbone's module]}. `heads.block_kind` records the kind afterwards.
+    share=False: every head keeps a projection of its own (to measure the quantization itself)."""
     if lm_head_kind not in LM_HEAD_KINDS:
         raise ValueError(f"lm_head_kind must be one of {LM_HEAD_KINDS}, not {lm_head_kind!r}")
     backbone_head = backbone.get_output_embeddings()
@@ -84,7 +87,7 @@ def block_medusa_heads(heads: MedusaHeads, backbone: Any, lm_head_kind: str = "q
                 continue
             weight = head[heads.num_layers].weight
             q8 = Q80Linear(*quantize_q8_0(weight))
-            if _same_blocks(q8, backbone_head):
+            if share and _same_blocks(q8, backbone_head):
                 head[heads.num_layers] = backbone_head
                 shared.append(k)
             elif lm_head_kind == "q4_1":
