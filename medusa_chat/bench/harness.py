@@ -408,6 +408,8 @@ def _document(
         "tree_size": tree.size,
         "tree_source": tree_source + engines["medusa"].tree_note,
         "draft_shaped": engines["medusa"].draft_shaped,
+        # which drafter filled the trees: hydra | medusa-1 | medusa-2 (| none), "+lookup" with context lookup
+        "drafter": engines["medusa"].drafter_name + ("+lookup" if config.context_lookup and tree.size > 1 else ""),
         "lookup_run": engines["medusa"].lookup_run,
         "heads": _heads_label(loaded),
         "max_new_tokens": config.max_new_tokens,

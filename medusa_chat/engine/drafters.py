@@ -1,15 +1,18 @@
-"""Where a step's tree tokens come from: the heads' guesses (Medusa: one lm_head call with the bonus row; Hydra:
-depth by depth from the root, HydraDrafter), laid out by the tree (`propose`), or a tree shaped per step by the
+"""Where a step's tree tokens come from: the heads' guesses (Medusa: one lm_head call with the bonus row, or on
+the CPU block path MedusaDrafter, only the heads the tree reaches; Hydra: depth by depth from the root,
+HydraDrafter), laid out by the tree (`propose`), or a tree shaped per step by the
 draft's confidence (`confident_paths`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from medusa_chat.errors import HeadsError
 from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
+from medusa_chat.model.block_heads import drafter_name
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.tree import TreeBuffers
 
@@ -48,6 +51,8 @@ class HydraDrafter:
     The projection is the lm_head's draft-vocabulary rows, in the backbone's dtype (packed for oneDNN like
     the lm_head where the lean forward packs), so a depth reads ~1/6 of the full lm_head.
     """
+
+    name = "hydra"
 
     def __init__(self, heads: HydraHeads, backbone: torch.nn.Module) -> None:
         self.heads = heads
@@ -102,9 +107,67 @@ class HydraDrafter:
         return tokens
 
 
-def propose(
-    root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: HydraDrafter | None
-) -> torch.Tensor:
+class MedusaDrafter:
+    """Medusa-1 / Medusa-2 heads on the block kernel (model/block_heads.py) drafting a step's tree after the root
+    is known, like HydraDrafter, from the last accepted node's hidden state: only the heads the tree reaches (depth
+    d needs heads 0 .. d - 1), only their top-k, in one C call where the kernel runs (`native_draft`), and for
+    trees shaped by the draft (`native.draft_shaped`) with the heads' probabilities.
+
+    Why not the heads' guesses from the step's own lm_head call (`next_logits_and_guesses`): Medusa-1 heads have
+    their own full-vocabulary projections, so every head costs a projection read however small the tree; here a
+    2-node tree reads one head. `draft_vocab`: project onto these token ids only (rows of each projection), as
+    Hydra's draft vocabulary does; None: the whole vocabulary.
+    """
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        backbone: torch.nn.Module,
+        name: str,
+        draft_vocab: torch.Tensor | None = None,
+    ) -> None:
+        from medusa_chat.model.block_heads import head_projection, native_medusa_for
+
+        self.heads, self.name = heads, name
+        lm_head = backbone.get_output_embeddings()
+        projections = [head_projection(heads, k, lm_head) for k in range(heads.num_heads)]
+        if draft_vocab is not None:
+            rows: dict[int, torch.nn.Module] = {}  # one row copy per distinct projection (v2 heads share one)
+            projections = [rows.setdefault(id(p), linear_rows(p, draft_vocab)) for p in projections]
+        self.projections, self.draft_vocab = projections, draft_vocab
+        self.native = native_medusa_for(heads, projections, draft_vocab)
+        self.native_draft = self.native.draft if self.native is not None else None
+
+    def top(self, hidden: torch.Tensor, depth: int, k: int) -> torch.Tensor:
+        """Heads 0 .. depth - 1 on hidden [1, H]: their top-k token ids [depth * k], head-major (module calls)."""
+        out = []
+        for d in range(depth):
+            x = hidden.float()
+            for block in self.heads[d][: self.heads.num_layers]:
+                x = block(x)
+            top = self.projections[d](x)[0].topk(k).indices
+            out.append(top if self.draft_vocab is None else self.draft_vocab[top])
+        return torch.cat(out)
+
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
+        """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
+        if self.native_draft is not None:
+            return self.native_draft(root, hidden, buf)
+        tokens = self.top(hidden, buf.tree.depth, buf.top_k)
+        return torch.cat([root.view(1), tokens.to(root.dtype)])[buf.candidate_index]
+
+
+def make_drafter(heads: MedusaHeads | None, backbone: torch.nn.Module, source: str = "") -> Any:
+    """The engine's drafter: HydraDrafter for Hydra heads, MedusaDrafter for block-quantized Medusa heads (the CPU
+    block path), else None (Medusa heads guess from the step's own lm_head call, next_logits_and_guesses)."""
+    if isinstance(heads, HydraHeads):
+        return HydraDrafter(heads, backbone)
+    if heads is not None and getattr(heads, "block_kind", ""):
+        return MedusaDrafter(heads, backbone, drafter_name(heads, source))
+    return None
+
+
+def propose(root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: Any) -> torch.Tensor:
     """The tree's tokens [N]. `draft` is the Medusa heads' flat top-k guesses, or for Hydra heads the last
     accepted node's hidden state (their guesses depend on the root, known only now)."""
     if drafter is not None and draft is not None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
-from medusa_chat.engine.drafters import HydraDrafter, next_logits_and_guesses, propose
+from medusa_chat.engine.drafters import HydraDrafter, make_drafter, next_logits_and_guesses, propose  # noqa: F401
 from medusa_chat.engine.graphs import GraphSteps, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
@@ -48,8 +48,8 @@ from medusa_chat.engine.threads import ThreadGovernor
 from medusa_chat.engine.trees import StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.model.block_heads import drafter_name
 from medusa_chat.model.graph_step import GraphStep
-from medusa_chat.model.heads import HydraHeads
 from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.model.tree_plan import TreePlan
@@ -107,8 +107,10 @@ class MedusaEngine(StepTrees, GraphSteps):
         self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
         self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
         self._token_text: dict[int, str] = {}
-        # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy)
-        self._hydra = HydraDrafter(self.heads, self.backbone) if isinstance(self.heads, HydraHeads) else None
+        # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy);
+        # block-quantized Medusa heads draft after it too, only the heads the tree reaches (drafters.py)
+        self._drafter = make_drafter(self.heads, self.backbone, getattr(model, "heads_source", ""))
+        self.drafter_name = drafter_name(self.heads, getattr(model, "heads_source", ""))
         # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
         # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
         self._graph: GraphStep | None = None
@@ -155,7 +157,7 @@ class MedusaEngine(StepTrees, GraphSteps):
 
     def next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
-        heads = self.heads if self.tree.size > 1 else None
+        heads = self.heads if self.tree.size > 1 and self.drafter is None else None
         logits, guesses = next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
         return logits, (hidden if self.drafter is not None else guesses)
 
@@ -255,7 +257,11 @@ class MedusaEngine(StepTrees, GraphSteps):
         """One step at the cache's end with its host sync and commit, then the cache put back as it was: what
         the calibration times (every repetition sees the same context)."""
         start = self.cache.length
-        done = self.step(root, draft, start, acceptor, 0)
+        if self.draft_shaped and draft is not None:  # the tree a reply's step drafts and verifies
+            tree, buf, plan, tokens = self._confident_tree(root, draft)
+            done = self.step(root, draft, start, acceptor, 0, buf, plan, None, tokens)
+        else:
+            done = self.step(root, draft, start, acceptor, 0)
         self.cache.keep(start, done.accepted, done.path)
         self.cache.crop(start)
         return done

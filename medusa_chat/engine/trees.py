@@ -14,7 +14,7 @@ from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.drafters import HydraDrafter
+    from medusa_chat.engine.drafters import HydraDrafter, MedusaDrafter
     from medusa_chat.model.heads import MedusaHeads
     from medusa_chat.model.runner import BackboneRunner
 
@@ -29,14 +29,14 @@ class StepTrees:
     dtype: torch.dtype
     heads: MedusaHeads | None
     runner: BackboneRunner
-    _hydra: HydraDrafter | None
+    _drafter: HydraDrafter | MedusaDrafter | None
 
     def set_tree(self, tree: Tree) -> None:
         if tree.size > 1:
             tree.check_fits(self.heads.num_heads if self.heads is not None else None)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
-        self.drafter = self._hydra if tree.size > 1 else None
+        self.drafter = self._drafter if tree.size > 1 else None
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
@@ -79,7 +79,8 @@ class StepTrees:
     @property
     def draft_shaped(self) -> bool:
         """Does each step's tree take its shape from the draft's confidence (`confident_paths`)? Where the C
-        drafter runs (a CPU with the block kernel), with Hydra heads and a tree of 3 nodes or more."""
+        drafter runs (a CPU with the block kernel), with Hydra or block-quantized Medusa heads and a tree of 3 nodes
+        or more."""
         return self._shape_spine is not None and self.shaped
 
     @property

@@ -66,7 +66,8 @@ class MedusaHeads(nn.ModuleList):
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [K, ..., H]: each head's ResBlock output (before any vocab projection)."""
-        hidden = hidden.to(self[0][0].linear.weight.dtype)
+        w = getattr(self[0][0].linear, "weight", None)  # block-quantized heads (block_heads.py) take fp32
+        hidden = hidden.to(w.dtype if w is not None else torch.float32)
         outs = []
         for head in self:
             x = hidden

@@ -84,6 +84,12 @@ class LoadedModel:
         from medusa_chat.kernels.cpu_linears import weight_accounting
 
         heads = heads_info(self.heads, self.heads_source, self.heads_file, self.spec.backbone or self.model_dir)
+        if self.heads is not None:  # block heads: their real footprint (a shared lm_head once) and drafter
+            from medusa_chat.model.block_heads import drafter_name, heads_footprint
+
+            params, nbytes, dtype = heads_footprint(self.heads, self.backbone)
+            drafter = drafter_name(self.heads, self.heads_source)
+            heads.update(params=params, bytes=nbytes, dtype=dtype, drafter=drafter)
         swapped_weights, swapped_bytes = weight_accounting(
             self.backbone
         )  # packed / quantized CPU projections
@@ -528,6 +534,9 @@ def _fit_heads(
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
+    from medusa_chat.model.block_heads import block_medusa_heads, can_block
+    if dev.type == "cpu" and can_block(heads_mod, backbone):  # the CPU block path: the heads too (block_heads.py)
+        block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
 
 
 def _load_tokenizer(

@@ -56,6 +56,7 @@ def heads_info(heads: Any, source: str, file: str, model: str) -> dict[str, Any]
             "params": 0,
             "bytes": 0,
             "note": lookup_only_line(model),
+            "drafter": "lookup",
         }
     params = list(heads.parameters())
     return {
@@ -76,5 +77,5 @@ def heads_line(h: dict[str, Any]) -> str:
         return str(h.get("note") or LOOKUP_ONLY)
     return (
         f"{h['count']} Medusa heads x {h['layers']} layer(s), format {h['format']} "
-        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}"
+        f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}, drafter {h.get('drafter', '?')}"
     )

@@ -17,7 +17,7 @@ from medusa_chat.machine import slug
 from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 15  # bumped whenever the timed step or acceptance changes (v15: weight prefetch)
+CALIBRATION_VERSION = 16  # bumped whenever the timed step or acceptance changes (v16: draft-shaped trial steps)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -7,15 +7,9 @@
 #include "simd.h"
 #include "decoder.h"
 #include "qgemm.h"
+#include "drafting.h"
 // The drafter runs a few of these per step at batch 1-8; in PyTorch each is ~10 small ops whose dispatch cost
 // more than their arithmetic. Drafts only choose what the backbone verifies: none of this affects the output.
-typedef struct {
-    const int8_t *qs;
-    const uint16_t *d;
-    const int16_t *ws;
-    const float *bias;
-} Q8Lin;
-
 // y = x + silu(W x + b), one row at a time in fixed order
 static void add_silu_bias(float *y, const float *x, const float *t, const float *b, int M, int H) {
     for (int r = 0; r < M; r++) {
@@ -62,7 +56,7 @@ void hydra_cell(int M, int H, const Q8Lin *cell, const float *state, const float
 
 // The indices of the k largest of v[0 .. n), largest first; ties go to the lower index (a strict > test), so the
 // result never depends on anything but the values. k is a tree's width at one depth (a few).
-static void top_k(const float *v, int n, int k, int *out) {
+void draft_top_k(const float *v, int n, int k, int *out) {
     float best[64];
     int m = 0;
     for (int i = 0; i < n; i++) {
@@ -77,6 +71,18 @@ static void top_k(const float *v, int n, int k, int *out) {
         best[j] = x;
         out[j] = i;
     }
+}
+
+// sum of exp(v[j] - mx) over j < n, 8 lanes at a time: a softmax's normaliser (a draft's confidence: it shapes
+// the tree, verification decides what is accepted)
+float softmax_sum(const float *v, int n, float mx) {
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + j), vm)));
+    float sum = hsum8(acc);
+    for (; j < n; j++) sum += expf(v[j] - mx);
+    return sum;
 }
 
 // A whole Hydra draft (engine/drafters.py, HydraDrafter.propose) in one call: the cell folds the root into the last
@@ -125,7 +131,7 @@ void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int 
         hydra_resblocks(I, H, n_blocks[d], heads[d], x, y, tmp, qx, dx, sx);
 #pragma omp parallel num_threads(mc_team())
         block_linear(proj, y, I, logits, qx, dx, sx);
-        for (int i = 0; i < I; i++) top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
+        for (int i = 0; i < I; i++) draft_top_k(logits + (size_t)i * proj->N, proj->N, K, top + i * 64);
         for (int c = 0; c < C; c++) {
             const int64_t tok = draft_vocab[top[slot[c] * 64 + rank[c]]];
             tokens[nodes[c]] = tok;
@@ -168,16 +174,11 @@ int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, cons
         hydra_resblocks(1, H, n_blocks[d], heads[d], state, y, tmp, qx, dx, sx);
 #pragma omp parallel num_threads(mc_team())
         block_linear(proj, y, 1, logits, qx, dx, sx);
-        top_k(logits, V, K, top);
+        draft_top_k(logits, V, K, top);
         // softmax normaliser: sum of exp(l - max), 8 lanes at a time (a confidence: it shapes the tree, verification
         // decides what is accepted)
         const float mx = logits[top[0]];
-        const __m256 vm = _mm256_set1_ps(mx);
-        __m256 acc = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= V; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vm)));
-        float sum = hsum8(acc);
-        for (; j < V; j++) sum += expf(logits[j] - mx);
+        const float sum = softmax_sum(logits, V, mx);
         for (int r = 0; r < K; r++) {
             cand_tok[d * K + r] = draft_vocab[top[r]];
             path_p[d * K + r] = spine * (expf(logits[top[r]] - mx) / sum);
@@ -191,8 +192,13 @@ int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, cons
             nstate = t;
         }
     }
-    // the size - 1 best candidates: selection by repeated maximum (a few dozen candidates at most); a strict >
-    // in candidate order (depth, then rank) keeps ties on the shallower, lower-ranked one
+    return confident_select(path_p, cand_tok, D, K, size, root[0], codes, node_tokens);
+}
+
+// the size - 1 best candidates: selection by repeated maximum (a few dozen candidates at most); a strict > in
+// candidate order (depth, then rank) keeps ties on the shallower, lower-ranked one
+int confident_select(const float *path_p, const int64_t *cand_tok, int D, int K, int size, int64_t root,
+                     int *codes, int64_t *node_tokens) {
     const int n = size - 1 < D * K ? size - 1 : D * K;
     unsigned char taken[8 * 64] = {0};
     for (int i = 0; i < n; i++) {
@@ -201,7 +207,7 @@ int hydra_draft_shaped(int H, const Q8Lin *cell, const Q8Lin *const *heads, cons
             if (!taken[c] && (best < 0 || path_p[c] > path_p[best])) best = c;
         taken[best] = 1;
     }
-    node_tokens[0] = root[0];
+    node_tokens[0] = root;
     int m = 0;
     for (int c = 0; c < D * K; c++)
         if (taken[c]) {

@@ -1,0 +1,21 @@
+// The drafters' shared pieces (hydra.c): Q8_0 linears with a bias, ResBlocks, top-k, a softmax's normaliser and
+// the confident-tree selection; medusa.c drafts Medusa-1 / Medusa-2 heads with them.
+#pragma once
+#include <stdint.h>
+
+typedef struct {
+    const int8_t *qs;
+    const uint16_t *d;
+    const int16_t *ws;
+    const float *bias;
+} Q8Lin;
+
+void hydra_resblocks(int M, int H, int n, const Q8Lin *blocks, const float *x, float *y, float *tmp, int8_t *qx,
+                     float *dx, float *sx);
+// the indices of the k (<= 64) largest of v[0 .. n), largest first; ties go to the lower index
+void draft_top_k(const float *v, int n, int k, int *out);
+float softmax_sum(const float *v, int n, float mx);
+// the size - 1 most probable of D * K candidates (path_p, candidate order: depth, then rank) as codes d * K + r in
+// growth order, their tokens after the root in node_tokens; returns how many were chosen
+int confident_select(const float *path_p, const int64_t *cand_tok, int D, int K, int size, int64_t root,
+                     int *codes, int64_t *node_tokens);
