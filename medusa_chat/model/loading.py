@@ -15,6 +15,7 @@ This module imports neither rich nor gradio (see docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
