@@ -229,3 +229,24 @@ def test_terminal_redraws_a_long_fast_reply_at_a_bounded_rate(session: SessionMa
     elapsed = time.monotonic() - t0
     assert 2 <= chat.screen_updates <= 2 + elapsed * 15 + 1
     assert "word599" in out.getvalue()  # the final frame has the whole reply
+
+
+def test_ctrl_c_in_the_consumer_does_not_wait_for_a_long_step() -> None:
+    release = threading.Event()
+    closed = threading.Event()
+
+    def stream() -> Iterator[StepEvent]:
+        try:
+            yield step(0)
+            release.wait(10)  # a long prefill or step
+            yield step(1)
+        finally:
+            closed.set()
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), updates(stream(), 0.0) as feed:
+        next(feed)
+        raise KeyboardInterrupt
+    assert time.monotonic() - t0 < 5 and not closed.is_set()  # did not wait for the step
+    release.set()
+    assert closed.wait(10)  # the decoding thread closed the stream by itself after the step

@@ -139,10 +139,10 @@ def print_load_summary(console: Console, doc: dict[str, Any]) -> None:
         "quiet tok/s",
         "loaded tok/s",
         "loaded/quiet",
-        "Medusa vs it quiet",
-        "Medusa vs it loaded",
+        "Medusa/it quiet",
+        "Medusa/it loaded",
     ):
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for row in doc["side_by_side"]:
         table.add_row(
             LABELS.get(row["method"], row["method"]),

@@ -243,21 +243,25 @@ class ReplyUpdates(Iterator[Update]):
         self._error = error
         return self.coalescer.flush()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stop reading: the reply ends after its current step (kept, marked stopped, by the session) and the
-        stream is closed (its lock released) before this returns."""
+        stream is closed (its lock released) before this returns; with `wait=False` that happens in the
+        decoding thread after this returns."""
         self._done = True
         if self._thread is None:
             self._close_stream()
             return
         self._closing.set()
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     def __enter__(self) -> ReplyUpdates:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Ctrl-C (the REPL's second one, its escape hatch from a long prefill) does not wait for the step: the
+        # decoding thread ends the reply by itself once the step returns.
+        self.close(wait=exc_type is None or not issubclass(exc_type, KeyboardInterrupt))
 
 
 def updates(
