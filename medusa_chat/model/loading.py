@@ -349,7 +349,7 @@ def load_model(
     medusa_keys = checkpoint_medusa_keys(model_dir, open_pickles=heads_mod is None)
     if heads_mod is None and not medusa_keys and spec.kind != "gguf":  # still a chat: lookup drafts alone
         spec = replace(spec, kind="no-heads")
-    fidelity = None
+    fidelity, cpu_quant = None, False
     # A GGUF file is built tensor by tensor from the file (gguf_model.py); `auto`: its blocks as stored.
     if spec.kind == "gguf":
         from medusa_chat.model.gguf_model import load_gguf_backbone
@@ -380,13 +380,13 @@ def load_model(
             ignore_medusa=bool(medusa_keys),
             trust_remote_code=trust_remote_code,
         )
-        if cpu_quant:
-            _prepare_cpu_linears(backbone, q, spec, notes, progress)
     from medusa_chat.model.runner import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply
         raise MedusaChatError(f"{spec.name}: {problem}")
+    if cpu_quant:  # (a GGUF file was built on its blocks already)
+        _prepare_cpu_linears(backbone, q, spec, notes, progress)
     heads_source = "heads file" if heads_mod is not None else LOOKUP_ONLY
     if heads_mod is None and medusa_keys:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)

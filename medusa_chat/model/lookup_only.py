@@ -65,7 +65,7 @@ def heads_info(heads: Any, source: str, file: str, model: str) -> dict[str, Any]
         "format": heads.format,  # "v1" own projections | "v2" shared lm_head | "hydra"
         "source": source,
         "file": file,
-        "dtype": str(params[0].dtype).removeprefix("torch."),
+        "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,  # block heads: buffers
         "params": sum(p.numel() for p in params),
         "bytes": sum(p.numel() * p.element_size() for p in params),
     }
