@@ -325,7 +325,9 @@ def write_ggufs(
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(gguf_py), os.environ.get("PYTHONPATH")])),
         }
-        secs = _run([sys.executable, str(convert), str(hf), "--outtype", "f16", "--outfile", str(tmp)], env)
+        env["OMP_NUM_THREADS"] = str(threads)  # the converter's torch: as few cores as llama-quantize gets
+        cmd = [sys.executable, str(convert), str(hf), "--outtype", "f16", "--outfile", str(tmp)]
+        secs = _run([*cmd, "--model-name", f"{stem}-random"], env)
         tmp.rename(f16)
         say(f"{f16}: {f16.stat().st_size / 1e9:.2f} GB, converted in {secs:.0f} s")
     for t in todo:
