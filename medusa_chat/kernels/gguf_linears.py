@@ -160,9 +160,15 @@ class KQuantLinear(qgemm.BlockLinear):
         return dequantize_k(self.type_name, self.blocks())
 
     def rows(self, index: torch.Tensor) -> KQuantLinear:
-        k = self.blocks()
-        idx = index.cpu().numpy()
-        return type(self)(len(idx), self.in_features, blocks={name: a[idx] for name, a in k.items()})
+        """A K-quant linear of the rows `index` (the drafter's vocabulary rows of an lm_head): only the groups
+        holding them are unpacked."""
+        idx = index.cpu().numpy().astype(np.int64)
+        G = self.group
+        groups = np.unique(idx // G)
+        stream = self.qs.numpy().reshape(-1, G, self.qs.shape[1])[groups].reshape(-1, self.qs.shape[1])
+        k = deinterleave_k(self.type_name, stream, G, self.in_features)
+        at = np.searchsorted(groups, idx // G) * G + idx % G
+        return type(self)(len(idx), self.in_features, blocks={name: a[at] for name, a in k.items()})
 
 
 class Q4KLinear(KQuantLinear):
