@@ -21,6 +21,7 @@ from medusa_chat.errors import DeviceError
 from medusa_chat.kernels import known_answers, qgemm
 from medusa_chat.kernels.gguf_file import BLOCK, GGUFTensor, dequantize, unpack_k
 from medusa_chat.kernels.gguf_linears import (
+    K_CLASSES,
     SUPPORTED_TYPES,
     Q4KLinear,
     Q5KLinear,
@@ -264,3 +265,12 @@ def test_the_native_step_runs_k_quant_projections() -> None:
         alone = native(ids[11:], torch.arange(11, 12), torch.zeros(1), cache2).clone()
     assert torch.allclose(block, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     assert torch.equal(alone[0], block[11])
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_the_c_repack_is_the_numpy_one(type_name: str) -> None:
+    """kquants.c kq_repack (the load path) writes exactly interleave_k's bytes, padding rows included."""
+    raw = _random_blocks(type_name, 37, 768, seed=8)
+    fast = K_CLASSES[type_name](37, 768, raw=raw)
+    slow = K_CLASSES[type_name](37, 768, raw=raw, numpy_repack=True)
+    assert torch.equal(fast.qs, slow.qs) and fast.qs.shape[0] % fast.group == 0

@@ -214,3 +214,67 @@ void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, 
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
+
+// ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j from a Q4_K / Q5_K block's 12 bytes
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// The file's K-quant blocks -> the stream described at the top (type 0 = Q4_K, 1 = Q5_K, 2 = Q6_K). raw: rows x
+// K / 256 blocks as stored (ggml-common.h); out: ceil(rows / group) groups of K / 256 superblocks, rows past
+// `rows` zero. A load repacks ~1e9 weights this way; gguf_linears.interleave_k is the same in numpy (the tests
+// compare them byte for byte). Groups are independent: shared among the team.
+void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t *out) {
+    static const int block_bytes[3] = {144, 176, 210}, sb_bytes[3] = {SB_Q4K, SB_Q5K, SB_Q6K}, sub[3] = {16, 20, 24};
+    const int nsb = K / 256, ng = (rows + group - 1) / group, G = group, SUB = sub[type] * G;
+    const size_t SBB = (size_t)sb_bytes[type] * G;
+#pragma omp parallel for schedule(static) num_threads(mc_team())
+    for (int g = 0; g < ng; g++) {
+        for (int s = 0; s < nsb; s++) {
+            uint8_t *o = out + ((size_t)g * nsb + s) * SBB, *tail = o + 8 * SUB;
+            memset(o, 0, SBB);
+            for (int c = 0; c < G && g * G + c < rows; c++) {
+                const uint8_t *blk = raw + ((size_t)(g * G + c) * nsb + s) * block_bytes[type];
+                uint8_t q[256];
+                if (type == 2) {  // ql[128], qh[64], int8 scales[16], fp16 d
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 4; k++)
+                            for (int i = 0; i < 32; i++)
+                                q[128 * h + 32 * k + i] = ((blk[64 * h + 32 * (k & 1) + i] >> (4 * (k >> 1))) & 0xF) |
+                                                          (((blk[128 + 32 * h + i] >> (2 * k)) & 3) << 4);
+                    for (int k = 0; k < 16; k++) tail[G * k + c] = blk[192 + k];
+                    memcpy(tail + 16 * G + 2 * c, blk + 208, 2);
+                } else {  // fp16 d, fp16 dmin, scales[12], (Q5_K: qh[32]), qs[128]
+                    const uint8_t *qs = blk + (type == 0 ? 16 : 48);
+                    for (int i = 0; i < 4; i++)
+                        for (int e = 0; e < 32; e++)
+                            q[64 * i + e] = qs[32 * i + e] & 0xF, q[64 * i + 32 + e] = qs[32 * i + e] >> 4;
+                    if (type == 1)
+                        for (int j = 0; j < 8; j++)
+                            for (int e = 0; e < 32; e++) q[32 * j + e] |= ((blk[16 + e] >> j) & 1) << 4;
+                    for (int j = 0; j < 8; j++) scale_min_k4(j, blk + 4, &tail[G * j + c], &tail[8 * G + G * j + c]);
+                    memcpy(tail + 16 * G + 2 * c, blk, 2);
+                    memcpy(tail + 18 * G + 2 * c, blk + 2, 2);
+                }
+                for (int j = 0; j < 8; j++) {
+                    uint8_t *sb = o + (size_t)j * SUB;
+                    const uint8_t *qj = q + 32 * j;
+                    for (int jj = 0; jj < 4; jj++)
+                        for (int t = 0; t < 4; t++)
+                            sb[G * 4 * jj + 4 * c + t] = (qj[4 * jj + t] & 0xF) | ((qj[16 + 4 * jj + t] & 0xF) << 4);
+                    for (int bit = 4; bit < 4 + type; bit++) {  // Q5_K: the 5th bits; Q6_K: the 5th and 6th
+                        uint32_t w = 0;
+                        for (int e = 0; e < 32; e++)
+                            w |= (uint32_t)((qj[e] >> bit) & 1) << (8 * (e & 3) + 4 * (e >> 4) + ((e & 15) >> 2));
+                        memcpy(sb + G * 16 + (bit - 4) * G * 4 + 4 * c, &w, 4);
+                    }
+                }
+            }
+        }
+    }
+}
