@@ -274,3 +274,19 @@ def test_the_c_repack_is_the_numpy_one(type_name: str) -> None:
     fast = K_CLASSES[type_name](37, 768, raw=raw)
     slow = K_CLASSES[type_name](37, 768, raw=raw, numpy_repack=True)
     assert torch.equal(fast.qs, slow.qs) and fast.qs.shape[0] % fast.group == 0
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_a_k_quant_embedding_looks_up_the_files_rows(type_name: str) -> None:
+    """embedding_from_gguf: rows dequantized in C (kq_rows) are bit for bit gguf-py's rows of the same bytes."""
+    from medusa_chat.kernels.gguf_linears import KQuantEmbedding, embedding_from_gguf
+
+    raw = _random_blocks(type_name, 50, 512, seed=9)
+    emb = embedding_from_gguf(type_name, raw, 50, 512)
+    assert isinstance(emb, KQuantEmbedding)
+    ids = torch.tensor([[0, 49, 17], [17, 16, 15]])
+    want = torch.from_numpy(_gguf_dequantize(raw, type_name, 50, 512))[ids]
+    assert torch.equal(emb(ids), want)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([50]))
+    assert embedding_from_gguf("Q8_0", raw, 50, 512) is None

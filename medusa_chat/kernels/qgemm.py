@@ -126,7 +126,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
             getattr(lib, kq).argtypes = [p, i, i, p, i, p, p, p, p]
             getattr(lib, kq).restype = None
         lib.kq_repack.argtypes = [i, p, i, i, i, p]
-        lib.kq_repack.restype = None
+        lib.kq_repack.restype = lib.kq_rows.restype = None
+        lib.kq_rows.argtypes = [i, p, i, i, p, i, p]
         lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
         lib.decoder_forward.restype = None
         lib.decoder_scratch_bytes.argtypes = [p, i, i]

@@ -278,3 +278,44 @@ void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t
         }
     }
 }
+
+// Rows of a K-quant linear's weight, dequantized exactly as ggml / gguf-py do (fp32: (d * sc) * q - dmin * m, or
+// (d * sc) * (q - 32); each product exact or rounded once, as theirs): out[i] = row ids[i] (K floats). The token
+// embedding of a K-quant GGUF is looked up this way (gguf_linears.KQuantEmbedding), never held in fp32.
+void kq_rows(int type, const uint8_t *w, int K, int group, const int64_t *ids, int n, float *out) {
+    static const int sb_bytes[3] = {SB_Q4K, SB_Q5K, SB_Q6K}, sub[3] = {16, 20, 24};
+    const int nsb = K / 256, G = group, SUB = sub[type] * G;
+    const size_t SBB = (size_t)sb_bytes[type] * G;
+    for (int i = 0; i < n; i++) {
+        const int64_t g = ids[i] / G, c = ids[i] % G;
+        float *o = out + (size_t)i * K;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *sb = w + ((size_t)g * nsb + s) * SBB, *tail = sb + 8 * SUB;
+            uint16_t dh, mh;
+            memcpy(&dh, tail + 16 * G + 2 * c, 2);
+            memcpy(&mh, tail + 18 * G + 2 * c, 2);  // Q6_K: unused
+            const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *sj = sb + (size_t)j * SUB;
+                uint32_t w4 = 0, w5 = 0;
+                if (type >= 1) memcpy(&w4, sj + G * 16 + 4 * c, 4);
+                if (type == 2) memcpy(&w5, sj + G * 20 + 4 * c, 4);
+                for (int e = 0; e < 32; e++) {
+                    const int jj = (e & 15) >> 2, t = e & 3, pos = 8 * t + 4 * (e >> 4) + jj;
+                    const uint8_t byte = sj[G * 4 * jj + 4 * c + t];
+                    const int q = (e < 16 ? byte & 0xF : byte >> 4) | (int)((w4 >> pos) & 1) << 4 |
+                                  (int)((w5 >> pos) & 1) << 5;
+                    float v;
+                    if (type == 2) {
+                        const float a = d * (float)(int8_t)tail[G * (2 * j + (e >> 4)) + c];
+                        v = a * (float)(q - 32);
+                    } else {
+                        const float a = d * (float)tail[G * j + c], b = dmin * (float)tail[8 * G + G * j + c];
+                        v = a * (float)q - b;
+                    }
+                    o[256 * s + 32 * j + e] = v;
+                }
+            }
+        }
+    }
+}
