@@ -169,9 +169,9 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     known_answers.reset()
-    for kind in ("q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
-        assert known_answers.disagreement(kind) == "", kind
-        known_answers.check_known_answer(kind)
+    for cls in (qgemm.Q41Linear, qgemm.Q80Linear, Q4KLinear, Q5KLinear, Q6KLinear):
+        assert known_answers.disagreement(cls) == "", cls.kind
+        known_answers.check_known_answer(cls)
 
     # a kernel whose outputs are off by one part in 1000: refused, with one line naming the kind
     def off(self: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
@@ -179,14 +179,14 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
 
     monkeypatch.setattr(Q6KLinear, "forward", off)
     known_answers.reset()
-    reason = known_answers.disagreement("q6_k")
+    reason = known_answers.disagreement(Q6KLinear)
     assert "q6_k" in reason and "\n" not in reason
     with pytest.raises(DeviceError, match="q6_k block kernel disagrees"):
         block_linear_from_gguf("Q6_K", _random_blocks("Q6_K", 16, 256, seed=1), 16, 256)
-    assert known_answers.kernels_agree(("q4_k", "q6_k")).startswith("the q6_k block kernel disagrees")
+    assert known_answers.kernels_agree((Q4KLinear, Q6KLinear)).startswith("the q6_k block kernel disagrees")
     monkeypatch.undo()
     known_answers.reset()
-    assert known_answers.kernels_agree(("q4_k", "q6_k")) == ""
+    assert known_answers.kernels_agree((Q4KLinear, Q6KLinear)) == ""
 
 
 def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,7 +244,7 @@ def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int
         lin = qgemm.Q80Linear(*unpack_q8_0(raw, rows, cols))
     from medusa_chat.kernels.known_answers import check_known_answer
 
-    check_known_answer(lin.kind)
+    check_known_answer(type(lin))
     return lin
 
 
