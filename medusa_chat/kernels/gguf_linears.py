@@ -56,6 +56,28 @@ def _unwords(words: np.ndarray) -> np.ndarray:
     return np.stack([(words >> i) & 1 for i in range(8)], axis=-2).reshape(*words.shape[:-1], 32)
 
 
+def _pair_words(hi2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's bits 4-5 (hi2 [..., 32], 0..3) -> two [..., 4] byte words (kquants.c): byte t of word p holds,
+    from bit 0, elements 8p+t, 16+8p+t, 8p+4+t, 20+8p+t (vector 2p's low and high element, then 2p+1's)."""
+    v = hi2.reshape(*hi2.shape[:-1], 2, 4, 4)  # [half, j, t]
+    return tuple(  # type: ignore[return-value]
+        v[..., 0, 2 * p, :]
+        | (v[..., 1, 2 * p, :] << 2)
+        | (v[..., 0, 2 * p + 1, :] << 4)
+        | (v[..., 1, 2 * p + 1, :] << 6)
+        for p in (0, 1)
+    )
+
+
+def _unpair_words(w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
+    """The inverse of `_pair_words`: -> [..., 32] values 0..3."""
+    v = np.empty((*w0.shape[:-1], 2, 4, 4), np.uint8)
+    for p, w in enumerate((w0, w1)):
+        v[..., 0, 2 * p, :], v[..., 1, 2 * p, :] = w & 3, (w >> 2) & 3
+        v[..., 0, 2 * p + 1, :], v[..., 1, 2 * p + 1, :] = (w >> 4) & 3, w >> 6
+    return v.reshape(*w0.shape[:-1], 32)
+
+
 def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
     """A K-quant tensor's fields (gguf_file.unpack_k; rows a multiple of `group`) -> kquants.c's stream,
     [rows, cols / 256 * STREAM_BYTES] uint8: each group of rows holds its own bytes, so groups slice and
@@ -66,9 +88,12 @@ def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
     c = codes.reshape(g, G, nb, 2, 4, 4)  # [group, row, block, half, j, t]
     nib = (c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)
     parts = [nib.transpose(0, 2, 3, 1, 4).reshape(g, nb, G * 16)]
-    for bit in (4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]:
-        words = _words((codes.reshape(g, G, nb, 32) >> bit) & 1)  # [group, row, block, 4]
+    if type_name == "Q5_K":
+        words = _words((codes.reshape(g, G, nb, 32) >> 4) & 1)  # [group, row, block, 4]
         parts.append(words.transpose(0, 2, 1, 3).reshape(g, nb, G * 4))
+    elif type_name == "Q6_K":
+        for words in _pair_words((codes.reshape(g, G, nb, 32) >> 4) & 3):
+            parts.append(words.transpose(0, 2, 1, 3).reshape(g, nb, G * 4))
     sub = np.concatenate(parts, axis=-1).reshape(g, nsb, 8 * SUB_BYTES[type_name] * G)
 
     def per_column(a: np.ndarray, per: int) -> np.ndarray:  # [n, nsb * per] -> [g, nsb, per * G]
@@ -96,9 +121,14 @@ def deinterleave_k(type_name: str, stream: np.ndarray, group: int, cols: int) ->
     sub = sb[..., : 8 * sub_bytes].reshape(g, nb, sub_bytes)
     nib = sub[..., : 16 * G].reshape(g, nb, 4, G, 4).transpose(0, 3, 1, 2, 4)  # [group, row, block, j, t]
     codes = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(g, G, nb, 32)
-    for i, bit in enumerate((4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]):
-        words = sub[..., (16 + 4 * i) * G : (20 + 4 * i) * G].reshape(g, nb, G, 4).transpose(0, 2, 1, 3)
-        codes = codes | (_unwords(words) << bit)
+
+    def words(i: int) -> np.ndarray:  # the i-th word vector of a sub-block, [group, row, block, 4]
+        return sub[..., (16 + 4 * i) * G : (20 + 4 * i) * G].reshape(g, nb, G, 4).transpose(0, 2, 1, 3)
+
+    if type_name == "Q5_K":
+        codes = codes | (_unwords(words(0)) << 4)
+    elif type_name == "Q6_K":
+        codes = codes | (_unpair_words(words(0), words(1)) << 4)
     tail = sb[..., 8 * sub_bytes :]
 
     def per_column(off: int, per: int, dtype: type) -> np.ndarray:  # inverse of interleave_k's

@@ -17,8 +17,10 @@
 //         m[8][GW] (bytes), d[GW], dmin[GW] (fp16)
 //   Q5_K, 180 * GW: per sub-block the 16 * GW code bytes, then GW 32-bit words of 5th bits (element 4j+t at
 //         bit 8t+j, element 16+4j+t at bit 8t+4+j: one shift and mask per vector puts them at bit 4); then as Q4_K
-//   Q6_K, 210 * GW: per sub-block the 16 * GW code bytes, GW words of 4th bits, GW words of 5th bits (as Q5_K's);
-//         then sc[16][GW] (int8, half-blocks in order), d[GW] (fp16)
+//   Q6_K, 210 * GW: per sub-block the 16 * GW code bytes, then 2 * GW words of the codes' bits 4-5: byte t of
+//         column c's word p (p = 0, 1) holds, from bit 0, the 2 bits of elements 8p+t, 16+8p+t, 8p+4+t, 20+8p+t
+//         (vector 2p's low and high element, then vector 2p+1's); then sc[16][GW] (int8, half-blocks in order),
+//         d[GW] (fp16)
 // Bytes per weight: Q4_K 4.625 bits (the file: 4.5; its 12 packed scale bytes are 16 here), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (the same).
 #include <immintrin.h>
@@ -50,6 +52,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #define KV_AND _mm256_and_si256
 #define KV_OR _mm256_or_si256
 #define KV_SRLI16 _mm256_srli_epi16
+#define KV_SLLI16 _mm256_slli_epi16
 #define KV_SLLI32 _mm256_slli_epi32
 #define KV_SRLI32 _mm256_srli_epi32
 #define KV_ADD16 _mm256_add_epi16
@@ -83,6 +86,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #undef KV_AND
 #undef KV_OR
 #undef KV_SRLI16
+#undef KV_SLLI16
 #undef KV_SLLI32
 #undef KV_SRLI32
 #undef KV_ADD16
@@ -123,6 +127,7 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define KV_AND _mm512_and_si512
 #define KV_OR _mm512_or_si512
 #define KV_SRLI16 _mm512_srli_epi16
+#define KV_SLLI16 _mm512_slli_epi16
 #define KV_SLLI32 _mm512_slli_epi32
 #define KV_SRLI32 _mm512_srli_epi32
 #define KV_ADD32 _mm512_add_epi32
@@ -267,11 +272,19 @@ void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t
                     for (int jj = 0; jj < 4; jj++)
                         for (int t = 0; t < 4; t++)
                             sb[G * 4 * jj + 4 * c + t] = (qj[4 * jj + t] & 0xF) | ((qj[16 + 4 * jj + t] & 0xF) << 4);
-                    for (int bit = 4; bit < 4 + type; bit++) {  // Q5_K: the 5th bits; Q6_K: the 5th and 6th
+                    if (type == 1) {  // Q5_K: the 5th bits
                         uint32_t w = 0;
                         for (int e = 0; e < 32; e++)
-                            w |= (uint32_t)((qj[e] >> bit) & 1) << (8 * (e & 3) + 4 * (e >> 4) + ((e & 15) >> 2));
-                        memcpy(sb + G * 16 + (bit - 4) * G * 4 + 4 * c, &w, 4);
+                            w |= (uint32_t)((qj[e] >> 4) & 1) << (8 * (e & 3) + 4 * (e >> 4) + ((e & 15) >> 2));
+                        memcpy(sb + G * 16 + 4 * c, &w, 4);
+                    } else if (type == 2) {  // Q6_K: bits 4-5, two words
+                        uint32_t w[2] = {0, 0};
+                        for (int e = 0; e < 32; e++) {
+                            const int jj = (e & 15) >> 2;
+                            w[jj >> 1] |= (uint32_t)((qj[e] >> 4) & 3) << (8 * (e & 3) + 2 * (2 * (jj & 1) + (e >> 4)));
+                        }
+                        memcpy(sb + G * 16 + 4 * c, &w[0], 4);
+                        memcpy(sb + G * 20 + 4 * c, &w[1], 4);
                     }
                 }
             }
@@ -297,14 +310,17 @@ void kq_rows(int type, const uint8_t *w, int K, int group, const int64_t *ids, i
             const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
             for (int j = 0; j < 8; j++) {
                 const uint8_t *sj = sb + (size_t)j * SUB;
-                uint32_t w4 = 0, w5 = 0;
-                if (type >= 1) memcpy(&w4, sj + G * 16 + 4 * c, 4);
-                if (type == 2) memcpy(&w5, sj + G * 20 + 4 * c, 4);
+                uint32_t hw[2] = {0, 0};
+                if (type >= 1) memcpy(&hw[0], sj + G * 16 + 4 * c, 4);
+                if (type == 2) memcpy(&hw[1], sj + G * 20 + 4 * c, 4);
                 for (int e = 0; e < 32; e++) {
-                    const int jj = (e & 15) >> 2, t = e & 3, pos = 8 * t + 4 * (e >> 4) + jj;
+                    const int jj = (e & 15) >> 2, t = e & 3;
                     const uint8_t byte = sj[G * 4 * jj + 4 * c + t];
-                    const int q = (e < 16 ? byte & 0xF : byte >> 4) | (int)((w4 >> pos) & 1) << 4 |
-                                  (int)((w5 >> pos) & 1) << 5;
+                    int q = e < 16 ? byte & 0xF : byte >> 4;
+                    if (type == 1)
+                        q |= (int)((hw[0] >> (8 * t + 4 * (e >> 4) + jj)) & 1) << 4;
+                    else if (type == 2)
+                        q |= (int)((hw[jj >> 1] >> (8 * t + 2 * (2 * (jj & 1) + (e >> 4)))) & 3) << 4;
                     float v;
                     if (type == 2) {
                         const float a = d * (float)(int8_t)tail[G * (2 * j + (e >> 4)) + c];
