@@ -21,6 +21,7 @@ from medusa_chat.errors import DeviceError
 from medusa_chat.kernels import known_answers, qgemm
 from medusa_chat.kernels.gguf_file import BLOCK, GGUFTensor, dequantize, unpack_k
 from medusa_chat.kernels.gguf_linears import (
+    K_CLASSES,
     SUPPORTED_TYPES,
     Q4KLinear,
     Q5KLinear,
@@ -168,9 +169,9 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     known_answers.reset()
-    for kind in ("q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
-        assert known_answers.disagreement(kind) == "", kind
-        known_answers.check_known_answer(kind)
+    for cls in (qgemm.Q41Linear, qgemm.Q80Linear, Q4KLinear, Q5KLinear, Q6KLinear):
+        assert known_answers.disagreement(cls) == "", cls.kind
+        known_answers.check_known_answer(cls)
 
     # a kernel whose outputs are off by one part in 1000: refused, with one line naming the kind
     def off(self: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
@@ -178,14 +179,14 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
 
     monkeypatch.setattr(Q6KLinear, "forward", off)
     known_answers.reset()
-    reason = known_answers.disagreement("q6_k")
+    reason = known_answers.disagreement(Q6KLinear)
     assert "q6_k" in reason and "\n" not in reason
     with pytest.raises(DeviceError, match="q6_k block kernel disagrees"):
         block_linear_from_gguf("Q6_K", _random_blocks("Q6_K", 16, 256, seed=1), 16, 256)
-    assert known_answers.kernels_agree(("q4_k", "q6_k")).startswith("the q6_k block kernel disagrees")
+    assert known_answers.kernels_agree((Q4KLinear, Q6KLinear)).startswith("the q6_k block kernel disagrees")
     monkeypatch.undo()
     known_answers.reset()
-    assert known_answers.kernels_agree(("q4_k", "q6_k")) == ""
+    assert known_answers.kernels_agree((Q4KLinear, Q6KLinear)) == ""
 
 
 def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,3 +265,28 @@ def test_the_native_step_runs_k_quant_projections() -> None:
         alone = native(ids[11:], torch.arange(11, 12), torch.zeros(1), cache2).clone()
     assert torch.allclose(block, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     assert torch.equal(alone[0], block[11])
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_the_c_repack_is_the_numpy_one(type_name: str) -> None:
+    """kquants.c kq_repack (the load path) writes exactly interleave_k's bytes, padding rows included."""
+    raw = _random_blocks(type_name, 37, 768, seed=8)
+    fast = K_CLASSES[type_name](37, 768, raw=raw)
+    slow = K_CLASSES[type_name](37, 768, raw=raw, numpy_repack=True)
+    assert torch.equal(fast.qs, slow.qs) and fast.qs.shape[0] % fast.group == 0
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_a_k_quant_embedding_looks_up_the_files_rows(type_name: str) -> None:
+    """embedding_from_gguf: rows dequantized in C (kq_rows) are bit for bit gguf-py's rows of the same bytes."""
+    from medusa_chat.kernels.gguf_linears import KQuantEmbedding, embedding_from_gguf
+
+    raw = _random_blocks(type_name, 50, 512, seed=9)
+    emb = embedding_from_gguf(type_name, raw, 50, 512)
+    assert isinstance(emb, KQuantEmbedding)
+    ids = torch.tensor([[0, 49, 17], [17, 16, 15]])
+    want = torch.from_numpy(_gguf_dequantize(raw, type_name, 50, 512))[ids]
+    assert torch.equal(emb(ids), want)
+    with pytest.raises(IndexError):
+        emb(torch.tensor([50]))
+    assert embedding_from_gguf("Q8_0", raw, 50, 512) is None

@@ -386,9 +386,10 @@ def prepare_cpu_linears(
     refused = ""
     if block_kernels and mode != "none":
         from medusa_chat.kernels.known_answers import kernels_agree
+        from medusa_chat.kernels.qgemm import Q41Linear, Q80Linear
 
         # a block kernel that misses its known answer on this CPU is not used: torch's kernels instead
-        refused = kernels_agree(("q4_1", "q8_0") if mode == "int4" else ("q8_0",))
+        refused = kernels_agree((Q41Linear, Q80Linear) if mode == "int4" else (Q80Linear,))
         block_kernels = not refused
         if refused and progress:
             progress(f"  {refused}")
@@ -492,7 +493,7 @@ def check_row_invariant(linear: nn.Module, dtype: torch.dtype, rows: int = 16) -
     if isinstance(linear, BlockLinear):  # and it must compute the right values: its kind's known answer
         from medusa_chat.kernels.known_answers import check_known_answer
 
-        check_known_answer(linear.kind)
+        check_known_answer(type(linear))
     key = (type(linear).__name__, linear.in_features, linear.out_features, dtype)
     device = getattr(getattr(linear, "weight", None), "device", torch.device("cpu"))
     if key in _INVARIANT:

@@ -32,22 +32,50 @@ SUPPORTED_TYPES: frozenset[str] = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5
 # kquants.c: stream bytes per superblock and output column; per sub-block of 32: code bytes per column
 STREAM_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 SUB_BYTES = {"Q4_K": 16, "Q5_K": 20, "Q6_K": 24}
+RAW_BYTES = {
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}  # the file's bytes per superblock (kq_repack's type order)
 CHUNK_ROWS = 2048  # rows unpacked and repacked at a time (bounded scratch however large the tensor)
 
 
 def _words(bits: np.ndarray) -> np.ndarray:
     """bits [..., 32] (one bit per element of a sub-block) -> [..., 4] bytes: the little-endian 32-bit word with
-    element 4j+t at bit 8t+j and element 16+4j+t at bit 8t+4+j (kquants.c)."""
-    b = bits.reshape(*bits.shape[:-1], 2, 4, 4)  # half, j, t
-    shifts = (np.arange(2).reshape(2, 1) * 4 + np.arange(4).reshape(1, 4)).astype(np.uint8)
-    return (b << shifts[..., None]).sum(axis=(-3, -2), dtype=np.uint8)
+    element 4j+t at bit 8t+j and element 16+4j+t at bit 8t+4+j (kquants.c): bit i of byte t is element
+    4i + t. (Eight vector ORs: faster than np.packbits along a short axis.)"""
+    b = bits.reshape(*bits.shape[:-1], 8, 4)  # [i = (half, j), t]
+    out = np.zeros(b.shape[:-2] + (4,), np.uint8)
+    for i in range(8):
+        out |= b[..., i, :] << i
+    return out
 
 
 def _unwords(words: np.ndarray) -> np.ndarray:
     """The inverse of `_words`: [..., 4] bytes -> [..., 32] bits."""
-    shifts = (np.arange(2).reshape(2, 1) * 4 + np.arange(4).reshape(1, 4)).astype(np.uint8)
-    bits = (words[..., None, None, :] >> shifts[..., None]) & 1  # [..., half, j, t]
-    return bits.reshape(*words.shape[:-1], 32)
+    return np.stack([(words >> i) & 1 for i in range(8)], axis=-2).reshape(*words.shape[:-1], 32)
+
+
+def _pair_words(hi2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's bits 4-5 (hi2 [..., 32], 0..3) -> two [..., 4] byte words (kquants.c): byte t of word p holds,
+    from bit 0, elements 8p+t, 16+8p+t, 8p+4+t, 20+8p+t (vector 2p's low and high element, then 2p+1's)."""
+    v = hi2.reshape(*hi2.shape[:-1], 2, 4, 4)  # [half, j, t]
+    return tuple(  # type: ignore[return-value]
+        v[..., 0, 2 * p, :]
+        | (v[..., 1, 2 * p, :] << 2)
+        | (v[..., 0, 2 * p + 1, :] << 4)
+        | (v[..., 1, 2 * p + 1, :] << 6)
+        for p in (0, 1)
+    )
+
+
+def _unpair_words(w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
+    """The inverse of `_pair_words`: -> [..., 32] values 0..3."""
+    v = np.empty((*w0.shape[:-1], 2, 4, 4), np.uint8)
+    for p, w in enumerate((w0, w1)):
+        v[..., 0, 2 * p, :], v[..., 1, 2 * p, :] = w & 3, (w >> 2) & 3
+        v[..., 0, 2 * p + 1, :], v[..., 1, 2 * p + 1, :] = (w >> 4) & 3, w >> 6
+    return v.reshape(*w0.shape[:-1], 32)
 
 
 def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
@@ -60,9 +88,12 @@ def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
     c = codes.reshape(g, G, nb, 2, 4, 4)  # [group, row, block, half, j, t]
     nib = (c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)
     parts = [nib.transpose(0, 2, 3, 1, 4).reshape(g, nb, G * 16)]
-    for bit in (4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]:
-        words = _words((codes.reshape(g, G, nb, 32) >> bit) & 1)  # [group, row, block, 4]
+    if type_name == "Q5_K":
+        words = _words((codes.reshape(g, G, nb, 32) >> 4) & 1)  # [group, row, block, 4]
         parts.append(words.transpose(0, 2, 1, 3).reshape(g, nb, G * 4))
+    elif type_name == "Q6_K":
+        for words in _pair_words((codes.reshape(g, G, nb, 32) >> 4) & 3):
+            parts.append(words.transpose(0, 2, 1, 3).reshape(g, nb, G * 4))
     sub = np.concatenate(parts, axis=-1).reshape(g, nsb, 8 * SUB_BYTES[type_name] * G)
 
     def per_column(a: np.ndarray, per: int) -> np.ndarray:  # [n, nsb * per] -> [g, nsb, per * G]
@@ -90,9 +121,14 @@ def deinterleave_k(type_name: str, stream: np.ndarray, group: int, cols: int) ->
     sub = sb[..., : 8 * sub_bytes].reshape(g, nb, sub_bytes)
     nib = sub[..., : 16 * G].reshape(g, nb, 4, G, 4).transpose(0, 3, 1, 2, 4)  # [group, row, block, j, t]
     codes = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(g, G, nb, 32)
-    for i, bit in enumerate((4, 5)[: {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[type_name]]):
-        words = sub[..., (16 + 4 * i) * G : (20 + 4 * i) * G].reshape(g, nb, G, 4).transpose(0, 2, 1, 3)
-        codes = codes | (_unwords(words) << bit)
+
+    def words(i: int) -> np.ndarray:  # the i-th word vector of a sub-block, [group, row, block, 4]
+        return sub[..., (16 + 4 * i) * G : (20 + 4 * i) * G].reshape(g, nb, G, 4).transpose(0, 2, 1, 3)
+
+    if type_name == "Q5_K":
+        codes = codes | (_unwords(words(0)) << 4)
+    elif type_name == "Q6_K":
+        codes = codes | (_unpair_words(words(0), words(1)) << 4)
     tail = sb[..., 8 * sub_bytes :]
 
     def per_column(off: int, per: int, dtype: type) -> np.ndarray:  # inverse of interleave_k's
@@ -123,24 +159,40 @@ class KQuantLinear(qgemm.BlockLinear):
     buffer_names = ("qs",)
 
     def __init__(
-        self, rows: int, cols: int, raw: np.ndarray | None = None, blocks: KBlocks | None = None
+        self,
+        rows: int,
+        cols: int,
+        raw: np.ndarray | None = None,
+        blocks: KBlocks | None = None,
+        numpy_repack: bool = False,
     ) -> None:
-        """From the file's bytes `raw` [rows, bytes per row] or from unpacked fields `blocks` (unpack_k)."""
+        """From the file's bytes `raw` [rows, bytes per row] (repacked in C; numpy_repack: by interleave_k, the
+        tests' reference) or from unpacked fields `blocks` (unpack_k)."""
         if cols % QK_K:
             raise ValueError(f"{self.type_name} needs in_features divisible by {QK_K} (got {cols})")
         super().__init__(rows, cols)
         G = self.group
         padded = rows + (-rows % G)
         stream = np.empty((padded, cols // QK_K * STREAM_BYTES[self.type_name]), np.uint8)
-        for r in range(0, rows, CHUNK_ROWS):
-            e = min(rows, r + CHUNK_ROWS)
-            if raw is not None:
-                k = unpack_k(self.type_name, raw[r:e], e - r, cols)
-            else:
-                assert blocks is not None
-                k = {name: a[r:e] for name, a in blocks.items()}
-            k = _pad_rows(k, padded - r if e == rows else e - r)
-            stream[r : r + k["codes"].shape[0]] = interleave_k(self.type_name, k, G)
+        if raw is not None and not numpy_repack:  # kquants.c: the same bytes as interleave_k, far faster
+            raw = np.ascontiguousarray(raw, dtype=np.uint8)
+            need = rows * cols // QK_K * RAW_BYTES[self.type_name]
+            if raw.size != need:
+                raise ValueError(f"{self.type_name} [{rows}, {cols}] is {need} bytes, got {raw.size}")
+            lib = qgemm.load()
+            assert lib is not None  # BlockLinear.__init__ checked it
+            code = list(RAW_BYTES).index(self.type_name)
+            lib.kq_repack(code, raw.ctypes.data, rows, cols, G, stream.ctypes.data)
+        else:
+            for r in range(0, rows, CHUNK_ROWS):  # a chunk at a time: bounded scratch
+                e = min(rows, r + CHUNK_ROWS)
+                if raw is not None:
+                    k = unpack_k(self.type_name, raw[r:e], e - r, cols)
+                else:
+                    assert blocks is not None
+                    k = {name: a[r:e] for name, a in blocks.items()}
+                k = _pad_rows(k, padded - r if e == rows else e - r)
+                stream[r : r + k["codes"].shape[0]] = interleave_k(self.type_name, k, G)
         self.register_buffer("qs", torch.from_numpy(stream))
         self._bind()
 
@@ -160,9 +212,15 @@ class KQuantLinear(qgemm.BlockLinear):
         return dequantize_k(self.type_name, self.blocks())
 
     def rows(self, index: torch.Tensor) -> KQuantLinear:
-        k = self.blocks()
-        idx = index.cpu().numpy()
-        return type(self)(len(idx), self.in_features, blocks={name: a[idx] for name, a in k.items()})
+        """A K-quant linear of the rows `index` (the drafter's vocabulary rows of an lm_head): only the groups
+        holding them are unpacked."""
+        idx = index.cpu().numpy().astype(np.int64)
+        G = self.group
+        groups = np.unique(idx // G)
+        stream = self.qs.numpy().reshape(-1, G, self.qs.shape[1])[groups].reshape(-1, self.qs.shape[1])
+        k = deinterleave_k(self.type_name, stream, G, self.in_features)
+        at = np.searchsorted(groups, idx // G) * G + idx % G
+        return type(self)(len(idx), self.in_features, blocks={name: a[at] for name, a in k.items()})
 
 
 class Q4KLinear(KQuantLinear):
@@ -216,5 +274,49 @@ def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int
         lin = qgemm.Q80Linear(*unpack_q8_0(raw, rows, cols))
     from medusa_chat.kernels.known_answers import check_known_answer
 
-    check_known_answer(lin.kind)
+    check_known_answer(type(lin))
     return lin
+
+
+class KQuantEmbedding(torch.nn.Module):
+    """A token embedding looked up in a K-quant linear's own blocks (kquants.c, kq_rows: each row dequantized
+    as ggml does, bit for bit `table.dequantized()`'s rows), so a K-quant token_embd is never held in fp32
+    (49152 x 2048: 400 MB). `table`: the tied lm_head, or a KQuantLinear made for the embedding alone. As
+    qgemm.BlockEmbedding, `weight` is an empty [0, H] buffer (dtype/device questions only)."""
+
+    def __init__(self, table: KQuantLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        lib = qgemm.load()
+        if lib is None:
+            raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+        self._rows_fn = lib.kq_rows
+        self._code = list(RAW_BYTES).index(table.type_name)
+        # not a submodule: the tied lm_head owns (and saves) the blocks; a plain attribute keeps a table made for
+        # the embedding alone alive
+        self.__dict__["table"] = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.padding_idx = padding_idx
+        self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        t = self.table
+        n = flat.numel()
+        self._rows_fn(self._code, t.qs.data_ptr(), t.in_features, t.group, flat.data_ptr(), n, out.data_ptr())
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of {self.table.type_name} blocks"
+
+
+def embedding_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.nn.Module | None:
+    """A token embedding [rows tokens, cols] looked up in a GGUF tensor's own K-quant blocks (KQuantEmbedding);
+    None for other types (Q8_0: qgemm.BlockEmbedding over a Q80Linear; float tables: the caller's)."""
+    if type_name not in K_CLASSES:
+        return None
+    if not qgemm.available():
+        raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+    return KQuantEmbedding(K_CLASSES[type_name](rows, cols, raw=np.asarray(raw)))

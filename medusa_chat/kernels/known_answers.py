@@ -39,11 +39,13 @@ def _random_k_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndar
     return raw.reshape(rows, -1)
 
 
-def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor]:
-    """A module of `kind` with fixed weights; those weights in float64 from the format's definition; and the
-    magnitudes of the kernel's terms per weight (|scale * q| + |minimum|: the accumulation error's scale)."""
+def known_case(cls: type[qgemm.BlockLinear]) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor]:
+    """A module of block-linear class `cls` with fixed weights; those weights in float64 from the format's
+    definition; and the magnitudes of the kernel's terms per weight (|scale * q| + |minimum|: the
+    accumulation error's scale). K-quant classes (gguf_linears) are built from the file's bytes."""
     from medusa_chat.kernels.gguf_file import unpack_k
-    from medusa_chat.kernels.gguf_linears import K_CLASSES
+
+    kind = cls.kind
 
     def per_weight(t: torch.Tensor, n: int) -> torch.Tensor:
         return t.double().repeat_interleave(n, 1)
@@ -64,7 +66,7 @@ def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.001).half().float()
         w = per_weight(d, 32) * codes.double()
         return qgemm.Q80Linear(codes, d), w, w.abs()
-    type_name = kind.upper()
+    type_name = cls.type_name  # type: ignore[attr-defined]  # a gguf_linears.KQuantLinear
     raw = _random_k_blocks(type_name, OUT, IN, 1234)
     k = unpack_k(type_name, raw, OUT, IN)
     codes = torch.from_numpy(k["codes"].astype(np.float64))
@@ -72,10 +74,10 @@ def known_case(kind: str) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor
     sc = torch.from_numpy(k["sc"].astype(np.float64))
     if type_name == "Q6_K":
         scaled = per_weight(per_weight(d, 16) * sc, 16) * (codes - 32)
-        return K_CLASSES[type_name](OUT, IN, raw=raw), scaled, scaled.abs()
+        return cls(OUT, IN, raw=raw), scaled, scaled.abs()  # type: ignore[call-arg]
     dmin, m = (torch.from_numpy(k[n].astype(np.float64)) for n in ("dmin", "m"))
     scaled, low = per_weight(per_weight(d, 8) * sc, 32) * codes, per_weight(per_weight(dmin, 8) * m, 32)
-    return K_CLASSES[type_name](OUT, IN, raw=raw), scaled - low, scaled.abs() + low.abs()
+    return cls(OUT, IN, raw=raw), scaled - low, scaled.abs() + low.abs()  # type: ignore[call-arg]
 
 
 def known_input() -> torch.Tensor:
@@ -96,9 +98,10 @@ def _activations_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).view_as(x)
 
 
-def disagreement(kind: str) -> str:
-    """Empty when the kernel of `kind` computes the known answer on this machine, else why not (one line)."""
-    lin, w, magnitude = known_case(kind)
+def disagreement(cls: type[qgemm.BlockLinear]) -> str:
+    """Empty when the kernel of block-linear class `cls` computes the known answer on this machine, else why not (one line)."""
+    kind = cls.kind
+    lin, w, magnitude = known_case(cls)
     x = known_input()
     with torch.inference_mode():
         y = lin(x).double()
@@ -116,23 +119,23 @@ def disagreement(kind: str) -> str:
     return ""
 
 
-def check_known_answer(kind: str) -> None:
-    """Raise DeviceError (one line) unless the `kind` kernel of this machine's build gives the known answer;
-    checked once per process and build."""
-    key = (qgemm.best_isa(), kind)
+def check_known_answer(cls: type[qgemm.BlockLinear]) -> None:
+    """Raise DeviceError (one line) unless the kernel of block-linear class `cls` (its kind) in this machine's
+    build gives the known answer; checked once per process and build."""
+    key = (qgemm.best_isa(), cls.kind)
     if key not in _RESULTS:
-        _RESULTS[key] = disagreement(kind)
+        _RESULTS[key] = disagreement(cls)
     if _RESULTS[key]:
         raise DeviceError(
             _RESULTS[key] + "; it is not used (MEDUSA_CHAT_QGEMM=0 turns the block kernels off)"
         )
 
 
-def kernels_agree(kinds: tuple[str, ...]) -> str:
-    """Empty when every kind gives its known answer here, else the first one's reason."""
-    for kind in kinds:
+def kernels_agree(classes: tuple[type[qgemm.BlockLinear], ...]) -> str:
+    """Empty when every class's kernel gives its known answer here, else the first one's reason."""
+    for cls in classes:
         try:
-            check_known_answer(kind)
+            check_known_answer(cls)
         except DeviceError as err:
             return str(err)
     return ""

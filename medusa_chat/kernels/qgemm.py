@@ -125,6 +125,9 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         for kq in ("q4_k_gemm", "q5_k_gemm", "q6_k_gemm"):  # kquants.c: (x, M, K, stream, N, y, scratch x3)
             getattr(lib, kq).argtypes = [p, i, i, p, i, p, p, p, p]
             getattr(lib, kq).restype = None
+        lib.kq_repack.argtypes = [i, p, i, i, i, p]
+        lib.kq_repack.restype = lib.kq_rows.restype = None
+        lib.kq_rows.argtypes = [i, p, i, i, p, i, p]
         lib.decoder_forward.argtypes = [p, i, p, p, p, p, i, i, p, p, i, p]
         lib.decoder_forward.restype = None
         lib.decoder_scratch_bytes.argtypes = [p, i, i]

@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
     KV_F acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = KV_ZERO_PS();
-    const KV_I m4 = KV_SET1_8(0x0F), b4 = KV_SET1_8(0x10), b5 = KV_SET1_8(0x20);
+    const KV_I m4 = KV_SET1_8(0x0F), b45 = KV_SET1_8(0x30);
 #if !KV_VNNI
     const KV_I ones = KV_SET1_16(1);
 #endif
@@ -101,16 +101,14 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
             const uint8_t *wb = sb + j * SUB;
             prefetch_lines(wb + PF_AHEAD, SUB);
             KV_I lo[4], hi[4];
-            const KV_I h4 = KV_LOAD(wb + GW * 16 + KV_LANES * 4 * h), h5 = KV_LOAD(wb + GW * 20 + KV_LANES * 4 * h);
+            // bits 4-5 of the codes: byte t of vector pair p (words ha: vectors 0-1, hb: 2-3) holds, from bit 0,
+            // elements 4(2p)+t, 16+4(2p)+t, 4(2p+1)+t, 16+4(2p+1)+t: one shift (within bytes once masked) each
+            const KV_I ha = KV_LOAD(wb + GW * 16 + KV_LANES * 4 * h), hb = KV_LOAD(wb + GW * 20 + KV_LANES * 4 * h);
 #pragma GCC unroll 4
             for (int jj = 0; jj < 4; jj++) {
-                const KV_I raw = KV_LOAD(wb + GW * 4 * jj + KV_LANES * 4 * h);
-                // bits 4 and 5 of element 4jj+t at bit 8t+jj of the words h4 / h5, of 16+4jj+t at 8t+4+jj
-                lo[jj] = KV_OR(KV_AND(raw, m4), KV_OR(KV_AND(KV_SLLI32(h4, 4 - jj), b4),
-                                                      KV_AND(KV_SLLI32(h5, 5 - jj), b5)));
-                const KV_I h5hi = jj == 0 ? KV_SLLI32(h5, 1) : KV_SRLI32(h5, jj - 1);
-                hi[jj] = KV_OR(KV_AND(KV_SRLI16(raw, 4), m4),
-                               KV_OR(KV_AND(KV_SRLI32(h4, jj), b4), KV_AND(h5hi, b5)));
+                const KV_I raw = KV_LOAD(wb + GW * 4 * jj + KV_LANES * 4 * h), hv = jj < 2 ? ha : hb;
+                lo[jj] = KV_OR(KV_AND(raw, m4), KV_AND(jj & 1 ? hv : KV_SLLI16(hv, 4), b45));
+                hi[jj] = KV_OR(KV_AND(KV_SRLI16(raw, 4), m4), KV_AND(jj & 1 ? KV_SRLI16(hv, 2) : KV_SLLI16(hv, 2), b45));
             }
             const KV_F a0 = KV_MUL_PS(dv, KV_I8_PS(scales + GW * (2 * j) + KV_LANES * h));
             const KV_F a1 = KV_MUL_PS(dv, KV_I8_PS(scales + GW * (2 * j + 1) + KV_LANES * h));

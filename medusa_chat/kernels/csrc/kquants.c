@@ -17,8 +17,10 @@
 //         m[8][GW] (bytes), d[GW], dmin[GW] (fp16)
 //   Q5_K, 180 * GW: per sub-block the 16 * GW code bytes, then GW 32-bit words of 5th bits (element 4j+t at
 //         bit 8t+j, element 16+4j+t at bit 8t+4+j: one shift and mask per vector puts them at bit 4); then as Q4_K
-//   Q6_K, 210 * GW: per sub-block the 16 * GW code bytes, GW words of 4th bits, GW words of 5th bits (as Q5_K's);
-//         then sc[16][GW] (int8, half-blocks in order), d[GW] (fp16)
+//   Q6_K, 210 * GW: per sub-block the 16 * GW code bytes, then 2 * GW words of the codes' bits 4-5: byte t of
+//         column c's word p (p = 0, 1) holds, from bit 0, the 2 bits of elements 8p+t, 16+8p+t, 8p+4+t, 20+8p+t
+//         (vector 2p's low and high element, then vector 2p+1's); then sc[16][GW] (int8, half-blocks in order),
+//         d[GW] (fp16)
 // Bytes per weight: Q4_K 4.625 bits (the file: 4.5; its 12 packed scale bytes are 16 here), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (the same).
 #include <immintrin.h>
@@ -50,6 +52,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #define KV_AND _mm256_and_si256
 #define KV_OR _mm256_or_si256
 #define KV_SRLI16 _mm256_srli_epi16
+#define KV_SLLI16 _mm256_slli_epi16
 #define KV_SLLI32 _mm256_slli_epi32
 #define KV_SRLI32 _mm256_srli_epi32
 #define KV_ADD16 _mm256_add_epi16
@@ -83,6 +86,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #undef KV_AND
 #undef KV_OR
 #undef KV_SRLI16
+#undef KV_SLLI16
 #undef KV_SLLI32
 #undef KV_SRLI32
 #undef KV_ADD16
@@ -123,6 +127,7 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define KV_AND _mm512_and_si512
 #define KV_OR _mm512_or_si512
 #define KV_SRLI16 _mm512_srli_epi16
+#define KV_SLLI16 _mm512_slli_epi16
 #define KV_SLLI32 _mm512_slli_epi32
 #define KV_SRLI32 _mm512_srli_epi32
 #define KV_ADD32 _mm512_add_epi32
@@ -213,4 +218,120 @@ void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, 
 void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}
+
+// ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j from a Q4_K / Q5_K block's 12 bytes
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// The file's K-quant blocks -> the stream described at the top (type 0 = Q4_K, 1 = Q5_K, 2 = Q6_K). raw: rows x
+// K / 256 blocks as stored (ggml-common.h); out: ceil(rows / group) groups of K / 256 superblocks, rows past
+// `rows` zero. A load repacks ~1e9 weights this way; gguf_linears.interleave_k is the same in numpy (the tests
+// compare them byte for byte). Groups are independent: shared among the team.
+void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t *out) {
+    static const int block_bytes[3] = {144, 176, 210}, sb_bytes[3] = {SB_Q4K, SB_Q5K, SB_Q6K}, sub[3] = {16, 20, 24};
+    const int nsb = K / 256, ng = (rows + group - 1) / group, G = group, SUB = sub[type] * G;
+    const size_t SBB = (size_t)sb_bytes[type] * G;
+#pragma omp parallel for schedule(static) num_threads(mc_team())
+    for (int g = 0; g < ng; g++) {
+        for (int s = 0; s < nsb; s++) {
+            uint8_t *o = out + ((size_t)g * nsb + s) * SBB, *tail = o + 8 * SUB;
+            memset(o, 0, SBB);
+            for (int c = 0; c < G && g * G + c < rows; c++) {
+                const uint8_t *blk = raw + ((size_t)(g * G + c) * nsb + s) * block_bytes[type];
+                uint8_t q[256];
+                if (type == 2) {  // ql[128], qh[64], int8 scales[16], fp16 d
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 4; k++)
+                            for (int i = 0; i < 32; i++)
+                                q[128 * h + 32 * k + i] = ((blk[64 * h + 32 * (k & 1) + i] >> (4 * (k >> 1))) & 0xF) |
+                                                          (((blk[128 + 32 * h + i] >> (2 * k)) & 3) << 4);
+                    for (int k = 0; k < 16; k++) tail[G * k + c] = blk[192 + k];
+                    memcpy(tail + 16 * G + 2 * c, blk + 208, 2);
+                } else {  // fp16 d, fp16 dmin, scales[12], (Q5_K: qh[32]), qs[128]
+                    const uint8_t *qs = blk + (type == 0 ? 16 : 48);
+                    for (int i = 0; i < 4; i++)
+                        for (int e = 0; e < 32; e++)
+                            q[64 * i + e] = qs[32 * i + e] & 0xF, q[64 * i + 32 + e] = qs[32 * i + e] >> 4;
+                    if (type == 1)
+                        for (int j = 0; j < 8; j++)
+                            for (int e = 0; e < 32; e++) q[32 * j + e] |= ((blk[16 + e] >> j) & 1) << 4;
+                    for (int j = 0; j < 8; j++) scale_min_k4(j, blk + 4, &tail[G * j + c], &tail[8 * G + G * j + c]);
+                    memcpy(tail + 16 * G + 2 * c, blk, 2);
+                    memcpy(tail + 18 * G + 2 * c, blk + 2, 2);
+                }
+                for (int j = 0; j < 8; j++) {
+                    uint8_t *sb = o + (size_t)j * SUB;
+                    const uint8_t *qj = q + 32 * j;
+                    for (int jj = 0; jj < 4; jj++)
+                        for (int t = 0; t < 4; t++)
+                            sb[G * 4 * jj + 4 * c + t] = (qj[4 * jj + t] & 0xF) | ((qj[16 + 4 * jj + t] & 0xF) << 4);
+                    if (type == 1) {  // Q5_K: the 5th bits
+                        uint32_t w = 0;
+                        for (int e = 0; e < 32; e++)
+                            w |= (uint32_t)((qj[e] >> 4) & 1) << (8 * (e & 3) + 4 * (e >> 4) + ((e & 15) >> 2));
+                        memcpy(sb + G * 16 + 4 * c, &w, 4);
+                    } else if (type == 2) {  // Q6_K: bits 4-5, two words
+                        uint32_t w[2] = {0, 0};
+                        for (int e = 0; e < 32; e++) {
+                            const int jj = (e & 15) >> 2;
+                            w[jj >> 1] |= (uint32_t)((qj[e] >> 4) & 3) << (8 * (e & 3) + 2 * (2 * (jj & 1) + (e >> 4)));
+                        }
+                        memcpy(sb + G * 16 + 4 * c, &w[0], 4);
+                        memcpy(sb + G * 20 + 4 * c, &w[1], 4);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Rows of a K-quant linear's weight, dequantized exactly as ggml / gguf-py do (fp32: (d * sc) * q - dmin * m, or
+// (d * sc) * (q - 32); each product exact or rounded once, as theirs): out[i] = row ids[i] (K floats). The token
+// embedding of a K-quant GGUF is looked up this way (gguf_linears.KQuantEmbedding), never held in fp32.
+void kq_rows(int type, const uint8_t *w, int K, int group, const int64_t *ids, int n, float *out) {
+    static const int sb_bytes[3] = {SB_Q4K, SB_Q5K, SB_Q6K}, sub[3] = {16, 20, 24};
+    const int nsb = K / 256, G = group, SUB = sub[type] * G;
+    const size_t SBB = (size_t)sb_bytes[type] * G;
+    for (int i = 0; i < n; i++) {
+        const int64_t g = ids[i] / G, c = ids[i] % G;
+        float *o = out + (size_t)i * K;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *sb = w + ((size_t)g * nsb + s) * SBB, *tail = sb + 8 * SUB;
+            uint16_t dh, mh;
+            memcpy(&dh, tail + 16 * G + 2 * c, 2);
+            memcpy(&mh, tail + 18 * G + 2 * c, 2);  // Q6_K: unused
+            const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *sj = sb + (size_t)j * SUB;
+                uint32_t hw[2] = {0, 0};
+                if (type >= 1) memcpy(&hw[0], sj + G * 16 + 4 * c, 4);
+                if (type == 2) memcpy(&hw[1], sj + G * 20 + 4 * c, 4);
+                for (int e = 0; e < 32; e++) {
+                    const int jj = (e & 15) >> 2, t = e & 3;
+                    const uint8_t byte = sj[G * 4 * jj + 4 * c + t];
+                    int q = e < 16 ? byte & 0xF : byte >> 4;
+                    if (type == 1)
+                        q |= (int)((hw[0] >> (8 * t + 4 * (e >> 4) + jj)) & 1) << 4;
+                    else if (type == 2)
+                        q |= (int)((hw[jj >> 1] >> (8 * t + 2 * (2 * (jj & 1) + (e >> 4)))) & 3) << 4;
+                    float v;
+                    if (type == 2) {
+                        const float a = d * (float)(int8_t)tail[G * (2 * j + (e >> 4)) + c];
+                        v = a * (float)(q - 32);
+                    } else {
+                        const float a = d * (float)tail[G * j + c], b = dmin * (float)tail[8 * G + G * j + c];
+                        v = a * (float)q - b;
+                    }
+                    o[256 * s + 32 * j + e] = v;
+                }
+            }
+        }
+    }
 }

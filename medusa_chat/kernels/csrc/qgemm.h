@@ -32,3 +32,7 @@ void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
 void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
+// the file's K-quant blocks (type 0 Q4_K, 1 Q5_K, 2 Q6_K) -> the kernel's stream (kquants.c)
+void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t *out);
+// rows of a K-quant stream dequantized as ggml does (kquants.c)
+void kq_rows(int type, const uint8_t *w, int K, int group, const int64_t *ids, int n, float *out);
