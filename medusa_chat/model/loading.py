@@ -364,7 +364,11 @@ def load_model(
 
             # Keyed by the backbone, not the alias: the same weights must get the same numeric path however
             # they are named (a heads repo naming its backbone, or the backbone with --heads).
-            probe = fidelity_probe(model, heads, config, trust_remote_code, say)
+            probe = fidelity_probe(
+                lambda qq: load_model(model, heads, quant=qq, device="cpu", trust_remote_code=trust_remote_code),
+                estimate_params(config),
+                say,
+            )
             q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress, fidelity_probe=probe)
         cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
         if cpu_quant:
