@@ -74,6 +74,7 @@ def main() -> int:
     doc["load_s"] = round(time.perf_counter() - t0, 2)
     doc["after_load"] = proc_memory()
     engine = MedusaEngine(loaded, loaded.default_tree)
+    doc["after_engine"] = proc_memory()  # the native step fuses q/k/v and gate/up here
     prompt = loaded.build_prompt([{"role": "user", "content": args.prompt}])
     summary = None
     for event in engine.generate(prompt, GenerationSettings(max_new_tokens=args.new_tokens, temperature=0)):

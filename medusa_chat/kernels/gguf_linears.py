@@ -72,15 +72,12 @@ def _q8_0(data: np.ndarray, rows: int, cols: int) -> nn.Module:
     nb = cols // QK
     blocks = _padded(data, g).reshape(-1, nb, 34)  # d (fp16), 32 int8 codes
     n = blocks.shape[0]
-    codes = blocks[:, :, 2:]
-    qs = codes.reshape(n // g, g, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [group, block, j, row, t]
-    module.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(qs).reshape(n, cols).view(np.int8)))
+    qs = np.ascontiguousarray(blocks[:, :, 2:].reshape(n // g, g, nb, 8, 4).transpose(0, 2, 3, 1, 4)).view(np.int8)
+    module.register_buffer("qs", torch.from_numpy(qs.reshape(n, cols)))  # [group, block, j, row, t]
     module.register_buffer("d", _scales(blocks, 0, g))
-    sums = np.ascontiguousarray(codes).view(np.int8).sum(-1, dtype=np.int16)  # |sum| <= 32 * 127
-    module.register_buffer(
-        "s",
-        torch.from_numpy(np.ascontiguousarray(sums.reshape(n // g, g, nb).transpose(0, 2, 1)).reshape(n, nb)),
-    )
+    # each block's sum of codes, in the kernel's [group, block, row] order: summed over j and t
+    sums = qs.sum(axis=(2, 4), dtype=np.int16)  # |sum| <= 32 * 127
+    module.register_buffer("s", torch.from_numpy(sums.reshape(n, nb)))
     module._argmax = load().q8_0_gemm_argmax  # type: ignore[union-attr]  # BlockLinear checked the kernel
     module._bind()
     return module

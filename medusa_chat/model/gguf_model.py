@@ -25,7 +25,6 @@ int8 (Q8_0), or int4 where asked; a note lists those types.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import json
@@ -464,8 +463,7 @@ def _notes(gguf: Path, b: _Build, notes: list[str]) -> None:
 
 def _release_memory() -> None:
     """Hand the freed load buffers back to the OS (glibc keeps freed heap memory otherwise)."""
+    from medusa_chat.model.block_forward import trim_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
