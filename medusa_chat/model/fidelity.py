@@ -123,37 +123,29 @@ def agreement_chars(reply: str, reference: str) -> int:
 
 # ---- `--quant auto`'s fidelity probe (used by loading.load_model) ------------------------------------------
 def fidelity_probe(
-    model: str,
-    heads: str | None,
-    config: dict[str, Any],
-    trust_remote_code: bool,
-    say: Callable[[str], None],
+    load: Callable[[str], Any], params: int, say: Callable[[str], None]
 ) -> Callable[[list[str]], dict[str, Any]] | None:
-    """For `--quant auto`: a probe that scores the candidate paths against the float model (model/fidelity.py), or
-    None where it cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float
-    model and a quantized copy would not fit in memory beside each other."""
+    """For `--quant auto`: a probe that scores the candidate paths against the float model, or None where it
+    cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float model and a
+    quantized copy would not fit in memory beside each other. `load(quant)` loads the model (a LoadedModel) with
+    that quantization on the CPU; `params`: its parameter count."""
     import os
 
     from medusa_chat.machine import available_memory
-    from medusa_chat.model.loading import LoadedModel, estimate_params, load_model
 
     if os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") == "0":
         return None
-    need = estimate_params(config) * 4 * 1.5  # fp32 reference + a quantized copy + activations
+    need = params * 4 * 1.5  # fp32 reference + a quantized copy + activations
     avail = available_memory()
     if avail is not None and need > 0.6 * avail:
         say(f"fidelity of the numeric paths not measured: the float model needs ~{need / 2**30:.1f} GB")
         return None
 
     def probe(modes: list[str]) -> dict[str, Any]:
-        say(
-            f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)"
-        )
+        say(f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)")
 
-        def loader(quant: str) -> Callable[[], LoadedModel]:
-            return lambda: load_model(
-                model, heads, quant=quant, device="cpu", trust_remote_code=trust_remote_code
-            )
+        def loader(quant: str) -> Callable[[], Any]:
+            return lambda: load(quant)
 
         results = measure({m: loader(m) for m in modes}, loader("none"), limit=PROBE_CHUNKS)
         return {m: r.as_dict() for m, r in results.items()}

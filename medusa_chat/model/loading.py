@@ -368,7 +368,11 @@ def load_model(
 
             # Keyed by the backbone, not the alias: the same weights must get the same numeric path however
             # they are named (a heads repo naming its backbone, or the backbone with --heads).
-            probe = fidelity_probe(model, heads, config, trust_remote_code, say)
+            probe = fidelity_probe(
+                lambda mode: load_model(model, heads, mode, device="cpu", trust_remote_code=trust_remote_code),
+                estimate_params(config),
+                say,
+            )
             q = choose_cpu_quant(spec.backbone or spec.name, config, progress=progress, fidelity_probe=probe)
         cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
         if cpu_quant:
@@ -384,13 +388,13 @@ def load_model(
             ignore_medusa=bool(medusa_keys),
             trust_remote_code=trust_remote_code,
         )
+        from medusa_chat.model.runner import BackboneRunner
+
+        problem = BackboneRunner.unsupported(backbone)
+        if problem is not None:  # refused here, not at the first reply
+            raise MedusaChatError(f"{spec.name}: {problem}")
         if cpu_quant:
             _prepare_cpu_linears(backbone, q, spec, notes, progress)
-    from medusa_chat.model.runner import BackboneRunner
-
-    problem = BackboneRunner.unsupported(backbone)
-    if problem is not None:  # refused here, not at the first reply
-        raise MedusaChatError(f"{spec.name}: {problem}")
     heads_source = "heads file"
     if heads_mod is None:
         heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
