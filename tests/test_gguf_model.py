@@ -204,6 +204,9 @@ def test_cli_info_and_ask(
     assert cli.main(["info", *args, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "gguf" and info["quant"] == "gguf" and info["heads"]["count"] == 3
+    assert cli.main(["info", *args]) == 0
+    text = capsys.readouterr().out
+    assert "(gguf, LlamaForCausalLM)" in text and "used as stored" in text
     assert cli.main(["ask", *args, "--max-new-tokens", "8", "--json", "Hello"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["new_tokens"] == 8
