@@ -204,6 +204,9 @@ def test_cli_info_and_ask(
     assert cli.main(["info", *args, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "gguf" and info["quant"] == "gguf" and info["heads"]["count"] == 3
+    assert cli.main(["info", *args]) == 0
+    text = capsys.readouterr().out
+    assert "(gguf, LlamaForCausalLM)" in text and "used as stored" in text
     assert cli.main(["ask", *args, "--max-new-tokens", "8", "--json", "Hello"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["new_tokens"] == 8
@@ -227,3 +230,33 @@ def test_the_embedded_file_named_by_path_decodes_as_the_embedded_model() -> None
     a = _reply(MedusaEngine(by_path, by_path.default_tree), prompt, 32)
     b = _reply(MedusaEngine(embedded, plain_tree()), prompt, 32)
     assert a == b
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_byte_repacking_equals_the_unpacking_path(type_name: str) -> None:
+    """block_linear_from_gguf reorders the file's bytes into the kernel's layout; the result is bit for bit the
+    module built from the unpacked codes and scales (qgemm's own interleaving), padding rows included."""
+    import gguf
+    import numpy as np
+
+    from medusa_chat.kernels.gguf_file import unpack_q4_1, unpack_q8_0
+    from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
+
+    rows, cols = 37, 96  # not a whole group of rows
+    w = np.random.default_rng(5).standard_normal((rows, cols), dtype=np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    fast = block_linear_from_gguf(type_name, raw, rows, cols)
+    if type_name == "Q4_1":
+        ref = qgemm.Q41Linear(*unpack_q4_1(raw, rows, cols))
+        names = ("qs", "d", "m")
+    else:
+        ref = qgemm.Q80Linear(*unpack_q8_0(raw, rows, cols))
+        names = ("qs", "d", "s")
+    assert type(fast) is type(ref) and fast.out_features == rows and fast.in_features == cols
+    for name in names:
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    x = torch.randn(5, cols)
+    assert torch.equal(fast(x), ref(x))
+    if type_name == "Q8_0":
+        assert torch.equal(fast.argmax(x), ref.argmax(x))

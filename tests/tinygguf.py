@@ -18,15 +18,22 @@ from typing import Any
 import numpy as np
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 64, 2, 4, 2, 128
-PROJ_SHAPES = {  # [rows, cols]
-    "attn_q": (HIDDEN, HIDDEN),
-    "attn_k": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
-    "attn_v": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
-    "attn_output": (HIDDEN, HIDDEN),
-    "ffn_gate": (INTER, HIDDEN),
-    "ffn_up": (INTER, HIDDEN),
-    "ffn_down": (HIDDEN, INTER),
-}
+# `shape` for write_tiny_gguf: (hidden, layers, heads, kv_heads, intermediate); "1b" is TinyLlama-1.1B's
+SHAPES = {"tiny": (HIDDEN, LAYERS, HEADS, KV_HEADS, INTER), "1b": (2048, 22, 32, 4, 5632)}
+
+
+def proj_shapes(hidden: int, heads: int, kv_heads: int, inter: int) -> dict[str, tuple[int, int]]:
+    """[rows, cols] of each projection."""
+    kv = hidden // heads * kv_heads
+    return {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv, hidden),
+        "attn_v": (kv, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+    }
 
 
 @functools.cache
@@ -66,22 +73,24 @@ def write_tiny_gguf(
     types: dict[str, str] | None = None,
     arch: str = "llama",
     seed: int = 0,
+    shape: str = "tiny",
 ) -> Path:
-    """A tiny Llama GGUF at `path` (module doc); returns `path`."""
+    """A tiny (or `shape="1b"`: TinyLlama-sized, for memory measurements) Llama GGUF at `path` (module doc)."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     rng = np.random.default_rng(seed)
     vocab = vocab_size()
+    hidden, layers, heads, kv_heads, inter = SHAPES[shape]
     w = GGUFWriter(str(path), arch)
     w.add_name("tiny-llama-test")
     w.add_context_length(2048)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
@@ -101,19 +110,22 @@ def write_tiny_gguf(
             w.add_tensor(name, gguf.quants.quantize(weight.astype(np.float32), qtype), raw_dtype=qtype)
 
     types = types or {}
-    add("token_embd.weight", rng.standard_normal((vocab, HIDDEN)).astype(np.float32), embd)
-    for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
-        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
-        for part, (rows, cols) in PROJ_SHAPES.items():
-            weight = rng.standard_normal((rows, cols)) / np.sqrt(cols)
+    def randn(*dims: int) -> np.ndarray:
+        return rng.standard_normal(dims, dtype=np.float32)
+
+    add("token_embd.weight", randn(vocab, hidden), embd)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * randn(hidden), "F32")
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * randn(hidden), "F32")
+        for part, (rows, cols) in proj_shapes(hidden, heads, kv_heads, inter).items():
+            weight = randn(rows, cols) / np.float32(np.sqrt(cols))
             if part in ("attn_q", "attn_k"):
-                weight = _permute(weight, HEADS if part == "attn_q" else KV_HEADS)
+                weight = _permute(weight, heads if part == "attn_q" else kv_heads)
             name = f"blk.{i}.{part}.weight"
             add(name, weight, types.get(name, proj))
-    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
+    add("output_norm.weight", 1 + 0.1 * randn(hidden), "F32")
     if output is not None:
-        add("output.weight", rng.standard_normal((vocab, HIDDEN)) / np.sqrt(HIDDEN), output)
+        add("output.weight", randn(vocab, hidden) / np.float32(np.sqrt(hidden)), output)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -144,9 +144,7 @@ def fidelity_probe(
         return None
 
     def probe(modes: list[str]) -> dict[str, Any]:
-        say(
-            f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)"
-        )
+        say(f"Scoring {', '.join(modes)} against the float model once (teacher-forced, {PROBE_CHUNKS} chunks)")
 
         def loader(quant: str) -> Callable[[], Any]:
             return lambda: load(quant)

@@ -25,7 +25,6 @@ int8 (Q8_0), or int4 where asked; a note lists those types.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import json
@@ -334,16 +333,16 @@ def _linear(entry: TensorEntry, raw: np.ndarray, lm_head: bool, b: _Build) -> nn
 
 
 def _embedding(entry: TensorEntry, raw: np.ndarray, padding_idx: int | None, b: _Build) -> nn.Module:
-    from medusa_chat.kernels.gguf_file import unpack_q8_0
-    from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear, available
+    from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
+    from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear
 
     rows, cols = entry.shape
     if b.mode == "none" or entry.type_id in FLOAT_TYPES:
         weight = dequantize_raw(entry.type_id, raw, (rows, cols)).to(b.dtype)
         return nn.Embedding.from_pretrained(weight, freeze=True, padding_idx=padding_idx)
     b.stored[entry.type_name] += 1
-    if entry.type_name == "Q8_0" and cols % 32 == 0 and available():
-        table = Q80Linear(*unpack_q8_0(raw, rows, cols))
+    table = block_linear_from_gguf(entry.type_name, raw, rows, cols) if entry.type_name == "Q8_0" else None
+    if isinstance(table, Q80Linear):  # the C row lookup (BlockEmbedding) reads these blocks
         lookup = BlockEmbedding(table, padding_idx)
         lookup.add_module("blocks", table)  # owned here (BlockEmbedding leaves its table to a tied lm_head)
         return lookup
@@ -368,7 +367,7 @@ def load_gguf_backbone(
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from medusa_chat.kernels.cpu_linears import _reverse_permute_rows
+    from medusa_chat.kernels.cpu_linears import _reverse_permute_rows, check_row_invariant
 
     if device.type != "cpu":
         raise DeviceError(f"{gguf.name}: GGUF files run on the CPU here; pass --device cpu (or auto)")
@@ -405,6 +404,7 @@ def load_gguf_backbone(
                 table_blocks = getattr(embed, "blocks", None)
                 if tied and table_blocks is not None:  # one Q8_0 table serves both: the lm_head owns it
                     del embed._modules["blocks"]
+                    check_row_invariant(table_blocks, dtype)
                     model.lm_head, shared = table_blocks, True
                 elif tied:
                     model.lm_head = _linear(entry, raw.reshape(rows, -1), True, b)
@@ -469,8 +469,7 @@ def _notes(gguf: Path, b: _Build, notes: list[str]) -> None:
 
 def _release_memory() -> None:
     """Hand the freed load buffers back to the OS (glibc keeps freed heap memory otherwise)."""
+    from medusa_chat.model.block_forward import trim_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
