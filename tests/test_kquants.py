@@ -221,11 +221,13 @@ def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest
     known_answers.reset()
 
 
-def test_the_native_step_runs_k_quant_projections() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_native_step_runs_k_quant_projections(mixed: bool) -> None:
     """decoder.c calls the K-quant kinds (BLin.kind 2-4): a Llama whose projections are Q4_K / Q5_K / Q6_K
     blocks gives, through the native C step, the hidden states of the transformers forward over the same
     modules (up to the native step's fp16 KV cache), and a token decoded alone gets the bits it gets in a
-    prefill block."""
+    prefill block. `mixed`: v and up of another type than q/k and gate (as a Q4_K_M file's Q6_K attn_v): they
+    run apart (DLayer v / up) and their outputs are interleaved as the fused ones would be."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from medusa_chat.engine.engine import TreeKVCache
@@ -244,6 +246,8 @@ def test_the_native_step_runs_k_quant_projections() -> None:
     lm = LlamaForCausalLM(cfg).eval()
     kinds = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q6_K"}
     kinds |= {"gate_proj": "Q5_K", "up_proj": "Q5_K", "down_proj": "Q6_K"}
+    if mixed:
+        kinds |= {"v_proj": "Q6_K", "up_proj": "Q4_K"}
     for i, layer in enumerate(lm.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, type_name in kinds.items():
@@ -255,6 +259,7 @@ def test_the_native_step_runs_k_quant_projections() -> None:
                     setattr(parent, name, block_linear_from_gguf(type_name, raw, n, k))
     native = native_forward_for(lm)
     assert native is not None
+    assert all((layer.v.kind >= 0) == mixed and (layer.up.kind >= 0) == mixed for layer in native.model.layers[:2])
     ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = lm.model(ids[None]).last_hidden_state[0]

@@ -46,6 +46,8 @@ class _DLayer(ctypes.Structure):
         ("o", _BLin),
         ("gate_up", _BLin),
         ("down", _BLin),
+        ("v", _BLin),  # kind -1 when fused into qkv (decoder.h)
+        ("up", _BLin),  # kind -1 when fused into gate_up
     ]
 
 
@@ -72,6 +74,9 @@ def _blin(module: Any) -> _BLin:
     return _BLin(module.c_kind, module.out_features, module.in_features, qs, d, aux)
 
 
+_ABSENT = _BLin(-1, 0, 0, None, None, None)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
@@ -93,9 +98,9 @@ class NativeForward:
         # keep every tensor whose address the C structs hold alive for as long as this object
         self._keep: list[Any] = []
         c_layers = (_DLayer * len(layers))()
-        for i, (layer, (qkv, gate_up)) in enumerate(zip(layers, fused, strict=True)):
+        for i, (layer, (qkv, v, gate_up, up)) in enumerate(zip(layers, fused, strict=True)):
             n1, n2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
-            self._keep += [n1, n2, qkv, gate_up]
+            self._keep += [n1, n2, qkv, gate_up, v, up]
             c_layers[i] = _DLayer(
                 n1.data_ptr(),
                 n2.data_ptr(),
@@ -105,6 +110,8 @@ class NativeForward:
                 _blin(layer.self_attn.o_proj),
                 _blin(gate_up),
                 _blin(layer.mlp.down_proj),
+                _blin(v) if v is not None else _ABSENT,
+                _blin(up) if up is not None else _ABSENT,
             )
         final = _f32(body.norm.weight)
         self._keep += [final, c_layers]
@@ -200,12 +207,25 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
         mods = [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(isinstance(m, BlockLinear) for m in mods):
             return None
-        qkv, gate_up = fuse(mods[:3]), fuse(mods[4:6])
+        qkv, v = _fused_or_split(mods[:3], fuse)
+        gate_up, up = _fused_or_split(mods[4:6], fuse)
         if qkv is None or gate_up is None:
             return None
-        fused.append((qkv, gate_up))
+        fused.append((qkv, v, gate_up, up))
         trim_heap()  # the unfused buffers just freed: handed back now, not left as holes in the heap
     return NativeForward(causal_lm, lib, fused)
+
+
+def _fused_or_split(mods: list[Any], fuse: Any) -> tuple[Any, Any]:
+    """(all fused, None), or, where the last projection's blocks are of another type (a Q4_K_M file's Q6_K
+    attn_v in some layers), (the others fused, the last apart); (None, None) if neither fits the step."""
+    whole = fuse(mods)
+    if whole is not None:
+        return whole, None
+    head = fuse(mods[:-1]) if len(mods) > 2 else mods[0]
+    if head is None or mods[-1].in_features != head.in_features:
+        return None, None
+    return head, mods[-1]
 
 
 def trim_heap() -> None:

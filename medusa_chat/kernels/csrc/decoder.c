@@ -53,6 +53,25 @@ void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, fl
     }
 }
 
+// y [T, a.N + b.N] = [a(x) | b(x)] per row; b absent (kind < 0): a alone is the fused projection. Apart, each
+// runs into `part` and the rows are interleaved: the same values as one fused product (each output column's
+// arithmetic is its own), in the layout the step reads.
+static void two_part_linear(const BLin *a, const BLin *b, const float *x, int T, float *y, float *part,
+                            int8_t *qx, float *dx, float *sx) {
+    if (b->kind < 0) {
+        block_linear(a, x, T, y, qx, dx, sx);
+        return;
+    }
+    const int na = a->N, nb = b->N;
+    block_linear(a, x, T, part, qx, dx, sx);
+    block_linear(b, x, T, part + (size_t)T * na, qx, dx, sx);
+#pragma omp for schedule(static)
+    for (int r = 0; r < T; r++) {
+        memcpy(y + (size_t)r * (na + nb), part + (size_t)r * na, (size_t)na * sizeof(float));
+        memcpy(y + (size_t)r * (na + nb) + na, part + (size_t)T * na + (size_t)r * nb, (size_t)nb * sizeof(float));
+    }
+}
+
 // HF's rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
 static void rope(float *x, const float *cs, const float *sn, int hd) {
     const int half = hd / 2;
@@ -66,10 +85,11 @@ static void rope(float *x, const float *cs, const float *sn, int hd) {
 size_t decoder_scratch_bytes(const DModel *m, int T, int max_len) {
     const size_t H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
     const size_t qkv_n = (nh + 2 * nkv) * hd, maxk = I > H ? I : (nh * hd > H ? nh * hd : H);
+    const size_t split = qkv_n > 2 * I ? qkv_n : 2 * I;  // split projections' outputs before interleaving
     const size_t floats = T * H + T * qkv_n + T * nh * hd + T * H + T * 2 * I + T * I +
-                          (size_t)RC * nh * (size_t)max_len + 2 * (T * maxk / 32 + 1);
+                          (size_t)RC * nh * (size_t)max_len + 2 * (T * maxk / 32 + 1) + T * split;
     // + attention's (row, head) pairs; qx: the codes and (Q8_0 VNNI) codes + 128
-    return floats * sizeof(float) + (size_t)RC * nh * sizeof(WPair) + 2 * T * maxk + 64;
+    return floats * sizeof(float) + (size_t)RC * nh * sizeof(WPair) + 2 * T * maxk + 64 + 64;  // + part's alignment
 }
 
 // SiLU(gate) * up for row r, elements [8c, 8c + 8) (the last chunk may be shorter: the same vector code on a
@@ -111,6 +131,8 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
           *dx = S + (size_t)RC * nh * max_len, *sx = dx + (size_t)T * maxk / 32 + 1;
     WPair *pairs = (WPair *)(sx + (size_t)T * maxk / 32 + 1);
     int8_t *qx = (int8_t *)(pairs + (size_t)RC * nh);
+    // split projections (DLayer v / up), 64-byte aligned after qx's own slack
+    float *part = (float *)(((uintptr_t)(qx + 2 * (size_t)T * maxk + 64) + 63) & ~(uintptr_t)63);
     const size_t layer_stride = (size_t)2 * nkv * cap * hd, half_stride = (size_t)nkv * cap * hd;
     const int n_chunks = (I + 7) / 8;
 
@@ -120,7 +142,7 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
             const DLayer *L = &m->layers[li];
             kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
             rms_norm(x, L->norm1, L->eps1, T, H, h);
-            block_linear(&L->qkv, h, T, qkv, qx, dx, sx);
+            two_part_linear(&L->qkv, &L->v, h, T, qkv, part, qx, dx, sx);
             // rotary on the q and k heads, then the K/V writes: per (row, head)
 #pragma omp for collapse(2) schedule(static)
             for (int r = 0; r < T; r++)
@@ -141,7 +163,7 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
             for (int r = 0; r < T; r++)
                 for (int i = 0; i < H; i++) x[(size_t)r * H + i] += tmp[(size_t)r * H + i];
             rms_norm(x, L->norm2, L->eps2, T, H, h);
-            block_linear(&L->gate_up, h, T, gu, qx, dx, sx);
+            two_part_linear(&L->gate_up, &L->up, h, T, gu, part, qx, dx, sx);
 #pragma omp for collapse(2) schedule(static)
             for (int r = 0; r < T; r++)
                 for (int c = 0; c < n_chunks; c++)

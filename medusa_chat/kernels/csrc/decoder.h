@@ -14,6 +14,9 @@ typedef struct {
     const float *norm1, *norm2;
     float eps1, eps2;
     BLin qkv, o, gate_up, down;  // q|k|v and gate|up fused along the output dimension
+    // kind -1: absent (fused above). Else v (up) runs apart and qkv holds q|k (gate_up holds gate): a file whose
+    // v (up) blocks are of another type than q/k's (gate's), e.g. a Q4_K_M file's Q6_K attn_v in some layers.
+    BLin v, up;
 } DLayer;
 
 typedef struct {
