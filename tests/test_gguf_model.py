@@ -171,6 +171,34 @@ def test_greedy_medusa_equals_the_plain_loop(
             assert _reply(engine, prompt) == ref, f"{name}, {tree.name}"
 
 
+def test_a_k_quant_file_mixed_like_q4_k_m_runs_on_the_native_step(tmp_path: Path) -> None:
+    """A file laid out like llama.cpp's Q4_K_M (Q4_K projections, Q6_K attn_v / ffn_down in some layers, a Q6_K
+    output and a Q4_K embedding), no heads: every tensor is used as stored (no second rounding: bitwise the
+    file's dequantized values), the native C step runs it (v apart where its type differs), and greedy replies
+    with context lookup are the plain loop's."""
+    from medusa_chat.model.block_forward import NativeForward
+    from medusa_chat.model.runner import BackboneRunner
+
+    types = {"blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_up.weight": "Q5_K"}
+    path = write_tiny_gguf(tmp_path / "small-Q4_K_M.gguf", "Q4_K", "Q4_K", "Q6_K", types=types, shape="small")
+    loaded = load_model(model=str(path), device="cpu")
+    assert loaded.heads is None and loaded.quant == "gguf"
+    model = loaded.backbone
+    state = gguf_state_dict(path, model.config)
+    kinds = {type(m).__name__ for m in _projections(model).values()}
+    assert kinds == {"Q4KLinear", "Q5KLinear", "Q6KLinear"}
+    for name, module in _projections(model).items():
+        assert torch.equal(module.dequantized(), state[f"{name}.weight"]), name
+    ids = torch.tensor([[0, 5, 49151, 300]])
+    assert torch.equal(model.get_input_embeddings()(ids)[0], state["model.embed_tokens.weight"][ids[0]])
+    plain = MedusaEngine(loaded, plain_tree())
+    engine = MedusaEngine(loaded, loaded.default_tree)
+    assert isinstance(BackboneRunner(model).lean, NativeForward), "the native C step must run a Q4_K_M-like file"
+    prompt = loaded.build_prompt([{"role": "user", "content": "one two three one two three one two"}])
+    for p in (prompt, [1, 2, 3, 400, 1, 2, 3, 400]):
+        assert _reply(engine, p) == _reply(plain, p)
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 def test_unusable_files_are_clear_errors(
     gguf_files: dict[str, Path], gguf_heads: Path, tmp_path: Path

@@ -6,7 +6,8 @@ embedded model's GGUF (SmolLM2's 49152-token BPE and its ChatML template, so tra
 and random weights: token_embd in type `embd`; output.weight in type `output` (None: tied, no output.weight);
 every projection in type `proj` (or per name through `types`, e.g. {"blk.0.attn_v.weight": "Q8_0"}); norms
 F32. The q/k rows are permuted as llama.cpp's converter does (the loader must undo it). Types are GGML type
-names quantized by gguf-py (`gguf.quants.quantize`): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ...
+names quantized by gguf-py (`gguf.quants.quantize`): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ...; the
+K-quants (Q4_K, Q5_K, Q6_K; `shape="small"` or larger) are random valid blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,22 @@ import numpy as np
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 64, 2, 4, 2, 128
 # `shape` for write_tiny_gguf: (hidden, layers, heads, kv_heads, intermediate); "1b" is TinyLlama-1.1B's
-SHAPES = {"tiny": (HIDDEN, LAYERS, HEADS, KV_HEADS, INTER), "1b": (2048, 22, 32, 4, 5632)}
+# "small": the smallest shape whose every matrix holds whole K-quant superblocks (256 weights per row block)
+SHAPES = {"tiny": (HIDDEN, LAYERS, HEADS, KV_HEADS, INTER), "small": (256, 2, 4, 2, 512), "1b": (2048, 22, 32, 4, 5632)}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py cannot quantize these: random valid blocks instead
+
+
+def random_k_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Random valid bytes of a K-quant tensor [rows, bytes per row] (every bit pattern of codes and scales is a
+    valid block), its fp16 super-block factors of magnitude ~scale."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    per, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (size - 2,)}[type_name]:
+        d = (rng.standard_normal((rows, cols // per)) * scale).astype(np.float16)
+        raw[..., off : off + 2] = d.view(np.uint8).reshape(rows, cols // per, 2)
+    return raw.reshape(rows, -1)
 
 
 def proj_shapes(hidden: int, heads: int, kv_heads: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -106,6 +122,9 @@ def write_tiny_gguf(
             w.add_tensor(name, weight.astype(np.float32))
         elif qtype == GGMLQuantizationType.F16:
             w.add_tensor(name, weight.astype(np.float16))
+        elif type_name in K_QUANTS:  # the weight's scale, not its values (random codes)
+            scale = float(np.abs(weight).mean()) / (8 if type_name == "Q6_K" else 4)
+            w.add_tensor(name, random_k_blocks(type_name, *weight.shape, rng, scale / 16), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(weight.astype(np.float32), qtype), raw_dtype=qtype)
 
