@@ -90,6 +90,19 @@ def estimated_speedup(
     return tokens_per_step_by_size[size] * latency_by_size[1] / latency_by_size[size]
 
 
+def _reply_budget(loaded: Any) -> int:
+    """How many built-in replies the first-start calibration measures tokens/step on: all (~600 tokens, a few
+    seconds) for a model of the embedded one's size, fewer for bigger ones (a 1B model decodes ~10x slower on a
+    CPU: all twelve would hold its first start ~20 s), at least three."""
+    from medusa_chat.model.loading import estimate_params
+
+    config = getattr(loaded.backbone, "config", None)
+    params = estimate_params(config.to_dict()) if config is not None else 0
+    if params <= 0:
+        return len(CALIBRATION_PROMPTS)
+    return max(3, min(len(CALIBRATION_PROMPTS), int(len(CALIBRATION_PROMPTS) * 2e8 / params)))
+
+
 def lookup_only_latency(step_latency: dict[int, float], step_sizes: list[int]) -> dict[int, float]:
     """A model without heads: the mean step latency of each chain length n, from the measured replies' steps.
 
@@ -302,7 +315,7 @@ def resolve_tree(
         sizes=CPU_SIZES,
         reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
         measure_accuracy=True,
-        measure_replies=len(CALIBRATION_PROMPTS),  # ~600 tokens: a reply costs well under a second here
+        measure_replies=_reply_budget(loaded),
         measure_tokens=48,
         progress=progress,
     )
