@@ -28,6 +28,7 @@ def draft_config(hidden: int = HIDDEN, vocab: int = VOCAB, draft_vocab: int | No
         "intermediate_size": INTER,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
         "num_hidden_layers": 1,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab,

@@ -76,32 +76,29 @@ class EagleDrafter:
 
     # ---- features from the backbone -----------------------------------------------------------------------
     def _tap(self, backbone: Any, runner: Any) -> None:
-        """Collect the inputs of EAGLE-3's three layers during every backbone forward."""
+        """Have every backbone forward leave the inputs of EAGLE-3's three layers in a list the model keeps (one
+        per model, shared by every engine on it: only the last forward's three are kept)."""
         layers = backbone.base_model.layers
         taps = eagle_taps(len(layers))
         if runner.lean is None:
-            for i in taps:
-                layers[i].register_forward_pre_hook(self._hook, with_kwargs=True)
-        elif hasattr(runner.lean, "taps"):
+            if getattr(backbone, "_medusa_eagle_taps", None) is None:
+                tapped: list[torch.Tensor] = []
+                for i in taps:
+                    layers[i].register_forward_pre_hook(_tap_hook(tapped, i == taps[0]), with_kwargs=True)
+                backbone._medusa_eagle_taps = tapped
+            self.tapped = backbone._medusa_eagle_taps
+        elif hasattr(runner.lean, "tapped"):
             runner.lean.taps = taps
-            runner.lean.tapped = self.tapped
+            self.tapped = runner.lean.tapped
         else:
             raise HeadsError(
                 "EAGLE-3 drafts read the backbone's layers 2, N/2 and N-3; the native C step (--quant int8/int4 "
                 "on a CPU) does not give them yet: load the backbone with --quant none"
             )
 
-    def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        self.tapped.append(hidden[0])
-
     def saw(self, hidden: torch.Tensor) -> None:
         """After each backbone forward: stash its features [T, F] (the next `record` keeps some rows)."""
-        if self.draft.version == 3:
-            self._last = torch.cat(self.tapped[-3:], dim=-1)
-            self.tapped.clear()
-        else:
-            self._last = hidden
+        self._last = torch.cat(self.tapped, dim=-1) if self.draft.version == 3 else hidden
 
     def record(self, start: int, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Positions start .. start + len(ids) - 1 now hold `ids` [T] (committed), their features the stashed rows
@@ -239,3 +236,15 @@ class EagleDrafter:
         tokens = torch.tensor([0] + [by_path[q] for q in tree.paths], dtype=root.dtype, device=dev)
         tokens[:1] = root
         return (*state, tokens)
+
+
+def _tap_hook(tapped: list[torch.Tensor], first: bool) -> Any:
+    """A forward pre-hook keeping a decoder layer's input hidden state (the first tap starts a new forward)."""
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if first:
+            tapped.clear()
+        tapped.append(hidden[0])
+
+    return hook

@@ -274,8 +274,8 @@ def is_eagle_folder(folder: Path) -> bool:
 
             with safe_open(str(st), framework="pt", device="cpu") as f:
                 keys = set(f.keys())
-        except Exception:  # unreadable: the loader reports it
-            return False
+        except Exception:  # unreadable: the loader says so (as about an EAGLE draft)
+            return True
         return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
     # a lone pytorch_model.bin (EAGLE-1's published layout): its keys, memory-mapped, weights_only
     from medusa_chat.model.heads_files import read_state_file
@@ -283,7 +283,7 @@ def is_eagle_folder(folder: Path) -> bool:
     try:
         keys = set(read_state_file(folder / "pytorch_model.bin"))
     except HeadsError:
-        return False
+        return True
     return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
 
 
@@ -385,6 +385,6 @@ def check_eagle_fits(draft: EagleDraft, config: dict[str, Any], where: str, back
             raise HeadsError(f"the EAGLE-3 draft in {where} maps draft tokens to ids up to {top} (d2t) but the "
                              f"backbone {backbone} has a vocabulary of {vocab}")
         taps = eagle_taps(n_layers)
-        if n_layers and (len(set(taps)) < 3 or taps[-1] >= n_layers):
+        if n_layers and not 0 <= taps[0] < taps[1] < taps[2] < n_layers:
             raise HeadsError(f"EAGLE-3 reads the backbone's layers 2, N/2 and N-3, but {backbone} has only "
                              f"{n_layers} layers (at least 7 needed)")

@@ -33,8 +33,8 @@ from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_
 from medusa_chat.model.heads import MedusaHeads
 from medusa_chat.model.heads_files import (
     check_heads_fit,
-    heads_kind,
     checkpoint_medusa_keys,
+    heads_kind,
     load_checkpoint_heads,
     load_heads_file,
 )
@@ -137,9 +137,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def summary_lines(info: dict[str, Any]) -> list[str]:
     """`info()` as short plain-text lines (the terminal and web UIs show these at startup)."""
     h, mem = info["heads"], info["memory"]
+    eagle = {"eagle": "EAGLE-1/2 draft", "eagle3": "EAGLE-3 draft"}.get(h["format"])  # model/eagle.py
+    what = f"{eagle}, {h['layers']} decoder layer(s)" if eagle else f"{h['count']} Medusa heads x {h['layers']} layer(s)"
     lines = [
         f"model      {info['model']} ({info['kind']}, {info['architecture']}) from {info['backbone']}",
-        f"heads      {h['count']} Medusa heads x {h['layers']} layer(s), format {h['format']} "
+        f"heads      {what}, format {h['format']} "
         f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}",
         f"device     {info['device']}, {info['dtype']}, quantization {info['quant']}",
         f"params     {human_count(info['params'])} backbone + {human_count(h['params'])} heads",
