@@ -24,6 +24,7 @@ from tests.eagle_helpers import (
     random_eagle3_state,
     write_eagle,
 )
+from tests.tinymodels import folder_files
 
 TREE = Tree.named("mc_sim_7b_63").prefix(16)
 
@@ -64,8 +65,11 @@ def _hf_hidden_states(loaded, ids: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(h[0] for h in out.hidden_states)
 
 
-def test_eagle1_folder_loads_as_an_eagle_draft(eagle1, fixtures_root: Path) -> None:
+def test_eagle1_folder_loads_as_an_eagle_draft(eagle1, fixtures_root: Path, hub_cache, _tiny_models) -> None:
     folder = fixtures_root / "eagle1-bin"
+    hub_cache.add("tiny-org/eagle-draft", folder_files(folder))  # a Hub repo in the published layout
+    from_hub = load_model(model=str(_tiny_models["llama"][3]), heads="tiny-org/eagle-draft", quant="none")
+    assert from_hub.spec.kind == "eagle" and from_hub.heads.format == "eagle"
     assert heads_folder_kind(folder) == "eagle"
     assert eagle1.spec.kind == "eagle"
     info = eagle1.info()

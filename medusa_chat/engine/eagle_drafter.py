@@ -61,6 +61,8 @@ class EagleDrafter:
         self._last: torch.Tensor | None = None  # the last backbone forward's features [T, F]
         self.tapped: list[torch.Tensor] = []
         self.min = torch.finfo(draft.fc.weight.dtype).min
+        self._mbuf = torch.zeros(0, 0, dtype=draft.fc.weight.dtype, device=dev)  # `_mask`'s reused buffer
+        self._dirty = (0, 0)  # its columns holding the last tree block (the rest are 0: visible context)
         self._shapes: dict[tuple[tuple[int, ...], ...], tuple[Tree, TreeBuffers, TreePlan | None]] = {}
         if draft.version == 3:
             self._tap(backbone, engine.runner)
@@ -134,6 +136,19 @@ class EagleDrafter:
         self.seen = p - 1  # the root's pair is recomputed next step, with a committed token
         return p, out[-1:]
 
+    def _mask(self, start: int, block: torch.Tensor) -> torch.Tensor:
+        """Additive mask [R, start + B]: the context's columns [0, start) visible, then the tree `block` [R, B]. One
+        buffer for every step: only the last block's columns are zeroed again, nothing grows with the context."""
+        rows, width = block.shape[0], start + block.shape[1]
+        if self._mbuf.shape[0] < rows or self._mbuf.shape[1] < width:
+            cols = max(width, 2 * self._mbuf.shape[1], 256)
+            self._mbuf = self._mbuf.new_zeros(max(rows, self._mbuf.shape[0]), cols)
+            self._dirty = (0, 0)
+        self._mbuf[:, self._dirty[0] : self._dirty[1]] = 0.0
+        self._mbuf[:rows, start:width] = block
+        self._dirty = (start, width)
+        return self._mbuf[:rows, :width]
+
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.draft.version == 3:
             return self.draft.lm_head(self.draft.norm(out))
@@ -155,9 +170,7 @@ class EagleDrafter:
         n = buf.tree.size
         tokens = root.new_zeros(n)
         tokens[:1] = root
-        bias = buf.attn_bias.to(self.feats.dtype)
-        prefix = torch.zeros(n, p - 1, dtype=bias.dtype, device=bias.device)
-        mask = torch.cat([prefix, bias], dim=1)  # [N, P - 1 + N], rows by node
+        mask = self._mask(p - 1, buf.attn_bias)  # [N, P - 1 + N], rows by node
         for d, level in enumerate(buf.levels):
             x = state.index_select(0, level.internal_rows)
             top = self._logits(x).topk(level.top_k, dim=-1).indices
@@ -191,8 +204,7 @@ class EagleDrafter:
         count = k
         for d in range(1, depth):
             slots = p + (d - 1) * k + ranks
-            tree_part = torch.where(anc, 0.0, self.min).to(self.feats.dtype)
-            mask = torch.cat([torch.zeros(k, p, dtype=tree_part.dtype, device=dev), tree_part], dim=1)
+            mask = self._mask(p, torch.where(anc, 0.0, self.min))
             out = self._call(front_out, front_tok, p - 1 + d, slots, mask)
             logp = torch.log_softmax(self._logits(out).float(), dim=-1)
             value, index = logp.topk(k, dim=-1)

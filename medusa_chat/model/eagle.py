@@ -278,11 +278,9 @@ def is_eagle_folder(folder: Path) -> bool:
             return True
         return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
     # a lone pytorch_model.bin (EAGLE-1's published layout): its keys, memory-mapped, weights_only
-    from medusa_chat.model.heads_files import read_state_file
-
     try:
-        keys = set(read_state_file(folder / "pytorch_model.bin"))
-    except HeadsError:
+        keys = set(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # unreadable: the loader says so (as about an EAGLE draft)
         return True
     return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
 
@@ -309,14 +307,18 @@ def _config(raw: dict[str, Any], where: str) -> dict[str, Any]:
     return cfg
 
 
-def load_eagle(folder: Path) -> tuple[EagleDraft, Path]:
-    """The draft in `folder` (config.json + model.safetensors or pytorch_model.bin), shapes checked against its
-    own config; a clear HeadsError for a corrupt file, unknown keys or a shape the config does not give."""
-    from medusa_chat.model.heads_files import read_state_file
+def eagle_file(folder: Path) -> Path | None:
+    """The weight file of an EAGLE draft folder (config.json beside it), or None."""
+    if not (folder / "config.json").is_file():
+        return None
+    return next((folder / f for f in EAGLE_FILES if (folder / f).is_file()), None)
 
-    path = next(folder / f for f in EAGLE_FILES if (folder / f).is_file())
+
+def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> EagleDraft:
+    """The draft of `folder`'s config.json and the tensors `state` read from `path`, shapes checked against the
+    config; a clear HeadsError for unknown or missing keys or a shape the config does not give."""
     cfg = _config(read_json(folder / "config.json"), str(folder / "config.json"))
-    state = read_state_file(path)
+    state = dict(state)
     version = 3 if any(k.startswith("midlayer.") for k in state) else 1
     if "fc.weight" not in state or (version == 1 and not any(k.startswith("layers.0.") for k in state)):
         raise HeadsError(f"{path} does not hold an EAGLE draft: no fc.weight and layers.0.* / midlayer.* keys")
@@ -351,7 +353,7 @@ def load_eagle(folder: Path) -> tuple[EagleDraft, Path]:
             )
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     draft.embed_shape = tuple(embed.shape) if embed is not None else None
-    return draft.eval().requires_grad_(False), path
+    return draft.eval().requires_grad_(False)
 
 
 def eagle_taps(num_layers: int) -> tuple[int, int, int]:

@@ -78,12 +78,13 @@ def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
 def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
     the Hub give a wrong `medusa_num_heads`)."""
-    from medusa_chat.model.eagle import EAGLE_FILES, load_eagle
+    from medusa_chat.model.eagle import eagle_file, load_eagle
 
-    eagle = any((folder / f).is_file() for f in EAGLE_FILES) and (folder / "config.json").is_file()
-    if eagle and not any((folder / f).is_file() for f in HEADS_FILES):
-        draft, path = load_eagle(folder)  # an EAGLE-1/2/3 draft in its Hub layout (its errors name EAGLE)
-        return draft, path, read_json(folder / "config.json")  # type: ignore[return-value]
+    eagle = eagle_file(folder)
+    if eagle is not None and not any((folder / f).is_file() for f in HEADS_FILES):
+        # an EAGLE-1/2/3 draft in its Hub layout (model/eagle.py; its errors name EAGLE)
+        draft = load_eagle(folder, eagle, read_state_file(eagle))
+        return draft, eagle, read_json(folder / "config.json")  # type: ignore[return-value]
     path = find_heads_file(folder)
     config = read_json(folder / "config.json")
     heads = _build_heads(read_state_file(path), str(path))

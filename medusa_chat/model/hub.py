@@ -142,9 +142,10 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
         return [n for n in ("config.json",) if n in present]
     if want == "heads":
         heads = next((f for f in HEADS_FILES if f in present), None)
-        if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file
+        if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file, no tokenizer
             eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
-            return ["config.json", eagle] if eagle and "config.json" in present else []
+            draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
+            return ["config.json", eagle] if draft else []
         return [n for n in ("config.json", "tree.json") if n in present] + [heads]
     if want == "model":
         weights = weight_files(names)
