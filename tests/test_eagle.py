@@ -208,3 +208,40 @@ def test_corrupt_or_incomplete_eagle_checkpoints_are_clear_errors(_tiny_models, 
     (cut / "pytorch_model.bin").write_bytes(data[: len(data) // 3])
     with pytest.raises(HeadsError):
         _load(path, cut)
+
+
+@pytest.mark.parametrize("shaped", [False, True], ids=["static", "eagle2-dynamic"])
+def test_every_drafted_node_is_the_drafts_guess_along_its_own_path(eagle1, shaped: bool) -> None:
+    """Each node's token is the draft's top-k at the node's rank, the draft run from scratch over the context and
+    then along the node's own path (one row at a time): the depth calls' slots, positions and tree masks."""
+    engine = MedusaEngine(eagle1, TREE, shaped=shaped)
+    prompt = _prompts(eagle1)[0]
+    _reply(engine, prompt, max_new_tokens=12)
+    drafter, draft = engine._eagle, engine._eagle.draft
+    root = torch.tensor([int(drafter.ids[drafter.known - 1]) + 1])
+    with torch.inference_mode():
+        if shaped:
+            tree, _, _, tokens = drafter.dynamic_tree(root)
+        else:
+            tree, tokens = TREE, drafter.propose(root, None, engine.buffers)
+        p = drafter.known
+        context = draft.reference_outputs(drafter.feats[:p], torch.cat([drafter.ids[1:p], root]), drafter.embed)
+        k = 1 + max(tree.ranks)
+        checked = 0
+        for node in range(1, tree.size):
+            path = tree.path_nodes(node)[1:-1]  # the node's ancestors below the root
+            cache = draft.new_cache()
+            cache.ensure(p + len(path) + 1)
+            pos = torch.arange(p)
+            causal = torch.full((p, p), torch.finfo(torch.float32).min).triu(1)
+            h = draft(drafter.feats[:p], drafter.embed(torch.cat([drafter.ids[1:p], root])), pos, cache, pos,
+                      causal, True)[-1:]
+            torch.testing.assert_close(h, context[-1:])
+            for i, a in enumerate(path):
+                slot = torch.tensor([p + i])
+                h = draft(h, drafter.embed(tokens[a : a + 1]), slot, cache, slot, torch.zeros(1, p + i + 1),
+                          False)
+            top = drafter._logits(h).topk(k, dim=-1).indices[0]
+            assert int(tokens[node]) == int(top[tree.ranks[node]]), node
+            checked += len(path) > 0
+        assert checked >= 3  # nodes below depth 1 were checked

@@ -147,7 +147,8 @@ class EagleDraft(nn.Module):
             )
         base = float(cfg.get("rope_theta", 10000.0))
         inv = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        self.register_buffer("inv_freq", _scaled_inv_freq(inv, cfg.get("rope_scaling")), persistent=False)
+        # fp32 and not a buffer: `.to(float16)` of the module must not round the rotary frequencies
+        self.inv_freq = _scaled_inv_freq(inv, cfg.get("rope_scaling"))
 
     @property
     def format(self) -> str:
@@ -183,7 +184,9 @@ class EagleDraft(nn.Module):
         Returns the draft's outputs [T, h] (before EAGLE-3's final norm)."""
         dtype = self.fc.weight.dtype
         hidden, emb = hidden.to(dtype), emb.to(dtype)
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos().to(dtype)[None, None], angles.sin().to(dtype)[None, None]
         mask = mask.to(dtype)[None, None]
