@@ -210,10 +210,24 @@ def test_corrupt_or_incomplete_eagle_checkpoints_are_clear_errors(_tiny_models, 
         _load(path, cut)
 
 
+@pytest.fixture(scope="module")
+def random_eagle1(_tiny_models, fixtures_root: Path):
+    """An EAGLE-1 draft whose attention dominates (random fc, full-size o_proj / down_proj): its guesses move
+    with any change of position, mask or cache slot."""
+    model, _, _, path = _tiny_models["llama"]
+    folder = fixtures_root / "eagle1-random"
+    if not folder.exists():
+        state = planted_eagle1_state(model.get_input_embeddings().weight.detach(), seed=5, scale=4.0)
+        state["fc.weight"] = torch.randn(64, 128, generator=torch.Generator().manual_seed(6)) / 128**0.5 * 3
+        write_eagle(folder, state, draft_config(), fmt="safetensors")
+    return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")
+
+
 @pytest.mark.parametrize("shaped", [False, True], ids=["static", "eagle2-dynamic"])
-def test_every_drafted_node_is_the_drafts_guess_along_its_own_path(eagle1, shaped: bool) -> None:
+def test_every_drafted_node_is_the_drafts_guess_along_its_own_path(random_eagle1, shaped: bool) -> None:
     """Each node's token is the draft's top-k at the node's rank, the draft run from scratch over the context and
     then along the node's own path (one row at a time): the depth calls' slots, positions and tree masks."""
+    eagle1 = random_eagle1
     engine = MedusaEngine(eagle1, TREE, shaped=shaped)
     prompt = _prompts(eagle1)[0]
     _reply(engine, prompt, max_new_tokens=12)
