@@ -13,6 +13,7 @@ import torch
 from medusa_chat.errors import HeadsError
 from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
 from medusa_chat.model.block_heads import drafter_name
+from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.tree import TreeBuffers
 
@@ -29,7 +30,7 @@ def next_logits_and_guesses(
     With shared-lm_head (v2) heads both come from ONE lm_head call over 1 + K rows: on a memory-bound
     device the vocab projection costs a full read of its weight however few rows it has.
     """
-    if heads is None or isinstance(heads, HydraHeads):  # Hydra heads draft after the root is known
+    if heads is None or isinstance(heads, (HydraHeads, EagleDraft)):  # they draft after the root is known
         return lm_head(hidden)[0].float(), None
     if heads.own_lm_head:
         logits = lm_head(hidden)[0].float()

@@ -35,6 +35,7 @@ import torch
 
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
 from medusa_chat.engine.drafters import HydraDrafter, make_drafter, next_logits_and_guesses, propose  # noqa: F401
+from medusa_chat.engine.eagle_drafter import EagleDrafter
 from medusa_chat.engine.graphs import GraphSteps, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
@@ -49,6 +50,7 @@ from medusa_chat.engine.trees import StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.model.block_heads import drafter_name
+from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.model.graph_step import GraphStep
 from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.runner import BackboneRunner
@@ -111,6 +113,11 @@ class MedusaEngine(StepTrees, GraphSteps):
         # block-quantized Medusa heads draft after it too, only the heads the tree reaches (drafters.py)
         self._drafter = make_drafter(self.heads, self.backbone, getattr(model, "heads_source", ""))
         self.drafter_name = drafter_name(self.heads, getattr(model, "heads_source", ""))
+        # an EAGLE draft: feature-level, its own KV cache, fed the backbone's features (eagle_drafter.py)
+        self._eagle = EagleDrafter(self) if isinstance(self.heads, EagleDraft) else None
+        if self._eagle is not None:
+            self._drafter, self.drafter_name = self._eagle, self.heads.format
+        graphs = graphs and self._eagle is None  # (the drafter reads every backbone forward's features)
         # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
         # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
         self._graph: GraphStep | None = None
@@ -140,13 +147,19 @@ class MedusaEngine(StepTrees, GraphSteps):
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan
     ) -> torch.Tensor:
-        return self.runner.forward(ids, positions, attend, self.cache)
+        hidden = self.runner.forward(ids, positions, attend, self.cache)
+        if self._eagle is not None:
+            self._eagle.saw(hidden)
+        return hidden
 
     def prefill(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Run `ids` [T] at positions start .. start + T - 1 into the cache (which holds `start` entries): each
         sees the cache and the ones before it. Returns their last hidden states [T, H]."""
         positions = torch.arange(start, start + len(ids), device=self.device)
-        return self._forward(ids, positions, self.causal_mask(start, len(ids)))
+        hidden = self._forward(ids, positions, self.causal_mask(start, len(ids)))
+        if self._eagle is not None:
+            self._eagle.record(start, ids)
+        return hidden
 
     def _greedy_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """greedy_tokens(lm_head(hidden)): the block kernel's fused argmax where the lm_head is its Q8_0 linear
@@ -439,6 +452,8 @@ class MedusaEngine(StepTrees, GraphSteps):
             tree, buf, plan = self.tree_for_room(len(guess) + 1)
         if self.draft_shaped and not guess and tree is self.tree:
             tree, buf, plan, tokens = self._confident_tree(root, guesses)
+        elif self._eagle is not None and self._eagle.dynamic and self.shaped and not guess and tree is self.tree:
+            tree, buf, plan, tokens = self._eagle.dynamic_tree(root)  # EAGLE-2's dynamic tree
         return tree, buf, plan, guess, tokens
 
     def _commit(self, start: int, done: StepResult) -> list[int]:
@@ -446,6 +461,10 @@ class MedusaEngine(StepTrees, GraphSteps):
         step's new reply tokens (the accepted candidates, then the bonus, the next root)."""
         self.cache.keep(start, done.accepted, done.path)
         self.cached_ids.extend(done.tokens[n] for n in done.accepted)
+        if self._eagle is not None:  # the accepted nodes' features and tokens, for the next draft
+            rows = torch.tensor(done.accepted, device=self.device)
+            ids = torch.tensor([done.tokens[n] for n in done.accepted], device=self.device)
+            self._eagle.record(start, ids, rows)
         return [done.tokens[n] for n in done.accepted[1:]] + [done.bonus]
 
     def _tree_view(self, tree: Tree, buf: TreeBuffers, tokens: list[int], guess: list[int]) -> TreeView:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 # How `info`, `ask` and `bench` say that the tree's shape follows the draft (MedusaEngine.draft_shaped)
 SHAPED_NOTE = ", shaped per step by the draft"
+EAGLE_NOTE = ", shaped per step by the EAGLE draft (EAGLE-2 dynamic tree)"
 
 
 class StepTrees:
@@ -86,6 +87,9 @@ class StepTrees:
     @property
     def tree_note(self) -> str:
         """What `info`, `ask` and `bench` add to the tree's source: SHAPED_NOTE for draft-shaped trees, else ""."""
+        eagle = getattr(self, "_eagle", None)
+        if eagle is not None:  # an EAGLE draft: EAGLE-2's dynamic tree, or the static tree (eagle_drafter.py)
+            return EAGLE_NOTE if eagle.dynamic and self.shaped else ", drafted by the EAGLE draft"
         return SHAPED_NOTE if self.draft_shaped else ""
 
     def _lookup_chain(self, length: int) -> tuple[Tree, TreeBuffers, TreePlan | None]:

@@ -42,8 +42,8 @@ def can_block(heads: MedusaHeads | None, backbone: Any) -> bool:
     """Do these heads go on the block kernel? Medusa heads (not Hydra: HydraDrafter makes its own copy) in fp32
     on a CPU whose backbone lm_head is a block linear (the int8 / int4 CPU paths), with H a multiple of 32
     (MEDUSA_CHAT_BLOCK_HEADS=0: never, the fp32 heads stay as they are)."""
-    if heads is None or isinstance(heads, HydraHeads) or getattr(heads, "block_kind", ""):
-        return False
+    if not isinstance(heads, MedusaHeads) or isinstance(heads, HydraHeads) or getattr(heads, "block_kind", ""):
+        return False  # (an EAGLE draft is not Medusa heads: it runs as loaded)
     if os.environ.get("MEDUSA_CHAT_BLOCK_HEADS", "1") == "0":  # the fp32 PyTorch heads (for comparisons)
         return False
     lm_head = backbone.get_output_embeddings()
@@ -105,6 +105,8 @@ def drafter_name(heads: MedusaHeads | None, source: str = "") -> str:
     v1 or v2 layout), or "none"."""
     if heads is None:
         return "none"
+    if not isinstance(heads, MedusaHeads):  # an EAGLE draft (model/eagle.py): "eagle" | "eagle3"
+        return str(getattr(heads, "format", "draft"))
     if isinstance(heads, HydraHeads):
         return "hydra"
     return "medusa-2" if "medusa-2" in source else "medusa-1"

@@ -78,6 +78,13 @@ def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
 def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
     the Hub give a wrong `medusa_num_heads`)."""
+    from medusa_chat.model.eagle import eagle_file, load_eagle
+
+    eagle = eagle_file(folder)
+    if eagle is not None and not any((folder / f).is_file() for f in HEADS_FILES):
+        # an EAGLE-1/2/3 draft in its Hub layout (model/eagle.py; its errors name EAGLE)
+        draft = load_eagle(folder, eagle, read_state_file(eagle))
+        return draft, eagle, read_json(folder / "config.json")  # type: ignore[return-value]
     path = find_heads_file(folder)
     config = read_json(folder / "config.json")
     heads = _build_heads(read_state_file(path), str(path))
@@ -134,7 +141,19 @@ def load_checkpoint_heads(folder: Path, keys_by_file: dict[str, list[str]]) -> t
     return _build_heads(state, f"the medusa_head.* weights of {folder}"), first
 
 
+def heads_kind(heads: Any) -> str:
+    """The spec kind loaded heads make: "eagle" for an EAGLE draft, else v1 (own projections) / v2 heads."""
+    from medusa_chat.model.eagle import EagleDraft
+
+    return "eagle" if isinstance(heads, EagleDraft) else "v1-heads" if heads.own_lm_head else "v2-heads"
+
+
 def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, backbone: str) -> None:
+    from medusa_chat.model.eagle import EagleDraft, check_eagle_fits
+
+    if isinstance(heads, EagleDraft):
+        check_eagle_fits(heads, config, where, backbone)
+        return
     cfg = config.get("text_config") or config
     hidden, vocab = cfg.get("hidden_size"), cfg.get("vocab_size")
     if hidden is not None and heads.hidden_size != int(hidden):

@@ -142,8 +142,10 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
         return [n for n in ("config.json",) if n in present]
     if want == "heads":
         heads = next((f for f in HEADS_FILES if f in present), None)
-        if heads is None:
-            return []
+        if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file, no tokenizer
+            eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
+            draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
+            return ["config.json", eagle] if draft else []
         return [n for n in ("config.json", "tree.json") if n in present] + [heads]
     if want == "model":
         weights = weight_files(names)
@@ -335,7 +337,8 @@ def _why_offline() -> str:
 def _no_files_error(repo: str, want: str, names: list[str]) -> MedusaChatError:
     if want == "heads":
         return HeadsError(
-            f"{repo} has no Medusa heads file (expected {' or '.join(HEADS_FILES)}; it has: "
+            f"{repo} has no Medusa heads file (expected {' or '.join(HEADS_FILES)}, or an EAGLE draft's "
+            f"config.json + model.safetensors / pytorch_model.bin; it has: "
             f"{', '.join(names[:8]) or 'no files'}{', ...' if len(names) > 8 else ''})"
         )
     if want == "config":

@@ -112,10 +112,13 @@ class LeanForward:
     step, exact against the plain loop; T = 1 with a root-only plan is the plain step itself).
     """
 
+    taps: tuple[int, ...] = ()  # layers whose input hidden states each forward leaves in `tapped`
+
     def __init__(self, causal_lm: Any) -> None:
         body = causal_lm.model
         cfg = causal_lm.config
         self.embed = body.embed_tokens
+        self.tapped: list[torch.Tensor] = []
         self.lm_head = causal_lm.get_output_embeddings().forward
         self.rotary = body.rotary_emb
         self.final_norm_w = body.norm.weight
@@ -243,6 +246,8 @@ class LeanForward:
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
+            if i in self.taps:  # an EAGLE-3 draft reads these layers' inputs (engine/eagle_drafter.py)
+                self.tapped[:] = [*self.tapped[1 - len(self.taps) :], x[0]] if i != self.taps[0] else [x[0]]
             h = _rms_norm(x, layer.norm1_w, layer.norm1_eps)
             if layer.qkv is not None:
                 # one projection and one rotary for q and k together: elementwise, so bitwise the same

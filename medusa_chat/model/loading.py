@@ -34,6 +34,7 @@ from medusa_chat.model.heads import MedusaHeads
 from medusa_chat.model.heads_files import (
     check_heads_fit,
     checkpoint_medusa_keys,
+    heads_kind,
     load_checkpoint_heads,
     load_heads_file,
 )
@@ -490,8 +491,8 @@ def _separate_heads(
         heads_dir = _local_or_fetch(spec.heads, "heads", progress)
         heads_mod, heads_path, _ = load_heads_file(heads_dir)
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
-        if spec.kind in ("v1-heads", "v2-heads"):
-            spec = replace(spec, kind="v1-heads" if heads_mod.own_lm_head else "v2-heads")
+        if spec.kind in ("v1-heads", "v2-heads", "eagle"):
+            spec = replace(spec, kind=heads_kind(heads_mod))
     return spec, heads_mod, heads_dir, heads_path
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 
-KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded", "gguf", "no-heads")
+KINDS = ("v1-heads", "v2-heads", "full-medusa2", "embedded", "gguf", "no-heads", "eagle")
 TEMPLATES = ("vicuna_v1.1", "tokenizer")
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 EMBEDDED_HUB_ORIGINAL = (
@@ -180,7 +180,9 @@ def heads_folder_kind(folder: Path) -> str | None:
     Only a hint for display (config `version: "2"`); the loader decides from the tensors themselves.
     """
     if not any((folder / f).is_file() for f in HEADS_FILES):
-        return None
+        from medusa_chat.model.eagle import is_eagle_folder
+
+        return "eagle" if is_eagle_folder(folder) else None
     # A broken config is only a missing hint here: the loader reports it when it loads the heads.
     try:
         version = str(read_json(folder / "config.json").get("version"))

@@ -1,0 +1,261 @@
+"""EAGLE drafts (model/eagle.py, engine/eagle_drafter.py): published Hub layouts load and are checked against the
+backbone; every greedy reply is bitwise the plain loop's (static and EAGLE-2 dynamic trees, EAGLE-1 and EAGLE-3,
+lean and transformers forwards); exact sampling equals the plain loop with the same seed; the drafter's features
+are the backbone's and its incremental KV cache reproduces a from-scratch run of the draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.errors import HeadsError
+from medusa_chat.events import GenerationSettings
+from medusa_chat.model import hub
+from medusa_chat.model.loading import load_model, summary_lines
+from medusa_chat.model.registry import heads_folder_kind
+from medusa_chat.tree import Tree
+from tests.eagle_helpers import (
+    deep_planted_backbone,
+    draft_config,
+    planted_eagle1_state,
+    random_eagle3_state,
+    write_eagle,
+)
+from tests.tinymodels import folder_files
+
+TREE = Tree.named("mc_sim_7b_63").prefix(16)
+
+
+def _reply(engine: MedusaEngine, prompt: list[int], **kw):
+    return list(engine.generate(prompt, GenerationSettings(**kw)))[-1]
+
+
+@pytest.fixture(scope="module")
+def eagle1(_tiny_models, fixtures_root: Path):
+    model, _, _, path = _tiny_models["llama"]
+    folder = fixtures_root / "eagle1-bin"
+    if not folder.exists():
+        write_eagle(folder, planted_eagle1_state(model.get_input_embeddings().weight.detach()), draft_config())
+    return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def deep_dir(fixtures_root: Path) -> Path:
+    return deep_planted_backbone(fixtures_root / "tiny-llama-8-layers")
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(fixtures_root: Path) -> Path:
+    folder = fixtures_root / "eagle3-st"
+    if not folder.exists():
+        write_eagle(folder, random_eagle3_state(64, 512, 200), draft_config(draft_vocab=200), fmt="safetensors")
+    return folder
+
+
+def _prompts(loaded) -> list[list[int]]:
+    return [loaded.build_prompt([{"role": "user", "content": t}]) for t in ("tell me a story", "hello there")]
+
+
+def _hf_hidden_states(loaded, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        out = loaded.backbone(torch.tensor([ids]), output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states)
+
+
+def test_eagle1_folder_loads_as_an_eagle_draft(eagle1, fixtures_root: Path, hub_cache, _tiny_models) -> None:
+    folder = fixtures_root / "eagle1-bin"
+    hub_cache.add("tiny-org/eagle-draft", folder_files(folder))  # a Hub repo in the published layout
+    from_hub = load_model(model=str(_tiny_models["llama"][3]), heads="tiny-org/eagle-draft", quant="none")
+    assert from_hub.spec.kind == "eagle" and from_hub.heads.format == "eagle"
+    assert heads_folder_kind(folder) == "eagle"
+    assert eagle1.spec.kind == "eagle"
+    info = eagle1.info()
+    assert info["heads"]["format"] == "eagle"
+    assert any("EAGLE" in line for line in summary_lines(info))
+    assert hub.select_files(["config.json", "pytorch_model.bin", "README.md"], "heads") == [
+        "config.json",
+        "pytorch_model.bin",
+    ]
+
+
+@pytest.mark.parametrize("shaped", [True, False], ids=["eagle2-dynamic", "static"])
+def test_eagle1_greedy_replies_are_the_plain_loops(eagle1, shaped: bool) -> None:
+    engine = MedusaEngine(eagle1, TREE, shaped=shaped)
+    plain = MedusaEngine(eagle1, plain_tree())
+    assert engine._eagle is not None and ("EAGLE-2" in engine.tree_note) == shaped
+    for prompt in _prompts(eagle1):
+        a, b = _reply(engine, prompt, max_new_tokens=40), _reply(plain, prompt, max_new_tokens=40)
+        assert a.token_ids == b.token_ids
+        assert a.tokens_per_step > 2.0  # the planted draft is right most of the time: deep paths are accepted
+
+
+def test_eagle1_features_and_draft_cache_match_a_from_scratch_run(eagle1) -> None:
+    """After two turns (the second reuses the first's cached prefix: crop + extend), the drafter's features are
+    the backbone's final hidden states and its incremental cache gives the draft's from-scratch outputs."""
+    engine = MedusaEngine(eagle1, TREE)
+    first = _prompts(eagle1)[0]
+    reply = _reply(engine, first, max_new_tokens=30)
+    second = first + reply.token_ids[:-1] + _prompts(eagle1)[1]
+    _reply(engine, second, max_new_tokens=20)
+    drafter = engine._eagle
+    p = drafter.known
+    ids = drafter.ids[:p].tolist()
+    assert ids == engine.cached_ids
+    hf = _hf_hidden_states(eagle1, ids)[-1]  # transformers' last hidden state is after the final norm
+    torch.testing.assert_close(drafter.feats[:p], hf, atol=1e-4, rtol=1e-4)
+    root = torch.tensor([7])
+    with torch.inference_mode():  # (the drafter's buffers were made in the engine's inference mode)
+        _, out = drafter._extend(root)
+        ref = drafter.draft.reference_outputs(drafter.feats[:p], torch.cat([drafter.ids[1:p], root]), drafter.embed)
+    torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle1_exact_sampling_equals_the_plain_loop_with_the_same_seed(eagle1) -> None:
+    engine = MedusaEngine(eagle1, TREE)
+    plain = MedusaEngine(eagle1, plain_tree())
+    prompt = _prompts(eagle1)[0]
+    for seed in range(3):
+        kw = dict(max_new_tokens=20, temperature=0.7, top_p=0.95, seed=seed, accept="exact")
+        assert _reply(engine, prompt, **kw).token_ids == _reply(plain, prompt, **kw).token_ids
+
+
+def test_eagle1_safetensors_without_embedding_shares_the_backbones(_tiny_models, tmp_path: Path) -> None:
+    model, _, _, path = _tiny_models["llama"]
+    state = planted_eagle1_state(model.get_input_embeddings().weight.detach())
+    del state["embed_tokens.weight"]
+    folder = write_eagle(tmp_path / "e1", state, draft_config(), fmt="safetensors")
+    loaded = load_model(model=str(path), heads=str(folder), quant="none", device="cpu")
+    engine = MedusaEngine(loaded, TREE)
+    prompt = _prompts(loaded)[1]
+    assert _reply(engine, prompt, max_new_tokens=24).token_ids == _reply(
+        MedusaEngine(loaded, plain_tree()), prompt, max_new_tokens=24
+    ).token_ids
+
+
+@pytest.mark.parametrize("lean", ["1", "0"], ids=["lean-forward", "transformers-forward"])
+def test_eagle3_greedy_and_features(deep_dir: Path, eagle3_dir: Path, lean: str, monkeypatch) -> None:
+    """EAGLE-3 reads the inputs of layers 2, N/2, N - 3 (8 layers: 2, 4, 5) from either forward; greedy replies
+    are the plain loop's with static and dynamic trees; the draft vocabulary maps through d2t."""
+    monkeypatch.setenv("MEDUSA_CHAT_LEAN", lean)
+    loaded = load_model(model=str(deep_dir), heads=str(eagle3_dir), quant="none", device="cpu")
+    assert loaded.info()["heads"]["format"] == "eagle3"
+    plain = MedusaEngine(loaded, plain_tree())
+    assert (plain.runner.lean is not None) == (lean == "1")
+    prompt = _prompts(loaded)[0]
+    expected = _reply(plain, prompt, max_new_tokens=16).token_ids
+    for shaped in (True, False):
+        engine = MedusaEngine(loaded, TREE.prefix(8), shaped=shaped)
+        events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=16)))
+        assert events[-1].token_ids == expected
+        drafted = {t for e in events[1:-1] for t in e.tree.tokens[1:]}
+        assert drafted and drafted <= set(engine._eagle.vocab.tolist())  # draft-vocabulary tokens only (d2t)
+    drafter = engine._eagle
+    p = drafter.known
+    hs = _hf_hidden_states(loaded, drafter.ids[:p].tolist())
+    torch.testing.assert_close(drafter.feats[:p], torch.cat([hs[2], hs[4], hs[5]], dim=-1), atol=1e-4, rtol=1e-4)
+    root = torch.tensor([9])
+    with torch.inference_mode():  # (the drafter's buffers were made in the engine's inference mode)
+        _, out = drafter._extend(root)
+        ref = drafter.draft.reference_outputs(drafter.feats[:p], torch.cat([drafter.ids[1:p], root]), drafter.embed)
+    torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+def _load(path: Path, folder: Path):
+    return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")
+
+
+def test_eagle_drafts_for_another_model_are_refused(_tiny_models, eagle3_dir: Path, tmp_path: Path) -> None:
+    model, _, _, path = _tiny_models["llama"]
+    emb = model.get_input_embeddings().weight.detach()
+    small = planted_eagle1_state(torch.randn(512, 32))
+    with pytest.raises(HeadsError, match="hidden size 64"):
+        _load(path, write_eagle(tmp_path / "h32", small, draft_config(hidden=32)))
+    state = planted_eagle1_state(torch.randn(600, 64))
+    with pytest.raises(HeadsError, match="vocabulary of 600"):
+        _load(path, write_eagle(tmp_path / "v600", state, draft_config(vocab=600)))
+    with pytest.raises(HeadsError, match="at least 7 needed"):
+        _load(path, eagle3_dir)  # EAGLE-3 on a 2-layer backbone
+    bad = random_eagle3_state(64, 512, 200)
+    bad["d2t"][-1] = 1000
+    with pytest.raises(HeadsError, match="d2t"):
+        _load(path, write_eagle(tmp_path / "d2t", bad, draft_config(draft_vocab=200), fmt="safetensors"))
+    cfg = draft_config()
+    cfg["num_attention_heads"] = 8  # the weights are for 4 heads of 16
+    with pytest.raises(HeadsError, match="q_proj.weight has shape"):
+        _load(path, write_eagle(tmp_path / "heads", planted_eagle1_state(emb), cfg))
+
+
+def test_corrupt_or_incomplete_eagle_checkpoints_are_clear_errors(_tiny_models, tmp_path: Path) -> None:
+    model, _, _, path = _tiny_models["llama"]
+    folder = write_eagle(tmp_path / "cut", planted_eagle1_state(model.get_input_embeddings().weight.detach()),
+                         draft_config(), fmt="safetensors")
+    blob = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(HeadsError, match="truncated or corrupt|EAGLE"):
+        _load(path, folder)
+    state = random_eagle3_state(64, 512, 200)
+    del state["d2t"]
+    folder = write_eagle(tmp_path / "nod2t", state, draft_config(draft_vocab=200), fmt="safetensors")
+    with pytest.raises(HeadsError, match="needs d2t"):
+        _load(path, folder)
+    cut = write_eagle(tmp_path / "bin", planted_eagle1_state(model.get_input_embeddings().weight.detach()),
+                      draft_config())
+    data = (cut / "pytorch_model.bin").read_bytes()
+    (cut / "pytorch_model.bin").write_bytes(data[: len(data) // 3])
+    with pytest.raises(HeadsError):
+        _load(path, cut)
+
+
+@pytest.fixture(scope="module")
+def random_eagle1(_tiny_models, fixtures_root: Path):
+    """An EAGLE-1 draft whose attention dominates (random fc, full-size o_proj / down_proj): its guesses move
+    with any change of position, mask or cache slot."""
+    model, _, _, path = _tiny_models["llama"]
+    folder = fixtures_root / "eagle1-random"
+    if not folder.exists():
+        state = planted_eagle1_state(model.get_input_embeddings().weight.detach(), seed=5, scale=4.0)
+        state["fc.weight"] = torch.randn(64, 128, generator=torch.Generator().manual_seed(6)) / 128**0.5 * 3
+        write_eagle(folder, state, draft_config(), fmt="safetensors")
+    return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")
+
+
+@pytest.mark.parametrize("shaped", [False, True], ids=["static", "eagle2-dynamic"])
+def test_every_drafted_node_is_the_drafts_guess_along_its_own_path(random_eagle1, shaped: bool) -> None:
+    """Each node's token is the draft's top-k at the node's rank, the draft run from scratch over the context and
+    then along the node's own path (one row at a time): the depth calls' slots, positions and tree masks."""
+    eagle1 = random_eagle1
+    engine = MedusaEngine(eagle1, TREE, shaped=shaped)
+    prompt = _prompts(eagle1)[0]
+    _reply(engine, prompt, max_new_tokens=12)
+    drafter, draft = engine._eagle, engine._eagle.draft
+    root = torch.tensor([int(drafter.ids[drafter.known - 1]) + 1])
+    with torch.inference_mode():
+        if shaped:
+            tree, _, _, tokens = drafter.dynamic_tree(root)
+        else:
+            tree, tokens = TREE, drafter.propose(root, None, engine.buffers)
+        p = drafter.known
+        context = draft.reference_outputs(drafter.feats[:p], torch.cat([drafter.ids[1:p], root]), drafter.embed)
+        k = 1 + max(tree.ranks)
+        checked = 0
+        for node in range(1, tree.size):
+            path = tree.path_nodes(node)[1:-1]  # the node's ancestors below the root
+            cache = draft.new_cache()
+            cache.ensure(p + len(path) + 1)
+            pos = torch.arange(p)
+            causal = torch.full((p, p), torch.finfo(torch.float32).min).triu(1)
+            h = draft(drafter.feats[:p], drafter.embed(torch.cat([drafter.ids[1:p], root])), pos, cache, pos,
+                      causal, True)[-1:]
+            torch.testing.assert_close(h, context[-1:])
+            for i, a in enumerate(path):
+                slot = torch.tensor([p + i])
+                h = draft(h, drafter.embed(tokens[a : a + 1]), slot, cache, slot, torch.zeros(1, p + i + 1),
+                          False)
+            top = drafter._logits(h).topk(k, dim=-1).indices[0]
+            assert int(tokens[node]) == int(top[tree.ranks[node]]), node
+            checked += len(path) > 0
+        assert checked >= 3  # nodes below depth 1 were checked
