@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -74,6 +76,22 @@ def atomic_write_text(path: Path | str, text: str, *, mode: int = 0o666) -> Path
 
 def atomic_write_json(path: Path | str, obj: Any, *, mode: int = 0o666, indent: int | None = 1) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False), mode=mode)
+
+
+def replace_folder(out: Path, write: Callable[[Path], Any], prefix: str = ".tmp-") -> Path:
+    """Build a folder with `write(tmp)` in a temporary folder beside `out`, then put it in `out`'s place: a crash
+    or an error mid-way leaves the old folder (or none), never a half-written one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def read_json(path: Path) -> dict[str, Any]:

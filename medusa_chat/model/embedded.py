@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from medusa_chat.atomic import atomic_write_text
+from medusa_chat.atomic import atomic_write_text, replace_folder
 from medusa_chat.errors import ModelNotFoundError
 from medusa_chat.paths import cache_root
 
@@ -84,16 +82,11 @@ def _convert(gguf: Path, out: Path) -> None:
         config.architectures = ["LlamaForCausalLM"]
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     state = gguf_state_dict(gguf, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    replace_folder(out, write, prefix=".convert-")

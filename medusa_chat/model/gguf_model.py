@@ -29,9 +29,7 @@ import gc
 import hashlib
 import json
 import re
-import shutil
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,8 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from medusa_chat.atomic import atomic_write_text
+from medusa_chat.atomic import atomic_write_text, replace_folder
 from medusa_chat.errors import DeviceError, MedusaChatError, ModelNotFoundError
+from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -54,16 +53,7 @@ SUPPORTED_ARCHS = (
 )  # what the native step runs exactly (model_type after transformers' mapping)
 FOLDER_VERSION = "1"  # bump when the weightless folder's contents change
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
-LINEARS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+LINEARS, NORMS = GGUF_LINEARS, GGUF_NORMS  # GGUF tensor name -> transformers module path, per layer
 
 
 @dataclass(frozen=True)
@@ -188,18 +178,12 @@ def gguf_model_dir(gguf: Path, progress: Progress | None = None) -> Path:
     check_architecture(gguf)
     if progress:
         progress(f"Reading the config and tokenizer of {gguf.name} once (kept in {out})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         _write_folder(gguf, tmp)
         atomic_write_text(tmp / stamp.name, json.dumps(source))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return replace_folder(out, write, prefix=".gguf-")
 
 
 def _write_folder(gguf: Path, out: Path) -> None:
