@@ -312,6 +312,7 @@ def test_ctrl_c_at_the_prompt_exits_cleanly(tmp_path: Path, monkeypatch: pytest.
 def test_ctrl_c_during_a_reply_calls_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGINT during a reply only sets the session's stop flag (the engine ends the reply at its next step)."""
     session = SessionManager(data_dir=tmp_path)
+    before = signal.getsignal(signal.SIGINT)  # (SIG_IGN where the tests run as a background job)
 
     def stream():
         yield _events()[0]
@@ -324,7 +325,7 @@ def test_ctrl_c_during_a_reply_calls_stop(tmp_path: Path, monkeypatch: pytest.Mo
     chat = TerminalChat(session, Console(file=out), interactive=False, out=out)
     chat.stream_reply(stream)
     assert "Hi The cat sat" in out.getvalue() and chat._interrupts == 1
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 # ------------------------------------------------------------------------------------------------------------
