@@ -248,6 +248,14 @@ def heads_from_state_dict(state_dict: dict[str, torch.Tensor], vocab_size: int |
             {k: (v if k == "draft_vocab" else v.float()) for k, v in state_dict.items()}, strict=True
         )
         return heads
-    heads = MedusaHeads(hidden, vocab or vocab_size or 0, num_heads, num_layers, own_lm_head=own)
-    heads.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    # Made on the meta device and given the file's tensors (as fp32): no randomly initialised copy
+    # first. Published Medusa-1 heads carry a full-vocabulary projection each (4.4 GB in fp32 for Vicuna-7B's 5).
+    with torch.device("meta"):
+        heads = MedusaHeads(hidden, vocab or vocab_size or 0, num_heads, num_layers, own_lm_head=own)
+    heads.load_state_dict(_as_fp32(state_dict), strict=True, assign=True)
     return heads
+
+
+def _as_fp32(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict in fp32 (tensors already fp32 are kept, not copied)."""
+    return {k: v if v.dtype == torch.float32 else v.float() for k, v in state_dict.items()}
