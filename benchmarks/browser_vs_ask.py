@@ -3,7 +3,7 @@ the engine measures for the same prompt run the way `ask` runs it (same model, n
 
 Why: the browser that shows the reply runs on the same cores as the decoder. Each page update costs the server
 (Gradio's diff and send) and the browser (layout, paint); when the decoder waits for them, the page shows a
-fraction of the speed (issue 29: 160 tok/s on the page against 500+ for `ask` on 2 cores). The UIs now update
+fraction of the speed (measured before: 160 tok/s on the page against 500+ for `ask` on 2 cores). The UIs now update
 at most ~15 times a second from a decoding thread (medusa_chat/chat/updates.py); this measures what is left.
 
 One process: the web UI (`medusa_chat.ui.web.launch`) on the embedded model, headless Debian Chromium driven by
@@ -52,7 +52,7 @@ VARIANTS = {  # name: (MEDUSA_CHAT_UI_HZ, MEDUSA_CHAT_UI_DECODE_AHEAD)
     "per-step": ("100000", "0"),
 }
 PROMPT = (
-    "Give me three tips for staying healthy."  # the issue's prompt: a 141-token reply on the embedded model
+    "Give me three tips for staying healthy."  # the reported prompt: a 141-token reply on the embedded model
 )
 METER_JS = """() => {
     const num = k => { const e = document.querySelector(`#meter .mc-num[data-key="${k}"]`);

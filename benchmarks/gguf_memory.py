@@ -1,5 +1,5 @@
 """Resident memory of a GGUF model: load it (`--model PATH.gguf`), decode a reply, and report RSS against the
-issue-26 target (<= 1.3 x the file + the KV cache + ~0.5 GB of runtime).
+memory target (<= 1.3 x the file + the KV cache + ~0.5 GB of runtime).
 
     python benchmarks/gguf_memory.py --model model-Q4_1.gguf [--heads DIR] [--new-tokens 128] [--quant auto]
 

@@ -8,7 +8,7 @@ heads the tree reaches, drafted in C) and, with --compare-fp32, the old fp32 PyT
 
 The step timed is the engine's own (`measure_step_latency`: propose with its drafting, verify, accept, commit,
 the calibration's harness), round-robin over the sizes. Random weights measure cost only, not acceptance.
-Target (issue 27): at the 1.17B Llama shape with 4 heads, the 2-node step <= 1.35x the plain step.
+Target: at the 1.17B Llama shape with 4 heads, the 2-node step <= 1.35x the plain step.
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def test_injection_payloads_stay_text(page: Any, served: Any, tmp_path: Path) ->
     session: SessionManager = served.medusa_web.session
     set_number(page, "max-new", 6)
     wait_until(lambda: session.settings.max_new_tokens == 6, what="max new tokens to reach the session")
-    # 1. the payloads as user messages (the exact message first; two messages: the tiny model's context
+    # 1. the payloads as user messages (the reported message first; two messages: the tiny model's context
     # window is 512 tokens)
     for chunk in (INJECTIONS[:4], INJECTIONS[4:]):
         before = len(session.conversation.messages)

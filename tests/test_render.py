@@ -80,7 +80,7 @@ def test_esc_and_visible_token() -> None:
 
 
 # ---- chat messages ---------------------------------------------------------------------------------------------
-# The payload: raw HTML, HTML behind a backslash-escaped backtick (it defeated the old code-span
+# The reported payload: raw HTML, HTML behind a backslash-escaped backtick (it defeated the old code-span
 # escaping), a script; then the exfiltration shapes: Markdown images (remote, protocol-relative, reference
 # style, data:), a javascript: link, an autolink, an HTML entity that spells a tag.
 INJECTIONS = [

@@ -4,7 +4,7 @@ one's speed under load as a fraction of its quiet speed.
 
 Why: a desktop chat app never has the machine to itself. A core held by another process stalls every barrier
 of a multi-threaded step (engine/threads.py adapts the thread count to it); this reports what is left of each
-method's speed, and of Medusa's lead, under that load (issue 29's targets: Medusa >= 0.5x its quiet speed and
+method's speed, and of Medusa's lead, under that load (the targets: Medusa >= 0.5x its quiet speed and
 >= 1.3x the plain loop under one busy process on 2 cores, still ahead of llama.cpp).
 
 A busy process is a separate Python interpreter spinning `while True: pass` (one core each, as another
