@@ -281,35 +281,22 @@ def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int
     return lin
 
 
-class KQuantEmbedding(torch.nn.Module):
+class KQuantEmbedding(qgemm.RowLookupEmbedding):
     """A token embedding looked up in a K-quant linear's own blocks (kquants.c, kq_rows: each row dequantized
     as ggml does, bit for bit `table.dequantized()`'s rows), so a K-quant token_embd is never held in fp32
-    (49152 x 2048: 400 MB). `table`: the tied lm_head, or a KQuantLinear made for the embedding alone. As
-    qgemm.BlockEmbedding, `weight` is an empty [0, H] buffer (dtype/device questions only)."""
+    (49152 x 2048: 400 MB). `table`: the tied lm_head, or a KQuantLinear made for the embedding alone."""
 
     def __init__(self, table: KQuantLinear, padding_idx: int | None = None) -> None:
-        super().__init__()
         lib = qgemm.load()
         if lib is None:
             raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+        super().__init__(table, padding_idx)
         self._rows_fn = lib.kq_rows
         self._code = list(RAW_BYTES).index(table.type_name)
-        # not a submodule: the tied lm_head owns (and saves) the blocks; a plain attribute keeps a table made for
-        # the embedding alone alive
-        self.__dict__["table"] = table
-        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-        self.padding_idx = padding_idx
-        self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        out = torch.empty(flat.numel(), self.embedding_dim)
+    def _lookup(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         t = self.table
-        n = flat.numel()
-        self._rows_fn(self._code, t.qs.data_ptr(), t.in_features, t.group, flat.data_ptr(), n, out.data_ptr())
-        return out.view(*ids.shape, self.embedding_dim)
+        self._rows_fn(self._code, t.qs.data_ptr(), t.in_features, t.group, flat.data_ptr(), flat.numel(), out.data_ptr())
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of {self.table.type_name} blocks"

@@ -401,43 +401,53 @@ class Q80Linear(BlockLinear):
         return Q80Linear(codes.index_select(0, index), d.index_select(0, index))
 
 
-class BlockEmbedding(nn.Module):
-    """A token embedding looked up in a Q8_0 block linear's own blocks: the lm_head's, when the model ties the
-    two and the float table is exactly those blocks dequantized (the embedded GGUF stores one Q8_0 token_embd
-    for both; `cpu_linears.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
-    is looked up (csrc/qgemm.c, q8_0_rows: d * q, exact in fp32), so the table is not held a second time in fp32
-    (49152 x 576: 113 MB for the embedded model).
+class RowLookupEmbedding(nn.Module):
+    """A token embedding looked up in a block linear's own blocks (`table`), each row dequantized by C as it is
+    looked up, so the table is never held a second time in fp32. Subclasses say how a row is read (`_lookup`).
 
     `weight` is an empty [0, H] fp32 buffer: it answers the dtype/device questions code asks of an embedding,
     and fails loudly where code would read its values."""
 
-    def __init__(self, table: Q80Linear, padding_idx: int | None = None) -> None:
+    def __init__(self, table: BlockLinear, padding_idx: int | None = None) -> None:
         super().__init__()
-        lib = load()
-        if lib is None:
-            raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
-        self._rows_fn = lib.q8_0_rows
-        self.__dict__["table"] = table  # not a submodule: the lm_head owns (and saves) the blocks
+        # not a submodule: a tied lm_head owns (and saves) the blocks; a plain attribute keeps a table made for
+        # the embedding alone alive
+        self.__dict__["table"] = table
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.padding_idx = padding_idx
         self.register_buffer("weight", torch.empty(0, table.in_features), persistent=False)
+
+    def _lookup(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
         out = torch.empty(flat.numel(), self.embedding_dim)
+        self._lookup(flat, out)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+class BlockEmbedding(RowLookupEmbedding):
+    """A token embedding looked up in a Q8_0 block linear's own blocks: the lm_head's, when the model ties the
+    two and the float table is exactly those blocks dequantized (the embedded GGUF stores one Q8_0 token_embd
+    for both; `cpu_linears.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
+    is looked up (csrc/qgemm.c, q8_0_rows: d * q, exact in fp32), so the table is not held a second time in fp32
+    (49152 x 576: 113 MB for the embedded model)."""
+
+    def __init__(self, table: Q80Linear, padding_idx: int | None = None) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the qgemm kernel cannot run here: {_ERROR}")
+        super().__init__(table, padding_idx)
+        self._rows_fn = lib.q8_0_rows
+
+    def _lookup(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         t = self.table
         self._rows_fn(
-            t.qs.data_ptr(),
-            t.d.data_ptr(),
-            t.in_features,
-            t.group,
-            flat.data_ptr(),
-            flat.numel(),
-            out.data_ptr(),
+            t.qs.data_ptr(), t.d.data_ptr(), t.in_features, t.group, flat.data_ptr(), flat.numel(), out.data_ptr()
         )
-        return out.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the Q8_0 lm_head"
