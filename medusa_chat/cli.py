@@ -55,7 +55,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME|ORG/NAME|PATH",
         help=f"registry alias ({', '.join(MODELS)}), Hub repo or local folder (default: {DEFAULT_MODEL})",
     )
-    g.add_argument("--heads", default=None, metavar="ORG/NAME|PATH", help="Medusa heads to use with --model")
+    g.add_argument(
+        "--heads",
+        default=None,
+        metavar="ORG/NAME|PATH",
+        help="Medusa heads to use with --model; for the embedded model also its shipped `hydra` (the default) or "
+        "`medusa-1`",
+    )
     g.add_argument(
         "--quant",
         choices=["auto", "none", "int8", "int4", "nf4"],  # loading.QUANTS (not imported here: it loads torch)

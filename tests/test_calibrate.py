@@ -215,6 +215,16 @@ def test_choose_tree_uses_the_calibration_unless_told_otherwise(
     )
     choose_tree(loaded)
     assert loaded.graph_step is False
+    # A CPU record that also timed one-thread steps names the tree the engine verifies on one thread
+    save_calibration(
+        {"version": tree_choice.CALIBRATION_VERSION, "tree": base.name, "tree_size": size, "tree_size_1_thread": 2},
+        name,
+        device,
+        quant,
+        dtype,
+    )
+    choose_tree(loaded)
+    assert loaded.single_thread_trees == {size: 2}
     # A calibration made with other heads (retrained: another file stamp) does not apply.
     save_calibration(
         {

@@ -206,3 +206,52 @@ def test_calibration_times_the_drafting_step(make_loaded_model: Callable[..., Lo
     finally:
         MedusaDrafter.__init__ = original  # type: ignore[method-assign]
     assert lat[4]["median_s"] > 0 and counting is not None and len(counting.depths) >= 3
+
+
+def _with_draft_vocab(loaded: LoadedModel, tmp_path: Path, ids: list[int]) -> LoadedModel:
+    """The same heads folder with a draft vocabulary file beside the heads file, loaded afresh."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE
+
+    folder = tmp_path / "heads"
+    shutil.copytree(Path(loaded.heads_file).parent, folder)
+    save_file({"draft_vocab": torch.tensor(ids, dtype=torch.int32)}, str(folder / DRAFT_VOCAB_FILE))
+    return load_model(model=loaded.spec.backbone, heads=str(folder), quant="int8", device="cpu")
+
+
+def test_a_draft_vocabulary_beside_the_heads_limits_their_guesses_and_keeps_the_output(
+    make_loaded_model: Callable[..., LoadedModel], tmp_path: Path
+) -> None:
+    """The heads project onto the draft vocabulary's rows only: one holding the reply's tokens keeps the planted
+    heads' acceptance, one without them leaves nothing to accept; the output is the plain loop's either way."""
+    loaded = make_loaded_model(heads="v1", quant="int8")
+    vocab = loaded.heads.vocab_size
+    prompt = loaded.build_prompt([{"role": "user", "content": "hello there"}])
+    _, plain = run(MedusaEngine(loaded, plain_tree()), prompt, max_new_tokens=32)
+    reply = sorted(set(plain.token_ids))
+    others = [t for t in torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist() if t not in reply]
+    for ids, accepts in ((reply + others[: vocab // 4], True), (others[: vocab // 2], False)):
+        with_vocab = _with_draft_vocab(loaded, tmp_path / str(accepts), ids)
+        assert with_vocab.info()["heads"]["draft_vocab"] == len(ids)
+        engine = MedusaEngine(with_vocab, TREE.prefix(4))
+        assert engine.drafter.draft_vocab is not None and engine.drafter.native_draft is not None
+        _, out = run(engine, prompt, max_new_tokens=32, context_lookup=False)
+        assert out.token_ids == plain.token_ids
+        assert (out.tokens_per_step > 1.5) == accepts, out.tokens_per_step
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [([0, 1, 1], "more than once"), ([0, 1, 10**6], "another tokenizer"), ([], "non-empty 1-D")],
+)
+def test_a_bad_draft_vocabulary_is_a_clear_error(
+    ids: list[int], message: str, make_loaded_model: Callable[..., LoadedModel], tmp_path: Path
+) -> None:
+    from medusa_chat.errors import HeadsError
+
+    loaded = make_loaded_model(heads="v1", quant="int8")
+    with pytest.raises(HeadsError, match=message):
+        _with_draft_vocab(loaded, tmp_path, ids)

@@ -142,3 +142,40 @@ def test_products_and_the_fused_argmax_are_the_same_bits_on_1_2_3_threads(restor
         got[n] = (q8(x), q4(x), q8.argmax(x))
     for n in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(got[1], got[n], strict=True)), n
+
+
+def test_on_one_thread_the_engine_verifies_the_calibrated_one_thread_prefix(restore_threads, monkeypatch) -> None:
+    """Calibration's one-thread size (LoadedModel.single_thread_trees) is the tree while the native step runs one
+    thread; all threads verify the whole tree; the replies are the plain loop's either way."""
+    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
+    model = block_loaded("int8")
+    monkeypatch.setattr(model, "single_thread_trees", {8: 3})
+    engine = MedusaEngine(model, Tree.named("mc_sim_7b_63").prefix(8))
+    plain = MedusaEngine(model, plain_tree())
+    settings = GenerationSettings(max_new_tokens=24, temperature=0, context_lookup=False)
+    for count, largest in ((1, 3), (2, 8)):
+        engine.threads.adaptive, engine.threads.threads = False, count  # as the governor would leave it
+        sizes = []
+        for prompt in training_prompts()[:3]:
+            events = list(engine.generate(prompt, settings))
+            assert qgemm.get_threads() == count
+            sizes += [len(e.tree.tokens) for e in events[:-1] if e.tree is not None]
+            assert events[-1].token_ids == _reply(plain, prompt, 24)
+        assert max(sizes) == largest, (count, sizes)
+
+
+def test_calibration_times_one_thread_too_and_never_picks_a_larger_tree(monkeypatch, tmp_path) -> None:
+    import json
+
+    from medusa_chat.tuning import calibrate as cal
+
+    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
+    model = block_loaded("int8")
+    base = Tree.named("mc_sim_7b_63").prefix(4)
+    accuracy = tmp_path / "tree.json"  # (this tiny model has no chat template for the built-in prompts)
+    accuracy.write_text(
+        json.dumps({"paths": [list(p) for p in base.paths], "expected_tokens_per_step": [1.0, 1.6, 1.9, 2.1]})
+    )
+    record = cal.calibrate(model, base=base, sizes=[1, 2, 4], prefix_tokens=16, reps=2, accuracy_file=accuracy)
+    assert 1 <= record["tree_size_1_thread"] <= record["tree_size"]
+    assert all(row["latency_1_thread_s"] > 0 for row in record["sizes"])

@@ -164,7 +164,7 @@ def make_drafter(heads: MedusaHeads | None, backbone: torch.nn.Module, source: s
     if isinstance(heads, HydraHeads):
         return HydraDrafter(heads, backbone)
     if heads is not None and getattr(heads, "block_kind", ""):
-        return MedusaDrafter(heads, backbone, drafter_name(heads, source))
+        return MedusaDrafter(heads, backbone, drafter_name(heads, source), heads.draft_vocab_ids)
     return None
 
 

@@ -45,7 +45,7 @@ from medusa_chat.engine.text import (
     release_held,
     stop_string_cut,
 )
-from medusa_chat.engine.threads import ThreadGovernor
+from medusa_chat.engine.threads import ThreadGovernor, adapts
 from medusa_chat.engine.trees import StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
@@ -132,10 +132,8 @@ class MedusaEngine(StepTrees, GraphSteps):
         # the native CPU step's thread count: 1 while other processes keep the cores busy (threads.py)
         self.threads: ThreadGovernor | None = None
         if self.device.type == "cpu":
-            from medusa_chat.model.block_forward import NativeForward
-
             self.threads = ThreadGovernor()
-            self.threads.adaptive = self.threads.adaptive and isinstance(self.runner.lean, NativeForward)
+            self.threads.adaptive = self.threads.adaptive and adapts(self.runner)
 
     def fresh_cache(self, capacity: int = 1024) -> None:
         """Start over on a new, empty KV cache of `capacity` tokens (it grows as needed)."""
@@ -271,7 +269,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         the calibration times (every repetition sees the same context)."""
         start = self.cache.length
         if self.draft_shaped and draft is not None:  # the tree a reply's step drafts and verifies
-            tree, buf, plan, tokens = self._confident_tree(root, draft)
+            tree, buf, plan, tokens = self._confident_tree(root, draft, self.tree.size)
             done = self.step(root, draft, start, acceptor, 0, buf, plan, None, tokens)
         else:
             done = self.step(root, draft, start, acceptor, 0)
@@ -433,12 +431,18 @@ class MedusaEngine(StepTrees, GraphSteps):
         """This step's tree, buffers and plan, the lookup's guesses for its main chain, and its tokens where
         they are known already (a lookup run, a draft-shaped tree; else None: the step proposes them)."""
         room = self.context_limit - start
+        # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
+        # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
+        size = self.tree.size
+        if self._one_thread_size and self.threads is not None and self.threads.threads == 1:
+            size = self._one_thread_size
         # near the end of the context window a prefix of the tree still fits: the reply runs to the end
-        tree, buf, plan = self.tree_for_room(room)
+        tree, buf, plan = self.tree_for_room(min(room, size))
+        full = tree.size == size  # (not cut by the window's end)
         guess: list[int] = []
         tokens = None
         if lookup is not None and buf.chain:
-            whole = tree is self.tree and runs > len(buf.chain)
+            whole = full and runs > len(buf.chain)
             guess = lookup.continuation(runs if whole else len(buf.chain))
             if whole and lookup.matched == lookup.max_match and len(buf.chain) < len(guess) < room:
                 # a long match: the text is being copied, so the step verifies the lookup's whole run (a
@@ -450,8 +454,8 @@ class MedusaEngine(StepTrees, GraphSteps):
             # no heads (lookup_only.py): the step verifies the nodes the lookup filled, the root alone without a
             # guess (a plain step), never nodes nobody drafted
             tree, buf, plan = self.tree_for_room(len(guess) + 1)
-        if self.draft_shaped and not guess and tree is self.tree:
-            tree, buf, plan, tokens = self._confident_tree(root, guesses)
+        if self.draft_shaped and not guess and full and size > 2:
+            tree, buf, plan, tokens = self._confident_tree(root, guesses, size)
         elif self._eagle is not None and self._eagle.dynamic and self.shaped and not guess and tree is self.tree:
             tree, buf, plan, tokens = self._eagle.dynamic_tree(root)  # EAGLE-2's dynamic tree
         return tree, buf, plan, guess, tokens

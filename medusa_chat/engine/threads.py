@@ -82,6 +82,14 @@ def describe() -> str:
     return f"{_full_threads()}, adaptive (1 while other processes keep the cores busy)"
 
 
+def adapts(runner) -> bool:
+    """Does a ThreadGovernor change the thread count for this BackboneRunner? Only the native C step's (the
+    kernels' count, not torch's), and only while no count is fixed and the machine has more than one core."""
+    from medusa_chat.model.block_forward import NativeForward
+
+    return fixed() is None and isinstance(runner.lean, NativeForward) and _full_threads() > 1
+
+
 def _full_threads() -> int:
     from medusa_chat.kernels import qgemm
 

@@ -37,6 +37,9 @@ class StepTrees:
             tree.check_fits(self.heads.num_heads if self.heads is not None else None)
         self.tree = tree
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
+        # the prefix this tree's calibration found best while the native step runs on one thread (None: the same)
+        one = getattr(self.model, "single_thread_trees", {}).get(tree.size)
+        self._one_thread_size: int | None = one if one is not None and one < tree.size else None
         self.drafter = self._drafter if tree.size > 1 else None
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
@@ -108,12 +111,13 @@ class StepTrees:
         )
 
     def _confident_tree(
-        self, root: torch.Tensor, hidden: torch.Tensor
+        self, root: torch.Tensor, hidden: torch.Tensor, size: int
     ) -> tuple[Tree, TreeBuffers, TreePlan | None, torch.Tensor]:
-        """This step's tree shaped by the draft's confidence (confident_paths, in C) and its tokens [N]."""
+        """This step's tree of `size` nodes shaped by the draft's confidence (confident_paths, in C) and its
+        tokens [N]."""
         assert self._shape_spine is not None and self.drafter is not None and self.drafter.native is not None
         depth, k = self._shape_spine
-        codes, tokens = self.drafter.native.draft_shaped(root, hidden, depth, k, self.tree.size)
+        codes, tokens = self.drafter.native.draft_shaped(root, hidden, depth, k, size)
         state = self._shapes.get(codes)
         if state is None:
             paths = [(0,) * (c // k) + (c % k,) for c in codes]

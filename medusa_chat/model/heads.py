@@ -59,6 +59,8 @@ class MedusaHeads(nn.ModuleList):
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.own_lm_head = own_lm_head
+        # Token ids the drafter projects onto (heads_files.DRAFT_VOCAB_FILE); None: the whole vocabulary.
+        self.draft_vocab_ids: torch.Tensor | None = None
 
     @property
     def format(self) -> str:

@@ -21,6 +21,10 @@ Progress = Callable[[str], None]
 
 
 MEDUSA_PREFIX = "medusa_head."
+# Beside a heads file in its published layout: the token ids the heads draft among (FR-Spec style), int32 under
+# the key `draft_vocab`, most frequent first. A separate file, so that the heads file stays loadable by
+# FasterDecoding's code, vLLM and TGI.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def find_heads_file(folder: Path) -> Path:
@@ -92,7 +96,38 @@ def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
         raise HeadsError(
             f"{path}: config.json says version 2 (shared lm_head) but the file has a projection per head"
         )
+    if not isinstance(heads, HydraHeads):  # (Hydra heads carry their draft vocabulary in the heads file)
+        heads.draft_vocab_ids = read_draft_vocab(folder / DRAFT_VOCAB_FILE)
     return heads, path, config
+
+
+def read_draft_vocab(path: Path) -> torch.Tensor | None:
+    """The draft vocabulary beside a heads file (int64 token ids), None when the folder has none. Only its form
+    is checked here; check_draft_vocab checks it against the backbone's vocabulary once that is known."""
+    if not path.is_file():
+        return None
+    ids = read_state_file(path).get("draft_vocab")
+    if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex():
+        raise HeadsError(f"{path} must hold `draft_vocab`: a non-empty 1-D tensor of integer token ids")
+    ids = ids.to(torch.int64)
+    if int(ids.unique().numel()) != int(ids.numel()):
+        raise HeadsError(f"{path}: the draft vocabulary lists a token id more than once")
+    return ids
+
+
+def check_draft_vocab(heads: MedusaHeads, vocab_size: int, where: str) -> None:
+    """A draft vocabulary must name tokens of the backbone's vocabulary (a mismatch is a heads file meant for
+    another tokenizer); one as large as the vocabulary saves nothing and is dropped."""
+    ids = heads.draft_vocab_ids
+    if ids is None:
+        return
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise HeadsError(
+            f"the draft vocabulary beside {where} names token ids up to {int(ids.max())}, but the backbone's "
+            f"vocabulary has {vocab_size} tokens: it belongs to another tokenizer"
+        )
+    if ids.numel() >= vocab_size:
+        heads.draft_vocab_ids = None
 
 
 def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str, list[str]]:

@@ -146,7 +146,7 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
             eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
             draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
             return ["config.json", eagle] if draft else []
-        return [n for n in ("config.json", "tree.json") if n in present] + [heads]
+        return [n for n in ("config.json", "tree.json", "draft_vocab.safetensors") if n in present] + [heads]
     if want == "model":
         weights = weight_files(names)
         if not weights or "config.json" not in present:

@@ -32,6 +32,7 @@ from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICU
 from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
 from medusa_chat.model.heads import MedusaHeads
 from medusa_chat.model.heads_files import (
+    check_draft_vocab,
     check_heads_fit,
     checkpoint_medusa_keys,
     heads_kind,
@@ -73,6 +74,9 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
     # On a GPU: False when this device's calibration timed CUDA-graph steps slower than eager ones (tree_choice)
     graph_step: bool | None = None
+    # On a CPU: {calibrated tree size: the size that calibration found best on one thread}, the tree the engine
+    # verifies while its thread governor runs the native step on one thread (a busy machine; tree_choice)
+    single_thread_trees: dict[int, int] = field(default_factory=dict)
     # this numeric path's teacher-forced agreement with the float model where the `--quant auto` choice measured
     # it (numeric_path.cached_fidelity: top1, mean_kl, p99_kl, tokens); "none" on a float checkpoint is the
     # float model itself
@@ -537,6 +541,7 @@ def _fit_heads(
             f"has {vocab}"
         )
     heads_mod.vocab_size = vocab
+    check_draft_vocab(heads_mod, vocab, str(heads_path))
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)

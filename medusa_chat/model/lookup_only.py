@@ -68,7 +68,16 @@ def heads_info(heads: Any, source: str, file: str, model: str) -> dict[str, Any]
         "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,  # block heads: buffers
         "params": sum(p.numel() for p in params),
         "bytes": sum(p.numel() * p.element_size() for p in params),
+        "draft_vocab": _draft_vocab_size(heads),
     }
+
+
+def _draft_vocab_size(heads: Any) -> int | None:
+    """How many tokens the heads draft among: Hydra's buffer or a Medusa heads folder's draft_vocab file."""
+    ids = getattr(heads, "draft_vocab_ids", None)
+    if ids is None and "draft_vocab" in dict(heads.named_buffers()):
+        ids = heads.draft_vocab
+    return None if ids is None else int(ids.numel())
 
 
 def heads_line(h: dict[str, Any]) -> str:
@@ -80,4 +89,5 @@ def heads_line(h: dict[str, Any]) -> str:
     return (
         f"{what}, format {h['format']} "
         f"({h['source']}), {human_count(h['params'])} params, {h['dtype']}, drafter {h.get('drafter', '?')}"
+        + (f", draft vocabulary {h['draft_vocab']}" if h.get("draft_vocab") else "")
     )

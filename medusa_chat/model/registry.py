@@ -81,6 +81,9 @@ def assets_dir() -> Path:
 
 
 EMBEDDED_HEADS_DIR = assets_dir() / "smollm2-135m"
+# The embedded model's shipped drafts, by the name `--heads` takes: the default Hydra heads, and Medusa-1 heads
+# (ResBlocks on the shared lm_head, in the published v2 layout) with a draft vocabulary beside them.
+SHIPPED_HEADS = {"hydra": EMBEDDED_HEADS_DIR, "medusa-1": assets_dir() / "smollm2-135m-medusa1"}
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -225,6 +228,8 @@ def resolve(model: str | None = None, heads: str | None = None) -> ModelSpec:
     """
     model = (model or DEFAULT_MODEL).strip()
     heads = heads.strip() if heads else None
+    if heads in SHIPPED_HEADS:
+        heads = str(SHIPPED_HEADS[heads])
     heads_loc = _check_location(heads, "heads") if heads else None
 
     if model in MODELS:

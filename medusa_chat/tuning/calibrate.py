@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat.engine.threads import adapts
 from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from medusa_chat.tuning.measure import (
@@ -88,6 +89,18 @@ def estimated_speedup(
 ) -> float:
     """Speedup of `size` over plain one-token steps: E(size) * latency(1) / latency(size)."""
     return tokens_per_step_by_size[size] * latency_by_size[1] / latency_by_size[size]
+
+
+def _best_size(latency: dict[int, float], tps: dict[int, float], lookup_only: bool) -> int:
+    best = pick_tree_size(latency, tps, NEAR_TIE)
+    if lookup_only and best == 1:
+        # Without heads the chain only costs where the lookup guesses, and the guesses pay most in long
+        # conversations that a few short replies do not show: a chain is kept unless plain steps were clearly
+        # faster (by more than the near-tie margin), so the lookup is not switched off on no evidence.
+        rates = expected_tokens_per_s(latency, tps)
+        chain = pick_tree_size({n: v for n, v in latency.items() if n > 1}, tps, NEAR_TIE)
+        best = chain if rates[chain] * (1 + NEAR_TIE) >= rates[1] else 1
+    return best
 
 
 def _reply_budget(loaded: Any) -> int:
@@ -229,14 +242,24 @@ def calibrate(
                 loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, graphs=False
             ).items()
         }
-    best = pick_tree_size(latency, tps, NEAR_TIE)
+    best = _best_size(latency, tps, lookup_only)
     rates = expected_tokens_per_s(latency, tps)
-    if lookup_only and best == 1:
-        # Without heads the chain only costs where the lookup guesses, and the guesses pay most in long
-        # conversations that a few short replies do not show: a chain is kept unless plain steps were clearly
-        # faster (by more than the near-tie margin), so the lookup is not switched off on no evidence.
-        chain = pick_tree_size({n: v for n, v in latency.items() if n > 1}, tps, NEAR_TIE)
-        best = chain if rates[chain] * (1 + NEAR_TIE) >= rates[1] else 1
+    # The same steps on one thread, where the thread governor goes on a busy machine (engine/threads.py): a tree
+    # row costs a larger share of a one-thread step, so a smaller tree may be faster there. The engine verifies
+    # that prefix while it runs on one thread.
+    one: dict[int, float] = {}
+    if device.type == "cpu" and adapts(BackboneRunner(loaded.backbone)):
+        if progress:
+            progress("timing the same steps on one thread (the busy-machine mode)")
+        one = {
+            n: v["median_s"]
+            for n, v in measure_step_latency(
+                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1
+            ).items()
+        }
+        if lookup_only and step_sizes:
+            one = lookup_only_latency(one, step_sizes)
+    best_one = min(_best_size(one, tps, lookup_only), best) if one else None
     return {
         "version": CALIBRATION_VERSION,
         "model": model_name,
@@ -255,6 +278,7 @@ def calibrate(
         "prefix_tokens": prefix_tokens,
         "accuracy_source": source,
         **({"lookup_only": True} if lookup_only else {}),
+        **({"tree_size_1_thread": best_one} if best_one is not None else {}),
         "sizes": [
             {
                 "size": n,
@@ -264,6 +288,7 @@ def calibrate(
                 "speedup_est": round(estimated_speedup(latency, tps, n), 3),
                 **({"eager_latency_s": round(eager[n], 6)} if n in eager else {}),
                 **({"step_latency_s": round(step_latency[n], 6)} if lookup_only else {}),
+                **({"latency_1_thread_s": round(one[n], 6)} if n in one else {}),
             }
             for n in sorted(rates)
         ],

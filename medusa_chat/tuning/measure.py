@@ -76,6 +76,7 @@ def measure_step_latency(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     graphs: bool = True,
+    threads: int | None = None,
 ) -> dict[int, dict[str, float]]:
     """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
@@ -85,7 +86,8 @@ def measure_step_latency(
     the same context. Returns {n: {"median_s", "min_s", "mean_s", "event_median_s"?}}; `event_median_s` (CUDA
     events, device time) only on CUDA. The wall-clock median includes launch overhead, which is what a reply
     pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
-    them, the event time equals the wall time: the GPU waits for the launches.) graphs=False times the eager
+    them, the event time equals the wall time: the GPU waits for the launches.) `threads`: the native CPU step's
+    thread count while timing (None: the engines' own). graphs=False times the eager
     step where an engine would replay CUDA graphs (graph_step.py).
     """
     from medusa_chat.engine.acceptance import make_acceptor
@@ -111,8 +113,13 @@ def measure_step_latency(
         hidden = engine.prefill(prefix)
         logits, draft = engine.next_logits_and_guesses(hidden[-1:])
         step_args[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+    if threads is not None:  # the native step's team for this timing (each engine put its own in force)
+        from medusa_chat.kernels import qgemm
+
+        qgemm.set_threads(threads)
+    for args in step_args.values():
         for _ in range(warmup):
-            _trial_step(*step_args[n], acceptor)
+            _trial_step(*args, acceptor)
 
     # Sizes are timed round-robin (one rep of each size per round), so a slow spell of a shared machine (other
     # processes, clock changes) hits every size alike instead of skewing the sizes measured during it.
@@ -144,6 +151,8 @@ def measure_step_latency(
             )
     for engine, _, _ in step_args.values():
         engine.reset()
+    if threads is not None and engine.threads is not None:
+        engine.threads.resume()  # back to the governor's count
     return results
 
 

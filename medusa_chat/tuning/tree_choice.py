@@ -17,7 +17,7 @@ from medusa_chat.machine import slug
 from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 16  # bumped whenever the timed step or acceptance changes (v16: draft-shaped trial steps)
+CALIBRATION_VERSION = 17  # bumped whenever the timed step or acceptance changes (v17: one-thread sizes too)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -126,6 +126,8 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     ):
         if "graph_step" in cal:  # a GPU calibration that timed CUDA-graph steps against eager ones
             loaded.graph_step = bool(cal["graph_step"])
+        if cal.get("tree_size_1_thread"):  # a CPU calibration that timed one-thread steps too
+            loaded.single_thread_trees[cal["tree_size"]] = int(cal["tree_size_1_thread"])
         return base.prefix(cal["tree_size"]), calibrated_source(cal)
     return base, "default"
 
