@@ -157,6 +157,11 @@ def test_bench_json_has_the_documented_fields(
     )
     assert [r["size"] for r in doc["tree_sizes"]] == [4, 8]
     assert all(r["identical_fraction"] == 1.0 for r in doc["tree_sizes"])
+    # a run on a prefix of the tree (as a calibration picks): the ablation still takes the whole tree's prefixes
+    small = [*args, "--baselines", "plain", "--tree-size", "2", "--tree-sizes", "8", "--limit", "1"]
+    assert cli.main([*small, "--json", str(out), "--warmup", "0", "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tree_size"] == 2 and [r["size"] for r in doc["tree_sizes"]] == [8]
 
 
 def test_bench_subset_of_baselines_and_sampling(

@@ -169,9 +169,13 @@ class _Methods:
             self.engines["heads"] = MedusaEngine(loaded, tree)
         if "plain" in self.methods:
             self.engines["plain"] = MedusaEngine(loaded, plain_tree())
-        self.sizes = sorted({min(n, tree.size) for n in config.tree_sizes}) if config.tree_sizes else []
+        # The ablation's trees are prefixes of the model's whole tree when the run's tree is a prefix of it (a
+        # calibrated size), so `--tree-sizes 64` still measures 64 nodes after calibration chose a few.
+        default = loaded.default_tree
+        whole = default if list(default.paths[: tree.size - 1]) == list(tree.paths) else tree
+        self.sizes = sorted({min(n, whole.size) for n in config.tree_sizes}) if config.tree_sizes else []
         for n in self.sizes:
-            self.engines[f"medusa@{n}"] = MedusaEngine(loaded, tree.prefix(n))
+            self.engines[f"medusa@{n}"] = MedusaEngine(loaded, whole.prefix(n))
         self.all = self.methods + [f"medusa@{n}" for n in self.sizes]
 
     def settings_for(self, max_new: int, context_lookup: bool | None = None) -> GenerationSettings:
