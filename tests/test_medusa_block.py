@@ -255,3 +255,22 @@ def test_a_bad_draft_vocabulary_is_a_clear_error(
     loaded = make_loaded_model(heads="v1", quant="int8")
     with pytest.raises(HeadsError, match=message):
         _with_draft_vocab(loaded, tmp_path, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_heads_become_the_blocks_of_their_exact_float_values(
+    dtype: torch.dtype, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Heads stored in 16 bits (as published) are quantized from the file's tensors one by one, never cast to fp32
+    all at once: the blocks equal Q8_0 of the fp32 values, and the biases are fp32."""
+    from medusa_chat.kernels.qgemm import Q80Linear, quantize_q8_0
+
+    state = random_heads_state(3, 1, own_lm_head=True, seed=11)
+    folder = write_heads(tmp_path / "heads16", state, dtype=dtype, base_model=str(tiny_llama_dir))
+    loaded = load_model(model=str(tiny_llama_dir), heads=str(folder), quant="int8", device="cpu")
+    for k in range(3):
+        for name, module in (("0.linear", loaded.heads[k][0].linear.block), ("1", loaded.heads[k][1])):
+            ref = Q80Linear(*quantize_q8_0(state[f"{k}.{name}.weight"].to(dtype).float()))
+            assert all(torch.equal(getattr(module, b), getattr(ref, b)) for b in ref.buffer_names), (k, name)
+        bias = loaded.heads[k][0].linear.bias
+        assert bias.dtype == torch.float32 and torch.equal(bias, state[f"{k}.0.linear.bias"].to(dtype).float())

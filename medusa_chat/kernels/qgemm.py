@@ -478,14 +478,24 @@ def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor, group: int) -> tuple[t
     return codes, d
 
 
+QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: the float temporaries stay ~16 MB for any matrix
+
+
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q8_0 rule: d = max|w| / 127 per block of 32, q = round(w / d)."""
-    w = weight.detach().float()
-    n, k = w.shape
-    g = w.view(n, k // QK, QK)
-    d = g.abs().amax(-1) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    """GGUF's Q8_0 rule: d = max|w| / 127 per block of 32, q = round(w / d).
+
+    In chunks of rows (each row's blocks are independent, so the result is the same bits): a 32000 x 4096
+    projection in 16 bits would otherwise make ~2 GB of fp32 temporaries."""
+    n, k = weight.shape
+    rows = max(1, QUANTIZE_CHUNK // max(k, 1))
+    codes = torch.empty(n, k, dtype=torch.int8)
+    d = torch.empty(n, k // QK)
+    for r in range(0, n, rows):
+        g = weight[r : r + rows].detach().float().view(-1, k // QK, QK)
+        dd = g.abs().amax(-1) / 127
+        inv = torch.where(dd > 0, 1 / dd, torch.zeros_like(dd))
+        codes[r : r + rows] = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(-1, k)
+        d[r : r + rows] = dd
     return codes, d.half().float()  # the file stores d as fp16, and so does Q80Linear
 
 

@@ -39,7 +39,7 @@ class _MHead(ctypes.Structure):  # medusa.c MHead
 
 
 def can_block(heads: MedusaHeads | None, backbone: Any) -> bool:
-    """Do these heads go on the block kernel? Medusa heads (not Hydra: HydraDrafter makes its own copy) in fp32
+    """Do these heads go on the block kernel? Medusa heads (not Hydra: HydraDrafter makes its own copy) in a float
     on a CPU whose backbone lm_head is a block linear (the int8 / int4 CPU paths), with H a multiple of 32
     (MEDUSA_CHAT_BLOCK_HEADS=0: never, the fp32 heads stay as they are)."""
     if not isinstance(heads, MedusaHeads) or isinstance(heads, HydraHeads) or getattr(heads, "block_kind", ""):
@@ -51,7 +51,7 @@ def can_block(heads: MedusaHeads | None, backbone: Any) -> bool:
     return (
         isinstance(lm_head, BlockLinear)
         and w.device.type == "cpu"
-        and w.dtype == torch.float32
+        and w.dtype in (torch.float32, torch.float16, torch.bfloat16)  # (as in the file: quantized from it)
         and int(heads.hidden_size) % QK == 0
         and load() is not None
     )

@@ -233,8 +233,13 @@ def infer_layout(state_dict: dict[str, torch.Tensor]) -> tuple[int, int, bool, i
     return num_heads, num_layers, own, hidden, vocab
 
 
-def heads_from_state_dict(state_dict: dict[str, torch.Tensor], vocab_size: int | None = None) -> MedusaHeads:
-    """Build MedusaHeads (or HydraHeads, when the Hydra tensors are there) matching `state_dict`; load strictly."""
+def heads_from_state_dict(
+    state_dict: dict[str, torch.Tensor], vocab_size: int | None = None, keep_dtype: bool = False
+) -> MedusaHeads:
+    """Build MedusaHeads (or HydraHeads, when the Hydra tensors are there) matching `state_dict`; load strictly.
+
+    keep_dtype: Medusa heads keep the file's float dtype (the loader quantizes them tensor by tensor from it, so
+    the fp32 copies of all heads never exist at once); else fp32."""
     num_heads, num_layers, own, hidden, vocab = infer_layout(state_dict)
     hydra = [k for k in HYDRA_KEYS if k in state_dict]
     if hydra:
@@ -254,7 +259,7 @@ def heads_from_state_dict(state_dict: dict[str, torch.Tensor], vocab_size: int |
     # first. Published Medusa-1 heads carry a full-vocabulary projection each (4.4 GB in fp32 for Vicuna-7B's 5).
     with torch.device("meta"):
         heads = MedusaHeads(hidden, vocab or vocab_size or 0, num_heads, num_layers, own_lm_head=own)
-    heads.load_state_dict(_as_fp32(state_dict), strict=True, assign=True)
+    heads.load_state_dict(state_dict if keep_dtype else _as_fp32(state_dict), strict=True, assign=True)
     return heads
 
 

@@ -72,14 +72,14 @@ def read_state_file(path: Path, keys: Sequence[str] | None = None) -> dict[str, 
     return obj
 
 
-def _build_heads(state: dict[str, torch.Tensor], where: str) -> MedusaHeads:
+def _build_heads(state: dict[str, torch.Tensor], where: str, keep_dtype: bool = False) -> MedusaHeads:
     try:
-        return heads_from_state_dict(state)
+        return heads_from_state_dict(state, keep_dtype=keep_dtype)
     except (ValueError, KeyError, RuntimeError) as err:
         raise HeadsError(f"{where} does not hold Medusa heads in a known layout: {err}") from err
 
 
-def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
+def load_heads_file(folder: Path, keep_dtype: bool = False) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
     the Hub give a wrong `medusa_num_heads`)."""
     from medusa_chat.model.eagle import eagle_file, load_eagle
@@ -91,7 +91,7 @@ def load_heads_file(folder: Path) -> tuple[MedusaHeads, Path, dict[str, Any]]:
         return draft, eagle, read_json(folder / "config.json")  # type: ignore[return-value]
     path = find_heads_file(folder)
     config = read_json(folder / "config.json")
-    heads = _build_heads(read_state_file(path), str(path))
+    heads = _build_heads(read_state_file(path), str(path), keep_dtype)
     if str(config.get("version")) == "2" and heads.own_lm_head:
         raise HeadsError(
             f"{path}: config.json says version 2 (shared lm_head) but the file has a projection per head"
@@ -167,13 +167,15 @@ def checkpoint_medusa_keys(folder: Path, open_pickles: bool = True) -> dict[str,
     return out
 
 
-def load_checkpoint_heads(folder: Path, keys_by_file: dict[str, list[str]]) -> tuple[MedusaHeads, Path]:
+def load_checkpoint_heads(
+    folder: Path, keys_by_file: dict[str, list[str]], keep_dtype: bool = False
+) -> tuple[MedusaHeads, Path]:
     state: dict[str, torch.Tensor] = {}
     for fname, keys in keys_by_file.items():
         for key, tensor in read_state_file(folder / fname, keys).items():
             state[key[len(MEDUSA_PREFIX) :]] = tensor
     first = folder / sorted(keys_by_file)[0]
-    return _build_heads(state, f"the medusa_head.* weights of {folder}"), first
+    return _build_heads(state, f"the medusa_head.* weights of {folder}", keep_dtype), first
 
 
 def heads_kind(heads: Any) -> str:

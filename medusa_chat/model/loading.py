@@ -398,7 +398,7 @@ def load_model(
         _prepare_cpu_linears(backbone, q, spec, notes, progress)
     heads_source = "heads file" if heads_mod is not None else LOOKUP_ONLY
     if heads_mod is None and medusa_keys:
-        heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys)
+        heads_mod, heads_path = load_checkpoint_heads(model_dir, medusa_keys, keep_dtype=True)
         heads_source = "medusa-2 checkpoint"
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
     if heads_mod is not None:
@@ -493,7 +493,7 @@ def _separate_heads(
                 "--heads ORG/NAME|PATH"
             )
         heads_dir = _local_or_fetch(spec.heads, "heads", progress)
-        heads_mod, heads_path, _ = load_heads_file(heads_dir)
+        heads_mod, heads_path, _ = load_heads_file(heads_dir, keep_dtype=True)  # (_fit_heads casts them)
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
         if spec.kind in ("v1-heads", "v2-heads", "eagle"):
             spec = replace(spec, kind=heads_kind(heads_mod))
@@ -542,12 +542,20 @@ def _fit_heads(
         )
     heads_mod.vocab_size = vocab
     check_draft_vocab(heads_mod, vocab, str(heads_path))
+    from medusa_chat.model.block_heads import block_medusa_heads, can_block
+
+    heads_mod.eval().requires_grad_(False)
+    if dev.type == "cpu" and can_block(heads_mod, backbone):
+        # The CPU block path (block_heads.py): each linear quantized from the file's dtype and its float weight
+        # dropped, one after another, so the heads never exist in fp32 all at once (Vicuna-7B's five 32000-row
+        # projections would be 2.6 GB).
+        # (no cast after: the blocks keep their fp16 scales, which the kernel's bound pointers read; the biases
+        # are fp32 already)
+        block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
+        return
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
-    heads_mod.to(device=dev, dtype=heads_dtype).eval().requires_grad_(False)
-    from medusa_chat.model.block_heads import block_medusa_heads, can_block
-    if dev.type == "cpu" and can_block(heads_mod, backbone):  # the CPU block path: the heads too (block_heads.py)
-        block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
+    heads_mod.to(device=dev, dtype=heads_dtype)
 
 
 def _load_tokenizer(
