@@ -32,14 +32,15 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def tied_llama_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with tie_word_embeddings (no lm_head.weight in its safetensors)."""
+    """The tiny Llama in fp16 (as most published checkpoints) with tie_word_embeddings (no lm_head.weight in its
+    safetensors)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("tied") / "tiny-llama-tied"
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     model.config.tie_word_embeddings = True
     model.tie_weights()
-    model.save_pretrained(out)
+    model.half().save_pretrained(out)
     for f in tiny_llama_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
@@ -62,7 +63,8 @@ def _buffers(model: Any) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, qgemm.BlockLinear):
             out.update({f"{name}.{b}": getattr(module, b) for b in module.buffer_names})
-    out["embed"] = model.get_input_embeddings().weight
+    embed = model.get_input_embeddings()
+    out["embed"] = embed(torch.arange(embed.num_embeddings))  # every row as looked up
     out.update({n: p for n, p in model.named_parameters() if "norm" in n})
     return out
 
@@ -91,6 +93,8 @@ def test_the_blocks_and_the_replies_are_the_in_memory_paths(
     for name in ref:
         assert mine[name].dtype == ref[name].dtype and torch.equal(mine[name], ref[name]), name
     assert new.info()["params"] == old.info()["params"]
+    if tied:  # the checkpoint's fp16 embedding stays fp16 in memory (rows widened as looked up)
+        assert new.backbone.get_input_embeddings().raw.numel() * 2 == old.backbone.get_input_embeddings().weight.nbytes
     prompts = [new.build_prompt([{"role": "user", "content": "Tell me about the sea."}]), [5, 6, 7, 300]]
     for prompt in prompts:
         want = _reply(old, plain_tree(), prompt)

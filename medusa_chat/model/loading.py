@@ -30,7 +30,7 @@ from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
-from medusa_chat.model.heads import MedusaHeads
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.heads_files import (
     check_draft_vocab,
     check_heads_fit,
@@ -398,7 +398,8 @@ def load_model(
         if cpu_quant and q != "none" and quantized_cache and spec.kind != "embedded":
             # quantized tensor by tensor into a cached GGUF and loaded from it: no whole float model in memory
             backbone = _load_from_quantized_file(
-                model_dir, spec.name, q, compute_dtype, notes, progress, trust_remote_code
+                model_dir, spec.name, q, compute_dtype, notes, progress, trust_remote_code,
+                half_embedding=not isinstance(heads_mod, HydraHeads),
             )
         if backbone is None:
             backbone = load_backbone(
@@ -530,6 +531,8 @@ def _load_from_quantized_file(
     notes: list[str],
     progress: Progress | None,
     trust_remote_code: bool,
+    *,
+    half_embedding: bool = True,
 ) -> Any | None:
     """The backbone from the checkpoint's cached quantized GGUF (model/quantized_cache.py), or None where that path
     does not apply (then the checkpoint loads whole and is quantized in memory, as before)."""
@@ -544,7 +547,9 @@ def _load_from_quantized_file(
     if unsuitable(folder, config, q, trust_remote_code):
         return None
     try:
-        return load_quantized_backbone(folder, name, config, q, dtype, notes, progress)
+        return load_quantized_backbone(
+            folder, name, config, q, dtype, notes, progress, half_embedding=half_embedding
+        )
     except OSError as err:  # no room (or no write access) for the file: quantized in memory instead
         why = err.strerror or str(err)
         notes.append(f"the quantized file could not be written ({why}): quantized in memory after a float load")

@@ -446,15 +446,21 @@ def load_quantized_backbone(
     dtype: torch.dtype,
     notes: list[str],
     progress: Progress | None = None,
+    *,
+    half_embedding: bool = True,
 ) -> Any:
     """The backbone of checkpoint `folder` on the block kernel, from its cached quantized GGUF (made now when
-    there is none yet). A cached file the GGUF loader refuses (damaged after its check) is made again once."""
+    there is none yet). A cached file the GGUF loader refuses (damaged after its check) is made again once.
+    `half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the same
+    values as an fp32 table, half the bytes); False for Hydra heads, whose C drafter reads an fp32 table."""
     from medusa_chat.model.gguf_model import load_gguf_backbone
 
     path, made = quantized_file(folder, name, config, quant, dtype, progress)
     scratch: list[str] = []
     try:
-        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), quant, dtype, scratch, progress)
+        model, _ = load_gguf_backbone(
+            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
+        )
     except ModelNotFoundError:
         if made:
             raise
@@ -462,7 +468,9 @@ def load_quantized_backbone(
             path.unlink()
         path, made = quantized_file(folder, name, config, quant, dtype, progress)
         scratch = []
-        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), quant, dtype, scratch, progress)
+        model, _ = load_gguf_backbone(
+            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
+        )
     # as the in-memory path counts it: a tied lm_head is the embedding's weight (its blocks still cost bytes)
     model._medusa_tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
     kinds = "Q4_1 projections, Q8_0 lm_head" if quant == "int4" else "Q8_0 projections and lm_head"
