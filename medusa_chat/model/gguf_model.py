@@ -252,6 +252,9 @@ class _Build:
     requantized: Counter  # quantized types with no block kernel here: dequantized and quantized again
     float_bytes: int = 0  # bytes of float matrices made from quantized blocks (--quant none)
     refused: set[str] = field(default_factory=set)  # why a block kernel was not used (one line each)
+    # an F16/BF16 token embedding kept as stored, rows widened as looked up (GGUFEmbedding: half the bytes of
+    # an fp32 table, the same values); False: an fp32 nn.Embedding (what the C Hydra drafter reads)
+    half_embedding: bool = False
 
 
 def _float_linear(weight: torch.Tensor, mode: str, lm_head: bool, b: _Build) -> nn.Module:
@@ -321,6 +324,8 @@ def _embedding(entry: TensorEntry, raw: np.ndarray, padding_idx: int | None, b: 
     from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear
 
     rows, cols = entry.shape
+    if b.half_embedding and b.mode != "none" and entry.type_name in ("F16", "BF16"):
+        return GGUFEmbedding(raw, entry.type_id, rows, cols, b.dtype)
     if b.mode == "none" or entry.type_id in FLOAT_TYPES:
         weight = dequantize_raw(entry.type_id, raw, (rows, cols)).to(b.dtype)
         return nn.Embedding.from_pretrained(weight, freeze=True, padding_idx=padding_idx)
@@ -346,8 +351,11 @@ def load_gguf_backbone(
     dtype: torch.dtype,
     notes: list[str],
     progress: Progress | None = None,
+    *,
+    half_embedding: bool = False,
 ) -> tuple[Any, str]:
-    """(the *ForCausalLM built from the file's tensors, the quantization label: "gguf" for auto)."""
+    """(the *ForCausalLM built from the file's tensors, the quantization label: "gguf" for auto).
+    `half_embedding`: an F16/BF16 token embedding stays as stored (see _Build)."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -363,7 +371,7 @@ def load_gguf_backbone(
     if config.model_type not in SUPPORTED_ARCHS:
         raise ModelNotFoundError(f"{gguf.name}: model type {config.model_type!r} is not supported")
     table = read_table(gguf)
-    b = _Build("gguf" if quant == "auto" else quant, dtype, Counter(), Counter())
+    b = _Build("gguf" if quant == "auto" else quant, dtype, Counter(), Counter(), half_embedding=half_embedding)
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         model = cls._from_config(config, attn_implementation="sdpa", dtype=dtype)

@@ -30,7 +30,7 @@ from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
-from medusa_chat.model.heads import MedusaHeads
+from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.heads_files import (
     check_draft_vocab,
     check_heads_fit,
@@ -325,8 +325,13 @@ def load_model(
     device: str = "auto",
     progress: Progress | None = None,
     trust_remote_code: bool = False,
+    *,
+    quantized_cache: bool = True,
 ) -> LoadedModel:
-    """Resolve, download (only what is needed), load and check a backbone and its Medusa heads."""
+    """Resolve, download (only what is needed), load and check a backbone and its Medusa heads.
+
+    `quantized_cache`: a checkpoint on a CPU block path (int4/int8) is quantized tensor by tensor into a cached
+    GGUF and loaded from it (quantized_cache.py); False: loaded whole in float and quantized in memory."""
     say = progress or (lambda text: None)
     spec = resolve(model, heads)
     dev = pick_device("cpu" if spec.kind == "gguf" and device == "auto" else device)  # GGUF: CPU formats
@@ -370,7 +375,15 @@ def load_model(
             # Keyed by the backbone, not the alias: the same weights must get the same numeric path however
             # they are named (a heads repo naming its backbone, or the backbone with --heads).
             probe = fidelity_probe(
-                lambda qq: load_model(model, heads, quant=qq, device="cpu", trust_remote_code=trust_remote_code),
+                # the float model is in memory for this probe anyway: no cached file for paths it may not keep
+                lambda qq: load_model(
+                    model,
+                    heads,
+                    quant=qq,
+                    device="cpu",
+                    trust_remote_code=trust_remote_code,
+                    quantized_cache=False,
+                ),
                 estimate_params(config),
                 say,
             )
@@ -381,14 +394,24 @@ def load_model(
 
             fidelity = cached_fidelity(spec.backbone or spec.name, q)
         say(f"Loading {spec.name} on {dev} ({_dtype_name(compute_dtype)}, quantization {q})")
-        backbone = load_backbone(
-            model_dir,
-            dev,
-            compute_dtype,
-            "none" if cpu_quant else q,
-            ignore_medusa=bool(medusa_keys),
-            trust_remote_code=trust_remote_code,
-        )
+        backbone = None
+        if cpu_quant and q != "none" and quantized_cache and spec.kind != "embedded":
+            # quantized tensor by tensor into a cached GGUF and loaded from it: no whole float model in memory
+            backbone = _load_from_quantized_file(
+                model_dir, spec.name, q, compute_dtype, notes, progress, trust_remote_code,
+                half_embedding=not isinstance(heads_mod, HydraHeads),
+            )
+        if backbone is None:
+            backbone = load_backbone(
+                model_dir,
+                dev,
+                compute_dtype,
+                "none" if cpu_quant else q,
+                ignore_medusa=bool(medusa_keys),
+                trust_remote_code=trust_remote_code,
+            )
+        else:
+            cpu_quant = False  # the file's blocks are the projections already
     from medusa_chat.model.runner import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
@@ -498,6 +521,41 @@ def _separate_heads(
         if spec.kind in ("v1-heads", "v2-heads", "eagle"):
             spec = replace(spec, kind=heads_kind(heads_mod))
     return spec, heads_mod, heads_dir, heads_path
+
+
+def _load_from_quantized_file(
+    folder: Path,
+    name: str,
+    q: str,
+    dtype: torch.dtype,
+    notes: list[str],
+    progress: Progress | None,
+    trust_remote_code: bool,
+    *,
+    half_embedding: bool = True,
+) -> Any | None:
+    """The backbone from the checkpoint's cached quantized GGUF (model/quantized_cache.py), or None where that path
+    does not apply (then the checkpoint loads whole and is quantized in memory, as before)."""
+    from transformers import AutoConfig
+
+    from medusa_chat.model.quantized_cache import load_quantized_backbone, unsuitable
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return None  # load_backbone says what is wrong
+    if unsuitable(folder, config, q, trust_remote_code):
+        return None
+    try:
+        return load_quantized_backbone(
+            folder, name, config, q, dtype, notes, progress, half_embedding=half_embedding
+        )
+    except OSError as err:  # no room (or no write access) for the file: quantized in memory instead
+        why = err.strerror or str(err)
+        notes.append(f"the quantized file could not be written ({why}): quantized in memory after a float load")
+        if progress:
+            progress(f"  the quantized file could not be written ({why}); loading the float model instead")
+        return None
 
 
 def _prepare_cpu_linears(
