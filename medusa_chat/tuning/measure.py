@@ -3,6 +3,7 @@ each step accepts per size (from the heads' tree.json, or measured on built-in p
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -91,7 +92,6 @@ def measure_step_latency(
     step where an engine would replay CUDA graphs (graph_step.py).
     """
     from medusa_chat.engine.acceptance import make_acceptor
-    from medusa_chat.engine.engine import MedusaEngine
 
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = torch.device(loaded.device)
@@ -102,17 +102,7 @@ def measure_step_latency(
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
     acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
-    step_args: dict[int, tuple] = {}
-    for n in sizes:
-        t = latency_tree(base, n)
-        if n > 1:
-            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
-        engine = MedusaEngine(
-            loaded, t, graphs=graphs
-        )  # each size its own cache: key rows are sized per tree
-        hidden = engine.prefill(prefix)
-        logits, draft = engine.next_logits_and_guesses(hidden[-1:])
-        step_args[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+    step_args = prefilled_engines(loaded, sizes, base, prefix, graphs)
     if threads is not None:  # the native step's team for this timing (each engine put its own in force)
         from medusa_chat.kernels import qgemm
 
@@ -154,6 +144,38 @@ def measure_step_latency(
     if threads is not None and engine.threads is not None:
         engine.threads.resume()  # back to the governor's count
     return results
+
+
+def prefilled_engines(
+    loaded: Any, sizes: Iterable[int], base: Tree, prefix: torch.Tensor, graphs: bool = True
+) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]]:
+    """{size: (an engine on the first `size` nodes of `base` with `prefix` in its cache, its root token, its
+    draft)}: each size its own engine and cache (key rows are sized per tree).
+
+    On a CPU the prefix is prefilled once and that cache copied to the other sizes' engines (before any tree
+    step: only the committed keys and values, no per-node rows yet): a 256-token prefill of a 1B model costs
+    as much as ~200 of its steps, once per size otherwise. A GPU engine's cache may be its CUDA graphs' own
+    buffers, and an EAGLE draft keeps a cache of its own, so those engines each prefill."""
+    from medusa_chat.engine.engine import MedusaEngine
+
+    out: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
+    first: tuple[Any, torch.Tensor] | None = None  # (engine, hidden states) of the prefill to share
+    for n in sizes:
+        t = latency_tree(base, n)
+        if n > 1:
+            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
+        engine = MedusaEngine(loaded, t, graphs=graphs)
+        if first is not None:
+            engine.cache = copy.deepcopy(first[0].cache)
+            engine.cached_ids = list(first[0].cached_ids)
+            hidden = first[1]
+        else:
+            hidden = engine.prefill(prefix)
+            if engine.device.type == "cpu" and engine._graph is None and engine._eagle is None:
+                first = (engine, hidden)
+        logits, draft = engine.next_logits_and_guesses(hidden[-1:])
+        out[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+    return out
 
 
 def _trial_step(engine: Any, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> None:
