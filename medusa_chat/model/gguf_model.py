@@ -1,10 +1,11 @@
 """A GGUF file as the backbone (`--model PATH.gguf`), built tensor by tensor from the file: no float copy.
 
 Two parts:
-- `gguf_model_dir`: the model's config, tokenizer (with its chat template) and generation config, read from the
-  GGUF's metadata by transformers once per file (keyed by path, size and mtime) and kept in the user cache as a
-  weightless folder, so the next start reads three small files instead of parsing the file's metadata (~4 s
-  for a big vocabulary). The loader then treats that folder like any model folder for the tokenizer and heads.
+- `gguf_model_dir`: the model's config, tokenizer (with its chat template) and generation config, built from
+  one pass over the GGUF's metadata once per file (keyed by path, size and mtime; exactly what transformers'
+  AutoConfig/AutoTokenizer make with `gguf_file=`, without their slow GGUFReader parse: gguf_config_dict) and
+  kept in the user cache as a weightless folder, so the next start reads three small files. The loader then
+  treats that folder like any model folder for the tokenizer and heads.
 - `load_gguf_backbone`: the transformers *ForCausalLM made on the meta device (no memory), then every tensor
   read from the file (plain reads, no memory map: mapped pages would stay resident until the map is dropped)
   and put in place one at a time: norms as parameters; projections and the lm_head as block-kernel linears on
