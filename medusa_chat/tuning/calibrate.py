@@ -34,6 +34,8 @@ from medusa_chat.tuning.measure import (
     DEFAULT_PREFIX_TOKENS,
     measure_step_latency,
     measure_tokens_per_step,
+    prefilled_engines,
+    timing_prefix,
     tokens_per_step_from_tree_json,
 )
 from medusa_chat.tuning.tree_choice import (
@@ -242,6 +244,10 @@ def calibrate(
 
     if progress:
         progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
+    # On a CPU the default-thread and the one-thread timings below time the same prefilled engines (one prefill)
+    shared = (
+        prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens)) if device.type == "cpu" else None
+    )
     lat = measure_step_latency(
         loaded,
         sizes,
@@ -249,6 +255,7 @@ def calibrate(
         prefix_tokens=prefix_tokens,
         reps=reps,
         progress=progress,
+        engines=shared,
     )
     latency = {n: v["median_s"] for n, v in lat.items()}
     step_latency = dict(latency)
@@ -276,11 +283,13 @@ def calibrate(
         one = {
             n: v["median_s"]
             for n, v in measure_step_latency(
-                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1
+                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1, engines=shared
             ).items()
         }
         if lookup_only and step_sizes:
             one = lookup_only_latency(one, step_sizes)
+    for engine, _, _ in (shared or {}).values():
+        engine.reset()
     best_one = min(_best_size(one, tps, lookup_only), best) if one else None
     return {
         "version": CALIBRATION_VERSION,

@@ -78,6 +78,7 @@ def measure_step_latency(
     progress: Callable[[str], None] | None = None,
     graphs: bool = True,
     threads: int | None = None,
+    engines: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> dict[int, dict[str, float]]:
     """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
@@ -89,20 +90,18 @@ def measure_step_latency(
     pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
     them, the event time equals the wall time: the GPU waits for the launches.) `threads`: the native CPU step's
     thread count while timing (None: the engines' own). graphs=False times the eager
-    step where an engine would replay CUDA graphs (graph_step.py).
+    step where an engine would replay CUDA graphs (graph_step.py). `engines`: prefilled_engines' result to time
+    (its sizes; `sizes`, `tree` and `prefix_tokens` are then not used), left prefilled for another timing of the
+    same engines (the caller resets them); else engines made and prefilled here, reset at the end.
     """
     from medusa_chat.engine.acceptance import make_acceptor
 
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = torch.device(loaded.device)
-    backbone = loaded.backbone
-    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
     base = tree or Tree.named("mc_sim_7b_63")
     cuda = device.type == "cuda"
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
     acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
-    step_args = prefilled_engines(loaded, sizes, base, prefix, graphs)
+    step_args = engines or prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens, seed), graphs)
     if threads is not None:  # the native step's team for this timing (each engine put its own in force)
         from medusa_chat.kernels import qgemm
 
@@ -140,10 +139,19 @@ def measure_step_latency(
                 f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
             )
     for engine, _, _ in step_args.values():
-        engine.reset()
+        if engines is None:
+            engine.reset()
     if threads is not None and engine.threads is not None:
         engine.threads.resume()  # back to the governor's count
     return results
+
+
+def timing_prefix(loaded: Any, prefix_tokens: int, seed: int = 0) -> torch.Tensor:
+    """The random token ids [prefix_tokens] the latency timing holds in the cache (seeded: the same every run)."""
+    backbone = loaded.backbone
+    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (prefix_tokens,), generator=g).to(torch.device(loaded.device))
 
 
 def prefilled_engines(
