@@ -295,6 +295,44 @@ def test_measure_step_latency_runs_the_engine_step(make_loaded_model: Any) -> No
     assert all(v["median_s"] > 0 and v["min_s"] <= v["median_s"] for v in out.values())
 
 
+def test_the_sizes_share_one_prefill_and_step_as_if_each_had_its_own(make_loaded_model: Any) -> None:
+    """On a CPU the latency timing prefills the prefix once and copies that cache to every size's engine: each
+    engine then holds the same keys and values, and steps to the same tokens, as if it had prefilled itself."""
+    from medusa_chat.engine.acceptance import make_acceptor
+    from medusa_chat.tuning.measure import latency_tree, prefilled_engines
+
+    loaded = make_loaded_model()
+    prefix = torch.randint(0, loaded.backbone.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, loaded.device, 1 << 20)
+    shared = prefilled_engines(loaded, [1, 2, 4], loaded.default_tree, prefix)
+    for n, (engine, root, draft) in shared.items():
+        own = MedusaEngine(loaded, latency_tree(loaded.default_tree, n))
+        hidden = own.prefill(prefix)
+        logits, own_draft = own.next_logits_and_guesses(hidden[-1:])
+        assert torch.equal(engine.cache.buffer[..., :24, :], own.cache.buffer[..., :24, :]), n
+        assert torch.equal(root, logits.argmax(-1, keepdim=True))
+        a, b = engine.trial_step(root, draft, acceptor), own.trial_step(root, own_draft, acceptor)
+        assert (a.tokens, a.accepted, a.bonus) == (b.tokens, b.accepted, b.bonus), n
+    assert shared[2][0].cache is not shared[4][0].cache  # copies: one size's steps never touch another's
+
+
+def test_the_first_start_budget_shrinks_with_the_model() -> None:
+    """Full measurement for a model of the embedded one's size; a 1B model's is a fraction, at the floors."""
+    from transformers import LlamaConfig
+
+    def budget(hidden: int, layers: int, inter: int, kv: int) -> cal.FirstStartBudget:
+        config = LlamaConfig(
+            hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=hidden // 64,
+            num_key_value_heads=kv, vocab_size=49152, tie_word_embeddings=hidden < 1000,
+        )
+        return cal.first_start_budget(SimpleNamespace(backbone=SimpleNamespace(config=config)))
+
+    small = budget(576, 30, 1536, 3)  # SmolLM2-135M
+    assert (small.replies, small.reps, small.prefix_tokens) == (12, 30, 256)
+    big = budget(2048, 22, 5632, 4)  # TinyLlama-1.1B's shape with SmolLM2's vocabulary
+    assert (big.replies, big.reps, big.prefix_tokens) == (2, 8, 64)
+
+
 def test_calibrate_end_to_end_and_cli_json(cache_dir: Path, make_loaded_model: Any, capsys: Any) -> None:
     loaded = make_loaded_model()
     result = cal.calibrate(

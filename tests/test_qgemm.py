@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -201,3 +204,19 @@ def test_the_fused_argmax_is_greedy_tokens_of_the_outputs(monkeypatch: pytest.Mo
         nan[1, 5] = float("nan")
         assert torch.equal(lin.argmax(nan), greedy_tokens(lin(nan)))
         assert lin.argmax(torch.randn(65, 96, generator=g)) is None
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_the_parallel_build_links_every_source_and_reports_a_failure(tmp_path: Path) -> None:
+    """The sources are compiled one process each and linked into one library that has every kernel's symbol;
+    a compiler error is reported with the compiler's own words and leaves no library behind."""
+    import ctypes
+
+    flags = (*qgemm.CFLAGS, *qgemm.ISA_FLAGS["avx2"])
+    qgemm._build(tmp_path / "ok.so", flags)
+    lib = ctypes.CDLL(str(tmp_path / "ok.so"))
+    for symbol in ("q4_1_gemm", "q4_k_gemm", "decoder_forward", "qgemm_isa"):  # qgemm.c, kquants.c, decoder.c
+        assert hasattr(lib, symbol), symbol
+    with pytest.raises(RuntimeError, match="compiling the qgemm kernel failed: .*no-such-option"):
+        qgemm._build(tmp_path / "bad.so", (*flags, "-fno-such-option-here"))
+    assert not (tmp_path / "bad.so").exists()

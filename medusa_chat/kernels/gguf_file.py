@@ -82,6 +82,47 @@ class _Cursor:
         return value if isinstance(value, int) else None
 
 
+def read_metadata(path: str | Path, string_arrays: tuple[str, ...] = ()) -> dict[str, object]:
+    """The file's metadata as plain Python values: scalars, strings, numeric arrays as lists; an array of
+    strings is its length unless its key is in `string_arrays` (a vocabulary is ~50k strings: ~0.5 s to
+    decode, and only the tokenizer wants them). A truncated or malformed file raises ValueError."""
+    mm = np.memmap(str(path), dtype=np.uint8, mode="r")
+    try:
+        cur = _Cursor(memoryview(mm))
+        if cur.take("4s")[0] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        cur.take("I")
+        _, n_kv = cur.take("QQ")
+        out: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.take("I")
+            out[key] = _value(cur, vtype, key in string_arrays)
+        return out
+    except (struct.error, KeyError, IndexError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: its metadata cannot be read ({type(err).__name__}: {err})") from err
+    finally:
+        del mm
+
+
+def _value(cur: _Cursor, vtype: int, keep_strings: bool) -> object:
+    if vtype == 8:
+        (n,) = cur.take("Q")
+        s = bytes(cur.buf[cur.pos : cur.pos + n]).decode("utf-8")  # strict, as transformers decodes them
+        cur.pos += n
+        return s
+    if vtype != 9:
+        return cur.take(SCALARS[vtype])[0]
+    etype, count = cur.take("IQ")
+    if etype in SCALARS:
+        return list(cur.take(f"{count}{SCALARS[etype]}")) if count else []
+    if etype == 8 and keep_strings:
+        return [_value(cur, 8, True) for _ in range(count)]
+    cur.pos -= 12  # back to the array's header: skip_value walks the strings (or nested arrays) by length
+    cur.skip_value(9)
+    return count
+
+
 def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     """Every tensor of the GGUF at `path`, in file order, each a view of a read-only memory map. A truncated or
     malformed file raises ValueError."""

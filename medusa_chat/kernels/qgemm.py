@@ -64,6 +64,20 @@ def _sources() -> tuple[list[str], list[str]]:
     return [n for n in names if n.endswith(".c")], [n for n in names if n.endswith(".h")]
 
 
+def _compile_all(cc: str, flags: tuple[str, ...], c_files: list[str]) -> str:
+    """Compile every `x.c` to `x.o` beside it, up to one process per core at a time; the first failure's
+    compiler output, or "" when all compiled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(c_file: str) -> str:
+        cmd = [cc, *flags, "-c", c_file, "-o", c_file[:-2] + ".o"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return (done.stderr or f"{cc} exited with {done.returncode}") if done.returncode else ""
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(c_files), os.cpu_count() or 1))) as pool:
+        return next((err for err in pool.map(one, c_files) if err), "")
+
+
 def _build(out: Path, flags: tuple[str, ...]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -78,10 +92,18 @@ def _build(out: Path, flags: tuple[str, ...]) -> None:
             c_file.write_text(resources.files("medusa_chat.kernels.csrc").joinpath(name).read_text())
             c_files.append(str(c_file))
         so = Path(tmp) / "qgemm.so"
-        cmd = [cc, *flags, *c_files, "-o", str(so)]
+        # Each source its own compiler process, as many at once as there are cores, then one link: the same
+        # objects as one `cc a.c b.c ...`, which compiles them one after another (attention.c and kquants.c
+        # alone take most of it). The build is part of the very first start's wait; on busy cores the
+        # parallel build gains little (10.3 -> 9.4 s measured at load 4.4 on 2 cores), on idle ones up to
+        # the number of cores.
+        failed = _compile_all(cc, flags, c_files)
+        if failed:
+            raise RuntimeError(f"compiling the qgemm kernel failed: {failed.strip()[:300]}")
+        cmd = [cc, *flags, *(c[:-2] + ".o" for c in c_files), "-o", str(so)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling the qgemm kernel failed: {done.stderr.strip()[:300]}")
+            raise RuntimeError(f"linking the qgemm kernel failed: {done.stderr.strip()[:300]}")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
         shutil.copy(so, tmp_out)

@@ -1,10 +1,11 @@
 """A GGUF file as the backbone (`--model PATH.gguf`), built tensor by tensor from the file: no float copy.
 
 Two parts:
-- `gguf_model_dir`: the model's config, tokenizer (with its chat template) and generation config, read from the
-  GGUF's metadata by transformers once per file (keyed by path, size and mtime) and kept in the user cache as a
-  weightless folder, so the next start reads three small files instead of parsing the file's metadata (~4 s
-  for a big vocabulary). The loader then treats that folder like any model folder for the tokenizer and heads.
+- `gguf_model_dir`: the model's config, tokenizer (with its chat template) and generation config, built from
+  one pass over the GGUF's metadata once per file (keyed by path, size and mtime; exactly what transformers'
+  AutoConfig/AutoTokenizer make with `gguf_file=`, without their slow GGUFReader parse: gguf_config_dict) and
+  kept in the user cache as a weightless folder, so the next start reads three small files. The loader then
+  treats that folder like any model folder for the tokenizer and heads.
 - `load_gguf_backbone`: the transformers *ForCausalLM made on the meta device (no memory), then every tensor
   read from the file (plain reads, no memory map: mapped pages would stay resident until the map is dropped)
   and put in place one at a time: norms as parameters; projections and the lm_head as block-kernel linears on
@@ -31,7 +32,7 @@ import json
 import re
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,13 +188,12 @@ def gguf_model_dir(gguf: Path, progress: Progress | None = None) -> Path:
 
 
 def _write_folder(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    folder, name = str(gguf.parent), gguf.name
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = gguf_config(gguf)
+        tokenizer = gguf_tokenizer(gguf)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ModelNotFoundError(f"cannot read the config and tokenizer of {gguf}: {first[:300]}") from err
@@ -209,6 +209,66 @@ def _write_folder(gguf: Path, out: Path) -> None:
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def gguf_config_dict(metadata: dict[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
+    """The config dict transformers' GGUF loader (`load_gguf_checkpoint(...)["config"]`) makes of a Llama or
+    Mistral file, from metadata read once (`gguf_file.read_metadata`). That loader opens the file with
+    gguf-py's GGUFReader, which makes a numpy view of every metadata value, the vocabulary and merges
+    included: ~5 s per call for a 49k vocabulary, and AutoConfig and AutoTokenizer each call it. The rules
+    here are that loader's, step for step, over the same rename tables (tests compare the saved config.json
+    with transformers' own, byte for byte)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = str(metadata["general.architecture"])
+    names = [metadata["general.name"]] if "general.name" in metadata else []
+    # llama.cpp writes Mistral files as llama; the loader tells them apart by the model name alone
+    updated = "mistral" if "llama" in arch and "mistral" in names else arch
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in set(tensor_names)}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, config_key = key.replace(arch, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key, -1)
+        if renamed not in (None, -1):
+            config[renamed] = value
+    if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # read_metadata gives a string array's length
+    return config
+
+
+def gguf_config(gguf: Path) -> Any:
+    """The transformers config of a Llama/Mistral GGUF, as `AutoConfig.from_pretrained(folder, gguf_file=...)`
+    makes it, from one pass over the metadata (no vocabulary decoded)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from medusa_chat.kernels.gguf_file import read_metadata as read_all
+
+    metadata = read_all(gguf)
+    config_dict = gguf_config_dict(metadata, read_table(gguf))
+    if config_dict.get("model_type") not in SUPPORTED_ARCHS:
+        raise ModelNotFoundError(
+            f"{gguf.name}: model type {config_dict.get('model_type')!r} is not supported; supported are "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    return CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+
+
+def gguf_tokenizer(gguf: Path) -> Any:
+    """The tokenizer of a Llama/Mistral GGUF, as `AutoTokenizer.from_pretrained(folder, gguf_file=...)` makes it.
+
+    AutoTokenizer first parses the whole file's metadata with the slow GGUFReader (see gguf_config_dict) only
+    to learn the model type, which picks the class; for llama and mistral that class is TokenizersBackend (no
+    Llama-specific tokenizer class is registered in transformers 5, and a GGUF folder is not in Mistral's own
+    format). TokenizersBackend reads the vocabulary, merges and special tokens with transformers' fast metadata
+    reader and converts them itself, so calling it directly gives the same tokenizer without that parse."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(str(gguf.parent), gguf_file=gguf.name, _from_auto=True)
 
 
 # ---- the backbone ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from medusa_chat.tuning.measure import (
     DEFAULT_PREFIX_TOKENS,
     measure_step_latency,
     measure_tokens_per_step,
+    prefilled_engines,
+    timing_prefix,
     tokens_per_step_from_tree_json,
 )
 from medusa_chat.tuning.tree_choice import (
@@ -103,17 +106,38 @@ def _best_size(latency: dict[int, float], tps: dict[int, float], lookup_only: bo
     return best
 
 
-def _reply_budget(loaded: Any) -> int:
-    """How many built-in replies the first-start calibration measures tokens/step on: all (~600 tokens, a few
-    seconds) for a model of the embedded one's size, fewer for bigger ones (a 1B model decodes ~10x slower on a
-    CPU: all twelve would hold its first start ~20 s), at least three."""
+@dataclass(frozen=True)
+class FirstStartBudget:
+    """How much the first-start calibration measures: greedy replies for tokens/step, timed steps per size and
+    the cached prefix they are timed with."""
+
+    replies: int
+    reps: int
+    prefix_tokens: int
+
+
+def first_start_budget(loaded: Any) -> FirstStartBudget:
+    """The first-start calibration's measurements, scaled to the model so that it stays a few seconds.
+
+    For a model of the embedded one's size (~135M, or smaller) the full measurement: all twelve built-in replies
+    (~600 tokens), 30 timed steps per size, a 256-token prefix. A bigger model decodes proportionally slower on a
+    CPU (a 1B model ~8x), so the work shrinks with its size (scale = 2e8 / parameters), down to floors that still
+    decide: two replies, eight timed steps per size (the sizes are timed round-robin, so a slow spell of the
+    machine hits every size alike, and near-ties go to the smaller tree anyway), a 64-token prefix (at 1B the
+    attention over the prefix is ~1% of a step's work: the projections dominate, whatever the context).
+    A 1.17B Q4_K_M GGUF without heads, one thread on a busy 2-core VM: the former fixed budget (3 replies, 30
+    steps per size, a 256-token prefix prefilled per size) calibrated in 97.9 s, this one in 25.9 s
+    (docs/gguf_models.md, "First start")."""
     from medusa_chat.model.loading import estimate_params
 
     config = getattr(loaded.backbone, "config", None)
     params = estimate_params(config.to_dict()) if config is not None else 0
-    if params <= 0:
-        return len(CALIBRATION_PROMPTS)
-    return max(3, min(len(CALIBRATION_PROMPTS), int(len(CALIBRATION_PROMPTS) * 2e8 / params)))
+    scale = 1.0 if params <= 0 else min(1.0, 2e8 / params)
+    return FirstStartBudget(
+        replies=max(2, min(len(CALIBRATION_PROMPTS), round(len(CALIBRATION_PROMPTS) * scale))),
+        reps=max(8, round(30 * scale)),
+        prefix_tokens=max(64, round(DEFAULT_PREFIX_TOKENS * scale / 16) * 16),
+    )
 
 
 def lookup_only_latency(step_latency: dict[int, float], step_sizes: list[int]) -> dict[int, float]:
@@ -220,6 +244,10 @@ def calibrate(
 
     if progress:
         progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
+    # On a CPU the default-thread and the one-thread timings below time the same prefilled engines (one prefill)
+    shared = (
+        prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens)) if device.type == "cpu" else None
+    )
     lat = measure_step_latency(
         loaded,
         sizes,
@@ -227,6 +255,7 @@ def calibrate(
         prefix_tokens=prefix_tokens,
         reps=reps,
         progress=progress,
+        engines=shared,
     )
     latency = {n: v["median_s"] for n, v in lat.items()}
     step_latency = dict(latency)
@@ -254,11 +283,13 @@ def calibrate(
         one = {
             n: v["median_s"]
             for n, v in measure_step_latency(
-                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1
+                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1, engines=shared
             ).items()
         }
         if lookup_only and step_sizes:
             one = lookup_only_latency(one, step_sizes)
+    for engine, _, _ in (shared or {}).values():
+        engine.reset()
     best_one = min(_best_size(one, tps, lookup_only), best) if one else None
     return {
         "version": CALIBRATION_VERSION,
@@ -334,13 +365,15 @@ def resolve_tree(
     base = tree.prefix(min(tree.size, CPU_MAX_TREE))
     if progress is not None:
         progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
+    budget = first_start_budget(loaded)
     record = calibrate(
         loaded,
         base=base,
         sizes=CPU_SIZES,
-        reps=30,  # round-robin over the sizes, ~1 s in all: medians that a noisy VM does not flip
+        prefix_tokens=budget.prefix_tokens,
+        reps=budget.reps,  # round-robin over the sizes: medians that a noisy VM does not flip
         measure_accuracy=True,
-        measure_replies=_reply_budget(loaded),
+        measure_replies=budget.replies,
         measure_tokens=48,
         progress=progress,
     )

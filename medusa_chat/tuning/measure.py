@@ -3,6 +3,7 @@ each step accepts per size (from the heads' tree.json, or measured on built-in p
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -77,6 +78,7 @@ def measure_step_latency(
     progress: Callable[[str], None] | None = None,
     graphs: bool = True,
     threads: int | None = None,
+    engines: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> dict[int, dict[str, float]]:
     """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
@@ -88,31 +90,18 @@ def measure_step_latency(
     pays, so it is the number the projections use. (When the host cannot launch kernels as fast as the GPU runs
     them, the event time equals the wall time: the GPU waits for the launches.) `threads`: the native CPU step's
     thread count while timing (None: the engines' own). graphs=False times the eager
-    step where an engine would replay CUDA graphs (graph_step.py).
+    step where an engine would replay CUDA graphs (graph_step.py). `engines`: prefilled_engines' result to time
+    (its sizes; `sizes`, `tree` and `prefix_tokens` are then not used), left prefilled for another timing of the
+    same engines (the caller resets them); else engines made and prefilled here, reset at the end.
     """
     from medusa_chat.engine.acceptance import make_acceptor
-    from medusa_chat.engine.engine import MedusaEngine
 
     sizes = list(dict.fromkeys(sizes))  # iterated twice; duplicates would be timed twice for nothing
     device = torch.device(loaded.device)
-    backbone = loaded.backbone
-    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
     base = tree or Tree.named("mc_sim_7b_63")
     cuda = device.type == "cuda"
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=g).to(device)
     acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
-    step_args: dict[int, tuple] = {}
-    for n in sizes:
-        t = latency_tree(base, n)
-        if n > 1:
-            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
-        engine = MedusaEngine(
-            loaded, t, graphs=graphs
-        )  # each size its own cache: key rows are sized per tree
-        hidden = engine.prefill(prefix)
-        logits, draft = engine.next_logits_and_guesses(hidden[-1:])
-        step_args[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+    step_args = engines or prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens, seed), graphs)
     if threads is not None:  # the native step's team for this timing (each engine put its own in force)
         from medusa_chat.kernels import qgemm
 
@@ -150,10 +139,51 @@ def measure_step_latency(
                 f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
             )
     for engine, _, _ in step_args.values():
-        engine.reset()
+        if engines is None:
+            engine.reset()
     if threads is not None and engine.threads is not None:
         engine.threads.resume()  # back to the governor's count
     return results
+
+
+def timing_prefix(loaded: Any, prefix_tokens: int, seed: int = 0) -> torch.Tensor:
+    """The random token ids [prefix_tokens] the latency timing holds in the cache (seeded: the same every run)."""
+    backbone = loaded.backbone
+    vocab = int(getattr(backbone.config, "vocab_size", 0) or backbone.get_output_embeddings().out_features)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (prefix_tokens,), generator=g).to(torch.device(loaded.device))
+
+
+def prefilled_engines(
+    loaded: Any, sizes: Iterable[int], base: Tree, prefix: torch.Tensor, graphs: bool = True
+) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]]:
+    """{size: (an engine on the first `size` nodes of `base` with `prefix` in its cache, its root token, its
+    draft)}: each size its own engine and cache (key rows are sized per tree).
+
+    On a CPU the prefix is prefilled once and that cache copied to the other sizes' engines (before any tree
+    step: only the committed keys and values, no per-node rows yet): a 256-token prefill of a 1B model costs
+    as much as ~200 of its steps, once per size otherwise. A GPU engine's cache may be its CUDA graphs' own
+    buffers, and an EAGLE draft keeps a cache of its own, so those engines each prefill."""
+    from medusa_chat.engine.engine import MedusaEngine
+
+    out: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
+    first: tuple[Any, torch.Tensor] | None = None  # (engine, hidden states) of the prefill to share
+    for n in sizes:
+        t = latency_tree(base, n)
+        if n > 1:
+            t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
+        engine = MedusaEngine(loaded, t, graphs=graphs)
+        if first is not None:
+            engine.cache = copy.deepcopy(first[0].cache)
+            engine.cached_ids = list(first[0].cached_ids)
+            hidden = first[1]
+        else:
+            hidden = engine.prefill(prefix)
+            if engine.device.type == "cpu" and engine._graph is None and engine._eagle is None:
+                first = (engine, hidden)
+        logits, draft = engine.next_logits_and_guesses(hidden[-1:])
+        out[n] = (engine, logits.argmax(-1, keepdim=True), draft)
+    return out
 
 
 def _trial_step(engine: Any, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> None:
