@@ -118,7 +118,7 @@ def read_draft_vocab(path: Path) -> torch.Tensor | None:
 def check_draft_vocab(heads: MedusaHeads, vocab_size: int, where: str) -> None:
     """A draft vocabulary must name tokens of the backbone's vocabulary (a mismatch is a heads file meant for
     another tokenizer); one as large as the vocabulary saves nothing and is dropped."""
-    ids = heads.draft_vocab_ids
+    ids = getattr(heads, "draft_vocab_ids", None)  # (an EAGLE draft has none: its own vocabulary maps)
     if ids is None:
         return
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
