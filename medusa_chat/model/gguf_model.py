@@ -30,7 +30,6 @@ import gc
 import hashlib
 import json
 import re
-import struct
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -91,31 +90,15 @@ def read_table(gguf: Path) -> dict[str, TensorEntry]:
 
 
 def read_metadata(gguf: Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The scalar/string metadata values of `keys` that the file has (the rest of its metadata is skipped)."""
-    from medusa_chat.kernels.gguf_file import SCALARS, _Cursor
+    """The scalar/string metadata values of `keys` that the file has (gguf_file.read_metadata, one pass over the
+    metadata; a file it cannot read is a ModelNotFoundError)."""
+    from medusa_chat.kernels import gguf_file
 
-    out: dict[str, Any] = {}
-    mm = np.memmap(str(gguf), dtype=np.uint8, mode="r")
     try:
-        cur = _Cursor(memoryview(mm))
-        if cur.take("4s")[0] != b"GGUF":
-            raise ModelNotFoundError(f"{gguf} is not a GGUF file")
-        cur.take("I")
-        _, n_kv = cur.take("QQ")
-        for _ in range(n_kv):
-            key = cur.string()
-            (vtype,) = cur.take("I")
-            if key in keys and vtype == 8:
-                out[key] = cur.string()
-            elif key in keys and vtype in SCALARS:
-                out[key] = cur.take(SCALARS[vtype])[0]
-            else:
-                cur.skip_value(vtype)
-    except (struct.error, KeyError, IndexError) as err:
+        meta = gguf_file.read_metadata(gguf)
+    except ValueError as err:
         raise ModelNotFoundError(f"{gguf}: its metadata cannot be read (truncated or corrupt file?)") from err
-    finally:
-        del mm
-    return out
+    return {k: meta[k] for k in keys if isinstance(meta.get(k), (str, int, float, bool))}
 
 
 def check_architecture(gguf: Path) -> str:
