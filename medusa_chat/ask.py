@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from medusa_chat.bench.cli import load_from_args, progress_printer
 from medusa_chat.bench.runs import describe
@@ -41,7 +42,7 @@ def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.tuning.calibrate import resolve_tree
+    from medusa_chat.tuning.calibrate import PROVISIONAL_SOURCE, resolve_tree
 
     err = Console(stderr=True)
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
@@ -53,9 +54,15 @@ def ask_main(args: argparse.Namespace) -> int:
         return 2
     settings = settings_from_args(args)  # before the (slow) load: a bad option fails at once
     loaded = load_from_args(args, None if args.json else err)
+    # A big model's first start answers first and calibrates this CPU after the reply (calibrate_after)
     tree, source = resolve_tree(
-        loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, args.json)
+        loaded,
+        getattr(args, "tree", None),
+        getattr(args, "tree_size", None),
+        progress_printer(err, args.json),
+        defer=True,
     )
+    deferred = source == PROVISIONAL_SOURCE
     engine = MedusaEngine(loaded, tree)
     source += engine.tree_note
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -80,6 +87,9 @@ def ask_main(args: argparse.Namespace) -> int:
             "tree_source": source,
         }
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        if deferred:
+            calibrate_after(loaded, err, quiet=True)
         return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -90,7 +100,28 @@ def ask_main(args: argparse.Namespace) -> int:
     )
     if summary.message:
         err.print(f"[yellow]{summary.message}[/yellow]")
+    if deferred:
+        calibrate_after(loaded, err, quiet=False)
     return 0
+
+
+def calibrate_after(loaded: Any, err: Any, quiet: bool) -> None:
+    """The first start of a big model: the reply came first (plain decoding); now calibrate this CPU once, so
+    every later start (ask, chat, web) uses the tree that is fastest here. Ctrl-C skips it (asked again next
+    time); the reply is already out."""
+    from medusa_chat.tuning.calibrate import calibrate_first_start
+    from medusa_chat.tuning.tree_choice import choose_tree
+
+    if not quiet:
+        err.print("[dim]calibrating the tree size for this CPU once, for the next starts (Ctrl-C skips)[/dim]")
+    base, _ = choose_tree(loaded, None, None)
+    try:
+        tree, source = calibrate_first_start(loaded, base, None if quiet else progress_printer(err, False))
+    except KeyboardInterrupt:
+        err.print("[dim]calibration skipped; the next start asks again[/dim]")
+        return
+    if not quiet:
+        err.print(f"[dim]next starts: tree {tree.size} node{'s' if tree.size != 1 else ''} ({source})[/dim]")
 
 
 add_arguments = add_ask_args  # the hook cli.py looks for in a sub-command's module

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from medusa_chat.engine.engine import MedusaEngine
-from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
 from medusa_chat.tuning import calibrate as cal
 from medusa_chat.tuning import tree_choice
@@ -399,3 +400,63 @@ def test_pick_tree_size_near_ties_go_to_the_smaller_tree() -> None:
     assert pick_tree_size(latency, tps, near_tie=0.001) == 4
     # a clear winner stays the winner
     assert pick_tree_size({1: 1.0, 2: 1.0, 4: 1.0}, {1: 1.0, 2: 1.2, 4: 1.5}, near_tie=0.03) == 4
+
+
+# ---- a big model's first start: the reply first, the calibration after it ------------------------------------------
+def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
+    cache_dir: Path, make_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medusa_chat.chat.session import SessionManager
+
+    monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
+    # the tiny model calibrates in a moment; a 1B model would not (calibration_is_long: the budget shrinks)
+    monkeypatch.setattr(cal, "calibration_is_long", lambda loaded: True)
+    # a long measurement first (so the next message surely finds it running), then a short one
+    budget = [cal.FirstStartBudget(12, 5000, 16)]
+    monkeypatch.setattr(cal, "first_start_budget", lambda loaded: budget[0])
+    loaded = make_loaded_model()
+    session = SessionManager(model=loaded.spec.name, loaded=loaded, data_dir=cache_dir / "data")
+    session.update_settings(max_new_tokens=24)
+    session.load()
+    # before any reply: plain decoding, said so, nothing measured or saved yet
+    assert session.tree is not None and session.tree.size == 1
+    assert session.info["tree_source"].startswith(cal.PROVISIONAL_SOURCE)
+    assert session.calibration_pending and not session.calibrating
+    assert load_calibration(*tree_choice.model_identity(loaded)) is None
+
+    first = [item for item in session.send("Tell me about the sea.")]
+    assert isinstance(first[-1], ReplySummary)
+    # the reply's end started the calibration; a new message cancels it (no BusyError, no waiting it out)
+    assert session.calibrating
+    started = time.perf_counter()
+    stream = session.send("And about the mountains?")
+    assert time.perf_counter() - started < 60 and not session.calibrating
+    assert session.calibration_pending and load_calibration(*tree_choice.model_identity(loaded)) is None
+    budget[0] = cal.FirstStartBudget(2, 2, 16)
+    second = list(stream)
+    assert isinstance(second[-1], ReplySummary)
+    # ... and it runs again after that reply, to the end this time
+    assert session.wait_for_calibration(300)
+    assert not session.calibration_pending
+    record = load_calibration(*tree_choice.model_identity(loaded))
+    assert record is not None and session.tree.size == record["tree_size"]
+    assert session.info["tree_source"].startswith("calibrated")
+    # the calibrated tree answers exactly as plain decoding did (greedy): the same reply to the same prompt
+    session.clear()
+    again = [item for item in session.send("Tell me about the sea.")]
+    assert again[-1].token_ids == first[-1].token_ids
+    # a later start reads the saved choice: no provisional tree
+    later = SessionManager(model=loaded.spec.name, loaded=loaded, data_dir=cache_dir / "data2")
+    later.load()
+    assert not later.calibration_pending and later.tree.size == record["tree_size"]
+
+
+def test_a_cancelled_calibration_saves_nothing(cache_dir: Path, make_loaded_model: Any) -> None:
+    import threading
+
+    loaded = make_loaded_model()
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(cal.CalibrationCancelled):
+        cal.calibrate_first_start(loaded, loaded.default_tree, cancel=cancel)
+    assert load_calibration(*tree_choice.model_identity(loaded)) is None

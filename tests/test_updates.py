@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from medusa_chat.chat.session import SessionManager
-from medusa_chat.chat.updates import Coalescer, Update, default_interval_s, updates
+from medusa_chat.chat.updates import Coalescer, Update, default_interval_s, panel_interval_s, updates
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
 
@@ -112,6 +112,13 @@ def test_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", bad)
         with pytest.raises(ValueError, match="MEDUSA_CHAT_UI_HZ"):
             default_interval_s()
+    monkeypatch.delenv("MEDUSA_CHAT_UI_PANEL_HZ", raising=False)
+    assert panel_interval_s() == pytest.approx(0.5)
+    monkeypatch.setenv("MEDUSA_CHAT_UI_PANEL_HZ", "5")
+    assert panel_interval_s() == pytest.approx(0.2)
+    monkeypatch.setenv("MEDUSA_CHAT_UI_PANEL_HZ", "-1")
+    with pytest.raises(ValueError, match="MEDUSA_CHAT_UI_PANEL_HZ"):
+        panel_interval_s()
 
 
 def test_the_decoder_runs_ahead_of_a_consumer_that_does_not_read() -> None:

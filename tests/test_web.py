@@ -218,6 +218,30 @@ def test_a_long_fast_reply_updates_the_page_at_a_bounded_rate(served: Any) -> No
     assert meter_values(outputs[-1][2])["new_tokens"] == ui.session.last_summary.new_tokens
 
 
+def test_the_panels_redraw_at_a_lower_rate_than_the_text(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a reply streams, its text is updated at the text rate and the heavy panels (meter and chart, tree,
+    slider) at most PANEL_UPDATES_PER_S times a second; the final update redraws them all."""
+    ui: web.WebApp = served.medusa_web
+    ui.clear()
+    monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", "40")
+    monkeypatch.setenv("MEDUSA_CHAT_UI_PANEL_HZ", "4")
+    ui.session.update_settings(max_new_tokens=40, temperature=0)
+    with slow_steps(ui.session, 0.06):  # ~2 s of reply: a text update per step, ~9 panel redraws
+        t0 = time.monotonic()
+        outputs = list(ui.send("Tell me a story.", False))
+        elapsed = time.monotonic() - t0
+    streamed = outputs[2:-1]  # after the user's message and "starting…", before the final update
+    texts = [o for o in streamed if isinstance(o[0], list)]
+    meters = [o for o in streamed if isinstance(o[2], str)]
+    trees = [o for o in streamed if isinstance(o[3], str)]
+    assert len(texts) == len(streamed) >= 8, (len(texts), elapsed)
+    assert 1 <= len(meters) == len(trees) <= 1 + elapsed * 4 + 1, (len(meters), elapsed)
+    assert len(meters) < len(texts) / 2
+    final = outputs[-1]
+    assert isinstance(final[2], str) and isinstance(final[3], str)
+    assert meter_values(final[2])["new_tokens"] == ui.session.last_summary.new_tokens
+
+
 def test_second_request_while_busy_gets_a_clear_answer(served: Any) -> None:
     ui: web.WebApp = served.medusa_web
     ui.session.update_settings(max_new_tokens=30)

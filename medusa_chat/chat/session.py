@@ -88,6 +88,12 @@ class SessionManager(SpeedMeter):
         self._lock = threading.Lock()  # held for the whole of a reply
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
+        # A big model's first start answers with plain decoding and calibrates this CPU afterwards, while the
+        # user reads the reply (calibrate.resolve_tree's `defer`): under the reply lock, in its own thread, and
+        # a new request cancels it (it is tried again after that reply).
+        self.calibration_pending = False
+        self._calibration_cancel = threading.Event()
+        self._calibration_thread: threading.Thread | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> SessionManager:
@@ -144,18 +150,91 @@ class SessionManager(SpeedMeter):
         self, name: str | None, size: int | None, progress: Callable[[str], None] | None = None
     ) -> Tree:
         # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
-        # cached calibration, else (on a CPU) calibrate once now. The reason is shown in the UIs' model panel.
-        from medusa_chat.tuning.calibrate import resolve_tree
+        # cached calibration, else (on a CPU) calibrate once now, or for a big model after its first reply.
+        # The reason is shown in the UIs' model panel.
+        from medusa_chat.tuning.calibrate import PROVISIONAL_SOURCE, resolve_tree
         from medusa_chat.tuning.tree_choice import choose_tree
 
         assert self.loaded is not None
         try:
-            tree, self.tree_source = resolve_tree(self.loaded, name, size, progress, self.auto_calibrate)
+            tree, self.tree_source = resolve_tree(
+                self.loaded, name, size, progress, self.auto_calibrate, defer=True
+            )
         except (OSError, RuntimeError, ValueError) as err:  # a failed timing must not stop the chat
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
             tree, self.tree_source = choose_tree(self.loaded, name, size)
+        self.calibration_pending = self.tree_source == PROVISIONAL_SOURCE
         self._latency_by_size = self._read_latencies()  # read once here, not per streamed step
         return tree
+
+    # ---- calibration after the first reply ------------------------------------------------------------------
+    @property
+    def calibrating(self) -> bool:
+        thread = self._calibration_thread
+        return thread is not None and thread.is_alive()
+
+    def _acquire(self, wait_s: float = 0.0) -> bool:
+        """The reply lock for a request: a background calibration holding it is cancelled and waited for (it
+        stops within a decoding step); a reply holding it is waited for `wait_s`, else refused."""
+        if self._lock.acquire(blocking=False):
+            return True
+        if self.calibrating:
+            self._calibration_cancel.set()
+            return self._lock.acquire(timeout=max(wait_s, 120.0))
+        return self._lock.acquire(timeout=wait_s) if wait_s > 0 else False
+
+    def _release_reply(self) -> None:
+        self._lock.release()
+        self._calibrate_when_idle()
+
+    def _calibrate_when_idle(self) -> None:
+        if not self.calibration_pending or self.loaded is None or self.calibrating:
+            return
+        self._calibration_cancel.clear()
+        self._calibration_thread = threading.Thread(
+            target=self._calibrate_in_background, name="medusa-chat-calibration", daemon=True
+        )
+        self._calibration_thread.start()
+
+    def _calibrate_in_background(self) -> None:
+        from medusa_chat.tuning.calibrate import CalibrationCancelled, calibrate_first_start
+        from medusa_chat.tuning.tree_choice import choose_tree
+
+        if not self._lock.acquire(blocking=False):
+            return  # a new reply came first: tried again after it
+        try:
+            if not self.calibration_pending or self.loaded is None or self.engine is None:
+                return
+            base, why = choose_tree(self.loaded, *self._tree_request)
+            if why != "default":  # the user chose a tree meanwhile
+                self.calibration_pending = False
+                return
+            try:
+                tree, source = calibrate_first_start(self.loaded, base, cancel=self._calibration_cancel)
+            except CalibrationCancelled:
+                return  # still pending: after the next reply
+            except (OSError, RuntimeError, ValueError) as err:
+                self.calibration_pending = False
+                self.notices.append(f"tree calibration failed ({err}); staying with plain decoding")
+                return
+            self.engine.set_tree(tree)
+            self.tree_source = source
+            self._latency_by_size = self._read_latencies()
+            self.calibration_pending = False
+        finally:
+            self._lock.release()
+
+    def wait_for_calibration(self, timeout_s: float | None = None) -> bool:
+        """Block until a background calibration ends (ask, and tests); True when none is running after."""
+        thread = self._calibration_thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return not self.calibrating
+
+    def close(self) -> None:
+        """Cancel a background calibration (the app is closing): nothing half-measured is saved."""
+        self._calibration_cancel.set()
+        self.wait_for_calibration(30.0)
 
     @property
     def tree(self) -> Tree | None:
@@ -234,7 +313,8 @@ class SessionManager(SpeedMeter):
     # ---- replies --------------------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self._lock.locked()
+        """A reply is decoding (a background calibration does not count: a request cancels it)."""
+        return self._lock.locked() and not self.calibrating
 
     def stop(self) -> None:
         """Ask the running reply to end; the engine checks this every step and keeps what it produced."""
@@ -273,7 +353,7 @@ class SessionManager(SpeedMeter):
 
     def _reply(self, edit: Callable[[list[Message]], None]) -> ReplyStream:
         # Non-blocking: a second request while a reply runs gets a clear answer instead of queueing silently.
-        if not self._lock.acquire(blocking=False):
+        if not self._acquire():
             raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
         try:
             engine = self._require_engine()
@@ -292,7 +372,7 @@ class SessionManager(SpeedMeter):
         except BaseException:
             self._lock.release()
             raise
-        return ReplyStream(gen, self._lock.release, self.stop)
+        return ReplyStream(gen, self._release_reply, self.stop)
 
     def complete(
         self,
@@ -310,8 +390,7 @@ class SessionManager(SpeedMeter):
         is checked every step; `wait_s` > 0 waits that long for a running reply to finish before BusyError.
         A prompt that leaves no room in the context window raises PromptError (never truncated silently).
         """
-        acquired = self._lock.acquire(timeout=wait_s) if wait_s > 0 else self._lock.acquire(blocking=False)
-        if not acquired:
+        if not self._acquire(wait_s):
             raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
         stop = stop if stop is not None else threading.Event()
         try:
@@ -334,7 +413,7 @@ class SessionManager(SpeedMeter):
         except BaseException:
             self._lock.release()
             raise
-        return ReplyStream(gen, self._lock.release, stop.set)
+        return ReplyStream(gen, self._release_reply, stop.set)
 
     def _generate_detached(
         self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, stop: threading.Event
@@ -493,7 +572,7 @@ class SessionManager(SpeedMeter):
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Changes that must not interleave with a running reply."""
-        if not self._lock.acquire(blocking=False):
+        if not self._acquire():
             raise BusyError("a reply is being generated: wait for it to finish or stop it first")
         try:
             yield

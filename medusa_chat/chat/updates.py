@@ -33,18 +33,34 @@ UPDATES_PER_S = 15.0
 
 def default_interval_s() -> float:
     """Seconds between two UI updates: 1 / MEDUSA_CHAT_UI_HZ when set (> 0), else 1 / UPDATES_PER_S."""
-    text = os.environ.get("MEDUSA_CHAT_UI_HZ", "").strip()
-    hz = UPDATES_PER_S
-    if text:
-        try:
-            hz = float(text)
-        except ValueError as err:
-            raise ValueError(
-                f"MEDUSA_CHAT_UI_HZ must be a number of updates per second (got {text!r})"
-            ) from err
-        if hz <= 0:
-            raise ValueError(f"MEDUSA_CHAT_UI_HZ must be > 0 (got {text!r})")
-    return 1.0 / hz
+    return 1.0 / _rate("MEDUSA_CHAT_UI_HZ", UPDATES_PER_S)
+
+
+# The web page's panels (the meter with its tokens-per-step chart, the live tree view, the step slider) are
+# redrawn at most this often while a reply streams; the reply's text keeps UPDATES_PER_S. Each panel update
+# replaces ~30 KB of HTML and SVG (the chart grows with the reply) that the browser parses and lays out on the
+# decoder's cores, where a text update appends a few words; the final update always redraws them all.
+# MEDUSA_CHAT_UI_PANEL_HZ overrides it (the browser benchmark compares).
+PANEL_UPDATES_PER_S = 2.0
+
+
+def panel_interval_s() -> float:
+    """Seconds between two redraws of the web page's panels: 1 / MEDUSA_CHAT_UI_PANEL_HZ when set (> 0), else
+    1 / PANEL_UPDATES_PER_S."""
+    return 1.0 / _rate("MEDUSA_CHAT_UI_PANEL_HZ", PANEL_UPDATES_PER_S)
+
+
+def _rate(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        hz = float(text)
+    except ValueError as err:
+        raise ValueError(f"{name} must be a number of updates per second (got {text!r})") from err
+    if hz <= 0:
+        raise ValueError(f"{name} must be > 0 (got {text!r})")
+    return hz
 
 
 def decode_ahead_default() -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,6 +33,8 @@ from medusa_chat.tree import Tree
 from medusa_chat.tuning.measure import (
     CALIBRATION_PROMPTS,
     DEFAULT_PREFIX_TOKENS,
+    CalibrationCancelled,
+    check_cancel,
     measure_step_latency,
     measure_tokens_per_step,
     prefilled_engines,
@@ -200,8 +203,11 @@ def calibrate(
     measure_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
     measure_accuracy: bool = False,
+    cancel: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record."""
+    """Measure latency per size, get E[tokens/step] per size, pick the best size. Returns the JSON record.
+
+    `cancel` (set from another thread) ends it between two steps with CalibrationCancelled."""
     from medusa_chat.engine.engine import MedusaEngine
 
     base = base or loaded.default_tree
@@ -237,7 +243,7 @@ def calibrate(
             loaded.build_prompt([{"role": "user", "content": p}])
             for p in CALIBRATION_PROMPTS[:measure_replies]
         ]
-        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress, step_sizes)
+        tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress, step_sizes, cancel)
         source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
         engine.reset()
     tps[1] = 1.0  # a root-only step makes exactly one token
@@ -245,9 +251,35 @@ def calibrate(
     if progress:
         progress(f"timing tree steps with a {prefix_tokens}-token cached prefix ({reps} reps per size)")
     # On a CPU the default-thread and the one-thread timings below time the same prefilled engines (one prefill)
+    check_cancel(cancel)
     shared = (
         prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens)) if device.type == "cpu" else None
     )
+    try:
+        return _timed_record(
+            loaded, base, sizes, tps, source, step_sizes, lookup_only, prefix_tokens, reps, progress, shared, cancel
+        )
+    finally:  # cancelled or not, the prefilled caches go
+        for engine, _, _ in (shared or {}).values():
+            engine.reset()
+
+
+def _timed_record(
+    loaded: Any,
+    base: Tree,
+    sizes: list[int],
+    tps: dict[int, float],
+    source: str,
+    step_sizes: list[int],
+    lookup_only: bool,
+    prefix_tokens: int,
+    reps: int,
+    progress: Callable[[str], None] | None,
+    shared: dict[int, Any] | None,
+    cancel: threading.Event | None,
+) -> dict[str, Any]:
+    """calibrate's timing half: the step latencies (and on a CPU the one-thread ones) and the record."""
+    model_name, device, quant, dtype = model_identity(loaded)
     lat = measure_step_latency(
         loaded,
         sizes,
@@ -256,6 +288,7 @@ def calibrate(
         reps=reps,
         progress=progress,
         engines=shared,
+        cancel=cancel,
     )
     latency = {n: v["median_s"] for n, v in lat.items()}
     step_latency = dict(latency)
@@ -283,13 +316,18 @@ def calibrate(
         one = {
             n: v["median_s"]
             for n, v in measure_step_latency(
-                loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, threads=1, engines=shared
+                loaded,
+                sizes,
+                tree=base,
+                prefix_tokens=prefix_tokens,
+                reps=reps,
+                threads=1,
+                engines=shared,
+                cancel=cancel,
             ).items()
         }
         if lookup_only and step_sizes:
             one = lookup_only_latency(one, step_sizes)
-    for engine, _, _ in (shared or {}).values():
-        engine.reset()
     best_one = min(_best_size(one, tps, lookup_only), best) if one else None
     return {
         "version": CALIBRATION_VERSION,
@@ -345,23 +383,51 @@ CPU_MAX_TREE = 8
 CPU_SIZES = (1, 2, 3, 4, 6, 8)
 
 
+# Why a reply uses plain decoding before this CPU is calibrated (the UIs' tree line shows it).
+PROVISIONAL_SOURCE = "plain decoding until this CPU is calibrated (once, after the first reply)"
+
+
+def calibration_is_long(loaded: Any) -> bool:
+    """Is the first-start calibration too long to run before the first reply? It is for a model bigger than the
+    embedded one (its budget shrinks below the full measurement): a 1.17B GGUF calibrated for 19.5 s on a
+    2-core EPYC, and 36 s on a slower one, before its first token (docs/gguf_models.md, "First start")."""
+    return first_start_budget(loaded).replies < len(CALIBRATION_PROMPTS)
+
+
 def resolve_tree(
     loaded: Any,
     tree_name: str | None = None,
     tree_size: int | None = None,
     progress: Callable[[str], None] | None = None,
     auto_calibrate: bool | None = None,
+    defer: bool = False,
 ) -> tuple[Tree, str]:
     """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
 
     --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
-    (about 10 s; cached for every later start and command); else the model's default tree.
+    (about 10 s; cached for every later start and command); else the model's default tree. With `defer`, a
+    model whose calibration is long (`calibration_is_long`) is not calibrated now: the root alone (plain
+    decoding, never slower than the plain loop) with PROVISIONAL_SOURCE, and the caller runs
+    `calibrate_first_start` when the user is reading the first reply.
     """
     if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
         auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
     tree, source = choose_tree(loaded, tree_name, tree_size)
     if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
         return tree, source
+    if defer and calibration_is_long(loaded):
+        return tree.prefix(1), PROVISIONAL_SOURCE
+    return calibrate_first_start(loaded, tree, progress)
+
+
+def calibrate_first_start(
+    loaded: Any,
+    tree: Tree,
+    progress: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[Tree, str]:
+    """Calibrate prefixes of `tree` (the model's default) with the first-start budget, save the choice for
+    every later start, and return the chosen prefix and why. `cancel`: see `calibrate` (nothing is saved)."""
     base = tree.prefix(min(tree.size, CPU_MAX_TREE))
     if progress is not None:
         progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
@@ -376,8 +442,12 @@ def resolve_tree(
         measure_replies=budget.replies,
         measure_tokens=48,
         progress=progress,
+        cancel=cancel,
     )
     record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
     model_name, device, quant, dtype = model_identity(loaded)
     save_calibration(record, model_name, device, quant, dtype)
     return tree.prefix(record["tree_size"]), calibrated_source(record)
+
+
+__all__ = ["CalibrationCancelled", "calibrate", "calibrate_first_start", "resolve_tree"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -79,6 +80,7 @@ def measure_step_latency(
     graphs: bool = True,
     threads: int | None = None,
     engines: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]] | None = None,
+    cancel: threading.Event | None = None,
 ) -> dict[int, dict[str, float]]:
     """Time one decoding step per tree size, with `prefix_tokens` already in the KV cache.
 
@@ -92,7 +94,9 @@ def measure_step_latency(
     thread count while timing (None: the engines' own). graphs=False times the eager
     step where an engine would replay CUDA graphs (graph_step.py). `engines`: prefilled_engines' result to time
     (its sizes; `sizes`, `tree` and `prefix_tokens` are then not used), left prefilled for another timing of the
-    same engines (the caller resets them); else engines made and prefilled here, reset at the end.
+    same engines (the caller resets them); else engines made and prefilled here, reset at the end. `cancel`:
+    set from another thread, ends the timing between two steps with CalibrationCancelled (a calibration running
+    in the background gives way to a reply).
     """
     from medusa_chat.engine.acceptance import make_acceptor
 
@@ -106,8 +110,48 @@ def measure_step_latency(
         from medusa_chat.kernels import qgemm
 
         qgemm.set_threads(threads)
+    try:
+        walls, events = _time_round_robin(step_args, acceptor, reps, warmup, cuda, device, cancel)
+    finally:  # also when cancelled: the engines and the thread count go back as they were
+        for engine, _, _ in step_args.values():
+            if engines is None:
+                engine.reset()
+        if threads is not None and engine.threads is not None:
+            engine.threads.resume()  # back to the governor's count
+    results: dict[int, dict[str, float]] = {}
+    for n in step_args:
+        w = walls[n]
+        results[n] = {"median_s": statistics.median(w), "min_s": min(w), "mean_s": statistics.fmean(w)}
+        if events[n]:
+            results[n]["event_median_s"] = statistics.median(events[n])
+        if progress:
+            progress(
+                f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
+            )
+    return results
+
+
+class CalibrationCancelled(Exception):
+    """A calibration stopped part-way because its `cancel` event was set (nothing was saved)."""
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CalibrationCancelled("calibration cancelled")
+
+
+def _time_round_robin(
+    step_args: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]],
+    acceptor: Any,
+    reps: int,
+    warmup: int,
+    cuda: bool,
+    device: torch.device,
+    cancel: threading.Event | None,
+) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
     for args in step_args.values():
         for _ in range(warmup):
+            check_cancel(cancel)
             _trial_step(*args, acceptor)
 
     # Sizes are timed round-robin (one rep of each size per round), so a slow spell of a shared machine (other
@@ -116,6 +160,7 @@ def measure_step_latency(
     events: dict[int, list[float]] = {n: [] for n in step_args}
     for _ in range(reps):
         for n, args in step_args.items():
+            check_cancel(cancel)
             if cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(device)
@@ -128,22 +173,7 @@ def measure_step_latency(
             walls[n].append(time.perf_counter() - t0)
             if cuda:
                 events[n].append(e0.elapsed_time(e1) / 1000.0)
-    results: dict[int, dict[str, float]] = {}
-    for n in step_args:
-        w = walls[n]
-        results[n] = {"median_s": statistics.median(w), "min_s": min(w), "mean_s": statistics.fmean(w)}
-        if events[n]:
-            results[n]["event_median_s"] = statistics.median(events[n])
-        if progress:
-            progress(
-                f"  {n:4d} nodes: {results[n]['median_s'] * 1000:8.2f} ms (min {results[n]['min_s'] * 1000:.2f})"
-            )
-    for engine, _, _ in step_args.values():
-        if engines is None:
-            engine.reset()
-    if threads is not None and engine.threads is not None:
-        engine.threads.resume()  # back to the governor's count
-    return results
+    return walls, events
 
 
 def timing_prefix(loaded: Any, prefix_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -250,13 +280,15 @@ def measure_tokens_per_step(
     max_new_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
     step_sizes: list[int] | None = None,
+    cancel: threading.Event | None = None,
 ) -> dict[int, float]:
     """E[tokens/step] for each prefix size of `engine.tree`, from greedy replies with the full tree.
 
     One reply with the full tree gives the estimate for every smaller prefix at once (see
     `accepted_per_size`). Steps whose true continuation is cut off by the end of the reply are skipped, as
     their acceptance cannot be known. `step_sizes`, if given, gets each counted step's verified node count
-    (a model without heads verifies only the lookup's guesses: fewer nodes than the tree has).
+    (a model without heads verifies only the lookup's guesses: fewer nodes than the tree has). `cancel`: as
+    measure_step_latency's, checked every step.
     """
     tree = engine.tree
     sizes = [n for n in sizes if n <= tree.size]
@@ -265,9 +297,11 @@ def measure_tokens_per_step(
     for i, prompt in enumerate(prompts):
         events: list[StepEvent] = []
         summary: ReplySummary | None = None
-        for item in engine.generate(
-            prompt, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
-        ):
+        replying = engine.generate(prompt, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0))
+        for item in replying:
+            if cancel is not None and cancel.is_set():
+                replying.close()  # the engine's own cleanup, then out
+                check_cancel(cancel)
             if isinstance(item, StepEvent):
                 events.append(item)
             else:

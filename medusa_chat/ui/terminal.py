@@ -397,7 +397,10 @@ def main(args: argparse.Namespace) -> int:
         tps = session.measure_baseline()
         info_console.print(Text(f"plain decoding: {tps:.1f} tokens/s (speedups are measured)"))
     info_console.print(info_panel(session.info))
-    return TerminalChat(session, console, interactive).run()
+    try:
+        return TerminalChat(session, console, interactive).run()
+    finally:
+        session.close()  # a calibration still running after the last reply stops, saving nothing
 
 
 def _load(session: SessionManager, console: Console, interactive: bool) -> None:

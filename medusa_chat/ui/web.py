@@ -33,7 +33,7 @@ _configure_env()
 
 import gradio as gr  # noqa: E402  (after the environment above)
 
-from medusa_chat.chat.updates import ReplyUpdates, updates  # noqa: E402
+from medusa_chat.chat.updates import ReplyUpdates, panel_interval_s, updates  # noqa: E402
 from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
 from medusa_chat.ui import render, tree_panel  # noqa: E402
@@ -258,7 +258,9 @@ class WebApp:
                    self.tree_panel(live=True), skip, "", skip, *reset_edit)  # fmt: skip
             # The reply decodes in its own thread; the page gets at most ~15 updates a second, each carrying
             # every step since the previous one (chat/updates.py). The final one is the yield after the loop.
+            # The panels (meter, tree, slider) are redrawn at most ~2 times a second (panel_interval_s).
             feed = updates(stream)
+            panel_every, panel_at = panel_interval_s(), float("-inf")
             for update in feed:
                 self.events.extend(update.steps)
                 text += update.text
@@ -267,12 +269,16 @@ class WebApp:
                 last = update.last
                 if update.final or last is None:
                     continue
+                now = time.monotonic()
+                panels = now - panel_at >= panel_every
+                if panels:
+                    panel_at = now
                 yield (
                     draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}],
                     skip,
-                    self.meter("streaming…"),
-                    self.tree_panel(live=True),
-                    gr.update(maximum=max(last.step, 1), value=last.step),
+                    self.meter("streaming…") if panels else skip,
+                    self.tree_panel(live=True) if panels else skip,
+                    gr.update(maximum=max(last.step, 1), value=last.step) if panels else skip,
                     skip,
                     skip,
                     skip,
@@ -550,4 +556,6 @@ def main(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"error: cannot start the web server: {err}", file=sys.stderr)
         return 1
+    finally:
+        session.close()
     return 0
