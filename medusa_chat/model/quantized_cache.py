@@ -5,10 +5,10 @@ Why: transformers loads a checkpoint as a whole float model; quantizing it only 
 the quantized size (a 1.1B fp16 model: 7.8 GB; a 7B one does not fit in 24 GB). Here no float model ever exists:
 each tensor is read from the safetensors files with plain reads (no memory map, whose touched pages would stay
 resident) or, for a pickled checkpoint (`pytorch_model.bin`, or shards + `pytorch_model.bin.index.json`), taken
-from the shard opened with torch.load(mmap=True, weights_only=True) and its pages given back once written
-(mapped_weights.release), converted to the compute dtype, quantized in row chunks by the very functions the in-memory path
-uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and written at once;
-the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
+from its shard opened with torch.load(mmap=True, weights_only=True) and its pages given back once written
+(mapped_weights.release); then converted to the compute dtype, quantized in row chunks by the very functions the
+in-memory path uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and
+written at once; the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
 in-memory path's bit for bit.
 
 What goes into the file (llama.cpp's tensor names, so the GGUF loader needs nothing new):
@@ -26,8 +26,8 @@ leaves no half file. Its metadata records that key and the file's own size; a fi
 (truncated, corrupt, an older format) is made again.
 
 Only what the GGUF path computes exactly as the in-memory path does is taken this way (`unsuitable` says why
-not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral, biases, unexpected tensors, no block
-kernel here); the rest loads as before.
+not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral, biases, unexpected tensors,
+no block kernel here); the rest loads as before.
 """
 
 from __future__ import annotations
