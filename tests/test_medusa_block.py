@@ -4,6 +4,7 @@ C call that evaluates only the heads the tree reaches, and greedy output still t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -274,3 +275,43 @@ def test_16_bit_heads_become_the_blocks_of_their_exact_float_values(
             assert all(torch.equal(getattr(module, b), getattr(ref, b)) for b in ref.buffer_names), (k, name)
         bias = loaded.heads[k][0].linear.bias
         assert bias.dtype == torch.float32 and torch.equal(bias, state[f"{k}.0.linear.bias"].to(dtype).float())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_pt_heads_file_is_read_through_its_map_into_the_safetensors_files_blocks(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pickled heads file (bf16, as published) is memory-mapped: its tensors are views of the file, not copies,
+    each one's pages are given back as it becomes blocks, and the blocks are the safetensors file's."""
+    from medusa_chat.model import block_heads, mapped_weights
+    from medusa_chat.model.heads_files import read_state_file
+
+    state = random_heads_state(3, 1, own_lm_head=True, seed=13)
+    folders = {
+        fmt: write_heads(tmp_path / fmt, state, fmt=fmt, dtype=torch.bfloat16, base_model=str(tiny_llama_dir))
+        for fmt in ("pt", "safetensors")
+    }
+    for fmt, folder in folders.items():
+        for t in read_state_file(folder / f"medusa_lm_head.{fmt}").values():
+            assert mapped_weights._file_mapping(t.data_ptr(), t.data_ptr() + t.nbytes), (fmt, t.shape)
+    given_back: list[int] = []
+
+    def release(t: torch.Tensor) -> int:  # the real one, its answers kept
+        given_back.append(mapped_weights.release(t))
+        return given_back[-1]
+
+    monkeypatch.setattr(block_heads, "release", release)
+    loaded = {
+        fmt: load_model(model=str(tiny_llama_dir), heads=str(folder), quant="int8", device="cpu")
+        for fmt, folder in folders.items()
+    }
+    assert len(given_back) == 2 * 6 and sum(given_back) >= 2 * 3 * (512 * 64 * 2 - 8192)
+    pt, st = loaded["pt"].heads, loaded["safetensors"].heads
+    for k in range(3):
+        for a, b in ((pt[k][0].linear.block, st[k][0].linear.block), (pt[k][1], st[k][1])):
+            assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in b.buffer_names), k
+        assert torch.equal(pt[k][0].linear.bias, st[k][0].linear.bias)
+    (steps_pt, pt_reply), (steps_st, st_reply) = (
+        run(MedusaEngine(loaded[fmt], TREE.prefix(12)), [5, 6, 7, 300], 16) for fmt in ("pt", "safetensors")
+    )
+    assert pt_reply.token_ids == st_reply.token_ids and len(steps_pt) == len(steps_st)  # the same drafts

@@ -1,11 +1,13 @@
 """A Hugging Face checkpoint on a CPU block path (int4 / int8) is quantized tensor by tensor into a cached GGUF and
 loaded from it (model/quantized_cache.py): the same blocks, bit for bit, as quantizing the whole float model in
 memory, hence the same greedy output (and the plain loop's); the second start reads the file; a damaged file is
-made again; a failed write leaves nothing behind."""
+made again; a failed write leaves nothing behind. Pickled checkpoints (.bin) take the same path through their
+memory map."""
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +15,15 @@ import pytest
 import torch
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import qgemm
 from medusa_chat.kernels.gguf_file import read_tensors
 from medusa_chat.model import quantized_cache
 from medusa_chat.model.loading import LoadedModel, load_model
+from medusa_chat.model.mapped_weights import load_pickle, release
 from medusa_chat.tree import Tree
+from tests.tinymodels import write_pickled_checkpoint
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
 
@@ -171,3 +176,80 @@ def test_what_does_not_take_this_path(tiny_llama_dir: Path, cache: Path, monkeyp
     loaded = _load(tiny_llama_dir, "int4", True)
     assert not any("cached quantized file" in n for n in loaded.notes)
     assert not cache.exists() or not list(cache.glob("hfq-*"))
+
+
+# ---- pickled (.bin) checkpoints ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["single", "sharded", "tied-legacy"])
+def test_a_pickled_checkpoint_is_quantized_as_its_safetensors_twin(
+    layout: str, tiny_llama_dir: Path, tied_llama_dir: Path, cache: Path, tmp_path: Path
+) -> None:
+    """pytorch_model.bin (fp32), 3 shards + index, and a tied fp16 model in the pre-zip pickle format (read without
+    a map): the same blocks and the same greedy replies as the same weights in safetensors; made once, then read."""
+    source = tied_llama_dir if layout == "tied-legacy" else tiny_llama_dir
+    folder = write_pickled_checkpoint(
+        source, tmp_path / layout, shards=3 if layout == "sharded" else 1, legacy=layout == "tied-legacy"
+    )
+    assert not list(folder.glob("*.safetensors"))
+    ref = _load(source, "int4", True)
+    first: list[str] = []
+    new = _load(folder, "int4", True, first)
+    assert any(f"Quantizing {folder} once to int4 blocks" in p for p in first), first
+    assert any("cached quantized file" in n for n in new.notes), new.notes
+    mine, want = _buffers(new.backbone), _buffers(ref.backbone)
+    assert mine.keys() == want.keys() and len(mine) > 10
+    for name in want:
+        assert mine[name].dtype == want[name].dtype and torch.equal(mine[name], want[name]), name
+    prompts = [new.build_prompt([{"role": "user", "content": "Tell me about the sea."}]), [5, 6, 7, 300]]
+    for prompt in prompts:
+        reply = _reply(ref, plain_tree(), prompt)
+        assert _reply(new, plain_tree(), prompt) == reply
+        assert _reply(new, Tree.chain(3), prompt) == reply
+    assert len(list(cache.glob("hfq-*.gguf"))) == 2  # the safetensors twin's and this one's
+    again: list[str] = []
+    b = _load(folder, "int4", True, again)
+    assert not any("Quantizing" in p for p in again), again
+    assert len(list(cache.glob("hfq-*.gguf"))) == 2
+    assert _reply(b, plain_tree(), prompts[1]) == _reply(ref, plain_tree(), prompts[1])
+
+
+def test_the_cache_key_names_the_pickled_files_and_safetensors_win(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = write_pickled_checkpoint(tiny_llama_dir, tmp_path / "bin", shards=2)
+    source = quantized_cache.source_identity(folder, "int4", torch.float32)
+    shards = sorted(p.name for p in folder.glob("pytorch_model-*.bin"))
+    assert [f[0] for f in source["files"]] == shards and len(shards) == 2
+    assert [f[1] for f in source["files"]] == [(folder / s).stat().st_size for s in shards]
+    shutil.copy(tiny_llama_dir / "model.safetensors", folder / "model.safetensors")
+    assert quantized_cache.checkpoint_files(folder) == [folder / "model.safetensors"]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_damaged_pickled_checkpoint_is_a_one_line_error_naming_it(
+    shards: int, tiny_llama_dir: Path, cache: Path, tmp_path: Path
+) -> None:
+    folder = write_pickled_checkpoint(tiny_llama_dir, tmp_path / "bin", shards=shards)
+    victim = sorted(folder.glob("pytorch_model*.bin"))[-1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(MedusaChatError) as info:
+        _load(folder, "int4", True)
+    message = str(info.value)
+    assert f"cannot read {victim}: the file is truncated or corrupt" in message and "\n" not in message
+    assert not cache.exists() or not list(cache.glob("hfq-*"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_release_gives_back_a_mapped_tensors_pages_and_keeps_its_values(tmp_path: Path) -> None:
+    def file_kb() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+    torch.save({"w": torch.randn(1024, 2048)}, tmp_path / "w.bin")  # 8 MB
+    state, mapped = load_pickle(tmp_path / "w.bin", MedusaChatError)
+    assert mapped and isinstance(state, dict)
+    total = float(state["w"].sum())  # every page touched
+    before = file_kb()
+    assert release(state["w"]) >= (8 << 20) - 8192
+    assert file_kb() < before - 6000
+    assert float(state["w"].sum()) == total  # read again from the file
+    heap = torch.randn(1 << 20)
+    copy = heap.clone()
+    assert release(heap) == 0 and torch.equal(heap, copy)  # never memory that is not a file's

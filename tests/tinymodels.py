@@ -39,7 +39,7 @@ under a temp HF_HUB_CACHE with HF_HUB_OFFLINE=1, holding `tiny-org/tiny-llama`, 
 `hub_cache.add(repo_id, files)` adds more.
 
 Builders usable from any test: build_tokenizer, build_tiny_backbone, planted_heads_state, random_heads_state,
-write_heads, write_medusa2, write_hub_repo, folder_files, heads_state, read_successor.
+write_heads, write_medusa2, write_pickled_checkpoint, write_hub_repo, folder_files, heads_state, read_successor.
 
 `make_loaded_model(arch="llama", heads="v1", num_heads=4, num_layers=1, accuracy="planted", quant="none",
 dtype="auto", fresh=False) -> LoadedModel` (fixture returning a factory): a real `loading.load_model` result on
@@ -369,6 +369,42 @@ def write_medusa2(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
     return folder
+
+
+def write_pickled_checkpoint(source: Path, out: Path, shards: int = 1, legacy: bool = False) -> Path:
+    """The safetensors model folder `source` again as a pickled checkpoint, as transformers 4 saved one with
+    safe_serialization=False: `pytorch_model.bin`, or `pytorch_model-0000i-of-0000n.bin` shards +
+    `pytorch_model.bin.index.json`; the same tensors bit for bit; the other files copied. `legacy`: the pre-zip
+    torch.save format (torch < 1.6), which cannot be memory-mapped."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(source).iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    state = {}
+    for f in sorted(Path(source).glob("model*.safetensors")):
+        state.update(load_file(str(f)))
+    keys = sorted(state)
+    size = -(-len(keys) // shards)
+    parts = [keys[i : i + size] for i in range(0, len(keys), size)]
+    names = (
+        ["pytorch_model.bin"]
+        if len(parts) == 1
+        else [f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin" for i in range(len(parts))]
+    )
+    weight_map: dict[str, str] = {}
+    for name, part in zip(names, parts, strict=True):
+        torch.save({k: state[k] for k in part}, out / name, _use_new_zipfile_serialization=not legacy)
+        weight_map.update({k: name for k in part})
+    if len(parts) > 1:
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (out / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+        )
+    return out
 
 
 def write_hub_repo(

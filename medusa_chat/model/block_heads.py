@@ -4,7 +4,8 @@ Published Medusa-1 heads (and the heads inside Medusa-2 checkpoints) are, per he
 a bias, SiLU, residual) and their OWN full-vocabulary lm_head. In fp32 PyTorch a step read every head's projection
 (at a 1.17B Llama shape with 4 heads: 1.6 GB a step, a 2-node step cost 5.7x a plain one). Here, at load:
 
-- `block_medusa_heads` swaps the heads' linears in place (the fp32 weights are dropped as each is replaced): the
+- `block_medusa_heads` swaps the heads' linears in place (the float weights are dropped as each is replaced, and
+  the pages of weights still mapped from the heads file are given back, mapped_weights.release): the
   ResBlocks become Q8_0 block linears with their bias (cpu_linears.BlockLinearWithBias), each own lm_head a Q8_0
   (or, asked for, Q4_1) block linear -- or the backbone's own lm_head module where the head's quantizes to
   exactly the backbone's Q8_0 blocks (a head initialised from the backbone's lm_head and never trained apart:
@@ -29,6 +30,7 @@ from medusa_chat.kernels.cpu_linears import BlockLinearWithBias, quantize_q4_1
 from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear, Q80Linear, load, quantize_q8_0
 from medusa_chat.model.block_forward import _BLin, _blin, _Q8Lin
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.mapped_weights import release
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 LM_HEAD_KINDS = ("q8_0", "q4_1")
@@ -82,6 +84,7 @@ def block_medusa_heads(
             for block in head[: heads.num_layers]:
                 lin = block.linear
                 block.linear = BlockLinearWithBias(Q80Linear(*quantize_q8_0(lin.weight)), lin.bias)
+                release(lin.weight)  # a weight still mapped from its file: its pages go now (see release)
                 del lin  # the fp32 weight goes now, not after all heads are built
             if not heads.own_lm_head:
                 continue
@@ -94,6 +97,7 @@ def block_medusa_heads(
                 head[heads.num_layers] = Q41Linear(*quantize_q4_1(weight))
             else:
                 head[heads.num_layers] = q8
+            release(weight)
             del weight, q8
     heads.block_kind = "q8_0" if not heads.own_lm_head else lm_head_kind
     heads.shared_lm_heads = shared

@@ -3,8 +3,6 @@ and the check that heads fit their backbone."""
 
 from __future__ import annotations
 
-import pickle
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ from medusa_chat.atomic import read_json
 from medusa_chat.errors import HeadsError, MedusaChatError
 from medusa_chat.model import hub
 from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.mapped_weights import load_pickle
 from medusa_chat.model.registry import HEADS_FILES
 
 Progress = Callable[[str], None]
@@ -37,32 +36,26 @@ def find_heads_file(folder: Path) -> Path:
 def read_state_file(path: Path, keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """Tensors from a .safetensors or pickled .pt/.bin file; pickles are read with weights_only=True.
 
-    `keys`: only these (safetensors reads just those; a pickle is memory-mapped when possible).
+    Both are memory-mapped (a legacy non-zip pickle excepted): a tensor's bytes are read when it is first used,
+    and mapped_weights.release gives its pages back once converted (block_heads.block_medusa_heads), so a heads
+    file is never resident whole next to its quantized copy.
+    `keys`: only these.
     Any unreadable file becomes a one-line HeadsError naming it.
     """
     from safetensors import SafetensorError, safe_open
 
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix != ".safetensors":
+        obj, _ = load_pickle(path, HeadsError)
+    else:
+        try:
             out: dict[str, torch.Tensor] = {}
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys() if keys is None else keys:
                     out[key] = f.get_tensor(key)
             return out
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) pickle
-    except pickle.UnpicklingError as err:
-        raise HeadsError(
-            f"{path} holds objects other than tensors; it was not loaded (pickles are read with "
-            f"weights_only=True and never executed): {str(err).splitlines()[0]}"
-        ) from err
-    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise HeadsError(f"cannot read {path}: the file is truncated or corrupt ({first[:200]})") from err
+        except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise HeadsError(f"cannot read {path}: the file is truncated or corrupt ({first[:200]})") from err
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

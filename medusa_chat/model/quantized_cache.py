@@ -4,9 +4,11 @@ once, then loaded through the GGUF path (model/gguf_model.py) at this start and 
 Why: transformers loads a checkpoint as a whole float model; quantizing it only afterwards peaks at several times
 the quantized size (a 1.1B fp16 model: 7.8 GB; a 7B one does not fit in 24 GB). Here no float model ever exists:
 each tensor is read from the safetensors files with plain reads (no memory map, whose touched pages would stay
-resident), converted to the compute dtype, quantized in row chunks by the very functions the in-memory path
-uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and written at once;
-the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
+resident) or, for a pickled checkpoint (`pytorch_model.bin`, or shards + `pytorch_model.bin.index.json`), taken
+from its shard opened with torch.load(mmap=True, weights_only=True) and its pages given back once written
+(mapped_weights.release); then converted to the compute dtype, quantized in row chunks by the very functions the
+in-memory path uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and
+written at once; the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
 in-memory path's bit for bit.
 
 What goes into the file (llama.cpp's tensor names, so the GGUF loader needs nothing new):
@@ -24,8 +26,8 @@ leaves no half file. Its metadata records that key and the file's own size; a fi
 (truncated, corrupt, an older format) is made again.
 
 Only what the GGUF path computes exactly as the in-memory path does is taken this way (`unsuitable` says why
-not otherwise: no safetensors, a model type other than Llama/Mistral, biases, unexpected tensors, no block
-kernel here); the rest loads as before.
+not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral, biases, unexpected tensors,
+no block kernel here); the rest loads as before.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ KEY_SIZE = "medusa_chat.file_size"  # metadata: the file's own size in bytes (a 
 ALIGN = 32
 CHUNK_ELEMENTS = 1 << 22  # weights quantized at a time (16 MB of fp32 per temporary)
 SAFETENSORS_DTYPES = {"F32": (torch.float32, 0), "F16": (torch.float16, 1), "BF16": (torch.bfloat16, 30)}
+TORCH_DTYPES = {v[0]: k for k, v in SAFETENSORS_DTYPES.items()}  # a pickled tensor's dtype, named as above
 GGML = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 SKIPPED = (re.compile(r"^medusa_head\."), re.compile(r"\.rotary_emb\.inv_freq$"))
@@ -74,17 +77,14 @@ class SourceTensor:
     file: Path
     dtype: str  # safetensors dtype ("F16", ...)
     shape: tuple[int, ...]
-    offset: int  # from the start of the file
+    offset: int  # from the start of the file (safetensors; 0 in a pickle, whose tensors are found by name)
     nbytes: int
 
 
-def safetensors_files(folder: Path) -> list[Path] | None:
-    """The checkpoint's safetensors files as transformers picks them (model.safetensors, else the index's
-    shards); None when it has none (pickled .bin checkpoints load as before)."""
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / "model.safetensors.index.json"
+def _named_files(folder: Path, single: str, index_name: str) -> list[Path] | None:
+    if (folder / single).is_file():
+        return [folder / single]
+    index = folder / index_name
     if not index.is_file():
         return None
     try:
@@ -92,6 +92,42 @@ def safetensors_files(folder: Path) -> list[Path] | None:
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
     return [folder / name for name in sorted(set(weight_map.values()))]
+
+
+def safetensors_files(folder: Path) -> list[Path] | None:
+    """The checkpoint's safetensors files as transformers picks them (model.safetensors, else the index's
+    shards); None when it has none."""
+    return _named_files(folder, "model.safetensors", "model.safetensors.index.json")
+
+
+def checkpoint_files(folder: Path) -> list[Path] | None:
+    """The weight files this path reads: the safetensors ones where there are any (as transformers and
+    hub.weight_files prefer them), else the pickled ones (pytorch_model.bin, else the index's shards); None when
+    there are neither."""
+    return safetensors_files(folder) or _named_files(folder, "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def is_pickle(path: Path) -> bool:
+    return path.suffix != ".safetensors"
+
+
+def read_pickle_table(path: Path) -> list[SourceTensor]:
+    """The tensor table of one pickled checkpoint file, from its memory map (no tensor's bytes are read)."""
+    state = _pickled_state(path)
+    return [
+        SourceTensor(name, path, TORCH_DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape),
+                     0, t.numel() * t.element_size())
+        for name, t in state.items()
+    ]  # fmt: skip
+
+
+def _pickled_state(path: Path) -> dict[str, torch.Tensor]:
+    from medusa_chat.model.mapped_weights import load_pickle
+
+    obj, _ = load_pickle(path, ModelNotFoundError)
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ModelNotFoundError(f"{path} does not hold a state dict of tensors")
+    return obj
 
 
 def read_header(path: Path) -> list[SourceTensor]:
@@ -161,10 +197,10 @@ def plan(folder: Path, config: Any, quant: str) -> tuple[list[Planned], str]:
         return [], f"model type {getattr(config, 'model_type', '?')!r} is not one the GGUF loader builds"
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         return [], "the projections have biases"
-    files = safetensors_files(folder)
+    files = checkpoint_files(folder)
     if not files:
-        return [], "the checkpoint is not in safetensors files"
-    tensors = {t.name: t for f in files for t in read_header(f)}
+        return [], "the checkpoint has neither safetensors nor pytorch_model*.bin weight files"
+    tensors = {t.name: t for f in files for t in (read_pickle_table(f) if is_pickle(f) else read_header(f))}
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out: list[Planned] = []
@@ -318,30 +354,67 @@ def write_gguf(
     """The whole GGUF into `fh`, one tensor in memory at a time."""
     head, _, _ = header_bytes(planned, arch, source)
     fh.write(head)
-    handles: dict[Path, IO[bytes]] = {}
+    reader: _Reader | None = None
     try:
         for i, p in enumerate(planned):
-            f = handles.get(p.source.file)
-            if f is None:
-                f = handles[p.source.file] = p.source.file.open("rb")
-            values = read_tensor(f, p.source)
+            if reader is None or reader.path != p.source.file:
+                if reader is not None:  # one source file open at a time (a pickled shard's map is unmapped)
+                    reader.close()
+                    reader = None
+                reader = _Reader(p.source.file)
+            values = reader.read(p.source)
             written = 0
             for part in tensor_bytes(p, values, dtype):
                 fh.write(memoryview(part).cast("B"))
                 written += part.nbytes
+            reader.done(values)
             del values
             if written != p.nbytes:  # never a file whose table lies about its contents
                 raise MedusaChatError(f"{p.name}: wrote {written} bytes, expected {p.nbytes}")
             fh.write(bytes(-written % ALIGN))
             tick(i + 1)
     finally:
-        for f in handles.values():
-            f.close()
+        if reader is not None:
+            reader.close()
+
+
+class _Reader:
+    """One checkpoint file's tensors, one at a time: safetensors by plain reads into memory of their own; a pickle
+    through its memory map, each tensor's pages given back once written (mapped_weights.release), so only the
+    quantized file's bytes and the tensor at hand stay resident."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[bytes] | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        if is_pickle(path):
+            self._state = _pickled_state(path)
+        else:
+            self._file = path.open("rb")
+
+    def read(self, t: SourceTensor) -> torch.Tensor:
+        if self._file is not None:
+            return read_tensor(self._file, t)
+        values = self._state.get(t.name)
+        if values is None or tuple(values.shape) != t.shape or TORCH_DTYPES.get(values.dtype) != t.dtype:
+            raise ModelNotFoundError(f"{self.path}: tensor {t.name} changed while it was read")
+        return values
+
+    def done(self, values: torch.Tensor) -> None:
+        if self._file is None:
+            from medusa_chat.model.mapped_weights import release
+
+            release(values)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._state = {}
 
 
 # ---- the cache ------------------------------------------------------------------------------------------------
 def source_identity(folder: Path, quant: str, dtype: torch.dtype) -> dict[str, Any]:
-    files = safetensors_files(folder) or []
+    files = checkpoint_files(folder) or []
     return {
         "folder": str(folder.resolve()),
         "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
