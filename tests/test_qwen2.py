@@ -182,6 +182,20 @@ def test_native_logits_agree_with_the_transformers_float_model(name: str) -> Non
     assert torch.equal(alone[0], block[-1])
 
 
+def test_the_thread_count_changes_no_bit() -> None:
+    """The bias add is per element: one thread or three give the step's logits bit for bit."""
+    loaded = _loaded("q4_1-untied")
+    _native(loaded)
+    try:
+        outs = []
+        for n in (1, 3):
+            qgemm.set_threads(n)
+            outs.append(_logits(loaded))
+    finally:
+        qgemm.set_threads(0)  # the runtime's default again
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_dropping_the_biases_would_be_caught() -> None:
     """The agreement above depends on the biases: the float model without them is far outside the tolerance,
     and the native step with its bias vectors zeroed agrees with that bias-less model instead."""
