@@ -3,7 +3,8 @@ kept in the weightless folder) are transformers' own: the saved files equal, byt
 `AutoConfig/AutoTokenizer.from_pretrained(folder, gguf_file=...)` save, and the tokenizers give the same ids on
 text with unicode, special tokens and the chat template. Checked on the tiny Llama GGUF (the embedded model's
 49152-token BPE vocabulary), a small sentencepiece file named as Mistral (the llama.cpp layout of a Mistral
-model: architecture llama, general.name "mistral"), and the embedded model's own GGUF."""
+model: architecture llama, general.name "mistral"), a tiny Qwen2 file (byte-level BPE, pre "qwen2") and the
+embedded model's own GGUF."""
 
 from __future__ import annotations
 
@@ -78,6 +79,15 @@ def _same_as_transformers(gguf: Path, tmp_path: Path) -> None:
 @needs_smollm2
 def test_the_tiny_llama_file_gives_transformers_config_and_tokenizer(tmp_path: Path) -> None:
     _same_as_transformers(write_tiny_gguf(tmp_path / "tiny.gguf", output="Q8_0"), tmp_path)
+
+
+def test_a_qwen2_file_gives_transformers_config_and_tokenizer(tmp_path: Path) -> None:
+    """A Qwen2 layout (tokenizer.ggml.model gpt2, pre qwen2: byte-level BPE with Qwen2's split regex; the class
+    AutoTokenizer picks for qwen2, Qwen2Tokenizer)."""
+    from tests.tinygguf import tiny_qwen2, write_qwen2_gguf
+
+    gguf = write_qwen2_gguf(tmp_path / "qwen2.gguf", tiny_qwen2(tied=False), output="Q8_0")
+    _same_as_transformers(gguf, tmp_path)
 
 
 @needs_smollm2

@@ -8,6 +8,10 @@ every projection in type `proj` (or per name through `types`, e.g. {"blk.0.attn_
 F32. The q/k rows are permuted as llama.cpp's converter does (the loader must undo it). Types are GGML type
 names quantized by gguf-py (`gguf.quants.quantize`): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ...; the
 K-quants (Q4_K, Q5_K, Q6_K; `shape="small"` or larger) are random valid blocks.
+
+`write_qwen2_gguf(path, tiny_qwen2(...), proj="Q8_0", embd="Q8_0", output=None)`: a Qwen2 file as llama.cpp's
+converter writes one (qwen2.* keys, q/k/v biases F32, q/k rows unpermuted, a tiny byte-level BPE with pre
+"qwen2" and ChatML tokens) from a random transformers Qwen2ForCausalLM; needs no installed model.
 """
 
 from __future__ import annotations
@@ -145,6 +149,150 @@ def write_tiny_gguf(
     add("output_norm.weight", 1 + 0.1 * randn(hidden), "F32")
     if output is not None:
         add("output.weight", randn(vocab, hidden) / np.float32(np.sqrt(hidden)), output)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- Qwen2 ------------------------------------------------------------------------------------------------------
+# A tiny byte-level BPE laid out as llama.cpp's converter writes a Qwen2 vocabulary: tokenizer.ggml.model "gpt2",
+# pre "qwen2" (Qwen2's split regex), the 256 byte symbols and merges as NORMAL tokens, the ChatML control tokens
+# as CONTROL, [PAD<id>] fillers as UNUSED up to the model's vocabulary size, bos/padding <|endoftext|>, eos
+# <|im_end|>, no BOS added, and a ChatML chat template.
+QWEN2_MERGES = ("Ġ t", "h e", "Ġt he", "Ġ a", "i n", "e r", "o u", "Ġ s", "e a", "Ġs ea", "l l", "e ll")
+QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_VOCAB = 272  # the tokens above plus [PAD] fillers (a whole number of 16 rows, as real files pad)
+QWEN2_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QWEN2_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "inter": 128}
+
+
+def qwen2_tokens() -> tuple[list[str], list[int]]:
+    """(tokens, token types) of the tiny Qwen2 vocabulary (above)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    tokens = [alphabet[b] for b in range(256)] + [m.replace(" ", "") for m in QWEN2_MERGES]
+    types = [1] * len(tokens) + [3] * len(QWEN2_SPECIALS)  # NORMAL, CONTROL
+    tokens += QWEN2_SPECIALS
+    pads = [f"[PAD{i}]" for i in range(len(tokens), QWEN2_VOCAB)]
+    return tokens + pads, types + [5] * len(pads)  # UNUSED
+
+
+def tiny_qwen2(seed: int = 0, tied: bool = True, bias_scale: float = 0.5) -> Any:
+    """A random Qwen2ForCausalLM of QWEN2_SHAPE (float32, eval): projections of unit-scale activations
+    (transformers' own init is ~0.02 wide, which leaves every logit near zero), a small token embedding, and
+    q/k/v biases ~bias_scale wide (its init zeroes them)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    s = QWEN2_SHAPE
+    tokens, _ = qwen2_tokens()
+    config = Qwen2Config(
+        vocab_size=QWEN2_VOCAB,
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=tokens.index("<|endoftext|>"),
+        eos_token_id=tokens.index("<|im_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(bias_scale * torch.randn(p.shape, generator=gen))
+        elif name == "model.embed_tokens.weight":  # small beside the layers' outputs: a tied lm_head would
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))  # otherwise mostly repeat the input token
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    return model
+
+
+def write_qwen2_gguf(
+    path: Path,
+    model: Any,
+    proj: str = "Q8_0",
+    embd: str = "Q8_0",
+    output: str | None = None,
+    *,
+    arch: str = "qwen2",
+    tokenizer_model: str = "gpt2",
+    drop: tuple[str, ...] = (),
+) -> Path:
+    """`model` (a Qwen2ForCausalLM, e.g. tiny_qwen2) as llama.cpp's converter writes a Qwen2 GGUF: qwen2.* keys,
+    the tiny Qwen2 vocabulary, token_embd in type `embd`, output.weight in type `output` (None: tied, no
+    output.weight; the model must then tie), projections in type `proj` in Hugging Face's row order (no rotary
+    permutation for qwen2), the q/k/v biases and the norms F32. `drop`: tensor names left out (broken files)."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    cfg = model.config
+    if (output is None) != bool(cfg.tie_word_embeddings):
+        raise ValueError("output=None writes a tied model: the model's tie_word_embeddings must agree")
+    w = GGUFWriter(str(path), arch)
+    w.add_name("tiny-qwen2-test")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tokens, types = qwen2_tokens()
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(list(QWEN2_MERGES))
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(QWEN2_TEMPLATE)
+
+    def add(name: str, tensor: Any, type_name: str) -> None:
+        if name in drop:
+            return
+        value = tensor.detach().float().numpy()
+        qtype = GGMLQuantizationType[type_name]
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, value.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, value.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+    state = model.state_dict()
+    add("token_embd.weight", state["model.embed_tokens.weight"], embd)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", state[pre + "input_layernorm.weight"], "F32")
+        for module, gguf_name in names.items():
+            parent = "self_attn" if gguf_name.startswith("attn") else "mlp"
+            add(f"blk.{i}.{gguf_name}.weight", state[f"{pre}{parent}.{module}.weight"], proj)
+            if f"{pre}{parent}.{module}.bias" in state:
+                add(f"blk.{i}.{gguf_name}.bias", state[f"{pre}{parent}.{module}.bias"], "F32")
+        add(f"blk.{i}.ffn_norm.weight", state[pre + "post_attention_layernorm.weight"], "F32")
+    add("output_norm.weight", state["model.norm.weight"], "F32")
+    if output is not None:
+        add("output.weight", state["lm_head.weight"], output)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -181,10 +181,12 @@ GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
 
 def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
     """The float32 state dict (transformers' Llama names) of a Llama-family GGUF: every tensor dequantized, the
-    q/k rows back in transformers' rotary order; a tied lm_head is left to the embedding."""
+    q/k rows back in transformers' rotary order (Llama/Mistral files; a Qwen2 file keeps transformers' order and
+    adds its q/k/v biases); a tied lm_head is left to the embedding."""
     from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    permuted = getattr(config, "model_type", "llama") != "qwen2"
     state: dict[str, torch.Tensor] = {}
     for t in read_tensors(path).values():
         w = torch.from_numpy(dequantize(t))
@@ -196,9 +198,9 @@ def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
         elif t.name == "output.weight":
             state["lm_head.weight"] = w
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
-            if parts[2] in ("attn_q", "attn_k"):
+            if permuted and parts[2] in ("attn_q", "attn_k"):
                 w = _reverse_permute_rows(w, heads if parts[2] == "attn_q" else kv_heads)
-            state[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"] = w.contiguous()
+            state[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.{parts[3]}"] = w.contiguous()
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NORMS:
             state[f"model.layers.{parts[1]}.{GGUF_NORMS[parts[2]]}.weight"] = w
         else:

@@ -1,4 +1,5 @@
-"""The backbone step in C, for Llama-family models whose projections are GGUF blocks (the CPU default).
+"""The backbone step in C, for Llama-family models (and Qwen2: Llama with q/k/v biases) whose projections are
+GGUF blocks (the CPU default).
 
 `NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
 states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
@@ -48,6 +49,7 @@ class _DLayer(ctypes.Structure):
         ("down", _BLin),
         ("v", _BLin),  # kind -1 when fused into qkv (decoder.h)
         ("up", _BLin),  # kind -1 when fused into gate_up
+        ("qkv_bias", _p),  # fp32 [q | k | v] biases (Qwen2), NULL when the projections have none
     ]
 
 
@@ -82,11 +84,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class NativeForward:
-    """All decoder layers of a GGUF-block Llama in one C call per step (module doc)."""
+    """All decoder layers of a GGUF-block Llama in one C call per step (module doc). `fused`: per layer
+    (qkv, v, gate_up, up, qkv_bias) as native_forward_for makes them; qkv_bias: fp32 [q | k | v], or None."""
 
     path = "native C step, exact tree attention"
 
-    def __init__(self, causal_lm: Any, lib: ctypes.CDLL, fused: list[tuple[Any, Any]]) -> None:
+    def __init__(self, causal_lm: Any, lib: ctypes.CDLL, fused: list[tuple[Any, ...]]) -> None:
         body, cfg = causal_lm.model, causal_lm.config
         self.lib = lib
         self.embed = body.embed_tokens
@@ -98,9 +101,11 @@ class NativeForward:
         # keep every tensor whose address the C structs hold alive for as long as this object
         self._keep: list[Any] = []
         c_layers = (_DLayer * len(layers))()
-        for i, (layer, (qkv, v, gate_up, up)) in enumerate(zip(layers, fused, strict=True)):
+        # per layer the [q | k | v] bias vector the step adds (None: no biases); the C struct points into these
+        self.qkv_biases: list[torch.Tensor | None] = [f[4] for f in fused]
+        for i, (layer, (qkv, v, gate_up, up, bias)) in enumerate(zip(layers, fused, strict=True)):
             n1, n2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
-            self._keep += [n1, n2, qkv, gate_up, v, up]
+            self._keep += [n1, n2, qkv, gate_up, v, up, bias]
             c_layers[i] = _DLayer(
                 n1.data_ptr(),
                 n2.data_ptr(),
@@ -112,6 +117,7 @@ class NativeForward:
                 _blin(layer.mlp.down_proj),
                 _blin(v) if v is not None else _ABSENT,
                 _blin(up) if up is not None else _ABSENT,
+                bias.data_ptr() if bias is not None else None,
             )
         final = _f32(body.norm.weight)
         self._keep += [final, c_layers]
@@ -186,7 +192,9 @@ class NativeForward:
 
 def native_forward_for(causal_lm: Any) -> NativeForward | None:
     """The native step when every projection of this (supported, CPU) Llama is a GGUF-block linear of our
-    kernel and the shapes suit it; else None (the lean PyTorch forward is used)."""
+    kernel and the shapes suit it; else None (the lean PyTorch forward is used). q/k/v projections with a bias
+    (Qwen2: cpu_linears.BlockLinearWithBias around the block linear) pass their biases to the step, which adds
+    them after the projection."""
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
     from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
@@ -200,20 +208,39 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     if hd % 8 or hd > 256 or cfg.num_attention_heads % cfg.num_key_value_heads:  # decoder.c: MAX_HD
         return None
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        return None
+        return None  # (Llama's own bias flags; Qwen2's q/k/v biases come with their modules, see below)
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return None  # a sliding window would need its own key ranges
     fused = []
     for layer in body.layers[: cfg.num_hidden_layers]:
         att, mlp = layer.self_attn, layer.mlp
-        mods = [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(isinstance(m, BlockLinear) for m in mods):
+        qkv_mods, biases = zip(*(_bias_split(m) for m in (att.q_proj, att.k_proj, att.v_proj)), strict=True)
+        mods = [*qkv_mods, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(m, BlockLinear) for m in mods) or getattr(att.o_proj, "bias", None) is not None:
             return None
         qkv, v = _fused_or_split(mods[:3], fuse)
         gate_up, up = _fused_or_split(mods[4:6], fuse)
         if qkv is None or gate_up is None:
             return None
-        fused.append((qkv, v, gate_up, up))
+        bias = None
+        if any(b is not None for b in biases):  # one fp32 [q | k | v] vector, zeros where one has none
+            parts = [
+                b if b is not None else torch.zeros(m.out_features)
+                for m, b in zip(mods[:3], biases, strict=True)
+            ]
+            bias = _f32(torch.cat(parts))
+        fused.append((qkv, v, gate_up, up, bias))
         trim_heap()  # the unfused buffers just freed: handed back now, not left as holes in the heap
     return NativeForward(causal_lm, lib, fused)
+
+
+def _bias_split(module: Any) -> tuple[Any, torch.Tensor | None]:
+    """(the linear, its bias or None): a BlockLinearWithBias is taken apart, anything else has no bias here."""
+    from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
+
+    if isinstance(module, BlockLinearWithBias):
+        return module.block, module.bias
+    return module, None
 
 
 def _fused_or_split(mods: list[Any], fuse: Any) -> tuple[Any, Any]:

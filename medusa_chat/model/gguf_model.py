@@ -9,8 +9,9 @@ Two parts:
 - `load_gguf_backbone`: the transformers *ForCausalLM made on the meta device (no memory), then every tensor
   read from the file (plain reads, no memory map: mapped pages would stay resident until the map is dropped)
   and put in place one at a time: norms as parameters; projections and the lm_head as block-kernel linears on
-  the file's own blocks (`kernels/gguf_linears.block_linear_from_gguf`, the q/k rows put back in transformers'
-  rotary order first); the token embedding kept as the file's blocks, rows dequantized as they are looked up.
+  the file's own blocks (`kernels/gguf_linears.block_linear_from_gguf`, the q/k rows of a Llama/Mistral file
+  put back in transformers' rotary order first; a Qwen2 file's q/k/v biases added in fp32 after the
+  projection); the token embedding kept as the file's blocks, rows dequantized as they are looked up.
   Resident memory ends near the file's size.
 
 What `--quant` means for a GGUF file (what the file stores is never rounded a second time, except where no
@@ -50,7 +51,13 @@ Progress = Callable[[str], None]
 SUPPORTED_ARCHS = (
     "llama",
     "mistral",
+    "qwen2",
 )  # what the native step runs exactly (model_type after transformers' mapping)
+# llama.cpp's converter interleaves the rotary halves of q/k rows for these (LLaMA-style rope in ggml); Qwen2
+# files keep Hugging Face's row order (NeoX-style rope), so nothing is undone for them
+PERMUTED_QK = ("llama", "mistral")
+QKV_BIASES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}  # GGUF name -> module (Qwen2)
+BIASED_QKV = ("qwen2",)  # model types whose q/k/v projections always have biases
 FOLDER_VERSION = "1"  # bump when the weightless folder's contents change
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 LINEARS, NORMS = GGUF_LINEARS, GGUF_NORMS  # GGUF tensor name -> transformers module path, per layer
@@ -106,13 +113,10 @@ def check_architecture(gguf: Path) -> str:
     arch = str(read_metadata(gguf, ("general.architecture",)).get("general.architecture", ""))
     if arch in SUPPORTED_ARCHS:
         return arch
-    why = {
-        "qwen2": " (its q/k/v projections have biases, which the native step does not compute)",
-        "": " (the file names no general.architecture)",
-    }.get(arch, "")
+    why = " (the file names no general.architecture)" if not arch else ""
     raise ModelNotFoundError(
         f"{gguf.name}: GGUF architecture {arch or '?'!r} is not supported{why}; supported are "
-        f"{', '.join(SUPPORTED_ARCHS)} (Llama-family files: Llama 1/2/3, Mistral, TinyLlama, SmolLM, ...)"
+        f"{', '.join(SUPPORTED_ARCHS)} (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2 / Qwen2.5, ...)"
     )
 
 
@@ -195,9 +199,9 @@ def _write_folder(gguf: Path, out: Path) -> None:
 
 
 def gguf_config_dict(metadata: dict[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
-    """The config dict transformers' GGUF loader (`load_gguf_checkpoint(...)["config"]`) makes of a Llama or
-    Mistral file, from metadata read once (`gguf_file.read_metadata`). That loader opens the file with
-    gguf-py's GGUFReader, which makes a numpy view of every metadata value, the vocabulary and merges
+    """The config dict transformers' GGUF loader (`load_gguf_checkpoint(...)["config"]`) makes of a Llama,
+    Mistral or Qwen2 file, from metadata read once (`gguf_file.read_metadata`). That loader opens the file
+    with gguf-py's GGUFReader, which makes a numpy view of every metadata value, the vocabulary and merges
     included: ~5 s per call for a 49k vocabulary, and AutoConfig and AutoTokenizer each call it. The rules
     here are that loader's, step for step, over the same rename tables (tests compare the saved config.json
     with transformers' own, byte for byte)."""
@@ -225,8 +229,8 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: Iterable[str]) -> d
 
 
 def gguf_config(gguf: Path) -> Any:
-    """The transformers config of a Llama/Mistral GGUF, as `AutoConfig.from_pretrained(folder, gguf_file=...)`
-    makes it, from one pass over the metadata (no vocabulary decoded)."""
+    """The transformers config of a Llama/Mistral/Qwen2 GGUF, as `AutoConfig.from_pretrained(folder,
+    gguf_file=...)` makes it, from one pass over the metadata (no vocabulary decoded)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from medusa_chat.kernels.gguf_file import read_metadata as read_all
@@ -242,16 +246,26 @@ def gguf_config(gguf: Path) -> Any:
 
 
 def gguf_tokenizer(gguf: Path) -> Any:
-    """The tokenizer of a Llama/Mistral GGUF, as `AutoTokenizer.from_pretrained(folder, gguf_file=...)` makes it.
+    """The tokenizer of a Llama/Mistral/Qwen2 GGUF, as `AutoTokenizer.from_pretrained(folder, gguf_file=...)`
+    makes it.
 
     AutoTokenizer first parses the whole file's metadata with the slow GGUFReader (see gguf_config_dict) only
-    to learn the model type, which picks the class; for llama and mistral that class is TokenizersBackend (no
-    Llama-specific tokenizer class is registered in transformers 5, and a GGUF folder is not in Mistral's own
-    format). TokenizersBackend reads the vocabulary, merges and special tokens with transformers' fast metadata
-    reader and converts them itself, so calling it directly gives the same tokenizer without that parse."""
+    to learn the model type, which picks the class: TokenizersBackend for llama and mistral (no Llama-specific
+    tokenizer class is registered in transformers 5, and a GGUF folder is not in Mistral's own format),
+    Qwen2Tokenizer (a TokenizersBackend) for qwen2. That class reads the vocabulary, merges and special tokens
+    with transformers' fast metadata reader and converts them itself, so calling it directly gives the same
+    tokenizer without that parse. The converter follows `tokenizer.ggml.model`: "llama" is sentencepiece,
+    "gpt2" byte-level BPE (what Qwen2 files state) split by the regex `tokenizer.ggml.pre` names ("qwen2");
+    transformers refuses another model with a one-line ValueError naming those it knows (_write_folder makes
+    it a ModelNotFoundError)."""
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    return TokenizersBackend.from_pretrained(str(gguf.parent), gguf_file=gguf.name, _from_auto=True)
+    cls = TokenizersBackend
+    if read_metadata(gguf, ("general.architecture",)).get("general.architecture") == "qwen2":
+        from transformers import Qwen2Tokenizer  # what AutoTokenizer picks for qwen2 (same tokenizer.json)
+
+        cls = Qwen2Tokenizer
+    return cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, _from_auto=True)
 
 
 # ---- the backbone ----------------------------------------------------------------------------------------------
@@ -421,6 +435,8 @@ def load_gguf_backbone(
     body = model.model
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     tied = "output.weight" not in table
+    permuted = config.model_type in PERMUTED_QK
+    biases: dict[str, torch.Tensor] = {}  # "model.layers.N.self_attn.q_proj" -> its bias (Qwen2)
     shared = False  # a tied lm_head whose blocks the embedding looks its rows up in (one copy for both)
     padding_idx = body.embed_tokens.padding_idx
     if progress:
@@ -449,13 +465,22 @@ def load_gguf_backbone(
                 body.norm.weight = _param(entry, raw, dtype)
             elif len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEARS and parts[3] == "weight":
                 raw2 = raw.reshape(rows, -1)
-                if parts[2] in ("attn_q", "attn_k"):  # llama.cpp's rotary row order -> transformers'
+                # llama.cpp's rotary row order -> transformers'
+                if permuted and parts[2] in ("attn_q", "attn_k"):
                     raw2 = np.ascontiguousarray(
                         _reverse_permute_rows(raw2, heads if parts[2] == "attn_q" else kv_heads)
                     )
                 _set_module(
                     model, f"model.layers.{parts[1]}.{LINEARS[parts[2]]}", _linear(entry, raw2, False, b)
                 )
+            elif len(parts) == 4 and parts[0] == "blk" and parts[2] in QKV_BIASES and parts[3] == "bias":
+                if permuted:  # no Llama-family file has them (their rows would need the rotary permutation)
+                    raise ModelNotFoundError(
+                        f"{gguf.name}: tensor {entry.name} has no place in a {config.model_type} model"
+                    )
+                # fp32 as the step adds it (F32 in llama.cpp's files; a 16-bit one is widened exactly)
+                path = f"model.layers.{parts[1]}.self_attn.{QKV_BIASES[parts[2]]}"
+                biases[path] = dequantize_raw(entry.type_id, raw, entry.shape).to(torch.float32)
             elif len(parts) == 4 and parts[0] == "blk" and parts[2] in NORMS and parts[3] == "weight":
                 layer = body.layers[int(parts[1])]
                 getattr(layer, NORMS[parts[2]]).weight = _param(entry, raw, dtype)
@@ -468,6 +493,7 @@ def load_gguf_backbone(
                     f"{gguf.name}: tensor {entry.name} has no place in a {config.model_type} model"
                 )
             del raw
+    _attach_biases(model, biases, config.model_type in BIASED_QKV, gguf)
     with torch.device("cpu"):  # its buffers were made on meta: computed again, as from_pretrained does
         body.rotary_emb = type(body.rotary_emb)(config=config)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -481,6 +507,33 @@ def load_gguf_backbone(
     _notes(gguf, b, notes)
     _release_memory()
     return model, "gguf" if quant == "auto" else quant
+
+
+def _attach_biases(model: nn.Module, biases: dict[str, torch.Tensor], expected: bool, gguf: Path) -> None:
+    """Put each q/k/v bias on its projection: the projection module becomes a BlockLinearWithBias (the block
+    or packed linear, then the bias added in fp32), which every forward calls (the transformers forward, the
+    lean one); the native step takes the two apart and adds the bias in C (block_forward.native_forward_for).
+    A model whose projections have biases (`expected`: Qwen2's q/k/v) and a file without them is refused: no
+    silent zero bias."""
+    from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
+
+    for path, sub in list(model.named_modules()):
+        if path.rsplit(".", 1)[-1] not in QKV_BIASES.values():
+            continue
+        bias = biases.pop(path, None)
+        if bias is None and expected:
+            raise ModelNotFoundError(f"{gguf.name} lacks the tensor for {path}.bias: incomplete file?")
+        if bias is None:
+            continue
+        if bias.shape != (sub.out_features,):
+            raise ModelNotFoundError(
+                f"{gguf.name}: {path}.bias has {tuple(bias.shape)} values, "
+                f"the projection {sub.out_features} rows"
+            )
+        _set_module(model, path, BlockLinearWithBias(sub, bias))
+    if biases:
+        names = ", ".join(sorted(biases)[:4])
+        raise ModelNotFoundError(f"{gguf.name}: biases for {names} have no projection")
 
 
 def _param(entry: TensorEntry, raw: np.ndarray, dtype: torch.dtype) -> nn.Parameter:

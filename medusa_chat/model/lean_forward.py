@@ -1,4 +1,5 @@
-"""A lean eager forward for Llama-family decoders (Llama, Vicuna, SmolLM2, Mistral/Zephyr).
+"""A lean eager forward for Llama-family decoders (Llama, Vicuna, SmolLM2, Mistral/Zephyr, Qwen2: Llama's layers
+with q/k/v biases, which its projection modules add).
 
 Why: at batch 1 on a CPU (and on a GPU without graphs) the transformers forward spends about as long in
 Python (kwargs plumbing, output recording, mask/cache dispatch, per-layer hooks) as in the matmuls. For
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from medusa_chat.model.tree_plan import TreePlan
 
-SUPPORTED = {"llama", "mistral"}
+SUPPORTED = {"llama", "mistral", "qwen2"}
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]

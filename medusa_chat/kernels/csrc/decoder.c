@@ -1,14 +1,16 @@
-// The whole backbone step of a Llama-family decoder whose projections are GGUF blocks (Q4_1 / Q8_0), in C.
+// The whole backbone step of a Llama-family decoder (Qwen2 included: q/k/v biases) whose projections are GGUF
+// blocks (Q4_1 / Q8_0 / K-quants), in C.
 //
 // Why: at batch 1 on a CPU a step of a small model is ~10 ms of weight reads, and eager PyTorch adds another
 // ~10 ms of per-op dispatch (30 layers x ~60 small ops) plus ~50 us per SDPA call, one call per tree node per
 // layer for exact tree attention. Here a step is one call: per layer two RMSNorms, the fused q/k/v, o,
-// gate/up and down projections (qgemm.c), rotary, the KV write and attention, with nothing around them.
+// gate/up and down projections (qgemm.c), the q/k/v biases, rotary, the KV write and attention, with nothing
+// around them.
 //
 // Exactness by construction: every row (a prompt token, a tree node, the plain loop's one token) is computed
 // by the same instruction sequence whatever the other rows are.
 //   - projections: qgemm.c is row-invariant (activation blocks quantized per row, fixed accumulation);
-//   - RMSNorm, rotary, SiLU, residuals: per row, fixed vector order;
+//   - RMSNorm, biases, rotary, SiLU, residuals: per row, fixed vector order;
 //   - attention: row r attends to the keys [0, start) then its own list of block slots (its tree path root ..
 //     itself, or 0 .. r in a causal block). Each score is one fixed dot product, the softmax sum and the
 //     weighted sum of values run over that key sequence in order. A tree node at depth d therefore sees
@@ -143,11 +145,17 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
             kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
             rms_norm(x, L->norm1, L->eps1, T, H, h);
             two_part_linear(&L->qkv, &L->v, h, T, qkv, part, qx, dx, sx);
-            // rotary on the q and k heads, then the K/V writes: per (row, head)
+            // the q/k/v biases (if any), rotary on the q and k heads, then the K/V writes: per (row, head). The
+            // bias is one fp32 add per element, the same for every row (a tree node gets the plain step's bits)
 #pragma omp for collapse(2) schedule(static)
             for (int r = 0; r < T; r++)
                 for (int hh = 0; hh < nh + 2 * nkv; hh++) {
                     float *row = qkv + (size_t)r * qkv_n;
+                    if (L->qkv_bias) {
+                        float *head = row + hh * hd;
+                        const float *b = L->qkv_bias + hh * hd;
+                        for (int i = 0; i < hd; i++) head[i] += b[i];
+                    }
                     if (hh < nh + nkv)
                         rope(row + hh * hd, cos_t + (size_t)r * hd, sin_t + (size_t)r * hd, hd);
                     if (hh >= nh && hh < nh + nkv)

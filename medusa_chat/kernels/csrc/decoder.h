@@ -17,6 +17,8 @@ typedef struct {
     // kind -1: absent (fused above). Else v (up) runs apart and qkv holds q|k (gate_up holds gate): a file whose
     // v (up) blocks are of another type than q/k's (gate's), e.g. a Q4_K_M file's Q6_K attn_v in some layers.
     BLin v, up;
+    // fp32 [q | k | v] biases (Qwen2's q/k/v projections), added to every row after the projection; NULL: none
+    const float *qkv_bias;
 } DLayer;
 
 typedef struct {
