@@ -15,9 +15,10 @@ Every page reply is checked token-identical to ask's.
     python benchmarks/browser_vs_ask.py --variants all         # also: what a page update costs the decoder
 
 Variants (each page run sets MEDUSA_CHAT_UI_HZ / _PANEL_HZ / _DECODE_AHEAD, read per reply):
-    bounded   at most 15 text updates a second and 2 of the panels (meter + chart, tree, slider), decoding in
-              its own thread (the app's default)
-    panels-15 the same, but the panels redrawn with every text update (the former default)
+    bounded   the app's defaults: the text updated at most 4 times a second on 2 cores or fewer (else 8), the
+              panels (meter + chart, tree, slider) at most 2, decoding in its own thread
+    text-8, text-15  the text updated at most 8 / 15 times a second (panels 2)
+    panels-15 15 text updates a second, the panels redrawn with each (the former default)
     inline    at most 15 a second (panels too), but the UI pulls each step itself (the decoder waits while it
               renders)
     per-step  a page update after every step, pulled inline (what the cost of an update adds up to)
@@ -49,8 +50,10 @@ CHROMIUM_ARGS = [  # MEDUSA_FACTS section 12: offline, no sandbox in containers,
     "--no-first-run",
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
-VARIANTS = {  # name: (MEDUSA_CHAT_UI_HZ, MEDUSA_CHAT_UI_PANEL_HZ, MEDUSA_CHAT_UI_DECODE_AHEAD)
-    "bounded": ("15", "2", "1"),
+VARIANTS: dict[str, tuple[str | None, ...]] = {  # name: (MEDUSA_CHAT_UI_HZ, _PANEL_HZ, _DECODE_AHEAD); None: unset
+    "bounded": (None, None, "1"),  # the app's defaults
+    "text-8": ("8", "2", "1"),
+    "text-15": ("15", "2", "1"),
     "panels-15": ("15", "15", "1"),
     "inline": ("15", "15", "0"),
     "per-step": ("100000", "100000", "0"),
@@ -179,11 +182,15 @@ def main() -> None:
                 tokens = a.new_tokens
                 line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s"]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
-                    (
-                        os.environ["MEDUSA_CHAT_UI_HZ"],
-                        os.environ["MEDUSA_CHAT_UI_PANEL_HZ"],
-                        os.environ["MEDUSA_CHAT_UI_DECODE_AHEAD"],
-                    ) = VARIANTS[v]
+                    for name, value in zip(
+                        ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD"),
+                        VARIANTS[v],
+                        strict=True,
+                    ):
+                        if value is None:
+                            os.environ.pop(name, None)
+                        else:
+                            os.environ[name] = value
                     shown, s, n_updates, wall = page_once(page, app, args.timeout)
                     if s.token_ids != a.token_ids:
                         raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")

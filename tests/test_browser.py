@@ -202,7 +202,7 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
 
 
 def test_a_long_fast_reply_is_complete_with_a_bounded_number_of_page_updates(page: Any, served: Any) -> None:
-    """The engine unpaced: hundreds of steps in a second or two. The page gets at most ~15 updates a second
+    """The engine unpaced: hundreds of steps in a second or two. The page gets at most UPDATES_PER_S updates a second
     (chat/updates.py), and its last one shows the whole reply and every step in the tree view."""
     session: SessionManager = served.medusa_web.session
     ui = served.medusa_web

@@ -5,6 +5,7 @@ ends the reply cleanly (kept, marked stopped; the session free again)."""
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -105,7 +106,8 @@ def test_inline_updates_with_a_fake_clock() -> None:
 
 def test_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEDUSA_CHAT_UI_HZ", raising=False)
-    assert default_interval_s() == pytest.approx(1 / 15)
+    expected = 4 if (os.cpu_count() or 1) <= 2 else 8  # the browser shares a small machine's cores
+    assert default_interval_s() == pytest.approx(1 / expected)
     monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", "4")
     assert default_interval_s() == pytest.approx(0.25)
     for bad in ("0", "fast"):

@@ -200,7 +200,7 @@ def test_edit_last_message(served: Any) -> None:
 
 
 def test_a_long_fast_reply_updates_the_page_at_a_bounded_rate(served: Any) -> None:
-    """Hundreds of fast steps: the page gets at most ~15 updates a second (chat/updates.py), the tree view
+    """Hundreds of fast steps: the page gets at most UPDATES_PER_S updates a second (chat/updates.py), the tree view
     still every step, and the last update the whole reply."""
     ui: web.WebApp = served.medusa_web
     ui.clear()

@@ -26,14 +26,25 @@ from dataclasses import dataclass, field
 
 from medusa_chat.events import ReplySummary, StepEvent
 
-# At most this many UI updates a second while a reply streams (the last one is always sent). 15 is smooth to
-# the eye and leaves the decoder the cores; MEDUSA_CHAT_UI_HZ overrides it (the browser benchmark compares).
-UPDATES_PER_S = 15.0
+# At most this many UI updates a second while a reply streams (the last one is always sent). Each costs the
+# browser (or the terminal) a re-render of the reply so far, on the decoder's cores and, for the web server, under
+# the decoder's GIL. Measured on a 2-core EPYC in Chromium (benchmarks/browser_vs_ask.py, 4 rounds, medians), the
+# page's decode speed against `ask`'s: 15 text updates a second with the panels each time (the former default)
+# 0.65x, 15 with the panels at 2 a second 0.68x, 8 0.72x, 4 0.82x. So a machine of 2 cores or fewer, where the
+# browser shares the decoder's cores, gets 4 (a line of text at a time); a bigger one 8, still a smooth stream.
+# MEDUSA_CHAT_UI_HZ overrides it (the browser benchmark compares).
+UPDATES_PER_S = 8.0
+SMALL_MACHINE_UPDATES_PER_S = 4.0
+
+
+def updates_per_s() -> float:
+    """The default text update rate on this machine (MEDUSA_CHAT_UI_HZ aside)."""
+    return SMALL_MACHINE_UPDATES_PER_S if (os.cpu_count() or 1) <= 2 else UPDATES_PER_S
 
 
 def default_interval_s() -> float:
-    """Seconds between two UI updates: 1 / MEDUSA_CHAT_UI_HZ when set (> 0), else 1 / UPDATES_PER_S."""
-    return 1.0 / _rate("MEDUSA_CHAT_UI_HZ", UPDATES_PER_S)
+    """Seconds between two UI updates: 1 / MEDUSA_CHAT_UI_HZ when set (> 0), else 1 / updates_per_s()."""
+    return 1.0 / _rate("MEDUSA_CHAT_UI_HZ", updates_per_s())
 
 
 # The web page's panels (the meter with its tokens-per-step chart, the live tree view, the step slider) are

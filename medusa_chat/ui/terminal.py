@@ -267,7 +267,7 @@ class TerminalChat(SlashCommands):
         def view() -> RenderableType:
             return Group(ReplyMarkdown(text or "..."), self._status(last, summary))
 
-        # The reply decodes in its own thread and the screen is redrawn here, at most ~15 times a second
+        # The reply decodes in its own thread and the screen is redrawn here, at most 4-8 times a second (updates_per_s)
         # (chat/updates.py: each update carries every step since the previous one), so the redraw (Markdown of
         # the whole reply) never holds up a step. While streaming only the tail that fits the screen is drawn
         # (Live cannot redraw lines that scrolled away); the final frame, drawn when Live stops, is the whole

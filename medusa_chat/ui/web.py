@@ -256,7 +256,7 @@ class WebApp:
             text = ""
             yield (draft + [{"role": "assistant", "content": ""}], "", self.meter("starting…"),
                    self.tree_panel(live=True), skip, "", skip, *reset_edit)  # fmt: skip
-            # The reply decodes in its own thread; the page gets at most ~15 updates a second, each carrying
+            # The reply decodes in its own thread; the page gets at most 4-8 updates a second, each carrying
             # every step since the previous one (chat/updates.py). The final one is the yield after the loop.
             # The panels (meter, tree, slider) are redrawn at most ~2 times a second (panel_interval_s).
             feed = updates(stream)
