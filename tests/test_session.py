@@ -555,7 +555,8 @@ def test_settings_tree_baseline_and_export(make_session, tmp_path: Path) -> None
     value, kind = s.speedup(2 * tps, 2.0)
     assert kind == "measured" and value == pytest.approx(2.0)
     _drain(s.send("Hello number 10"))
-    md = s.export(tmp_path / "out.md").read_text()
+    with open(s.export(tmp_path / "out.md"), encoding="utf-8", newline="") as f:  # a reply's "\r" stays "\r"
+        md = f.read()
     reply = s.conversation.messages[-1]
     assert (
         "**User:**\n\nHello number 10\n" in md
