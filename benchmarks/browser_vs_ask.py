@@ -83,6 +83,23 @@ def ask_once(engine: Any, prompt_ids: list[int], settings: Any) -> Any:
     return summary
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds used so far by this process: the web server and the decoder; by the browser's processes, the
+    children of playwright's driver). Their difference over a reply says who took the cores."""
+    import psutil
+
+    me = psutil.Process()
+    own = sum(me.cpu_times()[:2])
+    browser = 0.0
+    for child in me.children(recursive=True):
+        try:
+            if "chrom" in child.name().lower():
+                browser += sum(child.cpu_times()[:2])
+        except psutil.Error:  # a renderer that just ended
+            pass
+    return own, browser
+
+
 def page_once(page: Any, app: Any, timeout_s: float) -> tuple[dict[str, Any], Any, int, float]:
     """One reply in the browser: (the meter's final figures, the session's summary, page updates, seconds)."""
     ui = app.medusa_web
@@ -177,10 +194,13 @@ def main() -> None:
             page_once(page, app, args.timeout)
             for r in range(args.rounds):
                 engine.reset()
+                own0, _ = cpu_seconds()
+                t0 = time.monotonic()
                 a = ask_once(engine, prompt_ids, settings)
+                ask_cpu, ask_wall = cpu_seconds()[0] - own0, time.monotonic() - t0
                 asks.append(a.decode_tokens_per_s)
                 tokens = a.new_tokens
-                line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s"]
+                line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f})"]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
                     for name, value in zip(
                         ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD"),
@@ -191,12 +211,17 @@ def main() -> None:
                             os.environ.pop(name, None)
                         else:
                             os.environ[name] = value
+                    own0, browser0 = cpu_seconds()
                     shown, s, n_updates, wall = page_once(page, app, args.timeout)
+                    own1, browser1 = cpu_seconds()
                     if s.token_ids != a.token_ids:
                         raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")
                     pages[v].append(shown["tps"])
                     updates_sent[v].append(n_updates)
-                    line.append(f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s)")
+                    line.append(
+                        f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
+                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f})"
+                    )
                 print(", ".join(line), file=sys.stderr, flush=True)
             browser.close()
     finally:
