@@ -220,3 +220,33 @@ def test_the_parallel_build_links_every_source_and_reports_a_failure(tmp_path: P
     with pytest.raises(RuntimeError, match="compiling the qgemm kernel failed: .*no-such-option"):
         qgemm._build(tmp_path / "bad.so", (*flags, "-fno-such-option-here"))
     assert not (tmp_path / "bad.so").exists()
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="the kernel cannot run on this CPU")
+def test_the_background_build_and_the_first_user_share_one_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start begins compiling while it reads the model's metadata (`prebuild`); the first kernel user
+    that arrives meanwhile waits for that build instead of starting a second one, and both get one library."""
+    import threading
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
+    monkeypatch.setattr(qgemm, "_LIBS", {})
+    builds: list[str] = []
+    started = threading.Event()
+    real_build = qgemm._build
+
+    def counted_build(out: Path, flags: tuple[str, ...]) -> None:
+        builds.append(threading.current_thread().name)
+        started.set()
+        real_build(out, flags)
+
+    monkeypatch.setattr(qgemm, "_build", counted_build)
+    qgemm.prebuild()
+    assert started.wait(60)
+    lib = qgemm.load()  # arrives while the background build runs (it takes seconds)
+    assert lib is not None and hasattr(lib, "decoder_forward")
+    assert builds == ["medusa-chat-kernel-build"]
+    assert len(list((tmp_path / "kernels").glob("qgemm-*.so"))) == 1
+    qgemm.prebuild()  # already loaded: nothing more to do
+    assert qgemm.load() is lib and len(builds) == 1

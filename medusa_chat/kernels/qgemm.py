@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -40,6 +41,8 @@ ISA_FLAGS = {
 }
 _LIBS: dict[str, ctypes.CDLL | None] = {}
 _ERROR = ""
+# One build at a time: `prebuild`'s thread and the first kernel user may ask for the same library at once.
+_LOAD_LOCK = threading.RLock()
 
 
 def best_isa(flags: set[str] | None = None) -> str:
@@ -124,6 +127,23 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     isa = isa or best_isa(cpu)
     if isa in _LIBS:
         return _LIBS[isa]
+    with _LOAD_LOCK:
+        if isa not in _LIBS:
+            _LIBS[isa] = _build_and_open(isa)
+    return _LIBS[isa]
+
+
+def prebuild() -> None:
+    """Start building (or opening) this CPU's kernel library in a background thread, so that a first start's
+    compile (~8 s on 2 slow cores) overlaps the model's metadata reading instead of following it; the first
+    user of the kernels then waits only for what is left of it (`load` holds the build lock)."""
+    if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0" or _LIBS:
+        return
+    threading.Thread(target=load, name="medusa-chat-kernel-build", daemon=True).start()
+
+
+def _build_and_open(isa: str) -> ctypes.CDLL | None:
+    global _ERROR
     from medusa_chat.paths import cache_root
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
@@ -172,7 +192,6 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         lib.mc_set_threads.argtypes = [i]
         lib.mc_set_threads.restype = None
         lib.mc_get_threads.restype = lib.mc_team_probe.restype = i
-    _LIBS[isa] = lib
     return lib
 
 

@@ -338,6 +338,10 @@ def load_model(
     q = pick_quant(quant, dev)
     compute_dtype = pick_dtype(dtype, dev)
     notes: list[str] = []
+    if dev.type == "cpu":  # the C kernels compile (first start only) while the metadata is read below
+        from medusa_chat.kernels import qgemm
+
+        qgemm.prebuild()
     if spec.params_b and not spec.custom:
         _check_size(spec, spec.params_b * 1e9, device, dev)  # known size: refuse before any network access
 
