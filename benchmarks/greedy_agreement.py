@@ -12,6 +12,12 @@ replies part at near-ties, and the margins say whether a difference is a tie bro
 below the logits' spread) or a real disagreement. `--hf-quant int4|int8`: medusa-chat from the checkpoint folder
 (the cached quantized file) too. One JSON document on stdout (and in `--out`).
 
+Random models' greedy replies often settle into one token repeated (each row reports its distinct tokens): then
+agreement says little. So the same paths are also scored teacher-forced on the fidelity text (`--chunks` chunks of
+128 tokens, the second half of each scored, as llama-perplexity does): top-1 agreement with the float model and the
+mean KL divergence; for llama.cpp, `llama-perplexity --kl-divergence` of the file against `--f16-gguf` (the
+converter's F16 file of the same checkpoint: the float model's values).
+
 llama.cpp's tokens are read from its verbose log (`-v`: a `n_past = ...` line follows every token it prints; each
 printed piece is mapped back to its token by its bytes), its prompt tokens checked against ours (`tokens: [...]`).
 """
@@ -24,6 +30,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -156,6 +163,58 @@ def compare(
     return row
 
 
+def llama_teacher_forced(perplexity: Path, gguf: Path, f16: Path, text: str, chunks: int, threads: int) -> Any:
+    """llama.cpp's top-1 agreement and KL divergence of `gguf` against the F16 file, on the same chunks."""
+    from medusa_chat.bench.fidelity import _parse_kld
+    from medusa_chat.model.fidelity import CHUNK
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+        text_file.write_text(text, encoding="utf-8")
+        common = [str(perplexity), "-f", str(text_file), "-c", str(CHUNK), "-t", str(threads), "--chunks", str(chunks)]
+        for model, extra in ((f16, []), (gguf, ["--kl-divergence"])):
+            done = subprocess.run(
+                [*common, "-m", str(model), "--kl-divergence-base", str(base), *extra],
+                capture_output=True, text=True, timeout=1800,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"llama-perplexity failed: {(done.stderr or done.stdout).strip()[-300:]}")
+    return _parse_kld(done.stdout + done.stderr)
+
+
+def teacher_forced(args: argparse.Namespace, loaded: Any, extra: Any, float_model: Any) -> dict[str, Any]:
+    from medusa_chat.model.fidelity import compare as score
+    from medusa_chat.model.fidelity import fixed_text, scored_logprobs, text_chunks
+
+    chunks = text_chunks(loaded.tokenizer, fixed_text(), limit=args.chunks)
+    with torch.inference_mode():
+        ref = [float_model(torch.tensor([c])).logits[0, len(c) // 2 : len(c) - 1].float().log_softmax(-1) for c in chunks]
+    out: dict[str, Any] = {"tokens_scored": sum(r.shape[0] for r in ref)}
+    ref_all = torch.cat(ref)
+    gaps = ref_all.topk(2, dim=-1).values
+    std = ref_all.std(dim=-1)  # log-softmax differs from the logits by a per-row constant: same gaps, same std
+    out["float_top_gap_over_std_median"] = round(float(((gaps[:, 0] - gaps[:, 1]) / std).median()), 4)
+
+    def scored(model: Any) -> dict[str, Any]:
+        got = list(scored_logprobs(model, chunks))
+        row = score(ref, got).as_dict()
+        a, b = ref_all.argmax(-1), torch.cat(got).argmax(-1)
+        split = (a != b).nonzero().flatten()
+        margin = (ref_all[split, a[split]] - ref_all[split, b[split]]) / std[split]
+        row["split_margin_over_std"] = [round(float(m), 4) for m in margin]  # the float model's, where they part
+        return row
+
+    out["ours"] = scored(loaded)
+    if extra is not None:
+        out[f"ours-hf-{args.hf_quant}"] = scored(extra)
+    perplexity = args.llama_cpp / "build" / "bin" / "llama-perplexity" if args.llama_cpp else None
+    if perplexity is not None and perplexity.is_file() and args.f16_gguf:
+        out["llama.cpp (vs its F16 file)"] = llama_teacher_forced(
+            perplexity, args.gguf, args.f16_gguf, fixed_text(), len(chunks), args.threads
+        )
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -178,10 +237,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if extra is not None:
             replies[f"ours-hf-{args.hf_quant}"] = ours(extra, prompt, args.tokens)
         row: dict[str, Any] = {"prompt": text, "prompt_tokens": len(prompt)}
+        row["distinct_tokens"] = {name: len(set(r)) for name, r in replies.items()}
         if completion is not None:
             got, llama_prompt = llama_greedy(completion, args.gguf, loaded.tokenizer, prompt, args.tokens, args.threads)
             row["same_prompt_tokens"] = llama_prompt == prompt
             replies["llama.cpp"] = got
+            row["distinct_tokens"]["llama.cpp"] = len(set(got))
         names = list(replies)
         row["pairs"] = [
             compare(x, replies[x], y, replies[y], prompt, float_model, loaded)
@@ -203,7 +264,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 round(abs(p["at"]["float_margin"]) / p["at"]["float_std"], 3) for p in found if "at" in p
             ],
         }
+    tf = teacher_forced(args, loaded, extra, float_model)
     return {
+        "teacher_forced": tf,
         "gguf": str(args.gguf),
         "hf": str(args.hf),
         "tokens": args.tokens,
@@ -223,13 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunks", type=int, default=4, help="teacher-forced: chunks of the fidelity text")
+    parser.add_argument("--f16-gguf", type=Path, help="the F16 GGUF of the checkpoint (llama.cpp's reference)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     doc = run(args)
     text = json.dumps(doc, indent=1)
     if args.out:
         args.out.write_text(text)
-    print(json.dumps(doc["summary"], indent=1))
+    print(json.dumps({"summary": doc["summary"], "teacher_forced": doc["teacher_forced"]}, indent=1))
     return 0
 
 
