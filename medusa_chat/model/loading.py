@@ -548,7 +548,9 @@ def _load_from_quantized_file(
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError):
         return None  # load_backbone says what is wrong
-    if unsuitable(folder, config, q, trust_remote_code):
+    why = unsuitable(folder, config, q, trust_remote_code)
+    if why:  # said at startup (`info`, the UIs' notes): which path loaded this checkpoint, and why
+        notes.append(f"quantized in memory after a whole float load: {why}")
         return None
     try:
         return load_quantized_backbone(

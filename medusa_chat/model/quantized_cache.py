@@ -9,10 +9,15 @@ from its shard opened with torch.load(mmap=True, weights_only=True) and its page
 (mapped_weights.release); then converted to the compute dtype, quantized in row chunks by the very functions the
 in-memory path uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and
 written at once; the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
-in-memory path's bit for bit.
+in-memory path's bit for bit. (A Qwen2 model differs there on purpose: the in-memory path keeps its biased q/k/v
+projections dense float, this one quantizes them like the others and adds the biases in fp32, as a llama.cpp Qwen2
+file is run; the native step's logits stay within its usual tolerance of the float model, tests/test_qwen2_checkpoint.py.)
 
 What goes into the file (llama.cpp's tensor names, so the GGUF loader needs nothing new):
-- projections: Q4_1 blocks for int4, Q8_0 for int8 (q/k rows in llama.cpp's rotary order, which the loader undoes);
+- projections: Q4_1 blocks for int4, Q8_0 for int8 (Llama/Mistral q/k rows in llama.cpp's rotary order, which
+  the loader undoes; a Qwen2 model's rows as they are, as llama.cpp's converter keeps them for qwen2);
+- a Qwen2 model's q/k/v biases: F32 (`blk.N.attn_q.bias`, ...), added in fp32 by the step as from a llama.cpp
+  Qwen2 file;
 - the lm_head: Q8_0 (both modes, as cpu_linears does); a tied model's from its token embedding;
 - the token embedding and the norms: float as the checkpoint stores them (the loader makes them the compute dtype,
   exactly as transformers would);
@@ -26,8 +31,8 @@ leaves no half file. Its metadata records that key and the file's own size; a fi
 (truncated, corrupt, an older format) is made again.
 
 Only what the GGUF path computes exactly as the in-memory path does is taken this way (`unsuitable` says why
-not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral, biases, unexpected tensors,
-no block kernel here); the rest loads as before.
+not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral/Qwen2, biases other than
+Qwen2's q/k/v ones, unexpected tensors, no block kernel here); the rest loads as before.
 """
 
 from __future__ import annotations
@@ -67,7 +72,12 @@ GGML = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 SKIPPED = (re.compile(r"^medusa_head\."), re.compile(r"\.rotary_emb\.inv_freq$"))
 HF_TO_GGUF_LAYER = {v: k for k, v in {**GGUF_LINEARS, **GGUF_NORMS}.items()}
-ARCHS = ("llama", "mistral")  # what the GGUF loader builds
+ARCHS = ("llama", "mistral", "qwen2")  # what the GGUF loader builds
+# llama.cpp's converter interleaves the rotary halves of q/k rows for these (the loader undoes it); it keeps
+# Hugging Face's row order for qwen2 (NeoX-style rope), so nothing is permuted for it
+PERMUTED_QK = ("llama", "mistral")
+QKV_BIASED = ("qwen2",)  # model types whose q, k and v projections (and only those) have biases
+QKV_BIASES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v"}
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------------------
@@ -170,6 +180,9 @@ def gguf_name(hf_name: str) -> str | None:
     m = re.fullmatch(r"model\.layers\.(\d+)\.([\w.]+)\.weight", hf_name)
     if m and m.group(2) in HF_TO_GGUF_LAYER:
         return f"blk.{m.group(1)}.{HF_TO_GGUF_LAYER[m.group(2)]}.weight"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv]_proj)\.bias", hf_name)
+    if m:  # Qwen2's q/k/v biases (plan() takes them only for a model type that has them)
+        return f"blk.{m.group(1)}.{QKV_BIASES[m.group(2)]}.bias"
     return None
 
 
@@ -193,23 +206,40 @@ class Planned:
 
 def plan(folder: Path, config: Any, quant: str) -> tuple[list[Planned], str]:
     """(the tensors to write, "") or ([], why this checkpoint loads the old way)."""
-    if getattr(config, "model_type", None) not in ARCHS:
-        return [], f"model type {getattr(config, 'model_type', '?')!r} is not one the GGUF loader builds"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return [], "the projections have biases"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHS:
+        return [], f"model type {model_type!r} is not one the GGUF loader builds"
+    # Qwen2's q/k/v biases are its architecture's (transformers makes them whatever the config says); any other
+    # bias (Llama's attention_bias: o_proj too; mlp_bias) has no place in the loader's modules
+    if getattr(config, "mlp_bias", False):
+        return [], "the MLP projections have biases (mlp_bias), which the GGUF path does not add"
+    if getattr(config, "attention_bias", False) and model_type not in QKV_BIASED:
+        return [], "the attention projections have biases (attention_bias), which the GGUF path does not add"
     files = checkpoint_files(folder)
     if not files:
         return [], "the checkpoint has neither safetensors nor pytorch_model*.bin weight files"
     tensors = {t.name: t for f in files for t in (read_pickle_table(f) if is_pickle(f) else read_header(f))}
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    permuted = model_type in PERMUTED_QK
     out: list[Planned] = []
     for t in tensors.values():
         if any(p.search(t.name) for p in SKIPPED):
             continue
         name = gguf_name(t.name)
         if name is None:
+            if t.name.endswith(".bias"):
+                return [], (
+                    f"tensor {t.name}: only a Qwen2 model's q/k/v projections may have biases on this path"
+                )
             return [], f"tensor {t.name} has no place in the GGUF layout"
+        if name.endswith(".bias"):
+            if model_type not in QKV_BIASED:
+                return [], f"tensor {t.name}: a {model_type} model's projections have no biases on this path"
+            if t.dtype not in SAFETENSORS_DTYPES:
+                return [], f"tensor {t.name} is stored as {t.dtype}"
+            out.append(Planned(name, t, "F32", t.shape))  # fp32 as the step adds it (exact from any float)
+            continue
         if t.dtype not in SAFETENSORS_DTYPES:
             return [], f"tensor {t.name} is stored as {t.dtype}"
         if name == "output.weight" and tied:
@@ -220,7 +250,7 @@ def plan(folder: Path, config: Any, quant: str) -> tuple[list[Planned], str]:
                 return [], f"{t.name} {list(t.shape)} is not a whole number of 32-weight blocks per row"
             kind = "Q4_1" if quant == "int4" and part in GGUF_LINEARS else "Q8_0"
             n = heads if part == "attn_q" else kv_heads if part == "attn_k" else 0
-            out.append(Planned(name, t, kind, t.shape, n))
+            out.append(Planned(name, t, kind, t.shape, n if permuted else 0))
         elif name == "token_embd.weight":
             out.append(Planned(name, t, t.dtype, t.shape))
         else:  # norms: exact in F32 whatever the checkpoint's float type
@@ -235,6 +265,11 @@ def plan(folder: Path, config: Any, quant: str) -> tuple[list[Planned], str]:
         out.append(Planned("output.weight", embed.source, "Q8_0", embed.shape))
     elif "output.weight" not in names:
         return [], "the checkpoint has no lm_head"
+    if model_type in QKV_BIASED:  # the loader refuses a file without them: say so before anything is written
+        for i in range(int(config.num_hidden_layers)):
+            for module, part in QKV_BIASES.items():
+                if f"blk.{i}.{part}.bias" not in names:
+                    return [], f"the checkpoint lacks model.layers.{i}.self_attn.{module}.bias"
     return out, ""
 
 
