@@ -176,7 +176,8 @@ def gguf_model_dir(gguf: Path, progress: Progress | None = None) -> Path:
 
 def _write_folder(gguf: Path, out: Path) -> None:
     from transformers import GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    # the class name by model type: the mapping of classes would import the modeling module (~1 s) for a name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         config = gguf_config(gguf)
@@ -192,7 +193,7 @@ def _write_folder(gguf: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
