@@ -176,6 +176,7 @@ def gguf_model_dir(gguf: Path, progress: Progress | None = None) -> Path:
 
 def _write_folder(gguf: Path, out: Path) -> None:
     from transformers import GenerationConfig
+
     # the class name by model type: the mapping of classes would import the modeling module (~1 s) for a name
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
