@@ -108,7 +108,8 @@ def test_server_listens_on_loopback_only(served: Any) -> None:
 def test_send_streams_updates_and_meter_numbers(served: Any, client: Client) -> None:
     session: SessionManager = served.medusa_web.session
     session.update_settings(max_new_tokens=40, temperature=0)
-    with slow_steps(session, 0.04):  # 40 steps at >= 40 ms: text updates (4-8 a second) and panel redraws (2)
+    # >= 100 ms a step: even at 5 tokens a step the 40 tokens span two panel redraws (2 a second)
+    with slow_steps(session, 0.1):
         job = client.submit("Hello! How are you today?", api_name="/send")
         updates = list(job)
     assert len(updates) >= 3, f"only {len(updates)} updates streamed"
