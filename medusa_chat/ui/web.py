@@ -505,7 +505,7 @@ def launch(
         enable_monitoring=False,
         theme=theme(),
         css=render.CSS,
-        js=render.COPY_JS,
+        js=render.PAGE_JS,
     )
     from medusa_chat.openai.routes import mount_api
 
