@@ -124,9 +124,11 @@ def cache_eagle_features(
     batch_tokens: int = 8192,
     log: Log = print,
     deadline: float | None = None,
+    taps: tuple[int, ...] | None = None,
 ) -> list[Path]:
-    """Every position's backbone feature (after the final norm) for each data shard that has none yet, one file
-    per shard (resumable; a killed run leaves no partial file)."""
+    """Every position's backbone feature (after the final norm; with `taps`, EAGLE-3's inputs of those layers,
+    in bf16: the residual stream's massive activations overflow fp16) for each data shard that has none yet, one
+    file per shard (resumable; a killed run leaves no partial file)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = []
     for info in store.shards:
@@ -139,7 +141,8 @@ def cache_eagle_features(
             break
         t = time.time()
         samples, starts = eagle_samples(store, info)
-        pd = hidden_states_for(model, samples, batch_tokens)
+        store_dtype = torch.float16 if taps is None else torch.bfloat16
+        pd = hidden_states_for(model, samples, batch_tokens, store_dtype=store_dtype, taps=taps)
         order, counts = torch.unique_consecutive(pd.sample, return_counts=True)
         first = torch.tensor([max(starts[int(s)] - 1, 0) for s in order.tolist()], dtype=torch.int32)
         atomic_torch_save(
@@ -184,8 +187,11 @@ def eagle_data_from_positions(pd: PositionData, first_pair: list[int]) -> EagleD
 # ---------------------------------------------------------------------------------------------------------
 # the draft
 # ---------------------------------------------------------------------------------------------------------
-def draft_config(backbone_config: Any, base_model: str = "") -> dict[str, Any]:
-    """The draft's config.json: a one-layer Llama config with the backbone's shapes (SafeAILab's EAGLE-1 layout)."""
+def draft_config(
+    backbone_config: Any, base_model: str = "", draft_vocab: int | None = None
+) -> dict[str, Any]:
+    """The draft's config.json: a one-layer Llama config with the backbone's shapes (SafeAILab's layout; EAGLE-3
+    adds `draft_vocab_size`)."""
     cfg = getattr(backbone_config, "text_config", None) or backbone_config
     h, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
     rope = getattr(cfg, "rope_theta", None)
@@ -206,34 +212,73 @@ def draft_config(backbone_config: Any, base_model: str = "") -> dict[str, Any]:
         "max_position_embeddings": int(getattr(cfg, "max_position_embeddings", 2048)),
         "torch_dtype": "float16",
         "base_model_name_or_path": base_model,
+        **(
+            {"draft_vocab_size": int(draft_vocab), "architectures": ["LlamaForCausalLMEagle3"]}
+            if draft_vocab
+            else {}
+        ),
     }
 
 
-def new_draft(config: dict[str, Any], seed: int = 0) -> EagleDraft:
-    """A fresh EAGLE-1 draft from its config.json dict (the loader's own parsing: what is trained is what loads)."""
+def new_draft(
+    config: dict[str, Any],
+    seed: int = 0,
+    lm_weight: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
+) -> EagleDraft:
+    """A fresh draft from its config.json dict (the loader's own parsing: what is trained is what loads). With
+    `draft_vocab_size` an EAGLE-3 draft over the tokens `draft_ids`: its maps d2t/t2d, its lm_head started from
+    the backbone's rows of those tokens (`lm_weight`); else EAGLE-1."""
     from medusa_chat.model.eagle import _config
 
     torch.manual_seed(seed)
-    draft = EagleDraft(_config(config, "draft config"), 1, layers=1)
-    return draft.float().train()
+    cfg = _config(config, "draft config")
+    if "draft_vocab_size" not in cfg:
+        return EagleDraft(cfg, 1, layers=1).float().train()
+    if draft_ids is None or lm_weight is None or len(draft_ids) != cfg["draft_vocab_size"]:
+        raise ValueError("an EAGLE-3 draft needs its draft vocabulary and the backbone's lm_head")
+    draft = EagleDraft(cfg, 3, feature_size=3 * cfg["hidden_size"]).float()
+    ids = draft_ids.sort().values  # draft index i is token i + d2t[i]: ascending ids, as SafeAILab's maps
+    with torch.no_grad():
+        draft.d2t.copy_(ids - torch.arange(len(ids)))
+        draft.t2d.zero_()
+        draft.t2d[ids] = True
+        draft.lm_head.weight.copy_(lm_weight.detach().float()[ids])
+    return draft.train()
+
+
+def draft_index(draft: EagleDraft) -> torch.Tensor:
+    """EAGLE-3: token id -> draft index (-1 outside the draft vocabulary)."""
+    t2d = draft.t2d
+    return torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
+
+
+def draft_logits(draft: EagleDraft, out: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+    """The draft's logits over its vocabulary: EAGLE-1 the backbone's lm_head, EAGLE-3 its norm and own head."""
+    if draft.version == 3:
+        return draft.lm_head(draft.norm(out))
+    return F.linear(out.to(lm_weight.dtype), lm_weight)
 
 
 def _attend(
     draft: EagleDraft,
     x: torch.Tensor,
+    emb: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     past: list[tuple[torch.Tensor, torch.Tensor]],
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """The draft's one layer over a batch [B, L, h] (layer 0: no input norm), attending to the keys of `past`
-    steps and its own under the additive `mask` [L, (len(past) + 1) L]. Returns (output, keys, values)."""
-    layer = draft.layers[0]
+    """The draft's one layer over a batch [B, L, h] (EAGLE-1: the fused input `x`, no input norm; EAGLE-3: `x`
+    through hidden_norm beside the embedding through input_layernorm, 2h into q/k/v), attending to the keys of
+    `past` steps and its own under the additive `mask` [L, (len(past) + 1) L]. Returns (output, keys, values)."""
+    layer = draft.blocks[0]
     attn, hd = layer.self_attn, draft.head_dim
     b, n, _ = x.shape
-    q = attn.q_proj(x).view(b, n, -1, hd).transpose(1, 2)
-    k = attn.k_proj(x).view(b, n, -1, hd).transpose(1, 2)
-    v = attn.v_proj(x).view(b, n, -1, hd).transpose(1, 2)
+    h = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(x)], dim=-1) if draft.version == 3 else x
+    q = attn.q_proj(h).view(b, n, -1, hd).transpose(1, 2)
+    k = attn.k_proj(h).view(b, n, -1, hd).transpose(1, 2)
+    v = attn.v_proj(h).view(b, n, -1, hd).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     keys = torch.cat([p[0] for p in past] + [k], dim=2)
@@ -277,8 +322,13 @@ def unrolled_outputs(
         feats = feats + (u - 0.5) * (2 * noise)
     hidden, past, outs = feats, [], []
     for j in range(steps):
-        x = draft.fc(torch.cat([emb, hidden], dim=-1))
-        out, k, v = _attend(draft, x, cos, sin, past, unroll_mask(n, j, feats.device))
+        if (
+            draft.version == 3
+        ):  # fc reads the backbone's three features; the draft's own are fed back as they are
+            x = draft.fc(hidden) if j == 0 else hidden
+        else:
+            x = draft.fc(torch.cat([emb, hidden], dim=-1))
+        out, k, v = _attend(draft, x, emb, cos, sin, past, unroll_mask(n, j, feats.device))
         outs.append(out)
         past.append((k, v))
         hidden = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # row s reads step j's output at s - 1
@@ -363,11 +413,15 @@ def batch_losses(
     noise: float,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
-    """(weighted loss, per-step top-1 over counted rows) of one batch."""
+    """(weighted loss, per-step top-1 over counted rows) of one batch. EAGLE-1: feature regression + weighted
+    cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft vocabulary only (a target
+    outside it is left out of the loss and counted a miss)."""
     feats, nxt, tgt, use = batch
     emb = F.embedding(nxt, embed).to(feats.dtype)
-    outs = unrolled_outputs(draft, feats, emb, settings.unroll, noise, generator)
+    v3 = draft.version == 3
+    outs = unrolled_outputs(draft, feats, emb, settings.unroll, 0.0 if v3 else noise, generator)
     want = torch.cat([feats[:, 1:], feats[:, :1]], dim=1)  # the backbone's next feature (last row: no target)
+    index = draft_index(draft) if v3 else None
     total = feats.new_zeros(())
     top1 = []
     for j, out in enumerate(outs):
@@ -377,6 +431,13 @@ def batch_losses(
             continue
         o = out[rows]
         t = tgt[..., 0][rows]
+        if index is not None:
+            t = index[t]
+            logits = draft_logits(draft, o, lm_weight).float()
+            top1.append(float((logits.argmax(-1) == t).float().mean()))
+            if bool((t >= 0).any()):
+                total = total + settings.step_decay**j * F.cross_entropy(logits[t >= 0], t[t >= 0])
+            continue
         reg = F.smooth_l1_loss(o.float(), want[rows].float())
         if generator is not None and settings.ce_frac < 1:
             # the full-vocabulary projection is most of a step's cost on a CPU: an unbiased row sample of it
@@ -580,7 +641,7 @@ def evaluate_eagle(
     device: torch.device,
     depth: int = 5,
     max_rank: int = MAX_RANK,
-    batch_tokens: int = 4096,
+    batch_tokens: int = 1024,  # full-vocabulary logits of a batch: 200 MB at 49k tokens
     joint_top: int = 2048,
 ) -> dict[str, Any]:
     """Held-out accuracy of the draft fed its own outputs, in fp32 (as it runs on a CPU), per decoding step's
@@ -591,6 +652,7 @@ def evaluate_eagle(
     draft.eval().to(device).float()
     lm_w = lm_weight.detach().to(device).float()
     embed = embed_weight.detach().to(device).float()
+    vocab = draft.vocab_map()
     rank_rows = []
     for idx in make_batches(data, batch_tokens, 0):
         feats, nxt, tgt, use = data.batch(idx, device)
@@ -599,7 +661,9 @@ def evaluate_eagle(
         ranks = torch.full((b, n, depth), max_rank, dtype=torch.long, device=device)
         for j, out in enumerate(outs):
             # step j at row s is depth j + 1 of the chain rooted at pair s - j: move it back to row s - j
-            top = F.linear(out, lm_w).topk(max_rank, dim=-1).indices  # [B, L, R]
+            top = draft_logits(draft, out, lm_w).topk(max_rank, dim=-1).indices  # [B, L, R]
+            if vocab is not None:
+                top = vocab[top]  # EAGLE-3: draft indices -> token ids
             hit = top == tgt[..., :1]
             rank = torch.where(hit.any(-1), hit.float().argmax(-1), max_rank)
             rank = torch.where(tgt[..., 0] >= 0, rank, max_rank)  # past the reply's end: nothing to accept
@@ -637,7 +701,10 @@ def save_draft(draft: EagleDraft, config: dict[str, Any], out_dir: Path) -> None
     from safetensors.torch import save
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in draft.state_dict().items()}
+    tensors = {
+        k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in draft.state_dict().items()
+    }
     # in memory, then the one atomic writer: a readable file (safetensors' save_file would leave it 0600)
     atomic_write_bytes(out_dir / EAGLE_FILE, save(tensors, metadata={"format": "pt"}))
     atomic_write_json(out_dir / "config.json", config)
@@ -659,21 +726,29 @@ def train_and_save_eagle(
     log: Log = print,
     extra_report: dict[str, Any] | None = None,
     stop_after_steps: int | None = None,
+    draft_vocab: int | None = None,
 ) -> dict[str, Any]:
-    """Train an EAGLE-1 draft for `backbone`, round it to fp16, evaluate it on the held-out prompts, write the
-    Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks)."""
+    """Train an EAGLE-1 draft (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply tokens, on
+    `data` cached with EAGLE-3's taps) for `backbone`, round it to fp16, evaluate it on the held-out prompts,
+    write the Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks)."""
     from medusa_chat.training.fit_tree import fit_tree, size_summary
     from medusa_chat.training.pipeline import round_heads_
 
     settings.check()
-    config = draft_config(backbone.config, base_model)
-    draft = new_draft(config, settings.seed)
     train, held = data.split(holdout)
     lm_weight = backbone.get_output_embeddings().weight.detach()
     embed_weight = backbone.get_input_embeddings().weight.detach()
+    config = draft_config(backbone.config, base_model, draft_vocab)
+    ids = None
+    if draft_vocab:
+        from medusa_chat.training.train_heads import draft_vocabulary
+
+        ids = draft_vocabulary(train, draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
+    draft = new_draft(config, settings.seed, lm_weight, ids)
+    kind = f"EAGLE-3 ({draft_vocab}-token draft vocabulary)" if draft_vocab else "EAGLE-1"
     n_params = sum(p.numel() for p in draft.parameters())
     log(
-        f"training an EAGLE-1 draft ({n_params / 1e6:.2f} M parameters, {2 * n_params / 1e6:.1f} MB fp16) on "
+        f"training an {kind} draft ({n_params / 1e6:.2f} M parameters, {2 * n_params / 1e6:.1f} MB fp16) on "
         f"{len(train)} samples ({train.positions} positions), unroll {settings.unroll}, {settings.epochs} epochs"
     )
     result = train_eagle(
@@ -695,7 +770,7 @@ def train_and_save_eagle(
     save_draft(draft, config, out_dir)
     report: dict[str, Any] = {
         "heads": {
-            "format": "eagle",
+            "format": draft.format,
             "layers": 1,
             "parameters": n_params,
             "file_mb": round(2 * n_params / 1e6, 3),
