@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.eagle import EagleDraft
+from medusa_chat.model.eagle import EagleDraft, eagle_taps
 from medusa_chat.model.loading import load_model
 from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
@@ -34,6 +34,7 @@ from medusa_chat.training.train_eagle import (
     train_eagle,
     unrolled_outputs,
 )
+from medusa_chat.training.train_heads import draft_vocabulary
 
 CPU = torch.device("cpu")
 PROMPTS = [
@@ -112,14 +113,10 @@ def test_feature_cache_holds_every_position_of_prompt_and_reply(data, backbone) 
     assert d.positions == store.reply_tokens
 
 
-def test_unroll_is_what_the_drafter_computes_at_each_depth(data, backbone) -> None:
+def _check_unroll(draft: EagleDraft, d: EagleData, embed: torch.nn.Module) -> None:
     """Step j at row s = the draft's depth-(j + 1) output for the chain rooted at pair s - j, computed the way the
     engine's drafter does it: the context's pairs in the draft's KV cache, then one call per depth fed the parent's
     output, at position root + depth, attending to the context and the chain's earlier entries."""
-    _, d = data
-    model, _ = backbone
-    draft = _draft(model).eval()
-    embed = model.get_input_embeddings()
     feats, nxt, _, _ = d.batch([0], CPU)
     with torch.no_grad():
         outs = unrolled_outputs(draft, feats, embed(nxt), steps=3)
@@ -137,6 +134,12 @@ def test_unroll_is_what_the_drafter_computes_at_each_depth(data, backbone) -> No
                 slot = torch.tensor([s])
                 out = draft(out, embed(nxt[0, s : s + 1]), slot, cache, slot, torch.zeros(1, s + 1), False)
                 torch.testing.assert_close(out[0], outs[depth][0, s], atol=1e-5, rtol=1e-5)
+
+
+def test_unroll_is_what_the_drafter_computes_at_each_depth(data, backbone) -> None:
+    _, d = data
+    model, _ = backbone
+    _check_unroll(_draft(model).eval(), d, model.get_input_embeddings())
 
 
 def test_training_lowers_loss_and_raises_chain_accuracy(data, backbone) -> None:
@@ -288,3 +291,124 @@ def test_train_heads_command_writes_an_eagle_draft(
         assert train_main(p.parse_args(_argv(tiny_llama_dir, prompt_file, tmp_path / "bad", *bad))) == 2
         assert says in capsys.readouterr().out
     assert not (tmp_path / "bad").exists()  # refused before any work
+
+
+# ---- EAGLE-3: an 8-layer planted backbone (taps 2, 4, 5) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def deep(fixtures_root: Path):
+    from tests.eagle_helpers import deep_planted_backbone
+
+    folder = deep_planted_backbone(fixtures_root / "tiny-llama-8-layers")
+    return folder, *load_for_training(folder, CPU)
+
+
+@pytest.fixture(scope="module")
+def data3(
+    deep, prompt_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[DistillStore, EagleData]:
+    _, model, tok = deep
+    root = tmp_path_factory.mktemp("eagle3-data")
+    settings = DistillSettings(
+        magpie=0, prompt_file=str(prompt_file), max_new_tokens=24, batch_size=4, shard_size=4
+    )
+    store = distill(model, tok, DistillStore.open(root / "d", model="deep"), settings, **QUIET)
+    return store, load_eagle_cache(
+        cache_eagle_features(model, store, root / "f", taps=eagle_taps(8), **QUIET)
+    )
+
+
+def _draft3(model, data: EagleData, size: int = 60) -> EagleDraft:
+    ids = draft_vocabulary(data, size, model.config.vocab_size)  # type: ignore[arg-type]
+    return new_draft(draft_config(model.config, "deep", size), 0, _weights(model)[0], ids)
+
+
+def test_eagle3_features_are_the_inputs_of_layers_2_n2_n3(deep, data3) -> None:
+    _, model, _ = deep
+    store, d = data3
+    samples = {idx: ids for idx, ids, _ in store.samples()}
+    seen: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs) -> None:
+        seen.append((args[0] if args else kwargs["hidden_states"])[0])
+
+    hooks = [model.model.layers[i].register_forward_pre_hook(hook, with_kwargs=True) for i in eagle_taps(8)]
+    try:
+        for i in (0, len(d) - 1):
+            o, n = int(d.offsets[i]), int(d.lengths[i])
+            seen.clear()
+            with torch.no_grad():
+                model(torch.tensor([samples[int(d.sample[o])]]))
+            want = torch.cat(seen, dim=-1)[:-1]
+            assert d.hidden.dtype == torch.bfloat16 and d.hidden.shape[1] == 3 * model.config.hidden_size
+            torch.testing.assert_close(d.hidden[o : o + n].float(), want, atol=0.02, rtol=0.01)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_eagle3_unroll_is_what_the_drafter_computes(deep, data3) -> None:
+    _, model, _ = deep
+    _, d = data3
+    draft = _draft3(model, d).eval()
+    assert draft.version == 3
+    _check_unroll(draft, d, model.get_input_embeddings())
+
+
+def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, tmp_path: Path) -> None:
+    folder, model, _ = deep
+    _, d = data3
+    lm_w, emb_w = _weights(model)
+    settings = EagleSettings(unroll=2, **SMALL)
+    probe = _draft3(model, d)
+    batch = d.batch(list(range(len(d))), CPU)
+    with torch.no_grad():
+        loss0, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
+    train_eagle(probe, lm_w, emb_w, d, settings, CPU, **QUIET)
+    with torch.no_grad():
+        loss1, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
+    assert float(loss1) < 0.7 * float(loss0)
+
+    out = tmp_path / "eagle3"
+    report = train_and_save_eagle(
+        model,
+        d,
+        settings,
+        out,
+        "deep",
+        CPU,
+        holdout=0.25,
+        tree_budget=8,
+        eval_depth=3,
+        draft_vocab=60,
+        **QUIET,
+    )
+    assert report["heads"]["format"] == "eagle3" and len(report["heldout"]["top1"]) == 3
+    saved = load_file(str(out / EAGLE_FILE))
+    assert (
+        saved["d2t"].dtype == torch.int64
+        and saved["t2d"].dtype == torch.bool
+        and int(saved["t2d"].sum()) == 60
+    )
+    loaded = load_model(model=str(folder), heads=str(out), quant="none", device="cpu")
+    assert loaded.heads.format == "eagle3" and loaded.heads.vocab_map().tolist() == sorted(
+        loaded.heads.vocab_map().tolist()
+    )
+    plain = MedusaEngine(loaded, plain_tree())
+    engine = MedusaEngine(loaded, loaded.default_tree)
+    for text in PROMPTS[:2]:
+        prompt = loaded.build_prompt([{"role": "user", "content": text}])
+        want = list(plain.generate(prompt, GenerationSettings(max_new_tokens=24)))[-1]
+        assert (
+            list(engine.generate(prompt, GenerationSettings(max_new_tokens=24)))[-1].token_ids
+            == want.token_ids
+        )
+
+
+def test_eagle3_command_refuses_a_backbone_too_shallow(
+    tiny_llama_dir: Path, prompt_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = add_train_args(argparse.ArgumentParser())
+    argv = _argv(tiny_llama_dir, prompt_file, tmp_path / "e3")
+    argv[argv.index("eagle")] = "eagle3"
+    assert train_main(p.parse_args(argv)) == 2  # the planted Llama has 2 layers
+    assert "at least 7 needed" in capsys.readouterr().out

@@ -90,11 +90,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = _Adder(parser, "heads training")
     g.add_argument(
         "--heads-format",
-        choices=["v1", "v2", "hydra", "eagle"],
+        choices=["v1", "v2", "hydra", "eagle", "eagle3"],
         default="v2",
         help="v2: shared lm_head, small files (default); v1: a vocab projection per head; hydra: v2 heads "
         "that also see the draft tokens before their target (this project's format, more tokens per step); "
-        "eagle: an EAGLE-1 draft (one decoder layer over the backbone's features, SafeAILab's Hub layout)",
+        "eagle: an EAGLE-1 draft (one decoder layer over the backbone's features, SafeAILab's Hub layout); "
+        "eagle3: an EAGLE-3 draft (three layers' features, its own head over --draft-vocab tokens)",
     )
     g.add_argument(
         "--unroll",
@@ -108,7 +109,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=8192,
         metavar="N",
-        help="hydra: guess among the N most frequent reply tokens (default 8192)",
+        help="hydra, eagle3: guess among the N most frequent reply tokens (default 8192)",
     )
     g.add_argument(
         "--init-from",
@@ -200,7 +201,7 @@ def train_main(args: argparse.Namespace) -> int:
     if (work / "distill" / "manifest.json").exists() and not args.resume:
         print(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         return 2
-    eagle = args.heads_format == "eagle"
+    eagle = args.heads_format in ("eagle", "eagle3")
     if eagle:
         from medusa_chat.training.train_eagle import EagleSettings
 
@@ -330,18 +331,32 @@ def _train_eagle(
     distill_report: dict[str, Any],
     log: Any,
 ) -> int:
-    """The EAGLE-1 draft after the data: every position's feature cached in `work`/eagle-features, training with
-    its checkpoint in `work`/eagle-checkpoint.pt, then the Hub layout, accuracy.json and tree.json in `out`."""
+    """The EAGLE draft after the data: every position's feature cached in `work`/eagle-features (EAGLE-3's three
+    taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
+    then the Hub layout, accuracy.json and tree.json in `out`."""
+    from medusa_chat.model.eagle import eagle_taps
     from medusa_chat.training.train_eagle import cache_eagle_features, load_eagle_cache, train_and_save_eagle
+
+    name, taps, draft_vocab = args.heads_format, None, None
+    if name == "eagle3":
+        n_layers = int(getattr(model.config, "num_hidden_layers", 0))
+        taps = eagle_taps(n_layers)
+        if not 0 < taps[0] < taps[1] < taps[2] < n_layers:
+            log(
+                f"EAGLE-3 reads the backbone's layers 2, N/2 and N-3: this one has {n_layers} (at least 7 needed)"
+            )
+            return 2
+        draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
 
     cuda = device.type == "cuda"
     paths = cache_eagle_features(
         model,
         store,
-        work / "eagle-features",
+        work / f"{name}-features",
         batch_tokens=65536 if cuda else 4096,
         log=log,
         deadline=deadline,
+        taps=taps,
     )
     data = load_eagle_cache(paths)  # on the host: batches go to the device one at a time
     report = train_and_save_eagle(
@@ -352,12 +367,13 @@ def _train_eagle(
         base_model_name(args.model),
         device,
         holdout=args.holdout,
-        checkpoint=work / "eagle-checkpoint.pt",
+        checkpoint=work / f"{name}-checkpoint.pt",
         resume=args.resume,
         deadline=deadline,
         tree_budget=args.tree_budget,
         log=log,
         extra_report={"distill": distill_report},
+        draft_vocab=draft_vocab,
     )
     log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
     if "estimated_tokens_per_step" in report:
