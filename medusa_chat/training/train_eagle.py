@@ -1,4 +1,4 @@
-"""EAGLE-1 draft training on a frozen backbone, from self-distilled replies (see distill.py).
+"""EAGLE draft training (EAGLE-1, and EAGLE-3) on a frozen backbone, from self-distilled replies (see distill.py).
 
 The draft is model/eagle.py's `EagleDraft` (version 1): `fc` Linear(2h -> h) over cat(embedding of token t + 1,
 feature t), one Llama decoder layer without input_layernorm, the backbone's lm_head (frozen, shared, not saved).
@@ -17,6 +17,11 @@ backbone feature. Step j of the unroll feeds every position s the previous step'
 true token s + 1: a tree path is only extended past accepted tokens) and attends to the backbone-fed entries of
 positions <= s - j plus its own chain's earlier unrolled entries (one per step, a diagonal in each block), which
 is exactly what the drafter's KV cache holds at depth j + 1. Step j's loss weighs `step_decay ** j`.
+
+EAGLE-3 (`draft_vocab` given): the features are the hidden states entering layers 2, N/2 and N-3 (cached in
+bf16), `fc` Linear(3h -> h) reads them and the draft's own outputs are fed back without it; the draft predicts over
+its own vocabulary (the most frequent reply tokens, d2t/t2d maps; its head starts from the backbone's rows of
+them) with cross-entropy only (no feature loss, as EAGLE-3).
 
 Evaluation (`evaluate_eagle`): the same unroll on held-out samples gives, for every decoding step's root, the
 rank of the true token at each depth with the draft fed its own outputs: per-depth top-1/top-5, conditional
@@ -39,7 +44,7 @@ from medusa_chat.model.eagle import EagleDraft, _rotate_half
 from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
 from medusa_chat.training.positions import PositionData, heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
-from medusa_chat.training.train_heads import _Progress, use_bf16
+from medusa_chat.training.train_heads import TrainSettings, _Progress, use_bf16
 
 EAGLE_FILE = "model.safetensors"
 MAX_UNROLL = 7  # EAGLE-3 unrolls ~7 steps; the cached targets reach 8 tokens past a feature
@@ -600,8 +605,7 @@ def train_eagle(
 
 
 def use_bf16_eagle(settings: EagleSettings, device: torch.device) -> bool:
-    from medusa_chat.training.train_heads import TrainSettings
-
+    """bf16 autocast: as for heads (on CUDA and on CPUs with native bf16 matmul) unless the settings say."""
     return use_bf16(TrainSettings(bf16=settings.bf16), device)
 
 
