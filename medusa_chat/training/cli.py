@@ -121,7 +121,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
     g.add_argument("--epochs", type=float, default=None, help="passes over the data (default 2; eagle: 4)")
     g.add_argument(
-        "--train-batch-size", type=int, default=None, help="positions per step (256 CPU, 4096 CUDA)"
+        "--train-batch-size",
+        type=int,
+        default=None,
+        help="positions per step (256 CPU, 4096 CUDA; eagle: pairs per batch, padding included, 4096)",
     )
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument(
