@@ -102,9 +102,8 @@ def test_feature_cache_holds_every_position_of_prompt_and_reply(data, backbone) 
         o, n = int(d.offsets[i]), int(d.lengths[i])
         idx = int(d.sample[o])
         ids, rs = samples[idx]
-        assert (
-            n == len(ids) - 1 and int(d.first_pair[i]) == rs - 1
-        )  # pairs 0 .. len - 2; decoding from rs - 1
+        # pairs 0 .. len - 2; the first a decoding step uses is the last prompt token's
+        assert n == len(ids) - 1 and int(d.first_pair[i]) == rs - 1
         assert d.targets[o : o + n, 0].tolist() == ids[1:]  # pair t embeds token t + 1
         assert d.targets[o : o + n - 1, 1].tolist() == ids[2:]  # and predicts token t + 2
         with torch.no_grad():

@@ -42,7 +42,7 @@ from torch.nn import functional as F
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
 from medusa_chat.model.eagle import EagleDraft, _rotate_half
 from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
-from medusa_chat.training.positions import PositionData, heldout_mask, hidden_states_for
+from medusa_chat.training.positions import heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
 from medusa_chat.training.train_heads import TrainSettings, _Progress, use_bf16
 
@@ -176,16 +176,6 @@ def load_eagle_cache(paths: list[Path]) -> EagleData:
         torch.cat([d["sample"] for d in parts]),
         torch.cat([d["lengths"] for d in parts]).long(),
         torch.cat([d["first_pair"] for d in parts]).long(),
-    )
-
-
-def eagle_data_from_positions(pd: PositionData, first_pair: list[int]) -> EagleData:
-    """EagleData from positions cached with every sample starting at position 0 (contiguous rows per sample)."""
-    order, counts = torch.unique_consecutive(pd.sample, return_counts=True)
-    if len(first_pair) != len(order):
-        raise ValueError(f"{len(first_pair)} reply starts for {len(order)} samples")
-    return EagleData(
-        pd.hidden, pd.targets, pd.sample, counts.long(), torch.tensor(first_pair, dtype=torch.long)
     )
 
 
