@@ -12,6 +12,7 @@ with the heads of `--alt-heads PATH` (e.g. newly trained heads against the shipp
 embedded model with no flags (int4 on a CPU).
 
     python benchmarks/ab_engines.py --configs shaped3+runs,shaped3+runs@alt --alt-heads runs/gen/heads
+    python benchmarks/ab_engines.py --configs shaped4,shaped4@alt --alt-heads runs/eagle3 --quant none
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--alt-heads", default=None, help="heads folder for configurations ending in @alt")
+    parser.add_argument(
+        "--quant",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="numeric path of both models (default: the app's choice; EAGLE-3 drafts need none)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
-    alt = load_model(heads=args.alt_heads) if args.alt_heads else None
+    loaded = load_model(quant=args.quant)
+    alt = load_model(heads=args.alt_heads, quant=args.quant) if args.alt_heads else None
     engines = {"plain": MedusaEngine(loaded, plain_tree())}
     for spec in args.configs.split(","):
         if spec.endswith("@alt") and alt is None:

@@ -90,17 +90,26 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = _Adder(parser, "heads training")
     g.add_argument(
         "--heads-format",
-        choices=["v1", "v2", "hydra"],
+        choices=["v1", "v2", "hydra", "eagle", "eagle3"],
         default="v2",
         help="v2: shared lm_head, small files (default); v1: a vocab projection per head; hydra: v2 heads "
-        "that also see the draft tokens before their target (this project's format, more tokens per step)",
+        "that also see the draft tokens before their target (this project's format, more tokens per step); "
+        "eagle: an EAGLE-1 draft (one decoder layer over the backbone's features, SafeAILab's Hub layout); "
+        "eagle3: an EAGLE-3 draft (three layers' features, its own head over --draft-vocab tokens)",
+    )
+    g.add_argument(
+        "--unroll",
+        type=int,
+        default=3,
+        metavar="N",
+        help="eagle: training-time test steps, the draft fed its own outputs (default 3; 1 = teacher forcing)",
     )
     g.add_argument(
         "--draft-vocab",
         type=int,
         default=8192,
         metavar="N",
-        help="hydra: guess among the N most frequent reply tokens (default 8192)",
+        help="hydra, eagle3: guess among the N most frequent reply tokens (default 8192)",
     )
     g.add_argument(
         "--init-from",
@@ -110,11 +119,17 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--num-heads", type=int, default=4)
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
-    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--epochs", type=float, default=None, help="passes over the data (default 2; eagle: 4)")
     g.add_argument(
-        "--train-batch-size", type=int, default=None, help="positions per step (256 CPU, 4096 CUDA)"
+        "--train-batch-size",
+        type=int,
+        default=None,
+        help="positions per step (256 CPU, 4096 CUDA; eagle: pairs per batch, padding included, 4096)",
     )
     g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument(
+        "--train-minutes", type=float, default=None, help="time budget for training (resumable with --resume)"
+    )
     g.add_argument("--holdout", type=float, default=0.03, help="fraction of prompts held out for accuracy")
     g.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="bf16 autocast for training")
     g.add_argument("--tree-budget", type=int, default=64, help="nodes of the fitted tree (root included)")
@@ -189,6 +204,26 @@ def train_main(args: argparse.Namespace) -> int:
     if (work / "distill" / "manifest.json").exists() and not args.resume:
         print(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         return 2
+    eagle = args.heads_format in ("eagle", "eagle3")
+    if eagle:
+        from medusa_chat.training.train_eagle import EagleSettings
+
+        if args.init_from:
+            print("--init-from warm-starts Medusa/Hydra heads; an EAGLE draft trains from scratch")
+            return 2
+        eagle_settings = EagleSettings(
+            unroll=args.unroll,
+            epochs=args.epochs or 4.0,
+            batch_tokens=args.train_batch_size or 4096,
+            lr=args.lr,
+            seed=args.seed,
+            bf16={"auto": None, "on": True, "off": False}[args.bf16],
+        )
+        try:
+            eagle_settings.check()  # fail now, not after the data
+        except ValueError as err:
+            print(f"train-heads: {err}")
+            return 2
     init_from = None
     if args.init_from:
         from medusa_chat.model.heads_files import load_heads_file
@@ -232,6 +267,21 @@ def train_main(args: argparse.Namespace) -> int:
         log("no distilled data: run without --stage train first")
         return 2
     t_data = time.time() - t_data
+    n_magpie = sum(1 for s in store.sources if s == "magpie")
+    distill_report = {
+        "model": str(args.model),
+        "prompts": store.next_prompt_index(),
+        "magpie_prompts": n_magpie,
+        "magpie_rounds": store.magpie_rounds,
+        "reply_tokens": store.reply_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "data_seconds_this_run": round(t_data, 1),
+    }
+    deadline = time.time() + 60 * args.train_minutes if args.train_minutes else None
+    if eagle:
+        return _train_eagle(
+            args, model, store, eagle_settings, out, work, device, deadline, distill_report, log
+        )
     paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
     mask = heldout_mask(data.sample, args.holdout)
@@ -243,13 +293,12 @@ def train_main(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         heads_format=args.heads_format,
         draft_vocab_size=args.draft_vocab,
-        epochs=args.epochs,
+        epochs=args.epochs or 2.0,
         batch_size=args.train_batch_size or (4096 if cuda else 256),
         lr=args.lr,
         seed=args.seed,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
-    n_magpie = sum(1 for s in store.sources if s == "magpie")
     report = train_and_save(
         model.get_output_embeddings(),
         train,
@@ -264,17 +313,70 @@ def train_main(args: argparse.Namespace) -> int:
         log=log,
         embed_weight=model.get_input_embeddings().weight.detach(),
         init_from=init_from,
-        extra_report={
-            "distill": {
-                "model": str(args.model),
-                "prompts": store.next_prompt_index(),
-                "magpie_prompts": n_magpie,
-                "magpie_rounds": store.magpie_rounds,
-                "reply_tokens": store.reply_tokens,
-                "max_new_tokens": args.max_new_tokens,
-                "data_seconds_this_run": round(t_data, 1),
-            }
-        },
+        deadline=deadline,
+        extra_report={"distill": distill_report},
+    )
+    log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
+    if "estimated_tokens_per_step" in report:
+        log(f"estimated tokens/step: {json.dumps(report['estimated_tokens_per_step'])}")
+    return 0
+
+
+def _train_eagle(
+    args: argparse.Namespace,
+    model: Any,
+    store: DistillStore,
+    settings: Any,
+    out: Path,
+    work: Path,
+    device: torch.device,
+    deadline: float | None,
+    distill_report: dict[str, Any],
+    log: Any,
+) -> int:
+    """The EAGLE draft after the data: every position's feature cached in `work`/eagle-features (EAGLE-3's three
+    taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
+    then the Hub layout, accuracy.json and tree.json in `out`."""
+    from medusa_chat.model.eagle import eagle_taps
+    from medusa_chat.training.train_eagle import cache_eagle_features, load_eagle_cache, train_and_save_eagle
+
+    name, taps, draft_vocab = args.heads_format, None, None
+    if name == "eagle3":
+        n_layers = int(getattr(model.config, "num_hidden_layers", 0))
+        taps = eagle_taps(n_layers)
+        if not 0 < taps[0] < taps[1] < taps[2] < n_layers:
+            log(
+                f"EAGLE-3 reads the backbone's layers 2, N/2 and N-3: this one has {n_layers} (at least 7 needed)"
+            )
+            return 2
+        draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
+
+    cuda = device.type == "cuda"
+    paths = cache_eagle_features(
+        model,
+        store,
+        work / f"{name}-features",
+        batch_tokens=65536 if cuda else 4096,
+        log=log,
+        deadline=deadline,
+        taps=taps,
+    )
+    data = load_eagle_cache(paths)  # on the host: batches go to the device one at a time
+    report = train_and_save_eagle(
+        model,
+        data,
+        settings,
+        out,
+        base_model_name(args.model),
+        device,
+        holdout=args.holdout,
+        checkpoint=work / f"{name}-checkpoint.pt",
+        resume=args.resume,
+        deadline=deadline,
+        tree_budget=args.tree_budget,
+        log=log,
+        extra_report={"distill": distill_report},
+        draft_vocab=draft_vocab,
     )
     log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
     if "estimated_tokens_per_step" in report:

@@ -59,8 +59,10 @@ def hidden_states_for(
     batch_tokens: int = 8192,
     store_dtype: torch.dtype = torch.float16,
     max_heads: int = MAX_CACHED_HEADS,
+    taps: tuple[int, ...] | None = None,
 ) -> PositionData:
-    """Backbone last hidden states at the reply positions of `samples` ((prompt index, ids, reply_start))."""
+    """Backbone last hidden states at the reply positions of `samples` ((prompt index, ids, reply_start)); with
+    `taps`, the hidden states entering those layers instead, concatenated (EAGLE-3's features)."""
     device = next(model.parameters()).device
     body = model.base_model  # LlamaModel etc.: returns last_hidden_state after the final norm
     keep = [s for s in samples if len(s[1]) - s[2] >= 1 and s[2] >= 1]
@@ -79,7 +81,11 @@ def hidden_states_for(
         for b, (_, x, _) in enumerate(batch):
             ids[b, : len(x)] = torch.tensor(x)
             mask[b, : len(x)] = 1
-        h = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        if taps is None:
+            h = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        else:  # hidden_states[i] is the input of layer i (0: the embeddings)
+            out = body(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            h = torch.cat([out.hidden_states[i] for i in taps], dim=-1)
         if store_dtype == torch.float16 and float(h.abs().amax()) > 6e4:
             raise OverflowError("hidden states overflow fp16: cache them in bf16 (store_dtype)")
         h = h.to(store_dtype).cpu()  # one device->host copy per batch
@@ -89,7 +95,7 @@ def hidden_states_for(
             smp.append(torch.full((len(x) - rs,), pidx, dtype=torch.int32))
         i = j
     if not hid:
-        width = model.config.hidden_size
+        width = model.config.hidden_size * (len(taps) if taps else 1)
         return PositionData(
             torch.zeros((0, width), dtype=store_dtype),
             torch.zeros((0, max_heads + 1), dtype=torch.int32),

@@ -1,0 +1,413 @@
+"""EAGLE-1 draft training (training/train_eagle.py, `train-heads --heads-format eagle`) on the planted tiny Llama:
+the feature cache is the backbone's, the training-time-test unroll is exactly what the engine's drafter computes
+at each depth, training lowers the loss, a resumed run equals an uninterrupted one, and the written folder loads
+with the app's loader and decodes bitwise as the plain loop does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.events import GenerationSettings
+from medusa_chat.model.eagle import EagleDraft, eagle_taps
+from medusa_chat.model.loading import load_model
+from medusa_chat.training.cli import add_train_args, train_main
+from medusa_chat.training.distill import DistillSettings, distill, load_for_training
+from medusa_chat.training.store import DistillStore
+from medusa_chat.training.train_eagle import (
+    EAGLE_FILE,
+    EagleData,
+    EagleSettings,
+    batch_losses,
+    cache_eagle_features,
+    draft_config,
+    evaluate_eagle,
+    load_eagle_cache,
+    new_draft,
+    train_and_save_eagle,
+    train_eagle,
+    unrolled_outputs,
+)
+from medusa_chat.training.train_heads import draft_vocabulary
+
+CPU = torch.device("cpu")
+PROMPTS = [
+    f"tell me about {w} and {v}"
+    for w, v in zip(
+        "cats dogs rivers stars bread trains music paint".split(),
+        "rocks glass maps tea ice sand wind clouds".split(),
+        strict=True,
+    )
+]
+QUIET = {"log": lambda m: None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster, and a shared 2-core machine thrashes with more."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("eagle-prompts") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
+    return p
+
+
+@pytest.fixture(scope="module")
+def backbone(tiny_llama_dir: Path):
+    return load_for_training(tiny_llama_dir, CPU)
+
+
+@pytest.fixture(scope="module")
+def data(
+    backbone, prompt_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[DistillStore, EagleData]:
+    model, tok = backbone
+    root = tmp_path_factory.mktemp("eagle-data")
+    settings = DistillSettings(
+        magpie=0, prompt_file=str(prompt_file), max_new_tokens=24, batch_size=4, shard_size=4
+    )
+    store = distill(model, tok, DistillStore.open(root / "d", model="tiny"), settings, **QUIET)
+    return store, load_eagle_cache(cache_eagle_features(model, store, root / "features", **QUIET))
+
+
+def _draft(model) -> EagleDraft:
+    return new_draft(draft_config(model.config, "tiny"), seed=0)
+
+
+def _weights(model) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
+
+
+SMALL = dict(epochs=6, batch_tokens=256, lr=3e-3, bf16=False, checkpoint_every=4)
+
+
+def test_feature_cache_holds_every_position_of_prompt_and_reply(data, backbone) -> None:
+    store, d = data
+    model, _ = backbone
+    samples = {idx: (ids, rs) for idx, ids, rs in store.samples()}
+    assert len(d) == len(samples) == len(PROMPTS)
+    for i in range(len(d)):
+        o, n = int(d.offsets[i]), int(d.lengths[i])
+        idx = int(d.sample[o])
+        ids, rs = samples[idx]
+        # pairs 0 .. len - 2; the first a decoding step uses is the last prompt token's
+        assert n == len(ids) - 1 and int(d.first_pair[i]) == rs - 1
+        assert d.targets[o : o + n, 0].tolist() == ids[1:]  # pair t embeds token t + 1
+        assert d.targets[o : o + n - 1, 1].tolist() == ids[2:]  # and predicts token t + 2
+        with torch.no_grad():
+            want = model.base_model(torch.tensor([ids])).last_hidden_state[0, :-1]  # after the final norm
+        torch.testing.assert_close(d.hidden[o : o + n].float(), want, atol=2e-3, rtol=2e-3)
+    assert d.positions == store.reply_tokens
+
+
+def _check_unroll(draft: EagleDraft, d: EagleData, embed: torch.nn.Module) -> None:
+    """Step j at row s = the draft's depth-(j + 1) output for the chain rooted at pair s - j, computed the way the
+    engine's drafter does it: the context's pairs in the draft's KV cache, then one call per depth fed the parent's
+    output, at position root + depth, attending to the context and the chain's earlier entries."""
+    feats, nxt, _, _ = d.batch([0], CPU)
+    with torch.no_grad():
+        outs = unrolled_outputs(draft, feats, embed(nxt), steps=3)
+        torch.testing.assert_close(
+            outs[0][0], draft.reference_outputs(feats[0], nxt[0], embed), atol=1e-5, rtol=1e-5
+        )
+        for root in (0, 5, int(d.lengths[0]) - 4):
+            cache = draft.new_cache()
+            cache.ensure(root + 8)
+            ctx = torch.arange(root + 1)
+            causal = torch.full((root + 1, root + 1), torch.finfo(torch.float32).min).triu(1)
+            out = draft(feats[0, : root + 1], embed(nxt[0, : root + 1]), ctx, cache, ctx, causal, True)[-1:]
+            for depth in (1, 2):
+                s = root + depth
+                slot = torch.tensor([s])
+                out = draft(out, embed(nxt[0, s : s + 1]), slot, cache, slot, torch.zeros(1, s + 1), False)
+                torch.testing.assert_close(out[0], outs[depth][0, s], atol=1e-5, rtol=1e-5)
+
+
+def test_unroll_is_what_the_drafter_computes_at_each_depth(data, backbone) -> None:
+    _, d = data
+    model, _ = backbone
+    _check_unroll(_draft(model).eval(), d, model.get_input_embeddings())
+
+
+def test_training_lowers_loss_and_raises_chain_accuracy(data, backbone) -> None:
+    _, d = data
+    model, _ = backbone
+    lm_w, emb_w = _weights(model)
+    draft = _draft(model)
+    s = EagleSettings(unroll=2, **SMALL)
+    batch = d.batch(list(range(len(d))), CPU)
+    with torch.no_grad():
+        loss0, _ = batch_losses(draft.eval(), lm_w, emb_w, batch, s, 0.0)
+    acc0 = evaluate_eagle(draft, lm_w, emb_w, d, CPU, depth=3)
+    res = train_eagle(draft, lm_w, emb_w, d, s, CPU, **QUIET)
+    with torch.no_grad():
+        loss1, _ = batch_losses(draft.eval(), lm_w, emb_w, batch, s, 0.0)
+    acc1 = evaluate_eagle(draft, lm_w, emb_w, d, CPU, depth=3)
+    assert res.steps == res.total_steps > 10 and not res.stopped_early
+    assert float(loss1) < 0.5 * float(loss0)
+    assert acc1["top1"][0] > acc0["top1"][0] + 0.3 and acc1["top1"][1] > acc0["top1"][1]
+    assert len(acc1["chain_top1_conditional"]) == 3 and acc1["joint"]["paths"][0] == [0]
+
+
+def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: Path) -> None:
+    _, d = data
+    model, _ = backbone
+    lm_w, emb_w = _weights(model)
+    s = EagleSettings(unroll=2, **{**SMALL, "epochs": 2})  # feature noise on: a resume must draw the same
+    ref = _draft(model)
+    train_eagle(ref, lm_w, emb_w, d, s, CPU, **QUIET)
+    ck = tmp_path / "ck.pt"
+    part = _draft(model)
+    r1 = train_eagle(part, lm_w, emb_w, d, s, CPU, checkpoint=ck, stop_after_steps=5, **QUIET)
+    assert r1.stopped_early and r1.steps == 5
+    resumed = _draft(model)  # a new process: the weights come from the checkpoint only
+    r2 = train_eagle(resumed, lm_w, emb_w, d, s, CPU, checkpoint=ck, resume=True, **QUIET)
+    assert r2.steps == r2.total_steps > 5
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=1e-6)
+    other = EagleSettings(unroll=3, **{**SMALL, "epochs": 2})  # other settings: the checkpoint is not used
+    logs: list[str] = []
+    train_eagle(
+        _draft(model),
+        lm_w,
+        emb_w,
+        d,
+        other,
+        CPU,
+        checkpoint=ck,
+        resume=True,
+        stop_after_steps=1,
+        log=logs.append,
+    )
+    assert any("from scratch" in m for m in logs)
+
+
+def test_written_draft_loads_and_greedy_replies_are_the_plain_loops(
+    data, backbone, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    _, d = data
+    model, tok = backbone
+    out = tmp_path / "eagle"
+    report = train_and_save_eagle(
+        model,
+        d,
+        EagleSettings(unroll=2, **SMALL),
+        out,
+        "tiny",
+        CPU,
+        holdout=0.25,
+        tree_budget=12,
+        eval_depth=3,
+        **QUIET,
+    )
+    assert {"config.json", EAGLE_FILE, "accuracy.json", "tree.json"} <= {f.name for f in out.iterdir()}
+    assert report["data"]["heldout_samples"] > 0 and len(report["heldout"]["top1"]) == 3
+    saved = load_file(str(out / EAGLE_FILE))
+    assert all(v.dtype == torch.float16 for v in saved.values()) and "fc.weight" in saved
+    loaded = load_model(model=str(tiny_llama_dir), heads=str(out), quant="none", device="cpu")
+    assert loaded.spec.kind == "eagle" and loaded.heads.format == "eagle"
+    assert loaded.default_tree.size <= 12  # the fitted tree.json beside the draft
+    for key, value in saved.items():
+        assert torch.equal(loaded.heads.state_dict()[key], value.float()), key
+    plain = MedusaEngine(loaded, plain_tree())
+    engines = [MedusaEngine(loaded, loaded.default_tree, shaped=shaped) for shaped in (True, False)]
+    steps = []
+    for text in PROMPTS[:3]:
+        prompt = loaded.build_prompt([{"role": "user", "content": text}])
+        want = list(plain.generate(prompt, GenerationSettings(max_new_tokens=32)))[-1]
+        for engine in engines:
+            got = list(engine.generate(prompt, GenerationSettings(max_new_tokens=32)))[-1]
+            assert got.token_ids == want.token_ids
+            steps.append(got.tokens_per_step)
+    assert max(steps) > 1.5  # the trained draft's guesses are accepted (the planted model is predictable)
+
+
+def _argv(tiny_llama_dir: Path, prompt_file: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(tiny_llama_dir),
+        "--prompts",
+        str(prompt_file),
+        "--magpie",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--holdout",
+        "0.3",
+        "--train-batch-size",
+        "256",
+        "--tree-budget",
+        "8",
+        "--bf16",
+        "off",
+        "--heads-format",
+        "eagle",
+        "--epochs",
+        "2",
+        *extra,
+    ]
+
+
+def test_train_heads_command_writes_an_eagle_draft(
+    tiny_llama_dir: Path, prompt_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = add_train_args(argparse.ArgumentParser())
+    out = tmp_path / "draft"
+    argv = _argv(tiny_llama_dir, prompt_file, out)
+    assert train_main(p.parse_args(argv)) == 0
+    assert (out / "work" / "eagle-checkpoint.pt").is_file() and any(
+        (out / "work" / "eagle-features").iterdir()
+    )
+    acc = json.loads((out / "accuracy.json").read_text())
+    assert acc["heads"]["format"] == "eagle" and acc["training"]["unroll"] == 3
+    assert acc["distill"]["reply_tokens"] > 0 and len(acc["heldout"]["chain_top1_conditional"]) == 5
+    assert train_main(p.parse_args([*argv, "--resume", "--stage", "train"])) == 0  # the same run, resumed
+    loaded = load_model(model=str(tiny_llama_dir), heads=str(out), quant="none", device="cpu")
+    assert loaded.heads.format == "eagle"
+    capsys.readouterr()
+    for bad, says in (
+        (["--unroll", "0"], "--unroll must be between 1"),
+        (["--unroll", "9"], "--unroll must be between 1"),
+        (["--init-from", str(out)], "trains from scratch"),
+        (["--lr", "-1"], "must be positive"),
+    ):
+        assert train_main(p.parse_args(_argv(tiny_llama_dir, prompt_file, tmp_path / "bad", *bad))) == 2
+        assert says in capsys.readouterr().out
+    assert not (tmp_path / "bad").exists()  # refused before any work
+
+
+# ---- EAGLE-3: an 8-layer planted backbone (taps 2, 4, 5) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def deep(fixtures_root: Path):
+    from tests.eagle_helpers import deep_planted_backbone
+
+    folder = deep_planted_backbone(fixtures_root / "tiny-llama-8-layers")
+    return folder, *load_for_training(folder, CPU)
+
+
+@pytest.fixture(scope="module")
+def data3(
+    deep, prompt_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[DistillStore, EagleData]:
+    _, model, tok = deep
+    root = tmp_path_factory.mktemp("eagle3-data")
+    settings = DistillSettings(
+        magpie=0, prompt_file=str(prompt_file), max_new_tokens=24, batch_size=4, shard_size=4
+    )
+    store = distill(model, tok, DistillStore.open(root / "d", model="deep"), settings, **QUIET)
+    return store, load_eagle_cache(
+        cache_eagle_features(model, store, root / "f", taps=eagle_taps(8), **QUIET)
+    )
+
+
+def _draft3(model, data: EagleData, size: int = 60) -> EagleDraft:
+    ids = draft_vocabulary(data, size, model.config.vocab_size)  # type: ignore[arg-type]
+    return new_draft(draft_config(model.config, "deep", size), 0, _weights(model)[0], ids)
+
+
+def test_eagle3_features_are_the_inputs_of_layers_2_n2_n3(deep, data3) -> None:
+    _, model, _ = deep
+    store, d = data3
+    samples = {idx: ids for idx, ids, _ in store.samples()}
+    seen: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs) -> None:
+        seen.append((args[0] if args else kwargs["hidden_states"])[0])
+
+    hooks = [model.model.layers[i].register_forward_pre_hook(hook, with_kwargs=True) for i in eagle_taps(8)]
+    try:
+        for i in (0, len(d) - 1):
+            o, n = int(d.offsets[i]), int(d.lengths[i])
+            seen.clear()
+            with torch.no_grad():
+                model(torch.tensor([samples[int(d.sample[o])]]))
+            want = torch.cat(seen, dim=-1)[:-1]
+            assert d.hidden.dtype == torch.bfloat16 and d.hidden.shape[1] == 3 * model.config.hidden_size
+            torch.testing.assert_close(d.hidden[o : o + n].float(), want, atol=0.02, rtol=0.01)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_eagle3_unroll_is_what_the_drafter_computes(deep, data3) -> None:
+    _, model, _ = deep
+    _, d = data3
+    draft = _draft3(model, d).eval()
+    assert draft.version == 3
+    _check_unroll(draft, d, model.get_input_embeddings())
+
+
+def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, tmp_path: Path) -> None:
+    folder, model, _ = deep
+    _, d = data3
+    lm_w, emb_w = _weights(model)
+    settings = EagleSettings(unroll=2, **SMALL)
+    probe = _draft3(model, d)
+    batch = d.batch(list(range(len(d))), CPU)
+    with torch.no_grad():
+        loss0, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
+    train_eagle(probe, lm_w, emb_w, d, settings, CPU, **QUIET)
+    with torch.no_grad():
+        loss1, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
+    assert float(loss1) < 0.7 * float(loss0)
+
+    out = tmp_path / "eagle3"
+    report = train_and_save_eagle(
+        model,
+        d,
+        settings,
+        out,
+        "deep",
+        CPU,
+        holdout=0.25,
+        tree_budget=8,
+        eval_depth=3,
+        draft_vocab=60,
+        **QUIET,
+    )
+    assert report["heads"]["format"] == "eagle3" and len(report["heldout"]["top1"]) == 3
+    saved = load_file(str(out / EAGLE_FILE))
+    assert (
+        saved["d2t"].dtype == torch.int64
+        and saved["t2d"].dtype == torch.bool
+        and int(saved["t2d"].sum()) == 60
+    )
+    loaded = load_model(model=str(folder), heads=str(out), quant="none", device="cpu")
+    assert loaded.heads.format == "eagle3" and loaded.heads.vocab_map().tolist() == sorted(
+        loaded.heads.vocab_map().tolist()
+    )
+    plain = MedusaEngine(loaded, plain_tree())
+    engine = MedusaEngine(loaded, loaded.default_tree)
+    for text in PROMPTS[:2]:
+        prompt = loaded.build_prompt([{"role": "user", "content": text}])
+        want = list(plain.generate(prompt, GenerationSettings(max_new_tokens=24)))[-1]
+        assert (
+            list(engine.generate(prompt, GenerationSettings(max_new_tokens=24)))[-1].token_ids
+            == want.token_ids
+        )
+
+
+def test_eagle3_command_refuses_a_backbone_too_shallow(
+    tiny_llama_dir: Path, prompt_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = add_train_args(argparse.ArgumentParser())
+    argv = _argv(tiny_llama_dir, prompt_file, tmp_path / "e3")
+    argv[argv.index("eagle")] = "eagle3"
+    assert train_main(p.parse_args(argv)) == 2  # the planted Llama has 2 layers
+    assert "at least 7 needed" in capsys.readouterr().out
