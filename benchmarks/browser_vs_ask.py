@@ -4,7 +4,8 @@ the engine measures for the same prompt run the way `ask` runs it (same model, n
 Why: the browser that shows the reply runs on the same cores as the decoder. Each page update costs the server
 (Gradio's diff and send) and the browser (layout, paint); when the decoder waits for them, the page shows a
 fraction of the speed (measured before: 160 tok/s on the page against 500+ for `ask` on 2 cores). The UIs now update
-at most ~15 times a second from a decoding thread (medusa_chat/chat/updates.py); this measures what is left.
+at a bounded rate from a decoding thread (medusa_chat/chat/updates.py), and the web page streams the reply into a
+light element under the chat instead of the Chatbot (medusa_chat/ui/web.py); this measures what is left.
 
 One process: the web UI (`medusa_chat.ui.web.launch`) on the embedded model, headless Debian Chromium driven by
 playwright (executable_path=/usr/bin/chromium, as tests/test_browser.py; never `playwright install`), and the
@@ -14,14 +15,19 @@ Every page reply is checked token-identical to ask's.
     python benchmarks/browser_vs_ask.py                       # 3 rounds, 256 new tokens at most
     python benchmarks/browser_vs_ask.py --variants all         # also: what a page update costs the decoder
 
-Variants (each page run sets MEDUSA_CHAT_UI_HZ / _PANEL_HZ / _DECODE_AHEAD, read per reply):
-    bounded   the app's defaults: the text updated at most 4 times a second on 2 cores or fewer (else 8), the
+Variants (each page run sets MEDUSA_CHAT_UI_HZ / _PANEL_HZ / _DECODE_AHEAD / _LIVE_REPLY, read per reply):
+    bounded   the app's defaults: the text streamed into the live reply element under the chat (the Chatbot gets
+              the reply once, at the end), updated at most 4 times a second on 2 cores or fewer (else 8), the
               panels (meter + chart, tree, slider) at most 2, decoding in its own thread
-    text-8, text-15  the text updated at most 8 / 15 times a second (panels 2)
-    panels-15 15 text updates a second, the panels redrawn with each (the former default)
+    chatbot   as bounded, but the text streamed into the Chatbot (each update re-sends the message list and the
+              browser re-renders it: the former default)
+    text-8, text-15  the live element updated at most 8 / 15 times a second (panels 2)
+    panels-15 15 text updates a second, the panels redrawn with each (the default before the rates were bounded
+              lower)
     inline    at most 15 a second (panels too), but the UI pulls each step itself (the decoder waits while it
               renders)
     per-step  a page update after every step, pulled inline (what the cost of an update adds up to)
+The variants other than chatbot stream into the live element.
 """
 
 from __future__ import annotations
@@ -50,13 +56,15 @@ CHROMIUM_ARGS = [  # MEDUSA_FACTS section 12: offline, no sandbox in containers,
     "--no-first-run",
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
-VARIANTS: dict[str, tuple[str | None, ...]] = {  # name: (MEDUSA_CHAT_UI_HZ, _PANEL_HZ, _DECODE_AHEAD); None: unset
-    "bounded": (None, None, "1"),  # the app's defaults
-    "text-8": ("8", "2", "1"),
-    "text-15": ("15", "2", "1"),
-    "panels-15": ("15", "15", "1"),
-    "inline": ("15", "15", "0"),
-    "per-step": ("100000", "100000", "0"),
+ENV_NAMES = ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD", "MEDUSA_CHAT_UI_LIVE_REPLY")
+VARIANTS: dict[str, tuple[str | None, ...]] = {  # name: the values of ENV_NAMES; None: unset
+    "bounded": (None, None, "1", "1"),  # the app's defaults
+    "chatbot": (None, None, "1", "0"),
+    "text-8": ("8", "2", "1", "1"),
+    "text-15": ("15", "2", "1", "1"),
+    "panels-15": ("15", "15", "1", "1"),
+    "inline": ("15", "15", "0", "1"),
+    "per-step": ("100000", "100000", "0", "1"),
 }
 PROMPT = (
     "Give me three tips for staying healthy."  # the reported prompt: a 141-token reply on the embedded model
@@ -202,11 +210,7 @@ def main() -> None:
                 tokens = a.new_tokens
                 line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f})"]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
-                    for name, value in zip(
-                        ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD"),
-                        VARIANTS[v],
-                        strict=True,
-                    ):
+                    for name, value in zip(ENV_NAMES, VARIANTS[v], strict=True):
                         if value is None:
                             os.environ.pop(name, None)
                         else:
