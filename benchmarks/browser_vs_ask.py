@@ -108,6 +108,16 @@ def cpu_seconds() -> tuple[float, float]:
     return own, browser
 
 
+RENDERER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+
+
+def renderer_seconds(cdp: Any) -> dict[str, float]:
+    """The page's renderer main thread so far (Chrome DevTools Protocol Performance metrics), in seconds:
+    all tasks, and of them script, layout and style."""
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    return {name: float(metrics.get(name, 0.0)) for name in RENDERER_METRICS}
+
+
 def page_once(page: Any, app: Any, timeout_s: float) -> tuple[dict[str, Any], Any, int, float]:
     """One reply in the browser: (the meter's final figures, the session's summary, page updates, seconds)."""
     ui = app.medusa_web
@@ -190,6 +200,7 @@ def main() -> None:
     asks: list[float] = []
     pages: dict[str, list[float]] = {v: [] for v in variants}
     updates_sent: dict[str, list[int]] = {v: [] for v in variants}
+    renderer: dict[str, list[float]] = {v: [] for v in variants}  # the renderer main thread's task seconds
     tokens = 0
     try:
         with sync_playwright() as p:
@@ -198,6 +209,8 @@ def main() -> None:
             page.goto(app.local_url)
             page.wait_for_selector("#msg textarea")
             page.wait_for_function("document.querySelector('#model-panel').innerText.includes('Model ready')")
+            cdp = page.context.new_cdp_session(page)
+            cdp.send("Performance.enable")
             ask_once(engine, prompt_ids, settings)  # warm-up, both ways
             page_once(page, app, args.timeout)
             for r in range(args.rounds):
@@ -216,15 +229,20 @@ def main() -> None:
                         else:
                             os.environ[name] = value
                     own0, browser0 = cpu_seconds()
+                    main0 = renderer_seconds(cdp)
                     shown, s, n_updates, wall = page_once(page, app, args.timeout)
                     own1, browser1 = cpu_seconds()
+                    main = {k: v - main0[k] for k, v in renderer_seconds(cdp).items()}
                     if s.token_ids != a.token_ids:
                         raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")
                     pages[v].append(shown["tps"])
                     updates_sent[v].append(n_updates)
+                    renderer[v].append(main["TaskDuration"])
                     line.append(
                         f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
-                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f})"
+                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f}; renderer main thread "
+                        f"s: tasks {main['TaskDuration']:.2f}, script {main['ScriptDuration']:.2f}, layout "
+                        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f})"
                     )
                 print(", ".join(line), file=sys.stderr, flush=True)
             browser.close()
@@ -237,13 +255,15 @@ def main() -> None:
     if tokens < 128:
         print(f"note: the reply has only {tokens} tokens (< 128)")
     print(f"prompt: {PROMPT!r}; {args.rounds} rounds, medians; the page's figure is its meter's decode tok/s")
-    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}")
-    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}")
+    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}{'renderer s':>12}")
+    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}{'':>12}")
     for v in variants:
         p_med = statistics.median(pages[v])
         print(
-            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}{statistics.median(updates_sent[v]):9.0f}"
+            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}"
+            f"{statistics.median(updates_sent[v]):9.0f}{statistics.median(renderer[v]):12.2f}"
         )
+    print("renderer s: the page's renderer main thread (all tasks) during the reply, median")
     print("target: bounded page >= 0.8x ask")
 
 
