@@ -99,7 +99,11 @@ def chat_html(text: str) -> str:
 # element's value is the reply so far as escaped plain text: every token becomes characters, never markup, and as a
 # reply only grows its escaped text only grows, so Gradio's streaming diff sends just the new text. The finished
 # reply is rendered once (Markdown, chat_html) into the Chatbot and the element is emptied (then hidden, web.css).
-LIVE_REPLY_TEMPLATE = '<div class="mc-live-reply"><div class="mc-live-text">${value}</div></div>'
+# (The box lays its children out bottom-up, so that it stays scrolled to the end of the text: the filler first takes
+# the free space under a text shorter than the box.)
+LIVE_REPLY_TEMPLATE = (
+    '<div class="mc-live-reply"><div class="mc-live-fill"></div><div class="mc-live-text">${value}</div></div>'
+)
 
 
 def live_reply_value(text: str) -> str:
