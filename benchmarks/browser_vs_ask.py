@@ -91,6 +91,30 @@ def ask_once(engine: Any, prompt_ids: list[int], settings: Any) -> Any:
     return summary
 
 
+class StepThreads:
+    """Counts an engine's decoding steps by the thread count its governor had (engine/threads.py): a burst of work
+    from the browser during a step can make the governor drop the native step to one thread for a while."""
+
+    def __init__(self, engine: Any) -> None:
+        self.counts: dict[int, int] = {}
+        governor = getattr(engine, "threads", None)
+        if governor is None or not governor.adaptive:
+            return
+        observe = governor.observe
+
+        def counting(seconds: float, size: int) -> None:
+            self.counts[governor.threads] = self.counts.get(governor.threads, 0) + 1
+            observe(seconds, size)
+
+        governor.observe = counting
+
+    def take(self) -> str:
+        """The counts since the previous take, as "; 1-thread steps 12/80" (on one thread / all), "" when none."""
+        counts, self.counts = self.counts, {}
+        total = sum(counts.values())
+        return f"; 1-thread steps {counts.get(1, 0)}/{total}" if total else ""
+
+
 def cpu_seconds() -> tuple[float, float]:
     """(CPU seconds used so far by this process: the web server and the decoder; by the browser's processes, the
     children of playwright's driver). Their difference over a reply says who took the cores."""
@@ -184,6 +208,7 @@ def main() -> None:
     session.update_settings(max_new_tokens=args.max_new_tokens, temperature=0)
     if session.engine is None or session.engine.tree.paths != tree.paths:
         print("note: the web session chose another tree than ask's", file=sys.stderr)
+    ask_threads, page_threads = StepThreads(engine), StepThreads(session.engine)
     # count the page updates the server sends (WebApp.send looks `stream` up per call)
     ui.updates_sent = 0
     real_stream = ui.stream
@@ -213,6 +238,7 @@ def main() -> None:
             cdp.send("Performance.enable")
             ask_once(engine, prompt_ids, settings)  # warm-up, both ways
             page_once(page, app, args.timeout)
+            ask_threads.take(), page_threads.take()
             for r in range(args.rounds):
                 engine.reset()
                 own0, _ = cpu_seconds()
@@ -221,7 +247,10 @@ def main() -> None:
                 ask_cpu, ask_wall = cpu_seconds()[0] - own0, time.monotonic() - t0
                 asks.append(a.decode_tokens_per_s)
                 tokens = a.new_tokens
-                line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f})"]
+                line = [
+                    f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f}"
+                    f"{ask_threads.take()})"
+                ]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
                     for name, value in zip(ENV_NAMES, VARIANTS[v], strict=True):
                         if value is None:
@@ -242,7 +271,7 @@ def main() -> None:
                         f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
                         f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f}; renderer main thread "
                         f"s: tasks {main['TaskDuration']:.2f}, script {main['ScriptDuration']:.2f}, layout "
-                        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f})"
+                        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f}{page_threads.take()})"
                     )
                 print(", ".join(line), file=sys.stderr, flush=True)
             browser.close()
