@@ -92,7 +92,6 @@ def chat_html(text: str) -> str:
     return f'<div class="mc-msg" data-source="{esc(text)}">' + _CHAT_MD.render(text) + "</div>"
 
 
-
 # ---- the live reply ----------------------------------------------------------------------------------------------
 # While a reply streams, its text goes to a light gr.HTML element under the chat (web_layout.py), not to the Chatbot:
 # a Chatbot update makes the browser rebuild the message list (sanitising, layout), on the decoder's cores. The
