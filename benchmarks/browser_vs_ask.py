@@ -4,7 +4,8 @@ the engine measures for the same prompt run the way `ask` runs it (same model, n
 Why: the browser that shows the reply runs on the same cores as the decoder. Each page update costs the server
 (Gradio's diff and send) and the browser (layout, paint); when the decoder waits for them, the page shows a
 fraction of the speed (measured before: 160 tok/s on the page against 500+ for `ask` on 2 cores). The UIs now update
-at most ~15 times a second from a decoding thread (medusa_chat/chat/updates.py); this measures what is left.
+at a bounded rate from a decoding thread (medusa_chat/chat/updates.py), and the web page streams the reply into a
+light element under the chat instead of the Chatbot (medusa_chat/ui/web.py); this measures what is left.
 
 One process: the web UI (`medusa_chat.ui.web.launch`) on the embedded model, headless Debian Chromium driven by
 playwright (executable_path=/usr/bin/chromium, as tests/test_browser.py; never `playwright install`), and the
@@ -14,14 +15,19 @@ Every page reply is checked token-identical to ask's.
     python benchmarks/browser_vs_ask.py                       # 3 rounds, 256 new tokens at most
     python benchmarks/browser_vs_ask.py --variants all         # also: what a page update costs the decoder
 
-Variants (each page run sets MEDUSA_CHAT_UI_HZ / _PANEL_HZ / _DECODE_AHEAD, read per reply):
-    bounded   the app's defaults: the text updated at most 4 times a second on 2 cores or fewer (else 8), the
+Variants (each page run sets MEDUSA_CHAT_UI_HZ / _PANEL_HZ / _DECODE_AHEAD / _LIVE_REPLY, read per reply):
+    bounded   the app's defaults: the text streamed into the live reply element under the chat (the Chatbot gets
+              the reply once, at the end), updated at most 4 times a second on 2 cores or fewer (else 8), the
               panels (meter + chart, tree, slider) at most 2, decoding in its own thread
-    text-8, text-15  the text updated at most 8 / 15 times a second (panels 2)
-    panels-15 15 text updates a second, the panels redrawn with each (the former default)
+    chatbot   as bounded, but the text streamed into the Chatbot (each update re-sends the message list and the
+              browser re-renders it: the former default)
+    text-8, text-15  the live element updated at most 8 / 15 times a second (panels 2)
+    panels-15 15 text updates a second, the panels redrawn with each (the default before the rates were bounded
+              lower)
     inline    at most 15 a second (panels too), but the UI pulls each step itself (the decoder waits while it
               renders)
     per-step  a page update after every step, pulled inline (what the cost of an update adds up to)
+The variants other than chatbot stream into the live element.
 """
 
 from __future__ import annotations
@@ -50,13 +56,15 @@ CHROMIUM_ARGS = [  # MEDUSA_FACTS section 12: offline, no sandbox in containers,
     "--no-first-run",
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
-VARIANTS: dict[str, tuple[str | None, ...]] = {  # name: (MEDUSA_CHAT_UI_HZ, _PANEL_HZ, _DECODE_AHEAD); None: unset
-    "bounded": (None, None, "1"),  # the app's defaults
-    "text-8": ("8", "2", "1"),
-    "text-15": ("15", "2", "1"),
-    "panels-15": ("15", "15", "1"),
-    "inline": ("15", "15", "0"),
-    "per-step": ("100000", "100000", "0"),
+ENV_NAMES = ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD", "MEDUSA_CHAT_UI_LIVE_REPLY")
+VARIANTS: dict[str, tuple[str | None, ...]] = {  # name: the values of ENV_NAMES; None: unset
+    "bounded": (None, None, "1", "1"),  # the app's defaults
+    "chatbot": (None, None, "1", "0"),
+    "text-8": ("8", "2", "1", "1"),
+    "text-15": ("15", "2", "1", "1"),
+    "panels-15": ("15", "15", "1", "1"),
+    "inline": ("15", "15", "0", "1"),
+    "per-step": ("100000", "100000", "0", "1"),
 }
 PROMPT = (
     "Give me three tips for staying healthy."  # the reported prompt: a 141-token reply on the embedded model
@@ -83,6 +91,30 @@ def ask_once(engine: Any, prompt_ids: list[int], settings: Any) -> Any:
     return summary
 
 
+class StepThreads:
+    """Counts an engine's decoding steps by the thread count its governor had (engine/threads.py): a burst of work
+    from the browser during a step can make the governor drop the native step to one thread for a while."""
+
+    def __init__(self, engine: Any) -> None:
+        self.counts: dict[int, int] = {}
+        governor = getattr(engine, "threads", None)
+        if governor is None or not governor.adaptive:
+            return
+        observe = governor.observe
+
+        def counting(seconds: float, size: int) -> None:
+            self.counts[governor.threads] = self.counts.get(governor.threads, 0) + 1
+            observe(seconds, size)
+
+        governor.observe = counting
+
+    def take(self) -> str:
+        """The counts since the previous take, as "; 1-thread steps 12/80" (on one thread / all), "" when none."""
+        counts, self.counts = self.counts, {}
+        total = sum(counts.values())
+        return f"; 1-thread steps {counts.get(1, 0)}/{total}" if total else ""
+
+
 def cpu_seconds() -> tuple[float, float]:
     """(CPU seconds used so far by this process: the web server and the decoder; by the browser's processes, the
     children of playwright's driver). Their difference over a reply says who took the cores."""
@@ -98,6 +130,16 @@ def cpu_seconds() -> tuple[float, float]:
         except psutil.Error:  # a renderer that just ended
             pass
     return own, browser
+
+
+RENDERER_METRICS = ("TaskDuration", "ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+
+
+def renderer_seconds(cdp: Any) -> dict[str, float]:
+    """The page's renderer main thread so far (Chrome DevTools Protocol Performance metrics), in seconds:
+    all tasks, and of them script, layout and style."""
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    return {name: float(metrics.get(name, 0.0)) for name in RENDERER_METRICS}
 
 
 def page_once(page: Any, app: Any, timeout_s: float) -> tuple[dict[str, Any], Any, int, float]:
@@ -166,6 +208,7 @@ def main() -> None:
     session.update_settings(max_new_tokens=args.max_new_tokens, temperature=0)
     if session.engine is None or session.engine.tree.paths != tree.paths:
         print("note: the web session chose another tree than ask's", file=sys.stderr)
+    ask_threads, page_threads = StepThreads(engine), StepThreads(session.engine)
     # count the page updates the server sends (WebApp.send looks `stream` up per call)
     ui.updates_sent = 0
     real_stream = ui.stream
@@ -182,6 +225,7 @@ def main() -> None:
     asks: list[float] = []
     pages: dict[str, list[float]] = {v: [] for v in variants}
     updates_sent: dict[str, list[int]] = {v: [] for v in variants}
+    renderer: dict[str, list[float]] = {v: [] for v in variants}  # the renderer main thread's task seconds
     tokens = 0
     try:
         with sync_playwright() as p:
@@ -190,8 +234,11 @@ def main() -> None:
             page.goto(app.local_url)
             page.wait_for_selector("#msg textarea")
             page.wait_for_function("document.querySelector('#model-panel').innerText.includes('Model ready')")
+            cdp = page.context.new_cdp_session(page)
+            cdp.send("Performance.enable")
             ask_once(engine, prompt_ids, settings)  # warm-up, both ways
             page_once(page, app, args.timeout)
+            ask_threads.take(), page_threads.take()
             for r in range(args.rounds):
                 engine.reset()
                 own0, _ = cpu_seconds()
@@ -200,27 +247,31 @@ def main() -> None:
                 ask_cpu, ask_wall = cpu_seconds()[0] - own0, time.monotonic() - t0
                 asks.append(a.decode_tokens_per_s)
                 tokens = a.new_tokens
-                line = [f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f})"]
+                line = [
+                    f"round {r + 1}: ask {a.decode_tokens_per_s:.1f} tok/s ({ask_wall:.2f} s, CPU s {ask_cpu:.2f}"
+                    f"{ask_threads.take()})"
+                ]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
-                    for name, value in zip(
-                        ("MEDUSA_CHAT_UI_HZ", "MEDUSA_CHAT_UI_PANEL_HZ", "MEDUSA_CHAT_UI_DECODE_AHEAD"),
-                        VARIANTS[v],
-                        strict=True,
-                    ):
+                    for name, value in zip(ENV_NAMES, VARIANTS[v], strict=True):
                         if value is None:
                             os.environ.pop(name, None)
                         else:
                             os.environ[name] = value
                     own0, browser0 = cpu_seconds()
+                    main0 = renderer_seconds(cdp)
                     shown, s, n_updates, wall = page_once(page, app, args.timeout)
                     own1, browser1 = cpu_seconds()
+                    main = {k: v - main0[k] for k, v in renderer_seconds(cdp).items()}
                     if s.token_ids != a.token_ids:
                         raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")
                     pages[v].append(shown["tps"])
                     updates_sent[v].append(n_updates)
+                    renderer[v].append(main["TaskDuration"])
                     line.append(
                         f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
-                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f})"
+                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f}; renderer main thread "
+                        f"s: tasks {main['TaskDuration']:.2f}, script {main['ScriptDuration']:.2f}, layout "
+                        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f}{page_threads.take()})"
                     )
                 print(", ".join(line), file=sys.stderr, flush=True)
             browser.close()
@@ -233,13 +284,15 @@ def main() -> None:
     if tokens < 128:
         print(f"note: the reply has only {tokens} tokens (< 128)")
     print(f"prompt: {PROMPT!r}; {args.rounds} rounds, medians; the page's figure is its meter's decode tok/s")
-    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}")
-    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}")
+    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}{'renderer s':>12}")
+    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}{'':>12}")
     for v in variants:
         p_med = statistics.median(pages[v])
         print(
-            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}{statistics.median(updates_sent[v]):9.0f}"
+            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}"
+            f"{statistics.median(updates_sent[v]):9.0f}{statistics.median(renderer[v]):12.2f}"
         )
+    print("renderer s: the page's renderer main thread (all tasks) during the reply, median")
     print("target: bounded page >= 0.8x ask")
 
 

@@ -9,6 +9,7 @@ out/web-ui.png (gitignored) for people to look at.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="browser test skipp
 from medusa_chat.chat.conversations import Conversation, Message  # noqa: E402
 from medusa_chat.chat.session import SessionManager  # noqa: E402
 from medusa_chat.chat.updates import UPDATES_PER_S  # noqa: E402
+from medusa_chat.events import StepEvent  # noqa: E402
 from medusa_chat.ui import web  # noqa: E402
 from tests.test_render import INJECTIONS, MARKDOWN_TAGS  # noqa: E402
 
@@ -51,6 +53,9 @@ CHROMIUM_ARGS = [
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
 STEP_DELAY_S = 0.1  # every decoding step takes at least this long, so streaming is watchable
+# When set (a test sets it and puts it back), the steps' text is replaced by these pieces in turn and the reply's
+# by their join: text a test chooses, markup included, on the real decoding and streaming path.
+SCRIPTED: dict[str, list[str] | None] = {"texts": None}
 OUT_DIR = Path(__file__).resolve().parents[1] / "out"
 
 
@@ -69,8 +74,15 @@ def served(make_loaded_model: Callable[..., Any], tmp_path_factory: pytest.TempP
     original = engine.generate
 
     def slow(*args: Any, **kwargs: Any) -> Iterator[Any]:  # the real engine, paced; it still checks Stop
+        texts, shown = SCRIPTED["texts"], []
         for item in original(*args, **kwargs):
             time.sleep(STEP_DELAY_S)
+            if texts:
+                if isinstance(item, StepEvent):
+                    item = dataclasses.replace(item, text=texts[len(shown) % len(texts)])
+                    shown.append(item.text)
+                else:
+                    item = dataclasses.replace(item, text="".join(shown))
             yield item
 
     engine.generate = slow
@@ -117,6 +129,23 @@ def bot_text(page: Any) -> str:
     return bots.last.inner_text() if bots.count() else ""
 
 
+def bot_count(page: Any) -> int:
+    return page.locator("#chat .message-row.bot-row").count()
+
+
+# The live reply element: its text (textContent: also while hidden), whether it is shown, its elements.
+LIVE_JS = """() => { const e = document.querySelector('#live-reply .mc-live-text');
+    const box = document.querySelector('#live-reply');
+    return e ? {text: e.textContent, shown: box.checkVisibility(), elements: e.querySelectorAll('*').length}
+             : null; }"""
+
+
+def live_reply(page: Any) -> dict[str, Any]:
+    state = page.evaluate(LIVE_JS)
+    assert state is not None, "no live reply element on the page"
+    return state
+
+
 def shoot(page: Any, path: Path, name: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     shot = path / name
@@ -134,22 +163,36 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
     set_number(page, "max-new", 64)
     wait_until(lambda: session.settings.max_new_tokens == 64, what="max new tokens to reach the session")
     meter_before = page.inner_text("#meter")
+    assert live_reply(page) == {"text": "", "shown": False, "elements": 0}
+    bots_before = bot_count(page)
     page.fill("#msg textarea", "Hello! <img src=x onerror=alert(1)> How are you today?")
     page.click("#send")
-    # the reply streams: several different partial texts while the meter says "streaming"
+    # the reply streams into the live element under the chat: several different partial texts, shown, while the
+    # meter says "streaming"; the chat has the user's message and no reply until the reply is done
     seen: list[str] = []
     meters: set[str] = set()
     deadline = time.monotonic() + 30
-    while "max new tokens" not in page.inner_text("#meter"):
+    while "max new tokens" not in (meter := page.inner_text("#meter")):
         assert time.monotonic() < deadline, "the reply did not finish"
-        text = bot_text(page)
-        if text and (not seen or seen[-1] != text):
-            seen.append(text)
-        meters.add(page.inner_text("#meter"))
+        live = live_reply(page)
+        if live["text"] and (not seen or seen[-1] != live["text"]):
+            assert live["shown"] and live["elements"] == 0
+            if "streaming" in meter:
+                assert bot_count(page) == bots_before, "the reply reached the chat before it was done"
+            seen.append(live["text"])
+            if len(seen) == 3:
+                shoot(page, tmp_path, "web-ui-streaming.png")
+        meters.add(meter)
         time.sleep(0.05)
     assert len(seen) >= 3, f"the reply did not stream (saw {len(seen)} versions)"
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False)), "the live text did not just grow"
     assert len(meters) >= 3 and meter_before not in meters
     assert any("streaming" in m for m in meters)
+    # the finished reply is in the chat, as the session has it; nothing is left in the live element
+    reply = session.conversation.messages[-1]
+    assert reply.role == "assistant" and bot_count(page) == bots_before + 1
+    assert live_reply(page) == {"text": "", "shown": False, "elements": 0}
+    assert seen[-1] and reply.content.startswith(seen[-1])
     # the tree of the last step, drawn as SVG inside #accepted-tree, with the accepted path highlighted
     svg = page.locator("#accepted-tree svg.mc-tree")
     svg.wait_for()
@@ -293,6 +336,38 @@ def test_stop_ends_a_long_reply(page: Any, served: Any, tmp_path: Path) -> None:
     assert "stopped" in bot_text(page)
     assert not session.busy
     shoot(page, tmp_path, "web-ui-stopped.png")
+
+
+def test_markup_in_a_streaming_reply_shows_as_text(page: Any, served: Any) -> None:
+    """Tokens that look like markup are characters in the live element while the reply streams, and in the chat
+    once it lands: no element, no script, no dialog."""
+    session: SessionManager = served.medusa_web.session
+    set_number(page, "max-new", 12)
+    wait_until(lambda: session.settings.max_new_tokens == 12, what="max new tokens to reach the session")
+    pieces = ["<script>alert(21)</script>", " <img src=x onerror=alert(22)>", " & ", "<b>bold</b>"]
+    SCRIPTED["texts"] = pieces
+    try:
+        before = len(session.conversation.messages)
+        page.fill("#msg textarea", "Say it.")
+        page.click("#send")
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while not (len(session.conversation.messages) == before + 2 and not session.busy):
+            assert time.monotonic() < deadline, "the reply did not finish"
+            live = live_reply(page)
+            assert live["elements"] == 0, "markup from the reply became an element"
+            if live["text"] and (not seen or seen[-1] != live["text"]):
+                seen.append(live["text"])
+            time.sleep(0.03)
+    finally:
+        SCRIPTED["texts"] = None
+    page.wait_for_function("document.querySelector('#meter').innerText.includes('max new tokens')")
+    assert any("<script>alert(21)</script> <img src=x onerror=alert(22)> & " in t for t in seen), seen
+    assert session.conversation.messages[-1].content.startswith("".join(pieces))
+    assert "<script>alert(21)</script> <img src=x onerror=alert(22)> & <b>bold</b>" in bot_text(page)
+    assert live_reply(page) == {"text": "", "shown": False, "elements": 0}
+    assert page.evaluate("document.querySelectorAll('#live-reply script, #live-reply img, #live-reply b').length") == 0
+    assert_chat_is_inert(page)
 
 
 # Every element inside the rendered chat messages, with its attribute names (run in the page).

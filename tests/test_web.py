@@ -7,6 +7,7 @@ actions, readable errors that leave the app running, and that the server listens
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
 import os
@@ -24,11 +25,13 @@ import pytest
 # Keep gradio's files out of the user's cache during tests (web.py only sets a default).
 os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-test-"))
 
+import gradio as gr  # noqa: E402
 from gradio_client import Client  # noqa: E402
 
 from medusa_chat.chat.session import SessionManager  # noqa: E402
 from medusa_chat.chat.updates import UPDATES_PER_S  # noqa: E402
 from medusa_chat.errors import DeviceError  # noqa: E402
+from medusa_chat.events import StepEvent  # noqa: E402
 from medusa_chat.ui import render, web  # noqa: E402
 
 pytestmark = [
@@ -61,16 +64,29 @@ def free_port() -> int:
 
 
 @contextmanager
-def slow_steps(session: SessionManager, delay: float) -> Iterator[None]:
+def slow_steps(
+    session: SessionManager, delay: float, texts: list[str] | None = None, fail_after: int | None = None
+) -> Iterator[None]:
     """Make every decoding step of this session take at least `delay` seconds (so a test can press Stop
-    mid-reply); the real engine still runs and still checks the stop flag every step."""
+    mid-reply); the real engine still runs and still checks the stop flag every step. With `texts`, the steps'
+    text is replaced by those pieces in turn (and the reply's by their join): text a test chooses, markup
+    included, on the real streaming path. With `fail_after`, the reply fails after that many steps."""
     engine = session.engine
     assert engine is not None
     original = engine.generate
 
     def slow(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        shown: list[str] = []
         for item in original(*args, **kwargs):
             time.sleep(delay)
+            if texts is not None:
+                if isinstance(item, StepEvent):
+                    item = dataclasses.replace(item, text=texts[len(shown) % len(texts)])
+                    shown.append(item.text)
+                else:
+                    item = dataclasses.replace(item, text="".join(shown))
+            if fail_after is not None and isinstance(item, StepEvent) and item.step >= fail_after:
+                raise RuntimeError("the decoder failed mid-reply")
             yield item
 
     engine.generate = slow  # type: ignore[method-assign]
@@ -232,7 +248,7 @@ def test_the_panels_redraw_at_a_lower_rate_than_the_text(served: Any, monkeypatc
         outputs = list(ui.send("Tell me a story.", False))
         elapsed = time.monotonic() - t0
     streamed = outputs[2:-1]  # after the user's message and "starting…", before the final update
-    texts = [o for o in streamed if isinstance(o[0], list)]
+    texts = [o for o in streamed if isinstance(o[10], str)]
     meters = [o for o in streamed if isinstance(o[2], str)]
     trees = [o for o in streamed if isinstance(o[3], str)]
     assert len(texts) == len(streamed) >= 8, (len(texts), elapsed)
@@ -241,6 +257,82 @@ def test_the_panels_redraw_at_a_lower_rate_than_the_text(served: Any, monkeypatc
     final = outputs[-1]
     assert isinstance(final[2], str) and isinstance(final[3], str)
     assert meter_values(final[2])["new_tokens"] == ui.session.last_summary.new_tokens
+
+
+def live_values(outputs: list[tuple]) -> list[str]:
+    """The live reply element's values among a reply's yields (the text so far, escaped), empty ones left out."""
+    return [o[10] for o in outputs if isinstance(o[10], str) and o[10]]
+
+
+def test_a_reply_streams_into_the_live_element_and_lands_in_the_chat_once(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Chatbot gets the user's message at once and the reply once, at the end; in between the growing text
+    goes to the live element, escaped (tokens that look like markup stay characters); the end empties it."""
+    ui: web.WebApp = served.medusa_web
+    ui.clear()
+    monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", "40")
+    ui.session.update_settings(max_new_tokens=20, temperature=0)
+    pieces = ["Hi ", "<script>alert(1)</script>", " & ", "<b>x</b>", "\n", "'\"q\" "]
+    with slow_steps(ui.session, 0.03, texts=pieces):
+        outputs = list(ui.send("Say <i>something</i>.", False))
+    first, streamed, final = outputs[0], outputs[1:-1], outputs[-1]
+    assert first[0][-1] == {"role": "user", "content": render.chat_html("Say <i>something</i>.")}
+    assert first[10] == "" and "starting" in first[2]
+    assert streamed and all(o[0] == gr.skip() for o in streamed)  # the Chatbot is not re-sent mid-stream
+    lives = live_values(streamed)
+    assert len(lives) >= 5, len(lives)
+    reply = ui.session.conversation.messages[-1]
+    assert reply.role == "assistant" and "<script>alert(1)</script>" in reply.content
+    for before, value in zip(lives, lives[1:], strict=False):
+        assert value.startswith(before) and len(value) > len(before)  # it only grows: diffs are appends
+    for value in lives:
+        text = html.unescape(value)
+        assert value == render.esc(text) and reply.content.startswith(text)
+        assert "<" not in value and ">" not in value  # no markup from the tokens
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in lives[-1]
+    assert final[10] == ""  # the live element emptied when the reply lands
+    assert final[0] == ui.history() and final[0][-1]["role"] == "assistant"
+    assert final[0][-1]["content"].startswith(render.chat_html(reply.content))
+    assert final[0][-2]["content"] == render.chat_html("Say <i>something</i>.")
+
+
+def test_stop_keeps_the_partial_reply_in_the_chat(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ui: web.WebApp = served.medusa_web
+    ui.clear()
+    monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", "40")
+    ui.session.update_settings(max_new_tokens=400, temperature=0)
+    outputs: list[tuple] = []
+    with slow_steps(ui.session, 0.03):
+        for out in ui.send("Tell me a long story.", False):
+            outputs.append(out)
+            if len(live_values(outputs)) == 4:
+                ui.stop()
+    final = outputs[-1]
+    reply = ui.session.conversation.messages[-1]
+    assert reply.role == "assistant" and reply.stopped and ui.session.last_summary.new_tokens < 400
+    assert final[10] == "" and "stopped" in final[2]
+    assert final[0] == ui.history() and final[0][-1]["content"].startswith(render.chat_html(reply.content))
+    assert "stopped" in final[0][-1]["content"]
+    shown = html.unescape(live_values(outputs)[-1])
+    assert shown and reply.content.startswith(shown)  # the chat keeps at least what the live element showed
+
+
+def test_an_error_mid_reply_leaves_the_conversation_in_the_chat(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ui: web.WebApp = served.medusa_web
+    ui.clear()
+    monkeypatch.setenv("MEDUSA_CHAT_UI_HZ", "40")
+    ui.session.update_settings(max_new_tokens=40, temperature=0)
+    with slow_steps(ui.session, 0.03, fail_after=6):
+        outputs = list(ui.send("hello there", False))
+    final = outputs[-1]
+    assert live_values(outputs[1:-1]), "the steps before the failure did not stream"
+    assert "the decoder failed mid-reply" in final[5] and "mc-error" in final[5]
+    assert final[10] == ""  # the partial text is gone with the failed reply
+    assert final[0] == ui.history() and [m["role"] for m in final[0]] == ["user"]  # the message is kept
+    assert not ui.session.busy
 
 
 def test_second_request_while_busy_gets_a_clear_answer(served: Any) -> None:

@@ -92,6 +92,24 @@ def chat_html(text: str) -> str:
     return f'<div class="mc-msg" data-source="{esc(text)}">' + _CHAT_MD.render(text) + "</div>"
 
 
+# ---- the live reply ----------------------------------------------------------------------------------------------
+# While a reply streams, its text goes to a light gr.HTML element under the chat (web_layout.py), not to the Chatbot:
+# a Chatbot update makes the browser rebuild the message list (sanitising, layout), on the decoder's cores. The
+# element's value is the reply so far as escaped plain text: every token becomes characters, never markup, and as a
+# reply only grows its escaped text only grows, so Gradio's streaming diff sends just the new text. The finished
+# reply is rendered once (Markdown, chat_html) into the Chatbot and the element is emptied (then hidden, web.css).
+# (The box lays its children out bottom-up, so that it stays scrolled to the end of the text: the filler first takes
+# the free space under a text shorter than the box.)
+LIVE_REPLY_TEMPLATE = (
+    '<div class="mc-live-reply"><div class="mc-live-fill"></div><div class="mc-live-text">${value}</div></div>'
+)
+
+
+def live_reply_value(text: str) -> str:
+    """The live reply element's value for the reply text so far (escaped; "" hides the element)."""
+    return esc(text)
+
+
 # Gradio's copy buttons (one per message, and "copy all") write the message's *content* to the clipboard, and a
 # message's content here is the HTML above. On page load this wraps `navigator.clipboard.writeText` once: text
 # that holds our messages is parsed (DOMParser: an inert document, nothing loads or runs) and each message is

@@ -42,7 +42,14 @@ from medusa_chat.ui.web_layout import TREE_CHOICES_DEFAULT, build_blocks  # noqa
 if TYPE_CHECKING:
     from medusa_chat.chat.session import SessionManager
 
-STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams
+STREAM_CURSOR = '<span class="mc-cursor">▌</span>'  # after the text while a reply streams in the Chatbot
+
+
+def live_reply_default() -> bool:
+    """Stream replies into the live reply element (the default); MEDUSA_CHAT_UI_LIVE_REPLY=0 streams them into the
+    Chatbot as before (each update re-sends the message list and the browser re-renders it), for measuring the
+    difference (benchmarks/browser_vs_ask.py)."""
+    return os.environ.get("MEDUSA_CHAT_UI_LIVE_REPLY", "1").strip() != "0"
 
 
 def friendly_error(err: BaseException) -> str:
@@ -213,7 +220,11 @@ class WebApp:
         """Run one reply (`send`, `regenerate` or `edit`) and yield UI updates while it streams.
 
         Yields tuples for: chatbot, message box, meter, tree panel, step slider, error box, conversation list,
-        edit state, send button, cancel-edit button.
+        edit state, send button, cancel-edit button, live reply.
+
+        The Chatbot gets the user's message at once and the finished reply once, at the end (a stopped reply as
+        far as it got, marked; after an error, the conversation as it stands). In between, the reply's text so
+        far goes to the live reply element (escaped plain text), which the end empties.
         """
         skip = gr.skip()
         message = _message_text(message)
@@ -221,8 +232,9 @@ class WebApp:
             kind = "edit"
         if kind in ("send", "edit") and not message.strip():
             gr.Warning("Type a message first.")
-            yield (skip,) * 10
+            yield (skip,) * 11
             return
+        live = live_reply_default()
         self._stop_asked.clear()
         reset_edit = (False, gr.update(value="Send"), gr.update(visible=False))
         # Show the user's message at once, even while the model is still loading.
@@ -240,9 +252,9 @@ class WebApp:
         try:
             for line in self._wait_for_model():
                 yield (draft, "", render.meter_html([], status=f"loading model: {line}"), skip, skip,
-                       "", skip, *reset_edit)  # fmt: skip
+                       "", skip, *reset_edit, "")  # fmt: skip
             if self._stop_asked.is_set():
-                yield (self.history(), skip, self.meter("stopped"), skip, skip, "", skip, *reset_edit)
+                yield (self.history(), skip, self.meter("stopped"), skip, skip, "", skip, *reset_edit, "")
                 return
             if kind == "send":
                 stream = self.session.send(message)
@@ -254,8 +266,9 @@ class WebApp:
                 self.session.stop()
             self.events, self.summary, self.streaming = [], None, True
             text = ""
-            yield (draft + [{"role": "assistant", "content": ""}], "", self.meter("starting…"),
-                   self.tree_panel(live=True), skip, "", skip, *reset_edit)  # fmt: skip
+            started = draft if live else draft + [{"role": "assistant", "content": ""}]
+            yield (started, "", self.meter("starting…"), self.tree_panel(live=True), skip, "", skip,
+                   *reset_edit, "")  # fmt: skip
             # The reply decodes in its own thread; the page gets at most 4-8 updates a second, each carrying
             # every step since the previous one (chat/updates.py). The final one is the yield after the loop.
             # The panels (meter, tree, slider) are redrawn at most ~2 times a second (panel_interval_s).
@@ -273,8 +286,13 @@ class WebApp:
                 panels = now - panel_at >= panel_every
                 if panels:
                     panel_at = now
+                if live:  # the text so far to the live element; the Chatbot is left as it is
+                    chat, live_text = skip, render.live_reply_value(text)
+                else:
+                    chat = draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}]
+                    live_text = skip
                 yield (
-                    draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}],
+                    chat,
                     skip,
                     self.meter("streaming…") if panels else skip,
                     self.tree_panel(live=True) if panels else skip,
@@ -284,14 +302,15 @@ class WebApp:
                     skip,
                     skip,
                     skip,
+                    live_text,
                 )
         except BusyError as err:  # another reply is running: leave its display alone, just say so
-            yield (skip, skip, skip, skip, skip, self._warn(err), skip, skip, skip, skip)
+            yield (skip, skip, skip, skip, skip, self._warn(err), skip, skip, skip, skip, skip)
             return
         except Exception as err:  # noqa: BLE001 - the app keeps running; the message goes to the browser
             self.streaming = False
             yield (self.history(), skip, self.meter("error"), self.tree_panel(), self.step_slider(),
-                   self._warn(err), self.conv_dropdown(), skip, skip, skip)  # fmt: skip
+                   self._warn(err), self.conv_dropdown(), skip, skip, skip, "")  # fmt: skip
             return
         finally:
             if stream is not None:
@@ -311,7 +330,7 @@ class WebApp:
         if self.summary is not None and self.summary.message:
             gr.Info(render.esc(self.summary.message))
         yield (self.history(), skip, self.meter(status), self.tree_panel(),
-               self.step_slider(), "", self.conv_dropdown(), skip, skip, skip)  # fmt: skip
+               self.step_slider(), "", self.conv_dropdown(), skip, skip, skip, "")  # fmt: skip
 
     def send(self, message: str, edit_mode: bool = False) -> Iterator[tuple]:
         yield from self.stream("send", message, edit_mode)

@@ -64,6 +64,16 @@ def _chat_column(app: WebApp, c: SimpleNamespace) -> None:
         latex_delimiters=[],
         placeholder="Ask anything. Replies stream here; the meter and the tree update live.",
     )
+    # While a reply streams, its text goes here (escaped plain text, render.live_reply_value), not to the Chatbot,
+    # which gets the finished reply once; empty (and hidden) otherwise.
+    c.live_reply = gr.HTML(
+        "",
+        elem_id="live-reply",
+        html_template=render.LIVE_REPLY_TEMPLATE,
+        js_on_load=None,
+        container=False,
+        padding=False,
+    )
     c.error_box = gr.HTML("", elem_id="error-box", container=False, padding=False)
     with gr.Row(equal_height=True):
         c.msg = gr.Textbox(
@@ -186,9 +196,9 @@ def _wire_reply_events(app: WebApp, c: SimpleNamespace) -> None:
     edit_state, chatbot, error_box, msg, send_btn = c.edit_state, c.chatbot, c.error_box, c.msg, c.send_btn
     stop_btn, regen_btn, undo_btn, edit_btn, cancel_edit_btn = c.stop_btn, c.regen_btn, c.undo_btn, c.edit_btn, c.cancel_edit_btn
     clear_btn, meter, system, conv_list, step = c.clear_btn, c.meter, c.system, c.conv_list, c.step
-    tree_html = c.tree_html
+    tree_html, live_reply = c.tree_html, c.live_reply
     stream_outs = [chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
-                   cancel_edit_btn]  # fmt: skip
+                   cancel_edit_btn, live_reply]  # fmt: skip
     reply_kw: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden"}
     send_btn.click(
         app.send,
