@@ -244,33 +244,6 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
     assert page.outside == [], f"the page tried to reach other hosts: {page.outside[:5]}"
 
 
-FRAMES_PER_S_JS = """async (ms) => {
-  let n = 0, on = true;
-  const loop = () => { if (!on) return; n++; requestAnimationFrame(loop); };
-  requestAnimationFrame(loop);
-  await new Promise((done) => setTimeout(done, ms));
-  on = false;
-  return n * 1000 / ms;
-}"""
-
-
-def test_while_a_reply_streams_the_page_draws_a_few_frames_a_second(page: Any) -> None:
-    from medusa_chat.ui.render import FRAME_HZ
-
-    assert page.evaluate("window.mcFrames === true")
-    idle = page.evaluate(FRAMES_PER_S_JS, 1000)
-    # the stream cursor is what marks a streaming reply on the page (the Chatbot's or the live element's)
-    page.evaluate("""() => { const s = document.createElement('span'); s.className = 'mc-cursor';
-        s.id = 'mc-test-cursor'; document.body.appendChild(s); }""")
-    try:
-        streaming = page.evaluate(FRAMES_PER_S_JS, 1500)
-    finally:
-        page.evaluate("document.getElementById('mc-test-cursor').remove()")
-    after = page.evaluate(FRAMES_PER_S_JS, 1000)
-    assert streaming <= FRAME_HZ + 1.5, f"{streaming:.1f} animation frames a second while streaming"
-    assert idle > 2 * FRAME_HZ and after > 2 * FRAME_HZ, f"{idle:.1f} / {after:.1f} frames a second when idle"
-
-
 def test_a_long_fast_reply_is_complete_with_a_bounded_number_of_page_updates(page: Any, served: Any) -> None:
     """The engine unpaced: hundreds of steps in a second or two. The page gets at most UPDATES_PER_S updates a second
     (chat/updates.py), and its last one shows the whole reply and every step in the tree view."""

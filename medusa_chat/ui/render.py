@@ -130,37 +130,6 @@ COPY_JS = """() => {
   clip.mcPlainText = true;
 }"""
 
-# While a reply streams (a stream cursor is on the page), the page's requestAnimationFrame callbacks run together
-# at most FRAME_HZ times a second instead of every display frame. Why: Gradio's status tracker redraws its
-# elapsed-time counter in a requestAnimationFrame loop for as long as an event is pending (also with its progress
-# hidden), so the browser drew 60 frames a second for the whole reply, each a slice taken from the decoder's cores
-# (a Chrome trace of one reply; docs/benchmarks.md). Between replies every callback goes straight through.
-FRAME_HZ = 4
-FRAMES_JS = """() => {
-  if (window.mcFrames) return;
-  const raf = window.requestAnimationFrame.bind(window), caf = window.cancelAnimationFrame.bind(window);
-  const waiting = new Map();
-  let next = -1, timer = null;
-  const flush = () => {
-    timer = null;
-    const now = performance.now(), due = [...waiting.values()];
-    waiting.clear();
-    for (const cb of due) { try { cb(now); } catch (err) { console.error(err); } }
-  };
-  window.requestAnimationFrame = (cb) => {
-    if (!document.querySelector(".mc-cursor")) return raf(cb);
-    const id = next--;  // negative: never one of the browser's own ids
-    waiting.set(id, cb);
-    if (timer === null) timer = setTimeout(flush, 1000 / FRAME_HZ);
-    return id;
-  };
-  window.cancelAnimationFrame = (id) => (id < 0 ? waiting.delete(id) : caf(id));
-  window.mcFrames = true;
-}""".replace("FRAME_HZ", str(FRAME_HZ))
-
-# The page's load hook (Blocks `js=`): both of the above.
-PAGE_JS = "() => { (" + COPY_JS + ")(); (" + FRAMES_JS + ")(); }"
-
 
 def _stat_number(value: object, digits: int) -> str | None:
     """A statistic from a conversation file, formatted, or None when it is not a finite number (a hand-edited

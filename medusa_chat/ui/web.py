@@ -524,7 +524,7 @@ def launch(
         enable_monitoring=False,
         theme=theme(),
         css=render.CSS,
-        js=render.PAGE_JS,
+        js=render.COPY_JS,
     )
     from medusa_chat.openai.routes import mount_api
 
