@@ -65,11 +65,6 @@ class _Clock:
         self.calls.append(n)
 
 
-def _unknown() -> None:
-    """No CPU accounting (not Linux): the step-time rule alone."""
-    return None
-
-
 def _feed(gov, seconds: float, until: int, most: int) -> int:
     """Steps of `seconds` (tree size 8) until the governor runs `until` threads; how many it took."""
     for n in range(1, most + 1):
@@ -83,7 +78,7 @@ def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch)
     from medusa_chat.engine import threads
 
     monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
-    gov = threads.ThreadGovernor(full=2, set_threads=_Clock(), others_busy=_unknown)
+    gov = threads.ThreadGovernor(full=2, set_threads=_Clock())
     assert gov.adaptive and gov.threads == 2
     for _ in range(20):
         gov.observe(0.005, 8)  # quiet: 5 ms
@@ -106,7 +101,7 @@ def test_a_load_present_from_the_start_is_found_by_a_try_of_one_thread(monkeypat
     from medusa_chat.engine import threads
 
     monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
-    gov = threads.ThreadGovernor(full=2, set_threads=_Clock(), others_busy=_unknown)
+    gov = threads.ThreadGovernor(full=2, set_threads=_Clock())
     _feed(gov, 1.0, until=1, most=threads.DOWN_EVERY + 1)  # 2 threads, slow all along: the try of 1 begins
     for _ in range(threads.PROBE):
         gov.observe(0.008, 8)
@@ -118,78 +113,12 @@ def test_a_fixed_count_disables_adaptation(monkeypatch) -> None:
 
     monkeypatch.setenv("MEDUSA_CHAT_THREADS", "1")
     calls = _Clock()
-    gov = threads.ThreadGovernor(full=2, set_threads=calls, others_busy=_unknown)
+    gov = threads.ThreadGovernor(full=2, set_threads=calls)
     assert not gov.adaptive and gov.threads == 1
     for _ in range(50):
         gov.observe(1.0, 8)
     assert gov.threads == 1 and set(calls.calls) == {1}
     assert threads.describe() == "1, fixed by MEDUSA_CHAT_THREADS"
-
-
-def test_tries_are_checked_against_what_other_processes_use(monkeypatch) -> None:
-    from medusa_chat.engine import threads
-
-    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_cores", lambda: 2)
-    others = [0.0]
-    clock = _Clock()
-    gov = threads.ThreadGovernor(full=2, set_threads=clock, others_busy=lambda: others[0])
-    for _ in range(3 * threads.DOWN_EVERY):
-        gov.observe(0.005, 8)  # quiet and nobody else runs: no try of 1 thread, which could only lose
-    assert gov.threads == 2 and 1 not in clock.calls
-    others[0] = 1.0  # another process takes a core
-    _feed(gov, 0.015, until=1, most=threads.WINDOW)
-    dropped = len(clock.calls)
-    for _ in range(10 * threads.PROBE_MAX):
-        gov.observe(0.008, 8)  # while it runs, no try of 2 threads (each would wait on it at every barrier)
-    assert gov.threads == 1 and clock.calls[dropped:] == []
-    others[0] = 0.1  # it ended: the next check tries 2 threads, which win
-    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)
-    for _ in range(threads.PROBE + 10):
-        gov.observe(0.005, 8)
-    assert gov.threads == 2
-
-
-def test_a_load_from_the_start_is_tried_when_others_use_a_core(monkeypatch) -> None:
-    from medusa_chat.engine import threads
-
-    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_cores", lambda: 2)
-    gov = threads.ThreadGovernor(full=2, set_threads=_Clock(), others_busy=lambda: 1.0)
-    _feed(gov, 1.0, until=1, most=threads.DOWN_EVERY + 1)  # slow all along (no quiet median): the try of 1 begins
-    for _ in range(threads.PROBE):
-        gov.observe(0.008, 8)
-    assert gov.threads == 1
-
-
-def test_cpu_load_counts_other_processes_and_not_this_one() -> None:
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from medusa_chat.engine import threads
-
-    if not os.path.exists("/proc/stat"):
-        pytest.skip("no /proc/stat")
-    assert threads.CpuLoad("/nonexistent/stat").others() is None
-    load = threads.CpuLoad()
-    time.sleep(0.4)
-    if load.others() > 0.3:
-        pytest.skip("other processes keep this machine busy: their use would hide the spinner's")
-    end = time.monotonic() + 0.4
-    while time.monotonic() < end:  # this process keeps a core busy: not "others"
-        pass
-    assert load.others() < 0.4
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.3)  # its start-up (an interpreter's imports) is CPU time too: begin the window after it
-        load.others()
-        time.sleep(0.5)
-        assert load.others() > 0.6
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 def test_products_and_the_fused_argmax_are_the_same_bits_on_1_2_3_threads(restore_threads) -> None:

@@ -14,10 +14,6 @@ The rule (ThreadGovernor.observe, fed each decoding step's wall time and tree si
   a load that was already there when the quiet median formed.
 - on 1 thread: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps and
   keeps them when they were clearly (WIN) faster than the 1-thread steps of the same sizes.
-- Where the kernel's CPU accounting is readable (Linux /proc/stat), a try is first checked against what other
-  processes did since the last check (`CpuLoad`): a try of all threads while others keep a core busy is skipped
-  (one such step was measured at 350-650 ms against 26 ms on one thread: each lost try cost a dozen steps and
-  more), and a try of 1 thread on a machine that others leave idle is skipped (it can only lose).
 A fixed count (`--threads N`, or MEDUSA_CHAT_THREADS) turns this off; torch's own pool follows it too.
 """
 
@@ -25,9 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable
 
 WINDOW = 8  # recent steps judged together (a median: one hiccup is not load)
 SLOW = 2.0  # "much slower than quiet"
@@ -39,8 +33,6 @@ PROBE = 4  # steps per try
 DOWN_EVERY = 64  # steps on all threads before a try of 1 thread (doubles after each lost try, up to DOWN_MAX)
 DOWN_MAX = 1024
 HISTORY = 32  # step times kept per (threads, tree size)
-OTHERS_BUSY = 0.5  # other processes' CPU use (in cores, beyond those we leave them) that means "loaded"
-MIN_WINDOW_S = 0.1  # /proc/stat counts in 10 ms ticks: a shorter window cannot tell half a core from none
 
 _fixed: tuple[int, str] | None = None  # (count, who fixed it) once `fix` was called
 
@@ -98,10 +90,6 @@ def adapts(runner) -> bool:
     return fixed() is None and isinstance(runner.lean, NativeForward) and _full_threads() > 1
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _full_threads() -> int:
     from medusa_chat.kernels import qgemm
 
@@ -109,59 +97,14 @@ def _full_threads() -> int:
     return max(1, qgemm.get_threads())
 
 
-class CpuLoad:
-    """How many cores' worth of CPU time other processes used since the previous reading: the machine's busy time
-    (/proc/stat: user, system, irq, softirq, steal; niced processes are left out, they yield to us) minus this
-    process's own (os.times). `others()` is None where /proc/stat cannot be read; over a window too short to tell
-    it answers the previous window's figure."""
-
-    def __init__(self, path: str = "/proc/stat") -> None:
-        self.path = path
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self._last = self._read()
-        self._value: float | None = None
-
-    def _read(self) -> tuple[float, float, float] | None:
-        try:
-            with open(self.path) as f:
-                fields = [int(x) for x in f.readline().split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        if len(fields) < 8:
-            return None
-        user, _nice, system, _idle, _iowait, irq, softirq, steal = fields
-        own = os.times()
-        return time.monotonic(), (user + system + irq + softirq + steal) / self._tick, own.user + own.system
-
-    def others(self) -> float | None:
-        now = self._read()
-        if now is None or self._last is None:
-            self._last = now
-            return None
-        wall = now[0] - self._last[0]
-        if wall < MIN_WINDOW_S:
-            return self._value  # keep the older reading: the window grows until it can tell
-        busy = (now[1] - self._last[1]) - (now[2] - self._last[2])
-        self._last, self._value = now, max(0.0, busy / wall)
-        return self._value
-
-
 class ThreadGovernor:
     """Picks the native step's thread count from step times (module docstring). `observe` after each step;
-    `threads` is the count in use. `set_threads` (the kernel's setter) and `others_busy` (cores' worth of other
-    processes' CPU time since its previous call, None when unknown: `CpuLoad.others` by default) are injectable
-    for tests."""
+    `threads` is the count in use. `set_threads` (the kernel's setter) is injectable for tests."""
 
-    def __init__(
-        self,
-        full: int | None = None,
-        set_threads=None,
-        others_busy: Callable[[], float | None] | None = None,
-    ) -> None:
+    def __init__(self, full: int | None = None, set_threads=None) -> None:
         from medusa_chat.kernels import qgemm
 
         self._set = set_threads or qgemm.set_threads
-        self._others_busy = others_busy or CpuLoad().others
         f = fixed()
         self.adaptive = f is None
         self.full = f[0] if f is not None else (full or _full_threads())
@@ -175,7 +118,6 @@ class ThreadGovernor:
         self._down_every = DOWN_EVERY
         self._up_every = PROBE_EVERY
         self.fixed = f is not None
-        self._spare = max(0, _cores() - self.full)  # cores other processes may use without taking one of ours
         self.resume()
 
     def resume(self) -> None:
@@ -232,22 +174,11 @@ class ThreadGovernor:
             if ratio > STALL or (len(self._recent) == WINDOW and statistics.median(self._recent) > SLOW):
                 self._use(1)
             elif self._since >= self._down_every:
-                if self._loaded() is False:
-                    self._since = 0  # nobody else runs: one thread can only lose
-                else:
-                    self._try(1)
+                self._try(1)
         else:
             self._record(1, size, seconds)
             if self._since >= self._up_every:
-                if self._loaded():
-                    self._since = 0  # the load is still there: a try of all threads would wait on it
-                else:
-                    self._try(self.full)
-
-    def _loaded(self) -> bool | None:
-        """Do other processes keep one of our cores busy (since the last check)? None when unknown."""
-        others = self._others_busy()
-        return None if others is None else others > self._spare + OTHERS_BUSY
+                self._try(self.full)
 
     def _try(self, n: int) -> None:
         self._use(n)
