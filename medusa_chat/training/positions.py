@@ -4,6 +4,7 @@ with the tokens each head should predict there (computed once, cached on disk)."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,34 @@ def hidden_states_for(
     return PositionData(torch.cat(hid), torch.cat(tgt), torch.cat(smp))
 
 
+def cache_shards(
+    store: DistillStore,
+    cache_dir: Path,
+    what: str,
+    compute: Callable[[Any], tuple[dict[str, torch.Tensor], int, int]],
+    log: Log = print,
+    deadline: float | None = None,
+) -> list[Path]:
+    """A cache file per data shard: for each shard that has none yet, `compute(shard)` gives (tensors to save,
+    positions, tokens read), saved atomically (resumable; a killed run leaves no partial file). Past `deadline`
+    no new shard is started (the first always runs). `what` names the cache in the log."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for info in store.shards:
+        path = cache_dir / info.name
+        if not path.is_file():
+            if out and deadline is not None and time.time() > deadline:
+                log(f"time budget: {what} cache left incomplete")
+                break
+            t = time.time()
+            tensors, positions, tokens = compute(info)
+            atomic_torch_save(tensors, path)
+            rate = tokens / max(time.time() - t, 1e-9)
+            log(f"{what} {info.name}: {positions} positions, {rate:.0f} tok/s (prompt+reply)")
+        out.append(path)
+    return out
+
+
 def cache_hidden_states(
     model: Any,
     store: DistillStore,
@@ -113,29 +142,18 @@ def cache_hidden_states(
     deadline: float | None = None,
 ) -> list[Path]:
     """Compute and save the hidden-state cache for every data shard that has none yet (resumable)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    out = []
-    for info in store.shards:
-        path = cache_dir / info.name
-        if path.is_file():
-            out.append(path)
-            continue
-        if out and deadline is not None and time.time() > deadline:  # the first shard always runs
-            log("time budget: hidden-state cache left incomplete")
-            break
-        t = time.time()
+
+    def compute(info: Any) -> tuple[dict[str, torch.Tensor], int, int]:
         d = store.load_shard(info)
         samples = [
             (info.first + i, ids, rs)
             for i, (ids, rs) in enumerate(zip(d["ids"], d["reply_start"], strict=True))
         ]
         pd = hidden_states_for(model, samples, batch_tokens)
-        atomic_torch_save({"hidden": pd.hidden, "targets": pd.targets, "sample": pd.sample}, path)
-        dt = time.time() - t
-        total = sum(len(ids) for _, ids, _ in samples)
-        log(f"hidden {info.name}: {len(pd)} positions, {total / max(dt, 1e-9):.0f} tok/s (prompt+reply)")
-        out.append(path)
-    return out
+        tensors = {"hidden": pd.hidden, "targets": pd.targets, "sample": pd.sample}
+        return tensors, len(pd), sum(len(ids) for _, ids, _ in samples)
+
+    return cache_shards(store, cache_dir, "hidden-state", compute, log, deadline)
 
 
 def load_cache(paths: list[Path]) -> PositionData:

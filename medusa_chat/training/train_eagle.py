@@ -42,7 +42,7 @@ from torch.nn import functional as F
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
 from medusa_chat.model.eagle import EagleDraft, _rotate_half
 from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
-from medusa_chat.training.positions import heldout_mask, hidden_states_for
+from medusa_chat.training.positions import cache_shards, heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
 from medusa_chat.training.train_heads import TrainSettings, _Progress, use_bf16
 
@@ -134,36 +134,23 @@ def cache_eagle_features(
     """Every position's backbone feature (after the final norm; with `taps`, EAGLE-3's inputs of those layers,
     in bf16: the residual stream's massive activations overflow fp16) for each data shard that has none yet, one
     file per shard (resumable; a killed run leaves no partial file)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    out = []
-    for info in store.shards:
-        path = cache_dir / info.name
-        if path.is_file():
-            out.append(path)
-            continue
-        if out and deadline is not None and time.time() > deadline:  # the first shard always runs
-            log("time budget: feature cache left incomplete")
-            break
-        t = time.time()
+    store_dtype = torch.float16 if taps is None else torch.bfloat16
+
+    def compute(info: Any) -> tuple[dict[str, torch.Tensor], int, int]:
         samples, starts = eagle_samples(store, info)
-        store_dtype = torch.float16 if taps is None else torch.bfloat16
         pd = hidden_states_for(model, samples, batch_tokens, store_dtype=store_dtype, taps=taps)
         order, counts = torch.unique_consecutive(pd.sample, return_counts=True)
         first = torch.tensor([max(starts[int(s)] - 1, 0) for s in order.tolist()], dtype=torch.int32)
-        atomic_torch_save(
-            {
-                "hidden": pd.hidden,
-                "targets": pd.targets,
-                "sample": pd.sample,
-                "lengths": counts.to(torch.int32),
-                "first_pair": first,
-            },
-            path,
-        )
-        total = sum(len(ids) for _, ids, _ in samples)
-        log(f"features {info.name}: {len(pd)} pairs, {total / max(time.time() - t, 1e-9):.0f} tok/s")
-        out.append(path)
-    return out
+        tensors = {
+            "hidden": pd.hidden,
+            "targets": pd.targets,
+            "sample": pd.sample,
+            "lengths": counts.to(torch.int32),
+            "first_pair": first,
+        }
+        return tensors, len(pd), sum(len(ids) for _, ids, _ in samples)
+
+    return cache_shards(store, cache_dir, "feature", compute, log, deadline)
 
 
 def load_eagle_cache(paths: list[Path]) -> EagleData:
