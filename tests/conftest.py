@@ -44,6 +44,17 @@ atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 
 
 # ---- session fixtures ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module of tiny ops: with several intra-op threads each op costs ~10x more in
+    thread hand-offs than in arithmetic (9.6 vs 0.9 ms CPU per toy run on 2 threads vs 1), and a shared 2-core
+    machine thrashes. Modules take it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def fixtures_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("medusa-fixtures")

@@ -44,15 +44,7 @@ from medusa_chat.events import GenerationSettings
 from medusa_chat.model.heads import HydraHeads
 from medusa_chat.tree import Tree, TreeBuffers
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run thousands of tiny ops: with several intra-op threads each op costs ~10x more in
-    thread hand-offs than in arithmetic (measured: 9.6 vs 0.9 ms CPU per toy run on 2 threads vs 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
 
 
 ALPHA = 1e-3  # false-alarm rate of each goodness-of-fit test

@@ -48,13 +48,7 @@ PROMPTS = [
 QUIET = {"log": lambda m: None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and a shared 2-core machine thrashes with more."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -37,13 +37,7 @@ CHATML = (
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and a shared 2-core machine thrashes with more (30x here)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
 
 
 def _tiny_tokenizer():
