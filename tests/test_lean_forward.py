@@ -33,7 +33,7 @@ def _three_calls(engine: MedusaEngine, runner: BackboneRunner, prompt_len: int =
     with torch.inference_mode():
         out.append(
             runner.forward(
-                prompt, torch.arange(prompt_len), engine.causal_mask(0, prompt_len), engine.cache
+                prompt, torch.arange(prompt_len, device=dev), engine.causal_mask(0, prompt_len), engine.cache
             )
         )
         for token in tokens:
@@ -131,3 +131,52 @@ def test_models_with_accelerate_hooks_use_the_transformers_forward() -> None:
     model.model.layers[0].mlp.up_proj._hf_hook = object()  # what accelerate's add_hook_to_module sets
     model.__dict__.pop("_medusa_lean_forward", None)
     assert lean_forward_for(model) is None
+
+
+class _Body(torch.nn.Module):
+    """A decoder body whose forward takes its KV cache by `name` (transformers renamed `past_key_values` to
+    `cache` during 5.x; 5.17, the H200 image's, still says `past_key_values`), recording what it was given."""
+
+    def __init__(self, name: str | None) -> None:
+        super().__init__()
+        self.got: dict = {}
+        cache_param = f", {name}=None" if name else ""
+        namespace: dict = {}
+        exec(  # a real signature with that parameter name, as inspect sees transformers' own
+            f"def forward(input_ids=None, position_ids=None, attention_mask=None{cache_param}, use_cache=None):\n"
+            "    got.update(locals())\n"
+            "    return hidden(input_ids)\n",
+            {"got": self.got, "hidden": lambda ids: type("Out", (), {"last_hidden_state": ids.float()})()},
+            namespace,
+        )
+        self.forward = namespace["forward"]
+
+
+class _LM(torch.nn.Module):
+    def __init__(self, body: _Body) -> None:
+        super().__init__()
+        self.body = body
+        self.head = torch.nn.Linear(2, 2)
+
+    @property
+    def base_model(self) -> _Body:
+        return self.body
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.head
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_transformers_forward_gets_the_cache_by_either_name(name: str) -> None:
+    lm = _LM(_Body(name))
+    assert BackboneRunner.unsupported(lm) is None
+    runner = BackboneRunner(lm)
+    assert runner.lean is None  # not a Llama: the transformers forward is what runs
+    sentinel = object()
+    runner.forward(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.zeros(1, 1, 2, 2), sentinel)
+    assert lm.body.got[name] is sentinel
+
+
+def test_a_forward_without_a_cache_is_refused_by_name() -> None:
+    problem = BackboneRunner.unsupported(_LM(_Body(None)))
+    assert problem is not None and "takes no cache" in problem

@@ -199,10 +199,12 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
         return None
     from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
 
-    lib = load()
     cfg = causal_lm.config
     body = causal_lm.model
-    if lib is None or body.embed_tokens.weight.device.type != "cpu":
+    if body.embed_tokens.weight.device.type != "cpu":
+        return None  # (checked first: a GPU model never needs the C kernels built)
+    lib = load()
+    if lib is None:
         return None
     hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     if hd % 8 or hd > 256 or cfg.num_attention_heads % cfg.num_key_value_heads:  # decoder.c: MAX_HD

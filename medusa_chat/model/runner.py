@@ -28,6 +28,7 @@ class BackboneRunner:
         # The decoder stack without the lm_head, whatever the architecture calls it (`model` for Llama,
         # `transformer` for GPT-2, `gpt_neox` for GPT-NeoX): the engine needs its hidden states, not logits.
         self.body = causal_lm.base_model
+        self.cache_arg = _cache_arg(self.body)
         self.lean = lean_forward_for(causal_lm)
         self.lm_head = causal_lm.get_output_embeddings()
         self.path = (
@@ -44,7 +45,9 @@ class BackboneRunner:
         """
         body = getattr(causal_lm, "base_model", None)
         params = inspect.signature(body.forward).parameters if body is not None else {}
-        missing = [name for name in ("position_ids", "cache", "attention_mask") if name not in params]
+        missing = [name for name in ("position_ids", "attention_mask") if name not in params]
+        if body is not None and _cache_arg(body) is None:
+            missing.append("cache")
         if body is None or missing:
             kind = getattr(getattr(causal_lm, "config", None), "model_type", type(causal_lm).__name__)
             return (
@@ -63,7 +66,14 @@ class BackboneRunner:
             input_ids=ids[None],
             position_ids=positions[None],
             attention_mask=attend,
-            cache=cache,
             use_cache=True,
+            **{self.cache_arg or "cache": cache},
         )
         return out.last_hidden_state[0]
+
+
+def _cache_arg(body: torch.nn.Module) -> str | None:
+    """The name the decoder's forward takes its KV cache by: `cache` in recent transformers 5 releases,
+    `past_key_values` in earlier ones (5.17 and before); None when it takes neither."""
+    params = inspect.signature(body.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
