@@ -395,3 +395,26 @@ def test_stream_decoder_deltas_add_up_to_the_full_decode(seed: int) -> None:
         i += n
     assert "".join(deltas) == dec.text == tok.decode(ids, skip_special_tokens=True)
     assert not any(d.endswith("\ufffd") for d in deltas)
+
+
+def test_stream_decoder_streams_on_through_stray_bytes() -> None:
+    """A reply that keeps ending in bytes that are no character (a small model writing lone UTF-8 lead bytes):
+    the text before them streams at once, each stray byte's U+FFFD streams once 3 more tokens show it can no
+    longer complete, the window stays short, and the deltas still add up to the one-shot decode."""
+    from medusa_chat.engine.text import StreamDecoder
+
+    tok = _embedded_tokenizer()
+    lead = tok.convert_tokens_to_ids("â")  # the byte-level token of byte 0xE2, a 3-byte character's lead
+    euro = tok("€", add_special_tokens=False)["input_ids"]
+    ids = tok("Say", add_special_tokens=False)["input_ids"] + [lead] * 30 + euro + [lead, lead]
+    ids += tok(" ok 🐍", add_special_tokens=False)["input_ids"]
+    dec, deltas = StreamDecoder(tok), []
+    for i, t in enumerate(ids):
+        deltas.append(dec.push([t]))
+        assert len(dec.ids) - dec.prefix <= 2 * StreamDecoder.SETTLED_BYTES + 2, "the window must stay short"
+        shown = "".join(deltas)
+        assert tok.decode(ids[: i + 1]).startswith(shown)  # never text that a later token changes
+        if i >= 10:  # streamed up to 3 tokens back: "Say" and the stray bytes' U+FFFDs so far
+            assert len(shown) >= len(tok.decode(ids[: i + 1 - 3]).rstrip("\ufffd"))
+    assert "".join(deltas) == dec.text == tok.decode(ids, skip_special_tokens=True)
+    assert "€" in dec.text and dec.text.endswith(" ok 🐍")

@@ -11,14 +11,21 @@ class StreamDecoder:
 
     Decoding the whole reply every step would cost O(reply) per step. Instead decode a short window twice:
     from `prefix` to the previous end and from `prefix` to the new end, and emit the difference. Starting the
-    window a step back keeps SentencePiece's leading spaces and multi-token characters right; an incomplete
-    UTF-8 character (U+FFFD at the end) is held back until a later token completes it.
+    window a step back keeps SentencePiece's leading spaces and multi-token characters right.
+
+    An incomplete UTF-8 character decodes to U+FFFD at the end: that end is held back until a later token
+    completes it, while the text before it streams on. A U+FFFD with tokens of at least 3 more bytes after it is
+    final (a character has at most 4 bytes): it is streamed like any text, and the window moves past it, so a
+    reply that keeps ending in stray bytes neither stalls the stream nor grows the window.
     """
+
+    SETTLED_BYTES = 3  # tokens this far from the end cannot change what a character before them decodes to
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = self.read = 0
+        self.shown = 0  # characters of the window's text after `before` (ids[prefix:read]) already streamed
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -28,11 +35,31 @@ class StreamDecoder:
         self.ids.extend(ids)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # nothing printable yet (a special token, or half a character)
-        delta = after[len(before) :]
-        self.prefix, self.read = self.read, len(self.ids)
+        ready = after.rstrip("\ufffd")  # the text that can be streamed now
+        settle = None  # where the next window's `read` goes, if the window moves
+        if len(ready) == len(after):
+            if len(after) > len(before):  # (else nothing printable yet: a special token)
+                settle = len(self.ids)
+        elif len(self.ids) - self.read > self.SETTLED_BYTES:
+            # half a character at the end: the text up to SETTLED_BYTES tokens back is final where it is a
+            # prefix of `after` (no character split at that token), its own U+FFFDs included
+            cut = len(self.ids) - self.SETTLED_BYTES
+            final = self._decode(self.ids[self.prefix : cut])
+            if after.startswith(final):
+                settle, ready = cut, max(ready, final, key=len)
+        done = len(before) + self.shown
+        delta = ready[done:]
         self.text += delta
+        if settle is None:
+            self.shown += len(delta)
+            return delta
+        pending = len(after) - max(len(ready), done)  # the held end, the same characters in the next window
+        self.prefix, self.read = self.read, settle
+        if settle == len(self.ids) and pending <= 0:
+            self.shown = 0
+        else:  # streamed so far, counted in the next window (decoded from its own start)
+            whole = self._decode(self.ids[self.prefix :])
+            self.shown = len(whole) - pending - len(self._decode(self.ids[self.prefix : self.read]))
         return delta
 
 
