@@ -97,13 +97,42 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-class NF4Linear:
-    """`forward(x [..., K]) -> [..., N]` for a bitsandbytes NF4 `Linear4bit`, on its packed weights (no copy of
-    them; double-quantized scales are expanded once to fp32: 0.5 bit a weight)."""
+class _RowInvariantLinear:
+    """`forward(x [..., K]) -> [..., N]`: up to MAX_ROWS rows through `_launch` (one fixed tiling), more rows
+    through the module's own forward, then the bias."""
+
+    out_features: int
+    in_features: int
+
+    def __init__(self, module: Any) -> None:
+        self.bias = module.bias
+        self.fallback = module.forward
+
+    def _launch(self, rows: torch.Tensor, y: torch.Tensor, grid: tuple[int, int]) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_ROWS:
+            return self.fallback(x)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m, n = rows.shape[0], self.out_features
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        self._launch(rows, y, (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M)))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], n)
+
+
+class NF4Linear(_RowInvariantLinear):
+    """For a bitsandbytes NF4 `Linear4bit`, on its packed weights (no copy of them; double-quantized scales are
+    expanded once to fp32: 0.5 bit a weight)."""
 
     def __init__(self, module: Any) -> None:
         import bitsandbytes.functional as bnbf
 
+        super().__init__(module)
         state = module.weight.quant_state
         self.out_features, self.in_features = (int(s) for s in state.shape)
         if state.quant_type != "nf4" or self.in_features % 2:
@@ -115,50 +144,24 @@ class NF4Linear:
         self.absmax = absmax.float().contiguous()
         self.code = state.code.float().to(self.packed.device).contiguous()
         self.blocksize = int(state.blocksize)
-        self.bias = module.bias
-        self.fallback = module.forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_ROWS:
-            return self.fallback(x)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        m, n = rows.shape[0], self.out_features
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
+    def _launch(self, rows: torch.Tensor, y: torch.Tensor, grid: tuple[int, int]) -> None:
         _nf4_kernel[grid](
-            rows, self.packed, self.absmax, self.code, y, m, n, rows.stride(0), y.stride(0),
-            K=self.in_features, QBLOCK=self.blocksize, BM=BLOCK_M, BN=BLOCK_N, BKB=BLOCK_KB,
+            rows, self.packed, self.absmax, self.code, y, rows.shape[0], self.out_features, rows.stride(0),
+            y.stride(0), K=self.in_features, QBLOCK=self.blocksize, BM=BLOCK_M, BN=BLOCK_N, BKB=BLOCK_KB,
         )  # fmt: skip
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], n)
 
 
-class HalfLinear:
-    """`forward(x [..., K]) -> [..., N]` for a 16-bit `nn.Linear` (its weight, not a copy): the same tiles for
-    any row count, unlike cuBLAS."""
+class HalfLinear(_RowInvariantLinear):
+    """For a 16-bit `nn.Linear` (its weight, not a copy): the same tiles for any row count, unlike cuBLAS."""
 
     def __init__(self, module: Any) -> None:
+        super().__init__(module)
         self.weight = module.weight
-        self.bias = module.bias
         self.out_features, self.in_features = self.weight.shape
-        self.fallback = module.forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_ROWS:
-            return self.fallback(x)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        m, n = rows.shape[0], self.out_features
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
+    def _launch(self, rows: torch.Tensor, y: torch.Tensor, grid: tuple[int, int]) -> None:
         _half_kernel[grid](
-            rows, self.weight, y, m, n, rows.stride(0), self.weight.stride(0), y.stride(0),
-            K=self.in_features, BM=BLOCK_M, BN=BLOCK_N, BK=2 * BLOCK_KB,
+            rows, self.weight, y, rows.shape[0], self.out_features, rows.stride(0), self.weight.stride(0),
+            y.stride(0), K=self.in_features, BM=BLOCK_M, BN=BLOCK_N, BK=2 * BLOCK_KB,
         )  # fmt: skip
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], n)
