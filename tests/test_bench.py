@@ -219,6 +219,50 @@ def test_bench_heads_only_ablation_and_no_context_lookup(
     assert [r["token_ids"] for r in doc_off["prompts"]] == [r["token_ids"] for r in doc["prompts"]]
 
 
+def test_bench_compares_drafters_on_one_backbone(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path
+) -> None:
+    """`--compare-heads` runs other heads on the same backbone beside the run's own, each cut to the same node
+    budget: every draft's greedy replies stay the reference's, and the planted heads (which know the model's
+    next tokens) accept deeper than random ones. Acceptance by depth adds up to the tokens per step."""
+    from tests.tinymodels import random_heads_state, write_heads
+
+    loaded = make_loaded_model()
+    random = write_heads(tmp_path / "random-heads", random_heads_state(4, seed=5), tree=[[0], [0, 0], [1], [0, 0, 0]])
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "24", "--quant", "none"]
+    args += ["--warmup", "0", "--baselines", "plain", "--tree-size", "4", "--no-context-lookup"]
+    out = tmp_path / "drafts.json"
+    own = str(Path(loaded.heads_file).parent)
+    assert cli.main([*args, "--compare-heads", f"{random},{own}", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    by_name = {d["method"]: d for d in doc["drafts"]}
+    rand, same = by_name["draft:random-heads"], by_name[f"draft:{Path(own).name}"]
+    assert rand["heads_file"].endswith("medusa_lm_head.safetensors") and rand["drafter"]
+    assert rand["tree_size"] == same["tree_size"] == doc["tree_size"] == 4
+    assert rand["identical_fraction"] == same["identical_fraction"] == 1.0  # drafts never change the reply
+    s = doc["summary"]
+    for row in (s, rand, same):
+        acc = row["acceptance_by_depth"] or []
+        assert all(1 >= a >= b >= 0 for a, b in zip(acc, acc[1:], strict=False))  # deeper: never more often
+        assert row["tokens_per_step"] <= 1 + sum(acc) + 1e-6  # (the last step may be cut by the token limit)
+    assert same["tokens_per_step"] > rand["tokens_per_step"]
+    assert same["acceptance_by_depth"][0] > (rand["acceptance_by_depth"] or [0])[0]
+    assert all(r["draft:random-heads_tokens_per_s"] > 0 for r in doc["prompts"])
+
+
+def test_bench_compare_heads_that_do_not_fit_is_a_clear_error(
+    make_loaded_model: Any, prompts_file: Path, tmp_path: Path, capsys: Any
+) -> None:
+    from tests.tinymodels import random_heads_state, write_heads
+
+    loaded = make_loaded_model()
+    wrong = write_heads(tmp_path / "wide-heads", random_heads_state(2, hidden=48))
+    args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--warmup", "0", "--quant", "none"]
+    assert cli.main([*args, "--baselines", "plain", "--compare-heads", str(wrong)]) != 0
+    err = capsys.readouterr().err
+    assert "wide-heads" in err and "hidden size 48" in err and "Traceback" not in err
+
+
 def test_bench_bad_inputs(tmp_path: Path, capsys: Any) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nothing": 1}\n')

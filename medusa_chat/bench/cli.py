@@ -92,6 +92,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="8,16,32,64",
         help="also run Medusa with the first N nodes of the tree for each N",
     )
+    parser.add_argument(
+        "--compare-heads",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=None,
+        metavar="PATH[,PATH]",
+        help="also run other heads or EAGLE drafts (folders or Hub repos) on the same backbone, each with its own "
+        "tree cut to the run's node budget: tokens/step, acceptance by depth and speed side by side",
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-prompt tables, only the summary")
     parser.add_argument(
         "--fidelity",
@@ -159,6 +167,7 @@ def bench_main(args: argparse.Namespace) -> int:
         else (["plain", "llamacpp"] if background else list(DEFAULT_BASELINES)),
         warmup=args.warmup,
         tree_sizes=args.tree_sizes,
+        compare_heads=getattr(args, "compare_heads", None),
         llamacpp_bench=args.llamacpp_bench,
         context_lookup=getattr(args, "context_lookup", True),
     )

@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,10 +73,12 @@ class _Totals:
     decode_s: float = 0.0
     steps: int = 0
     steps_known: bool = True
+    accepted: list[int] = field(default_factory=list)  # per decoding step, draft tokens accepted
 
     def add(self, run: Run) -> None:
         self.decode_tokens += run.decode_tokens
         self.decode_s += run.decode_s
+        self.accepted.extend(run.accepted_lengths)
         if run.steps is None:
             self.steps_known = False
         else:
@@ -88,6 +91,14 @@ class _Totals:
     @property
     def tokens_per_step(self) -> float | None:
         return self.decode_tokens / self.steps if self.steps_known and self.steps else None
+
+    def acceptance_by_depth(self) -> list[float] | None:
+        """Per tree depth d = 1, 2, ...: the share of steps that accepted a draft token at depth d (at least d
+        draft tokens); their sum plus one is the tokens per step. None for methods without trees."""
+        if not self.accepted or not any(self.accepted):
+            return None
+        n = len(self.accepted)
+        return [round(sum(1 for a in self.accepted if a >= d) / n, 4) for d in range(1, max(self.accepted) + 1)]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -108,6 +119,7 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
     warmup: int = 1
     tree_sizes: list[int] | None = None
+    compare_heads: list[str] | None = None  # other heads or drafts on the same backbone, side by side
     llamacpp_bench: str | None = None
     context_lookup: bool = True  # Medusa with context-lookup guesses on the main chain (lookup.py)
 
@@ -176,7 +188,18 @@ class _Methods:
         self.sizes = sorted({min(n, whole.size) for n in config.tree_sizes}) if config.tree_sizes else []
         for n in self.sizes:
             self.engines[f"medusa@{n}"] = MedusaEngine(loaded, whole.prefix(n))
-        self.all = self.methods + [f"medusa@{n}" for n in self.sizes]
+        # Other drafters on the same backbone (heads folders, EAGLE drafts), each with its own tree cut to the
+        # run's node budget: the same verification cost, so tokens per step and speed compare the drafts.
+        self.drafts: dict[str, str] = {}  # method -> heads file
+        for location in config.compare_heads or []:
+            from medusa_chat.model.loading import with_heads
+
+            other = with_heads(loaded, location)
+            method = f"draft:{Path(location).name or location}"
+            own = other.default_tree
+            self.engines[method] = MedusaEngine(other, own.prefix(min(tree.size, own.size)))
+            self.drafts[method] = other.heads_file
+        self.all = self.methods + [f"medusa@{n}" for n in self.sizes] + list(self.drafts)
 
     def settings_for(self, max_new: int, context_lookup: bool | None = None) -> GenerationSettings:
         config = self.config
@@ -235,6 +258,7 @@ class _Tally:
     plain: list[bool] = field(default_factory=list)
     exact: list[bool] = field(default_factory=list)
     size_identical: dict[int, list[bool]] = field(init=False)
+    draft_identical: dict[str, list[bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.totals = {m: _Totals() for m in self.methods}
@@ -311,6 +335,10 @@ def _prompt_row(
             tally.size_identical[n].append(
                 first_divergence(runs[f"medusa@{n}"].token_ids, ref.token_ids) is None
             )
+        for m in (m for m in runs if m.startswith("draft:")):
+            tally.draft_identical.setdefault(m, []).append(
+                first_divergence(runs[m].token_ids, ref.token_ids) is None
+            )
     if exact and "plain" in runs:
         # exact mode couples Medusa to the plain loop: same seed, same reply (acceptance.py)
         row["identical_to_plain"] = first_divergence(med.token_ids, runs["plain"].token_ids) is None
@@ -349,6 +377,7 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
         "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,
         "tokens_per_step": _r(t["medusa"].tokens_per_step),
+        "acceptance_by_depth": t["medusa"].acceptance_by_depth(),
         # of the draft tokens Medusa's steps accepted, the share that context lookup guessed
         "context_lookup_share": _r(
             sum(r["context_lookup_accepted"] for r in rows)
@@ -447,6 +476,22 @@ def _document(
                 else None,
             }
             for n in sizes
+        ]
+    if methods.drafts:
+        doc["drafts"] = [
+            {
+                "method": m,
+                "heads_file": methods.drafts[m],
+                "drafter": engines[m].drafter_name,
+                "tree_size": engines[m].tree.size,
+                "tokens_per_step": _r(t[m].tokens_per_step),
+                "acceptance_by_depth": t[m].acceptance_by_depth(),
+                "tokens_per_s": _r(t[m].tokens_per_s, 3),
+                "speedup_vs_plain_loop": _ratio(t[m].tokens_per_s, t["plain"].tokens_per_s) if "plain" in t else None,
+                "speedup_vs_medusa": _ratio(t[m].tokens_per_s, t["medusa"].tokens_per_s),
+                "identical_fraction": _r(sum(flags) / len(flags)) if (flags := tally.draft_identical.get(m)) else None,
+            }
+            for m in methods.drafts
         ]
     return doc
 

@@ -72,6 +72,19 @@ def _print_prompt(console: Console, i: int, n: int, row: dict[str, Any], runs: d
     console.print(table)
 
 
+def _main_drafter_row(doc: dict[str, Any]) -> dict[str, Any]:
+    s = doc["summary"]
+    return {
+        "method": "medusa",
+        "drafter": doc["drafter"],
+        "tree_size": doc["tree_size"],
+        "tokens_per_step": s["tokens_per_step"],
+        "acceptance_by_depth": s["acceptance_by_depth"],
+        "tokens_per_s": s["medusa_tokens_per_s"],
+        "speedup_vs_plain_loop": s["speedup_vs_plain_loop"],
+    }
+
+
 def print_summary(console: Console, doc: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -143,6 +156,21 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                 _fmt(
                     r["identical_fraction"] * 100 if r["identical_fraction"] is not None else None, ".0f", "%"
                 ),
+            )
+        console.print(t)
+    if doc.get("drafts"):
+        t = Table(title="Drafters side by side (same backbone, same node budget)", title_justify="left")
+        for col in ("drafter", "nodes", "tokens/step", "accepted at depth 1, 2, 3", "decode tok/s", "vs plain"):
+            t.add_column(col, justify="right")
+        for r in [_main_drafter_row(doc), *doc["drafts"]]:
+            depths = r["acceptance_by_depth"] or []
+            t.add_row(
+                f"{r['method']} ({r['drafter']})",
+                str(r["tree_size"]),
+                _fmt(r["tokens_per_step"]),
+                " / ".join(f"{a:.2f}" for a in depths[:3]) or "-",
+                _fmt(r["tokens_per_s"], ".1f"),
+                _fmt(r["speedup_vs_plain_loop"], ".2f", "x"),
             )
         console.print(t)
     if s.get("speedup_vs_hf_generate_median") is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ class Run:
     steps: int | None  # forward passes after the first output (None: not known)
     stop_reason: str = ""
     lookup_accepted: int = 0  # accepted tree nodes whose token came from context lookup
+    accepted_lengths: list[int] = field(default_factory=list)  # per step, draft tokens accepted (engine runs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,6 +89,7 @@ def run_engine(engine: MedusaEngine, method: str, prompt_ids: list[int], setting
         steps=summary.steps,
         stop_reason=summary.stop_reason,
         lookup_accepted=lookup_accepted,
+        accepted_lengths=list(summary.accepted_lengths),
     )
 
 

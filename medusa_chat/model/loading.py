@@ -470,6 +470,20 @@ def load_model(
     )
 
 
+def with_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None) -> LoadedModel:
+    """The same backbone (shared, not loaded again) with other heads or an EAGLE draft from `heads` (a folder
+    or a Hub repo), checked against it as `load_model` checks heads: for drafters side by side (`bench
+    --compare-heads`)."""
+    heads_dir = _local_or_fetch(heads, "heads", progress)
+    heads_mod, heads_path, _ = load_heads_file(heads_dir, keep_dtype=True)
+    check_heads_fit(heads_mod, loaded.backbone.config.to_dict(), str(heads_path), loaded.spec.name)
+    _fit_heads(heads_mod, heads_path, loaded.backbone, loaded.dtype, loaded.device)
+    tree = _default_tree(loaded.spec, heads_dir, heads_mod.num_heads, [])
+    return replace(
+        loaded, heads=heads_mod, default_tree=tree, heads_source="heads file", heads_file=str(heads_path)
+    )
+
+
 # ---- load_model's steps ---------------------------------------------------------------------------------------
 def _read_config(
     spec: ModelSpec, say: Progress, progress: Progress | None
