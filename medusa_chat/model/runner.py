@@ -74,6 +74,6 @@ class BackboneRunner:
 
 def _cache_arg(body: torch.nn.Module) -> str | None:
     """The name the decoder's forward takes its KV cache by: `cache` in recent transformers 5 releases,
-    `past_key_values` in earlier ones (5.17 and before); None when it takes neither."""
+    `past_key_values` in earlier ones (5.17, which GPU images still ship); None when it takes neither."""
     params = inspect.signature(body.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in params), None)
