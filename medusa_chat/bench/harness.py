@@ -482,7 +482,7 @@ def _document(
             {
                 "method": m,
                 "heads_file": methods.drafts[m],
-                "drafter": engines[m].drafter_name,
+                "drafter": engines[m].drafter_name + ("+lookup" if config.context_lookup and tree.size > 1 else ""),
                 "tree_size": engines[m].tree.size,
                 "tokens_per_step": _r(t[m].tokens_per_step),
                 "acceptance_by_depth": t[m].acceptance_by_depth(),
