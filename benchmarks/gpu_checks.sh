@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks this repo cannot run in CI, as one prepared script (4-8 minutes on one H200).
+# The GPU checks this repo cannot run in CI, as one prepared script (about 3 minutes on one H200, 8 with the
+# end-to-end stage).
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR
+# On a GPU machine without network, prepare its packages and tokenizer first (benchmarks/gpu_prepare.sh), carry
+# .whl and run `export PYTHONPATH=$PWD/.whl/site:$PWD PYTHON=python3; bash benchmarks/gpu_checks.sh /tmp/gc;
+# tar czf $OUT/gpu_checks.tgz -C /tmp gc` (the device tool returns at most 8 files).
 #
 # 1. The CUDA tests CI skips: `load_model` on CUDA, NF4 through bitsandbytes, the lean forward in fp16, and the
 #    verification step recorded as CUDA graphs (tests/test_graph_step.py: replies equal to the eager engine's).
@@ -9,6 +13,10 @@
 #    replayed as CUDA graphs (the default on a GPU) plus greedy losslessness of the default path in fp16 and NF4
 #    (against HF generate and the engine's own plain loop), the eager lean forward (MEDUSA_CHAT_COMPILE=0) and
 #    the transformers forward (MEDUSA_CHAT_LEAN=0).
+# 3. End to end (when a tokenizer folder is there: benchmarks/gpu_prepare.sh puts one in .whl/tokenizer): a
+#    random-weight 1.17B Llama with 4 Medusa-1 heads written to disk, then `medusa-chat bench` on CUDA in NF4 and in
+#    fp16 (load_model, the first-start calibration, the engine with graphs) against HF generate and the plain loop.
+#    Random weights: the speeds and the identity count, not acceptance.
 # Each stage has its own time limit and a failed stage does not stop the next (the whole run fits a 10-minute
 # lease call); every stage's log and JSON land in OUT_DIR.
 # Needs: torch with CUDA, transformers, bitsandbytes (the repo's requirements); no network, no downloads.
@@ -44,4 +52,18 @@ MEDUSA_CHAT_COMPILE=0 stage step_latency_eager "${GPU_EAGER_S:-100}" "$py" bench
     --reps 10 --out "$out/step_latency_eager.json"
 MEDUSA_CHAT_LEAN=0 stage step_latency_transformers "${GPU_HF_S:-100}" "$py" benchmarks/gpu_step_latency.py \
     --reps 10 --out "$out/step_latency_transformers.json"
+tokenizer="${E2E_TOKENIZER:-.whl/tokenizer}"
+if [ -f "$tokenizer/tokenizer.json" ]; then
+    models=$(mktemp -d)
+    MAKE_MODELS_THREADS=8 stage make_1b "${GPU_MAKE_S:-150}" "$py" benchmarks/make_real_size_models.py 1b \
+        --out "$models" --tokenizer "$tokenizer"
+    for q in nf4 none; do
+        MEDUSA_CHAT_CACHE="$models/cache" stage "bench_1b_$q" "${GPU_BENCH_S:-150}" "$py" -m medusa_chat bench \
+            --model "$models/hf" --heads "$models/medusa1" --device cuda --quant "$q" --warmup 1 --quiet \
+            --prompts benchmarks/data/heldout_prompts.jsonl --limit 4 --max-new-tokens 64 --baselines hf,plain \
+            --json "$out/bench_1b_$q.json"
+    done
+else
+    echo "== end to end skipped: no $tokenizer/tokenizer.json (run benchmarks/gpu_prepare.sh first)"
+fi
 cat "$out/stages.txt"

@@ -453,17 +453,21 @@ def make(
     seed: int = 0,
     shard_bytes: int = 5 << 30,
     say: Callable[[str], None] = print,
+    tokenizer: Path | None = None,
 ) -> dict[str, Path]:
-    """Write the HF folder, Medusa-1 heads and (when llama.cpp is given) the GGUF files of one named shape."""
+    """Write the HF folder, Medusa-1 heads and (when llama.cpp is given) the GGUF files of one named shape.
+    `tokenizer`: a folder with the tokenizer files to use for a Llama shape instead of the embedded model's."""
     if shape_name not in SHAPES:
         raise RealSizeError(f"unknown shape {shape_name!r}: use one of {', '.join(SHAPES)}")
     bad = [t for t in gguf_types or [] if t not in GGUF_TYPES]
     if bad:
         raise RealSizeError(f"unsupported GGUF type(s) {', '.join(bad)}: use {', '.join(GGUF_TYPES)}")
     shape = SHAPES[shape_name]
-    torch.set_num_threads(1)  # a background job on a shared machine: one core
+    # a background job on a shared machine: one core (MAKE_MODELS_THREADS=N on a machine of its own)
+    torch.set_num_threads(int(os.environ.get("MAKE_MODELS_THREADS", "1")))
     say(f"{shape_name}: {shape.params() / 1e9:.2f}B parameters, {shape.params() * 2 / 1e9:.1f} GB in fp16")
-    tokenizer = qwen2_tokenizer_dir(llama_cpp, out / "qwen2-tokenizer") if shape.arch == "qwen2" else None
+    if shape.arch == "qwen2":
+        tokenizer = qwen2_tokenizer_dir(llama_cpp, out / "qwen2-tokenizer")
     hf = write_hf_folder(shape, out / "hf", seed, shard_bytes, say, tokenizer)
     result = {"hf": hf}
     if shape.medusa_heads:
@@ -495,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="folder with tokenizer.json etc. for a Llama shape (default: the embedded model's, converted once)",
+    )
+    parser.add_argument(
         "--shard-gb", type=float, default=5.0, help="safetensors shard size (HF's default 5 GB)"
     )
     args = parser.parse_args(argv)
@@ -510,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             int(args.shard_gb * (1 << 30)),
             lambda s: print(s, flush=True),
+            args.tokenizer,
         )
     except RealSizeError as err:
         print(f"error: {err}", file=sys.stderr)

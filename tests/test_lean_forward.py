@@ -134,22 +134,32 @@ def test_models_with_accelerate_hooks_use_the_transformers_forward() -> None:
 
 
 class _Body(torch.nn.Module):
-    """A decoder body whose forward takes its KV cache by `name` (transformers renamed `past_key_values` to
-    `cache` during 5.x; 5.17, the H200 image's, still says `past_key_values`), recording what it was given."""
+    """A decoder body that records what its forward was given and returns the ids as hidden states."""
 
-    def __init__(self, name: str | None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.got: dict = {}
-        cache_param = f", {name}=None" if name else ""
-        namespace: dict = {}
-        exec(  # a real signature with that parameter name, as inspect sees transformers' own
-            f"def forward(input_ids=None, position_ids=None, attention_mask=None{cache_param}, use_cache=None):\n"
-            "    got.update(locals())\n"
-            "    return hidden(input_ids)\n",
-            {"got": self.got, "hidden": lambda ids: type("Out", (), {"last_hidden_state": ids.float()})()},
-            namespace,
-        )
-        self.forward = namespace["forward"]
+
+    def _record(self, **kwargs: object) -> object:
+        self.got.update(kwargs)
+        return type("Out", (), {"last_hidden_state": kwargs["input_ids"].float()})()
+
+
+class _CacheBody(_Body):  # transformers 5.25's name
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, cache=None, use_cache=None):
+        return self._record(input_ids=input_ids, cache=cache)
+
+
+class _PastKeyValuesBody(_Body):  # 5.17's (GPU images ship it)
+    def forward(
+        self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, use_cache=None
+    ):
+        return self._record(input_ids=input_ids, past_key_values=past_key_values)
+
+
+class _NoCacheBody(_Body):
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None):
+        return self._record(input_ids=input_ids)
 
 
 class _LM(torch.nn.Module):
@@ -166,9 +176,9 @@ class _LM(torch.nn.Module):
         return self.head
 
 
-@pytest.mark.parametrize("name", ["cache", "past_key_values"])
-def test_transformers_forward_gets_the_cache_by_either_name(name: str) -> None:
-    lm = _LM(_Body(name))
+@pytest.mark.parametrize(("body", "name"), [(_CacheBody, "cache"), (_PastKeyValuesBody, "past_key_values")])
+def test_transformers_forward_gets_the_cache_by_either_name(body: type, name: str) -> None:
+    lm = _LM(body())
     assert BackboneRunner.unsupported(lm) is None
     runner = BackboneRunner(lm)
     assert runner.lean is None  # not a Llama: the transformers forward is what runs
@@ -178,5 +188,5 @@ def test_transformers_forward_gets_the_cache_by_either_name(name: str) -> None:
 
 
 def test_a_forward_without_a_cache_is_refused_by_name() -> None:
-    problem = BackboneRunner.unsupported(_LM(_Body(None)))
+    problem = BackboneRunner.unsupported(_LM(_NoCacheBody()))
     assert problem is not None and "takes no cache" in problem

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepare, on a machine with the repo's venv and PyPI, what benchmarks/gpu_checks.sh needs on a GPU machine that
+# has torch, transformers and Triton but no network and no way to install: under ./.whl (git-ignored),
+#   site/       bitsandbytes (its CPU and CUDA 13 libraries only) and platformdirs, for PYTHONPATH;
+#   tokenizer/  the embedded SmolLM2 tokenizer files, for the end-to-end stage's 1.17B model.
+#
+#   bash benchmarks/gpu_prepare.sh
+# then, on the GPU machine, from the repo root (carry .whl):
+#   export PYTHONPATH=$PWD/.whl/site:$PWD PYTHON=python3; bash benchmarks/gpu_checks.sh /tmp/gc
+#   tar czf $OUT/gpu_checks.tgz -C /tmp gc
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-.venv/bin/python}"
+BNB_VERSION=${BNB_VERSION:-0.50.2}
+PLATFORMDIRS_VERSION=${PLATFORMDIRS_VERSION:-4.14.9}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d "$tmp" \
+    "bitsandbytes==$BNB_VERSION" "platformdirs==$PLATFORMDIRS_VERSION"
+rm -rf .whl/site .whl/tokenizer
+mkdir -p .whl/site .whl/tokenizer
+for w in "$tmp"/*.whl; do (cd .whl/site && unzip -q -o "$w"); done
+# the wheel carries libraries for every CUDA and ROCm version (~100 MB); the image's torch is CUDA 13
+find .whl/site/bitsandbytes -maxdepth 1 -name 'libbitsandbytes_*.so' \
+    ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete
+"$py" - <<'PY'
+import shutil
+from pathlib import Path
+
+from medusa_chat.model.embedded import embedded_model_dir
+
+src = embedded_model_dir()
+for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+    if (src / name).is_file():
+        shutil.copy(src / name, Path(".whl/tokenizer") / name)
+PY
+du -sh .whl
