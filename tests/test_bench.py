@@ -261,6 +261,10 @@ def test_bench_compare_heads_that_do_not_fit_is_a_clear_error(
     assert cli.main([*args, "--baselines", "plain", "--compare-heads", str(wrong)]) != 0
     err = capsys.readouterr().err
     assert "wide-heads" in err and "hidden size 48" in err and "Traceback" not in err
+    # a shipped heads name resolves as `--heads` does: the embedded model's Medusa-1 heads, 576 wide
+    assert cli.main([*args, "--baselines", "plain", "--compare-heads", "medusa-1"]) != 0
+    err = capsys.readouterr().err
+    assert "smollm2-135m-medusa1" in err and "hidden size 576" in err
 
 
 def test_bench_bad_inputs(tmp_path: Path, capsys: Any) -> None:

@@ -195,7 +195,7 @@ class _Methods:
             from medusa_chat.model.loading import with_heads
 
             other = with_heads(loaded, location)
-            method = f"draft:{Path(location).name or location}"
+            method = f"draft:{Path(location.rstrip('/')).name or location}"
             own = other.default_tree
             self.engines[method] = MedusaEngine(other, own.prefix(min(tree.size, own.size)))
             self.drafts[method] = other.heads_file

@@ -40,7 +40,7 @@ from medusa_chat.model.heads_files import (
     load_heads_file,
 )
 from medusa_chat.model.lookup_only import LOOKUP_ONLY, heads_info, heads_line, lookup_only_tree
-from medusa_chat.model.registry import ModelSpec, is_repo_id, resolve
+from medusa_chat.model.registry import ModelSpec, heads_location, is_repo_id, resolve
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
 
@@ -471,10 +471,10 @@ def load_model(
 
 
 def with_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None) -> LoadedModel:
-    """The same backbone (shared, not loaded again) with other heads or an EAGLE draft from `heads` (a folder
-    or a Hub repo), checked against it as `load_model` checks heads: for drafters side by side (`bench
+    """The same backbone (shared, not loaded again) with other heads or an EAGLE draft from `heads` (a shipped
+    heads name, a folder or a Hub repo), checked against it as `load_model` checks heads: for drafters side by side (`bench
     --compare-heads`)."""
-    heads_dir = _local_or_fetch(heads, "heads", progress)
+    heads_dir = _local_or_fetch(heads_location(heads), "heads", progress)
     heads_mod, heads_path, _ = load_heads_file(heads_dir, keep_dtype=True)
     check_heads_fit(heads_mod, loaded.backbone.config.to_dict(), str(heads_path), loaded.spec.name)
     _fit_heads(heads_mod, heads_path, loaded.backbone, loaded.dtype, loaded.device)

@@ -221,16 +221,19 @@ def _tree_default(heads_location: str | None, fallback: str) -> str:
     return fallback
 
 
+def heads_location(heads: str) -> str:
+    """`--heads`: a shipped heads name (hydra, medusa-1), a Hub repo ORG/NAME or a local folder, checked."""
+    heads = heads.strip()
+    return _check_location(str(SHIPPED_HEADS[heads]) if heads in SHIPPED_HEADS else heads, "heads")
+
+
 def resolve(model: str | None = None, heads: str | None = None) -> ModelSpec:
     """Turn `--model` (alias, ORG/NAME or PATH) and `--heads` (ORG/NAME or PATH) into a ModelSpec.
 
     Raises ModelNotFoundError for an unknown alias (listing the aliases) or a missing local path.
     """
     model = (model or DEFAULT_MODEL).strip()
-    heads = heads.strip() if heads else None
-    if heads in SHIPPED_HEADS:
-        heads = str(SHIPPED_HEADS[heads])
-    heads_loc = _check_location(heads, "heads") if heads else None
+    heads_loc = heads_location(heads) if heads and heads.strip() else None
 
     if model in MODELS:
         spec = MODELS[model]
