@@ -225,18 +225,22 @@ def test_bench_compares_drafters_on_one_backbone(
     """`--compare-heads` runs other heads on the same backbone beside the run's own, each cut to the same node
     budget: every draft's greedy replies stay the reference's, and the planted heads (which know the model's
     next tokens) accept deeper than random ones. Acceptance by depth adds up to the tokens per step."""
+    from tests.eagle_helpers import draft_config, planted_eagle1_state, write_eagle
     from tests.tinymodels import random_heads_state, write_heads
 
     loaded = make_loaded_model()
+    embed = loaded.backbone.get_input_embeddings().weight.detach().float()
+    eagle = write_eagle(tmp_path / "eagle1", planted_eagle1_state(embed), draft_config())
     random = write_heads(tmp_path / "random-heads", random_heads_state(4, seed=5), tree=[[0], [0, 0], [1], [0, 0, 0]])
     args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "24", "--quant", "none"]
     args += ["--warmup", "0", "--baselines", "plain", "--tree-size", "4", "--no-context-lookup"]
     out = tmp_path / "drafts.json"
     own = str(Path(loaded.heads_file).parent)
-    assert cli.main([*args, "--compare-heads", f"{random},{own}", "--json", str(out)]) == 0
+    assert cli.main([*args, "--compare-heads", f"{random},{own},{eagle}", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     by_name = {d["method"]: d for d in doc["drafts"]}
     rand, same = by_name["draft:random-heads"], by_name[f"draft:{Path(own).name}"]
+    assert by_name["draft:eagle1"]["drafter"].startswith("eagle") and by_name["draft:eagle1"]["identical_fraction"] == 1.0
     assert rand["heads_file"].endswith("medusa_lm_head.safetensors") and rand["drafter"]
     assert rand["tree_size"] == same["tree_size"] == doc["tree_size"] == 4
     assert rand["identical_fraction"] == same["identical_fraction"] == 1.0  # drafts never change the reply
