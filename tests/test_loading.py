@@ -450,6 +450,15 @@ def test_7b_on_cpu_needs_explicit_device(tmp_path: Path, v1_pt_heads_dir: Path) 
         load_model(model="vicuna-7b")  # registry size: refused before touching the network
 
 
+def test_the_nf4_note_points_to_16_bit_weights_only_where_they_fit() -> None:
+    from medusa_chat.model.devices import nf4_trees_note
+
+    seven_b = 6_740_000_000  # 13.5 GB in 16 bits
+    assert nf4_trees_note(seven_b, 140 << 30) is not None and "13.5 GB" in nf4_trees_note(seven_b, 140 << 30)
+    assert nf4_trees_note(seven_b, 12 << 30) is None  # a 12 GB card: NF4 is what fits
+    assert nf4_trees_note(seven_b, 17 << 30) is None  # the weights alone would fit, the cache would not
+
+
 # ---- on a CUDA GPU (skipped elsewhere) ----------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -460,6 +469,7 @@ def test_cuda_auto_is_nf4_with_16bit_heads(tiny_llama_dir: Path, v1_safetensors_
 
     gpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir))
     assert gpu.device.type == "cuda" and gpu.quant == "nf4"
+    assert any("--quant none decodes faster" in n for n in gpu.notes)  # a tiny model always fits in 16 bits
     assert gpu.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in gpu.backbone.modules())
     p = next(gpu.heads.parameters())

@@ -62,6 +62,22 @@ def pick_quant(quant: str, device: torch.device) -> str:
     return quant
 
 
+def nf4_trees_note(params: int, free_bytes: int) -> str | None:
+    """What to tell a user whose model loaded NF4 on a GPU that has room for its 16-bit weights.
+
+    Measured on an H200 (benchmarks/RESULTS.md, "GPU"): bitsandbytes runs more than two rows by dequantizing every
+    weight, so an NF4 tree step of 4 nodes costs 2.1x a plain step and one of 64 nodes 2.5x, where fp16 pays
+    1.2x and 1.3x: with NF4 the calibration keeps (nearly) plain decoding. Only a note: NF4 stays the default.
+    """
+    need = params * 2 * 1.2 + (2 << 30)  # 16-bit weights, plus the cache and activations' room
+    if free_bytes < need:
+        return None
+    return (
+        f"this GPU has room for the 16-bit weights ({params * 2 / 1e9:.1f} GB): --quant none decodes faster with "
+        "Medusa trees (bitsandbytes NF4 tree steps cost 2-2.5x a plain step; 16-bit ones 1.2-1.3x)"
+    )
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":

@@ -29,7 +29,14 @@ from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNo
 from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
-from medusa_chat.model.devices import CPU_QUANTS, pick_device, pick_dtype, pick_quant, quantization_config
+from medusa_chat.model.devices import (
+    CPU_QUANTS,
+    nf4_trees_note,
+    pick_device,
+    pick_dtype,
+    pick_quant,
+    quantization_config,
+)
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.heads_files import (
     check_draft_vocab,
@@ -430,6 +437,10 @@ def load_model(
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
     if heads_mod is not None:
         _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
+    if dev.type == "cuda" and q == "nf4" and heads_mod is not None:
+        note = nf4_trees_note(estimate_params(config), torch.cuda.mem_get_info(dev)[0])
+        if note:
+            notes.append(note)
     # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
     if dev.type == "cpu" and compute_dtype == torch.float32 and q in ("none", "") and cpu_native_bf16():
         notes.append(
