@@ -265,6 +265,10 @@ def test_bench_compare_heads_that_do_not_fit_is_a_clear_error(
     assert cli.main([*args, "--baselines", "plain", "--compare-heads", str(wrong)]) != 0
     err = capsys.readouterr().err
     assert "wide-heads" in err and "hidden size 48" in err and "Traceback" not in err
+    # an unknown name is refused before the model loads, with the names there are
+    assert cli.main([*args, "--compare-heads", "nosuchheads"]) != 0
+    err = capsys.readouterr().err
+    assert "unknown heads 'nosuchheads': use one of hydra, medusa-1" in err and "Loading" not in err
     # a shipped heads name resolves as `--heads` does: the embedded model's Medusa-1 heads, 576 wide
     assert cli.main([*args, "--baselines", "plain", "--compare-heads", "medusa-1"]) != 0
     err = capsys.readouterr().err

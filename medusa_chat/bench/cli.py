@@ -152,6 +152,10 @@ def bench_main(args: argparse.Namespace) -> int:
         raise MedusaChatError(f"--background-load must be >= 0 (got {background})")
     prompts = read_prompts(args.prompts, args.limit)
     settings_from_args(args)  # validates the options before the (slow) load
+    for heads in getattr(args, "compare_heads", None) or []:
+        from medusa_chat.model.registry import heads_location
+
+        heads_location(heads)  # an unknown name or a missing folder: said before the load
     loaded = load_from_args(args, err)
     tree, source = resolve_tree(
         loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, False)

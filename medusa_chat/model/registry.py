@@ -207,8 +207,9 @@ def _check_location(name: str, what: str) -> str:
         return name
     if "/" in name or name.startswith((".", "~")):
         raise ModelNotFoundError(f"{what} folder {name!r} does not exist")
+    names = SHIPPED_HEADS if what == "heads" else MODELS
     raise ModelNotFoundError(
-        f"unknown {what} {name!r}: use one of {', '.join(MODELS)}, a Hub repo ORG/NAME, or a local folder"
+        f"unknown {what} {name!r}: use one of {', '.join(names)}, a Hub repo ORG/NAME, or a local folder"
     )
 
 
