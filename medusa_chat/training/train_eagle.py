@@ -44,7 +44,7 @@ from medusa_chat.model.eagle import EagleDraft, _rotate_half
 from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
 from medusa_chat.training.positions import cache_shards, heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
-from medusa_chat.training.train_heads import TrainSettings, _Progress, use_bf16
+from medusa_chat.training.train_heads import TrainSettings, WarmupCosine, _Progress, use_bf16
 
 EAGLE_FILE = "model.safetensors"
 MAX_UNROLL = 7  # EAGLE-3 unrolls ~7 steps; the cached targets reach 8 tokens past a feature
@@ -459,14 +459,7 @@ def train_eagle(
     lm_w = lm_weight.detach().to(device, torch.bfloat16 if bf16 else torch.float32)
     embed = embed_weight.detach().to(device, torch.float32)
     batches_per_epoch = len(make_batches(train, settings.batch_tokens, 0))
-    plan = {"total": max(1, int(round(settings.epochs * batches_per_epoch)))}
-    warmup = max(1, int(settings.warmup_frac * plan["total"]))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = min(1.0, (step - warmup) / max(1, plan["total"] - warmup))
-        return 0.5 * (1 + math.cos(math.pi * frac))
+    plan = WarmupCosine.planned(int(round(settings.epochs * batches_per_epoch)), settings.warmup_frac)
 
     opt = torch.optim.AdamW(
         draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
@@ -484,7 +477,7 @@ def train_eagle(
         if ck["key"] == key:
             draft.load_state_dict(ck["draft"])
             opt.load_state_dict(ck["opt"])
-            plan["total"] = int(ck["total"])
+            plan.total = int(ck["total"])
             state.update(
                 step=int(ck["step"]),
                 best_loss=float(ck["best_loss"]),
@@ -492,7 +485,7 @@ def train_eagle(
                 epoch_losses=list(ck["epoch_losses"]),
                 best=ck.get("best"),
             )
-            log(f"resuming EAGLE training at step {state['step']}/{plan['total']}")
+            log(f"resuming EAGLE training at step {state['step']}/{plan.total}")
         else:
             log("checkpoint is for other settings or data: training from scratch")
 
@@ -503,7 +496,7 @@ def train_eagle(
                     "key": key,
                     "draft": draft.state_dict(),
                     "opt": opt.state_dict(),
-                    "total": plan["total"],
+                    "total": plan.total,
                     **{k: state[k] for k in ("step", "best_loss", "best_epoch", "epoch_losses")},
                     "best": state["best"],
                 },
@@ -512,11 +505,11 @@ def train_eagle(
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     ema = [0.0] * settings.unroll
-    bar = _Progress(plan["total"], "train eagle", log)
+    bar = _Progress(plan.total, "train eagle", log)
     t0, t_meas, stopped = time.time(), None, False
     cur_epoch, batches = -1, []
     try:
-        while state["step"] < plan["total"]:
+        while state["step"] < plan.total:
             step = state["step"]
             epoch, off = divmod(step, batches_per_epoch)
             if epoch != cur_epoch:  # the same order after a resume
@@ -532,7 +525,7 @@ def train_eagle(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), settings.grad_clip)
             for grp in opt.param_groups:  # schedule set by hand: survives resumes and a shortened plan
-                grp["lr"] = settings.lr * lr_at(step)
+                grp["lr"] = settings.lr * plan(step)
             opt.step()
             state["step"] = step = step + 1
             ema = [0.9 * e + 0.1 * a for e, a in zip(ema, top1, strict=True)]
@@ -541,13 +534,13 @@ def train_eagle(
             elif deadline is not None and t_meas is not None and step == 13:
                 per = (time.time() - t_meas) / 10
                 fit = int((deadline - time.time()) / per * 0.92)
-                if step + fit < plan["total"]:
-                    plan["total"] = max(step + 1, step + fit)
-                    log(f"time budget: training shortened to {plan['total']} steps ({per:.2f} s/step)")
+                if step + fit < plan.total:
+                    plan.total = max(step + 1, step + fit)
+                    log(f"time budget: training shortened to {plan.total} steps ({per:.2f} s/step)")
             bar.update(
-                step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), total=plan["total"]
+                step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), total=plan.total
             )
-            end_of_epoch = step % batches_per_epoch == 0 or step == plan["total"]
+            end_of_epoch = step % batches_per_epoch == 0 or step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
                 hl = heldout_loss(draft, lm_w, embed, heldout, settings, device, bf16)
                 state["epoch_losses"].append(round(hl, 5))
@@ -571,7 +564,7 @@ def train_eagle(
         draft.load_state_dict(state["best"])
     return EagleResult(
         state["step"],
-        plan["total"],
+        plan.total,
         time.time() - t0,
         stopped,
         bf16,

@@ -202,6 +202,26 @@ class TrainResult:
     epoch_heldout_loss: list[float] = field(default_factory=list)
 
 
+@dataclass
+class WarmupCosine:
+    """The learning-rate factor: linear warm-up over the first steps, then a cosine to 0 at `total`. A time
+    budget may shorten `total` during training; the warm-up stays as planned."""
+
+    total: int
+    warmup: int
+
+    @classmethod
+    def planned(cls, total: int, warmup_frac: float) -> WarmupCosine:
+        total = max(1, total)
+        return cls(total, max(1, int(warmup_frac * total)))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        frac = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return 0.5 * (1 + math.cos(math.pi * frac))
+
+
 def train_heads(
     heads: MedusaHeads,
     lm_weight: torch.Tensor,
@@ -234,14 +254,7 @@ def train_heads(
     if n == 0:
         raise ValueError("no training positions: generate data first")
     steps_per_epoch = max(1, math.ceil(n / settings.batch_size))
-    plan = {"total": max(1, int(round(settings.epochs * steps_per_epoch)))}
-    warmup = max(1, int(settings.warmup_frac * plan["total"]))
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = min(1.0, (step - warmup) / max(1, plan["total"] - warmup))
-        return 0.5 * (1 + math.cos(math.pi * frac))
+    plan = WarmupCosine.planned(int(round(settings.epochs * steps_per_epoch)), settings.warmup_frac)
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -252,14 +265,14 @@ def train_heads(
         if ck["key"] == key:
             heads.load_state_dict(ck["heads"])
             opt.load_state_dict(ck["opt"])
-            step, plan["total"] = int(ck["step"]), int(ck["total"])
+            step, plan.total = int(ck["step"]), int(ck["total"])
             best_loss, best_epoch, epoch_losses = (
                 float(ck["best_loss"]),
                 ck["best_epoch"],
                 list(ck["epoch_losses"]),
             )
             best_state = ck.get("best_state")
-            log(f"resuming training at step {step}/{plan['total']}")
+            log(f"resuming training at step {step}/{plan.total}")
         else:
             log("checkpoint is for other settings or data: training from scratch")
 
@@ -272,7 +285,7 @@ def train_heads(
                 "heads": heads.state_dict(),
                 "opt": opt.state_dict(),
                 "step": step,
-                "total": plan["total"],
+                "total": plan.total,
                 "best_loss": best_loss,
                 "best_epoch": best_epoch,
                 "epoch_losses": epoch_losses,
@@ -284,12 +297,12 @@ def train_heads(
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
     hidden, targets = train.hidden, train.targets
     ema = [0.0] * k
-    bar = _Progress(plan["total"], "train", log)
+    bar = _Progress(plan.total, "train", log)
     t0, t_meas, stopped = time.time(), None, False
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     perm_epoch, perm = -1, torch.empty(0, dtype=torch.long)
     try:
-        while step < plan["total"]:
+        while step < plan.total:
             epoch, off = divmod(step, steps_per_epoch)
             if epoch != perm_epoch:
                 g = torch.Generator().manual_seed(settings.seed * 7919 + epoch)  # same order after a resume
@@ -305,7 +318,7 @@ def train_heads(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for grp in opt.param_groups:  # schedule set by hand: survives resumes and a shortened plan
-                grp["lr"] = settings.lr * lr_at(step)
+                grp["lr"] = settings.lr * plan(step)
             opt.step()
             step += 1
             with torch.no_grad():
@@ -320,14 +333,14 @@ def train_heads(
             elif deadline is not None and t_meas is not None and step == 40:
                 per = (time.time() - t_meas) / 30
                 fit = int((deadline - time.time()) / per * 0.92)
-                if step + fit < plan["total"]:
-                    plan["total"] = max(step + 1, step + fit)
+                if step + fit < plan.total:
+                    plan.total = max(step + 1, step + fit)
                     log(
-                        f"time budget: training shortened to {plan['total']} steps ({per * 1000:.0f} ms/step)"
+                        f"time budget: training shortened to {plan.total} steps ({per * 1000:.0f} ms/step)"
                     )
             info = f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema)
-            bar.update(step, info, total=plan["total"])
-            end_of_epoch = step % steps_per_epoch == 0 or step == plan["total"]
+            bar.update(step, info, total=plan.total)
+            end_of_epoch = step % steps_per_epoch == 0 or step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
                 hl = heldout_loss(
                     heads, lm_weight, heldout, k, device, bf16, settings.head_decay, vocab_index, embed
@@ -355,7 +368,7 @@ def train_heads(
     save_ck()
     return TrainResult(
         step,
-        plan["total"],
+        plan.total,
         time.time() - t0,
         stopped,
         bf16,
