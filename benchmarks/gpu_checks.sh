@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks this repo cannot run in CI, as one prepared script (about 3 minutes on one H200, 8 with the
-# end-to-end stage).
+# The GPU checks this repo cannot run in CI, as one prepared script (about 4 minutes on one H200 with the
+# end-to-end stage at 1.17B; 7 with the 7B shape too).
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR
 # On a GPU machine without network, prepare its packages and tokenizer first (benchmarks/gpu_prepare.sh), carry
@@ -17,6 +17,8 @@
 #    random-weight 1.17B Llama with 4 Medusa-1 heads written to disk, then `medusa-chat bench` on CUDA in NF4 and in
 #    fp16 (load_model, the first-start calibration, the engine with graphs) against HF generate and the plain loop.
 #    Random weights: the speeds and the identity count, not acceptance.
+# GPU_STAGES="cuda_tests make_1b bench_1b_nf4 bench_1b_none" runs only the stages named (default: all);
+# GPU_E2E_SHAPES="1b 7b" adds the end-to-end stages at the 7B shape.
 # Each stage has its own time limit and a failed stage does not stop the next (the whole run fits a 10-minute
 # lease call); every stage's log and JSON land in OUT_DIR.
 # Needs: torch with CUDA, transformers, bitsandbytes (the repo's requirements); no network, no downloads.
@@ -30,6 +32,9 @@ export PYTHONUNBUFFERED=1
 
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to OUT_DIR/NAME.log, report the exit status
     local name=$1 secs=$2; shift 2
+    if [ -n "${GPU_STAGES:-}" ] && [[ " $GPU_STAGES " != *" $name "* ]]; then
+        echo "== $name skipped (not in GPU_STAGES)"; return
+    fi
     echo "== $name (limit ${secs}s)"
     local t0=$SECONDS
     timeout "$secs" "$@" >"$out/$name.log" 2>&1
@@ -45,7 +50,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 "$py" -c "import bitsandbytes as b; print('bitsandbytes', b.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
 stage cuda_tests "${GPU_TESTS_S:-150}" "$py" -m pytest -q -p no:cacheprovider -rs tests/test_loading.py \
-    tests/test_lean_forward.py tests/test_graph_step.py -k "cuda or recorded"
+    tests/test_lean_forward.py tests/test_graph_step.py tests/test_calibrate.py -k "cuda or recorded"
 stage step_latency_lean "${GPU_LEAN_S:-200}" "$py" benchmarks/gpu_step_latency.py --reps 10 --check-lossless \
     --out "$out/step_latency_lean.json"
 MEDUSA_CHAT_COMPILE=0 stage step_latency_eager "${GPU_EAGER_S:-100}" "$py" benchmarks/gpu_step_latency.py \
@@ -54,14 +59,17 @@ MEDUSA_CHAT_LEAN=0 stage step_latency_transformers "${GPU_HF_S:-100}" "$py" benc
     --reps 10 --out "$out/step_latency_transformers.json"
 tokenizer="${E2E_TOKENIZER:-.whl/tokenizer}"
 if [ -f "$tokenizer/tokenizer.json" ]; then
-    models=$(mktemp -d)
-    MAKE_MODELS_THREADS=8 stage make_1b "${GPU_MAKE_S:-150}" "$py" benchmarks/make_real_size_models.py 1b \
-        --out "$models" --tokenizer "$tokenizer"
-    for q in nf4 none; do
-        MEDUSA_CHAT_CACHE="$models/cache" stage "bench_1b_$q" "${GPU_BENCH_S:-150}" "$py" -m medusa_chat bench \
-            --model "$models/hf" --heads "$models/medusa1" --device cuda --quant "$q" --warmup 1 --quiet \
-            --prompts benchmarks/data/heldout_prompts.jsonl --limit 4 --max-new-tokens 64 --baselines hf,plain \
-            --json "$out/bench_1b_$q.json"
+    for shape in ${GPU_E2E_SHAPES:-1b}; do  # "1b 7b" adds the 7B shape (13.5 GB written, 5 heads)
+        models=$(mktemp -d)
+        MAKE_MODELS_THREADS=8 stage "make_$shape" "${GPU_MAKE_S:-150}" "$py" benchmarks/make_real_size_models.py \
+            "$shape" --out "$models" --tokenizer "$tokenizer"
+        for q in nf4 none; do  # the first start calibrates the tree on the GPU (tuning/calibrate.py), then bench
+            MEDUSA_CHAT_CACHE="$models/cache" stage "bench_${shape}_$q" "${GPU_BENCH_S:-150}" "$py" -m medusa_chat \
+                bench --model "$models/hf" --heads "$models/medusa1" --device cuda --quant "$q" --warmup 1 --quiet \
+                --prompts benchmarks/data/heldout_prompts.jsonl --limit 4 --max-new-tokens 64 --baselines hf,plain \
+                --json "$out/bench_${shape}_$q.json"
+        done
+        rm -rf "$models"
     done
 else
     echo "== end to end skipped: no $tokenizer/tokenizer.json (run benchmarks/gpu_prepare.sh first)"

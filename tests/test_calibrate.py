@@ -460,3 +460,29 @@ def test_a_cancelled_calibration_saves_nothing(cache_dir: Path, make_loaded_mode
     with pytest.raises(cal.CalibrationCancelled):
         cal.calibrate_first_start(loaded, loaded.default_tree, cancel=cancel)
     assert load_calibration(*tree_choice.model_identity(loaded)) is None
+
+
+# ---- on a CUDA GPU (skipped elsewhere): the first start calibrates there too ---------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_first_start_calibrates_every_tree_size_one_engine_at_a_time(
+    cache_dir: Path, tiny_llama_dir: Path, v1_safetensors_heads_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medusa_chat.model.loading import load_model
+
+    monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
+    loaded = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cuda")
+    default_size = loaded.default_tree.size
+    assert cal.first_start_budget(loaded) == cal.FirstStartBudget(len(cal.CALIBRATION_PROMPTS), 20, 256)
+    assert not cal.calibration_is_long(loaded)  # a GPU calibrates before the first reply
+    tree, source = cal.resolve_tree(loaded, defer=True)
+    record = load_calibration(*tree_choice.model_identity(loaded))
+    assert record is not None and source == tree_choice.calibrated_source(record)
+    assert tree.size == record["tree_size"] and tree.paths == loaded.default_tree.prefix(tree.size).paths
+    timed = {s["size"] for s in record["sizes"]}
+    # every GPU size up to the default tree's whole size, each timed with and without CUDA graphs
+    assert timed == {n for n in cal.GPU_SIZES if n <= default_size} | {default_size}
+    assert all(s["latency_s"] > 0 and s["eager_latency_s"] > 0 for s in record["sizes"])
+    assert "graph_step" in record
+    # the next start reads the choice instead of measuring again
+    again, again_source = cal.resolve_tree(loaded)
+    assert again.size == tree.size and again_source == source

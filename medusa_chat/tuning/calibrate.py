@@ -133,6 +133,9 @@ def first_start_budget(loaded: Any) -> FirstStartBudget:
     (docs/gguf_models.md, "First start")."""
     from medusa_chat.model.loading import estimate_params
 
+    if getattr(getattr(loaded, "device", None), "type", "cpu") == "cuda":
+        # a GPU decodes even a 7B model at 100+ steps a second: the full measurement takes seconds there
+        return FirstStartBudget(replies=len(CALIBRATION_PROMPTS), reps=20, prefix_tokens=DEFAULT_PREFIX_TOKENS)
     config = getattr(loaded.backbone, "config", None)
     params = estimate_params(config.to_dict()) if config is not None else 0
     scale = 1.0 if params <= 0 else min(1.0, 2e8 / params)
@@ -381,6 +384,11 @@ CPU_MAX_TREE = 8
 
 
 CPU_SIZES = (1, 2, 3, 4, 6, 8)
+# On a GPU a tree row costs little until the step stops being memory-bound (H200, 7B fp16 with CUDA graphs: 64
+# nodes 1.32x a plain step), but with NF4 weights bitsandbytes dequantizes every weight for more than one row
+# (4 nodes 2.15x, 64 nodes 2.57x a plain step): the first start times the default tree's prefixes up to its
+# whole size and keeps the fastest, plain decoding included (benchmarks/RESULTS.md, "GPU").
+GPU_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # Why a reply uses plain decoding before this CPU is calibrated (the UIs' tree line shows it).
@@ -404,8 +412,8 @@ def resolve_tree(
 ) -> tuple[Tree, str]:
     """The tree every entry point uses (chat, web, ask, bench, info, serve), and why.
 
-    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU, calibrate once now
-    (about 10 s; cached for every later start and command); else the model's default tree. With `defer`, a
+    --tree / --tree-size win; else this machine's cached calibration; else, on a CPU or a CUDA GPU, calibrate
+    once now (about 10 s; cached for every later start and command); else the model's default tree. With `defer`, a
     model whose calibration is long (`calibration_is_long`) is not calibrated now: the root alone (plain
     decoding, never slower than the plain loop) with PROVISIONAL_SOURCE, and the caller runs
     `calibrate_first_start` when the user is reading the first reply.
@@ -413,7 +421,7 @@ def resolve_tree(
     if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
         auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
     tree, source = choose_tree(loaded, tree_name, tree_size)
-    if source != "default" or not auto_calibrate or loaded.device.type != "cpu" or tree.size <= 1:
+    if source != "default" or not auto_calibrate or loaded.device.type not in ("cpu", "cuda") or tree.size <= 1:
         return tree, source
     if defer and calibration_is_long(loaded):
         return tree.prefix(1), PROVISIONAL_SOURCE
@@ -428,14 +436,16 @@ def calibrate_first_start(
 ) -> tuple[Tree, str]:
     """Calibrate prefixes of `tree` (the model's default) with the first-start budget, save the choice for
     every later start, and return the chosen prefix and why. `cancel`: see `calibrate` (nothing is saved)."""
-    base = tree.prefix(min(tree.size, CPU_MAX_TREE))
+    cpu = loaded.device.type == "cpu"
+    base = tree.prefix(min(tree.size, CPU_MAX_TREE)) if cpu else tree
     if progress is not None:
-        progress(f"calibrating the tree size for this CPU once ({loaded.quant}; cached for next time)")
+        what = "CPU" if cpu else "GPU"
+        progress(f"calibrating the tree size for this {what} once ({loaded.quant}; cached for next time)")
     budget = first_start_budget(loaded)
     record = calibrate(
         loaded,
         base=base,
-        sizes=CPU_SIZES,
+        sizes=CPU_SIZES if cpu else GPU_SIZES,
         prefix_tokens=budget.prefix_tokens,
         reps=budget.reps,  # round-robin over the sizes: medians that a noisy VM does not flip
         measure_accuracy=True,

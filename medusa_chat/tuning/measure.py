@@ -4,6 +4,7 @@ each step accepts per size (from the heads' tree.json, or measured on built-in p
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import statistics
 import threading
@@ -105,6 +106,19 @@ def measure_step_latency(
     base = tree or Tree.named("mc_sim_7b_63")
     cuda = device.type == "cuda"
     acceptor = make_acceptor(GenerationSettings(temperature=0.0), None, device, 1 << 20)
+    if engines is None and cuda and len(sizes) > 1:
+        # On a GPU each engine holds its CUDA graphs' whole-window KV cache (graph_step.py): a 7B model's is ~2
+        # GB, so the sizes are timed one engine at a time, each freed before the next (a GPU's step time varies
+        # too little for round-robin to matter, unlike a shared CPU's).
+        by_size: dict[int, dict[str, float]] = {}
+        for n in sizes:
+            by_size |= measure_step_latency(
+                loaded, [n], tree=base, prefix_tokens=prefix_tokens, reps=reps, warmup=warmup, seed=seed,
+                progress=progress, graphs=graphs, cancel=cancel,
+            )
+            gc.collect()  # the engine and its graphs, before the allocator lets go of their memory
+            torch.cuda.empty_cache()
+        return by_size
     step_args = engines or prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens, seed), graphs)
     if threads is not None:  # the native step's team for this timing (each engine put its own in force)
         from medusa_chat.kernels import qgemm
