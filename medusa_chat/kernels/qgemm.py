@@ -192,21 +192,41 @@ def _build_and_open(isa: str) -> ctypes.CDLL | None:
         lib.mc_set_threads.argtypes = [i]
         lib.mc_set_threads.restype = None
         lib.mc_get_threads.restype = lib.mc_team_probe.restype = i
+        lib.mc_duet.restype = lib.duet_available.restype = i
+        lib.duet_quiesce.restype = lib.duet_set_test_delay.restype = None
+        lib.duet_set_test_delay.argtypes = [i]
+        lib.duet_stolen_chunks.restype = ctypes.c_long
     return lib
+
+
+DUET = -1  # set_threads(DUET): the caller alone, its block products shared with a helper it never waits for
 
 
 def set_threads(n: int) -> None:
     """How many threads our kernels' parallel regions use (every built ISA's library; 0: the OpenMP runtime's
-    default). The outputs are the same bits whatever the count (the work is split by rows, column groups, heads
-    and key ranges, never inside one sum)."""
+    default; DUET: the duet mode, csrc/duet.c). The outputs are the same bits whatever the count (the work is
+    split by rows, column groups, heads and key ranges, never inside one sum)."""
     for isa in list(_LIBS) or [None]:
         lib = _LIBS.get(isa) if isa else load()
         if lib is not None:
             lib.mc_set_threads(int(n))
 
 
+def duet_available() -> bool:
+    """Can the duet mode run here (the kernel built, its helper thread started)?"""
+    lib = load()
+    return lib is not None and bool(lib.duet_available())
+
+
+def quiesce() -> None:
+    """Wait until the duet helper is out of any product (before the weights it may read are freed)."""
+    for lib in _LIBS.values():
+        if lib is not None:
+            lib.duet_quiesce()
+
+
 def get_threads() -> int:
-    """The team size our kernels' regions use now (0 where the kernel cannot run here)."""
+    """The team size our kernels' regions use now (DUET in the duet mode; 0 where the kernel cannot run here)."""
     lib = load()
     return int(lib.mc_get_threads()) if lib is not None else 0
 

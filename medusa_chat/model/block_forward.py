@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -135,6 +136,11 @@ class NativeForward:
         )
         self._model_ref = ctypes.byref(self.model)
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        # the duet mode's helper may still be in a stale chunk that reads these weights (csrc/duet.c): before
+        # they go, wait until it is out (microseconds; it only lags when the scheduler has it parked)
+        from medusa_chat.kernels import qgemm
+
+        weakref.finalize(self, qgemm.quiesce)
         # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
         # than the rotary module's few ops per step, and a position's values never depend on the batch it
         # came in (a prefill, a tree, one token)

@@ -230,6 +230,8 @@ def stats_table(summary: ReplySummary, speedup: tuple[float, str], notices: list
             summary.stop_reason + (f" ({strip_controls(summary.message)})" if summary.message else ""),
         ),
     ]
+    if summary.threads:
+        rows.append(("threads", summary.threads))
     if summary.accepted_lengths:
         counts: dict[int, int] = {}
         for n in summary.accepted_lengths:

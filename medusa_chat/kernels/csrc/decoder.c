@@ -25,6 +25,7 @@
 #include "simd.h"
 #include "attention.h"
 #include "decoder.h"
+#include "duet.h"
 #include "qgemm.h"
 
 // LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32. Rows are shared among the team.
@@ -46,6 +47,7 @@ static void rms_norm(const float *x, const float *w, float eps, int T, int H, fl
 }
 
 void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
+    if (mc_duet() && duet_block_linear(l, x, M, y)) return;
     switch (l->kind) {
         case 1: q4_1_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->d, (const uint16_t *)l->aux, l->N, y, qx, dx, sx); break;
         case 2: q4_k_gemm_team(x, M, l->K, (const uint8_t *)l->qs, l->N, y, qx, dx, sx); break;

@@ -28,6 +28,8 @@
 #include <string.h>
 #include "qgemm.h"
 #include "qblock.h"
+#include "decoder.h"
+#include "duet.h"
 
 static inline __m256 u8_ps8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -208,14 +210,20 @@ void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
 
 // One product on its own (the Python modules' calls), as qgemm.c's q4_1_gemm
 void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {2, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q4_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
 void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {3, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q5_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
 void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {4, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
@@ -334,4 +342,17 @@ void kq_rows(int type, const uint8_t *w, int K, int group, const int64_t *ids, i
             }
         }
     }
+}
+
+// Column group g of a K-quant product (type 2 Q4_K, 3 Q5_K, 4 Q6_K: decoder.h's BLin kinds), all M rows, to y
+// [M, N]: the duet runtime's chunks (qgemm.c, duet_block_linear)
+void kq_group_kind(int kind, const int8_t *qx, const float *dx, const float *sx, int M, int K, const uint8_t *w,
+                   int N, int g, float *y) {
+    const int nsb = K / 256;
+    if (kind == 4)
+        kq_group(qx, dx, sx, M, nsb, w, N, g, y, 0, 1);
+    else if (kind == 3)
+        kq_group(qx, dx, sx, M, nsb, w, N, g, y, 1, 0);
+    else
+        kq_group(qx, dx, sx, M, nsb, w, N, g, y, 0, 0);
 }

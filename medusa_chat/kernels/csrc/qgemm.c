@@ -26,16 +26,29 @@
 #include <omp.h>
 #include "qgemm.h"
 #include "qblock.h"  // the layout sizes, ISA switches and vector helpers shared with kquants.c
+#include "duet.h"
+#include "decoder.h"
 
 // The team size of every parallel region of ours (mc_set_threads; 0: the OpenMP runtime's default, i.e.
 // omp_get_max_threads of the calling thread). A `num_threads` clause on each region rather than
 // omp_set_num_threads: it applies whatever runtime (torch's bundled libgomp or the system one) and whichever
 // thread calls, and it leaves torch's own pool size alone. With 1 the regions run on the caller alone, so no
 // barrier ever waits for a descheduled thread (a loaded machine: engine/threads.py).
-static int mc_threads = 0;
-void mc_set_threads(int n) { mc_threads = n > 0 ? n : 0; }
-int mc_get_threads(void) { return mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
-int mc_team(void) { return mc_get_threads(); }
+static int duet_gemm(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d, const void *aux,
+                     int N, float *y);
+static int duet_q8_0_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws,
+                            int N, int64_t *out);
+
+// -1: the duet mode (duet.c): every region runs on the caller alone, and the block products are shared with a
+// helper thread that the caller never waits for.
+static int mc_threads = 0, mc_duet_on = 0;
+void mc_set_threads(int n) {
+    mc_duet_on = n < 0 && duet_available();
+    mc_threads = n < 0 ? 1 : n;
+}
+int mc_get_threads(void) { return mc_duet_on ? -1 : mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
+int mc_team(void) { return mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
+int mc_duet(void) { return mc_duet_on; }
 // The team a region of ours really gets (tests: the clause applies on the runtime actually loaded)
 int mc_team_probe(void) {
     int n = 0;
@@ -315,6 +328,25 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
 }
 #endif
 
+// Column group g of a Q4_1 product, all M rows, to y [M, N]
+static inline __attribute__((always_inline)) void q4_1_group(const int8_t *qx, const float *dx, const float *sx,
+                                                              int M, int nb, const uint8_t *qs, const uint16_t *d,
+                                                              const uint16_t *mn, int N, int g, float *y) {
+    const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
+    const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
+#if HAVE_512
+#define Q41(MRc) q4_1_tile16(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GW, MRc)
+    ROW_TILES(Q41)
+#undef Q41
+#else
+    for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
+#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq + 32 * h, gd + GC * h, gm + GC * h, y, N, g * GW + GC * h, MRc)
+        ROW_TILES(Q41)
+#undef Q41
+    }
+#endif
+}
+
 // The products as team work: called by every thread of a parallel region (decoder.c runs a whole step in one),
 // each call shares the activation blocks, then the column groups, among the threads, with a barrier after each
 // (the implicit one of `omp for`). Outside a parallel region one thread does everything. Which thread computes a
@@ -327,21 +359,7 @@ void q4_1_gemm_team(const float *x, int M, int K, const uint8_t *qs, const uint1
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     quantize_rows(x, M, K, qx, dx, sx, NULL, NULL);
 #pragma omp for schedule(static)
-    for (int g = 0; g < ng; g++) {
-        const uint8_t *gq = qs + (size_t)g * nb * GW * 16;
-        const uint16_t *gd = d + (size_t)g * nb * GW, *gm = mn + (size_t)g * nb * GW;
-#if HAVE_512
-#define Q41(MRc) q4_1_tile16(qx, dx, sx, nb, r0, gq, gd, gm, y, N, g * GW, MRc)
-        ROW_TILES(Q41)
-#undef Q41
-#else
-        for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
-#define Q41(MRc) q4_1_tile(qx, dx, sx, nb, r0, gq + 32 * h, gd + GC * h, gm + GC * h, y, N, g * GW + GC * h, MRc)
-            ROW_TILES(Q41)
-#undef Q41
-        }
-#endif
-    }
+    for (int g = 0; g < ng; g++) q4_1_group(qx, dx, sx, M, nb, qs, d, mn, N, g, y);
 }
 
 // Column group g of a Q8_0 product, all M rows, to y[r * ldy + c0 + c]: the product's own output (ldy = N, c0 =
@@ -392,6 +410,7 @@ static inline int better(float v, float best) { return v > best || (v != v && be
 int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
                      int64_t *out, int8_t *qx, float *dx, float *sx) {
     if (M > ARGMAX_ROWS) return 0;
+    if (mc_duet_on && duet_q8_0_argmax(x, M, K, qs, d, ws, N, out)) return 1;
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     int8_t *qxu = qx + (size_t)M * K;
     float team_best[ARGMAX_THREADS][ARGMAX_ROWS];  // the caller's stack, shared by its team (48 KB)
@@ -436,12 +455,14 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
 // (a region costs more than it saves below PAR_MIN).
 void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
+    if (mc_duet_on && duet_gemm(1, x, M, K, qs, d, mn, N, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q4_1_gemm_team(x, M, K, qs, d, mn, N, y, qx, dx, sx);
 }
 
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx) {
+    if (mc_duet_on && duet_gemm(0, x, M, K, qs, d, ws, N, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
 }
@@ -464,4 +485,94 @@ void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int6
                     o[b * QK + 4 * j + t] = db * (float)gq[(size_t)b * group * 32 + (size_t)j * group * 4 + c * 4 + t];
         }
     }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The duet mode (duet.c): the products above, their column groups in chunks shared by the caller and a helper
+// ------------------------------------------------------------------------------------------------------------
+#define DUET_CHUNKS 32  // chunks per product (a stolen chunk is at most 1/32 of the product done twice)
+
+typedef struct {
+    int kind, M, K, N, ng, per_chunk;  // kind: decoder.h's BLin kinds; per_chunk: column groups per chunk
+    const void *qs;
+    const uint16_t *d;
+    const void *aux;
+    const int8_t *qx, *qxu;
+    const float *dx, *sx;
+} DuetGemm;
+
+static void duet_group(const DuetGemm *a, int g, float *y, int ldy, int c0) {
+    const int nb = a->K / QK;
+    switch (a->kind) {
+        case 0:
+            q8_0_group(a->qx, a->qxu, a->dx, a->M, nb, a->qs, a->d, a->aux, a->N, g, y, ldy, c0);
+            break;
+        case 1: q4_1_group(a->qx, a->dx, a->sx, a->M, nb, a->qs, a->d, a->aux, a->N, g, y); break;
+        default: kq_group_kind(a->kind, a->qx, a->dx, a->sx, a->M, a->K, a->qs, a->N, g, y);
+    }
+}
+
+static void duet_gemm_chunk(const void *args, int c, float *y) {
+    const DuetGemm *a = args;
+    const int g1 = (c + 1) * a->per_chunk < a->ng ? (c + 1) * a->per_chunk : a->ng;
+    for (int g = c * a->per_chunk; g < g1; g++) duet_group(a, g, y, a->N, g * GW);
+}
+
+// The activations quantized (as each *_team does) into the runtime's own code buffer, the product described
+static int duet_prepare(DuetGemm *a, int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
+                        const void *aux, int N) {
+    const size_t nb = (size_t)M * K / QK;
+    unsigned char *buf = duet_codes(2 * (size_t)M * K + 2 * nb * sizeof(float) + 128);
+    if (!buf) return 0;
+    int8_t *qx = (int8_t *)buf, *qxu = qx + (size_t)M * K;
+    float *dx = (float *)(((uintptr_t)(qxu + (size_t)M * K) + 63) & ~(uintptr_t)63), *sx = dx + nb;
+    if (kind == 0) quantize_rows(x, M, K, qx, dx, NULL, HAVE_VNNI ? qxu : NULL, NULL);
+    else if (kind == 1) quantize_rows(x, M, K, qx, dx, sx, NULL, NULL);
+    else quantize_rows(x, M, K, qx, dx, kind == 4 ? NULL : sx, NULL, kind == 4 ? (int16_t *)sx : NULL);
+    const int ng = (N + GW - 1) / GW;
+    *a = (DuetGemm){kind, M, K, N, ng, (ng + DUET_CHUNKS - 1) / DUET_CHUNKS, qs, d, aux, qx, qxu, dx, sx};
+    return 1;
+}
+
+static int duet_gemm(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d, const void *aux,
+                     int N, float *y) {
+    DuetGemm a;
+    if ((long)N * K < PAR_MIN || !duet_begin()) return 0;  // small: the caller alone (a hand-off costs more)
+    int ok = duet_prepare(&a, kind, x, M, K, qs, d, aux, N);
+    if (ok) ok = duet_columns(duet_gemm_chunk, &a, sizeof a, (a.ng + a.per_chunk - 1) / a.per_chunk,
+                              a.per_chunk * GW, M, N, y);
+    duet_end();
+    return ok;
+}
+
+int duet_block_linear(const BLin *l, const float *x, int M, float *y) {
+    return duet_gemm(l->kind, x, M, l->K, l->qs, l->d, l->aux, l->N, y);
+}
+
+// chunk c of the lm_head's argmax: its rows' best over its columns, in column order (q8_0_gemm_argmax's rule)
+static void duet_argmax_chunk(const void *args, int c, float *out) {
+    const DuetGemm *a = args;
+    DuetBest *best = (DuetBest *)out + (size_t)c * a->M;
+    __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
+    for (int r = 0; r < a->M; r++) best[r].value = 0.0f, best[r].index = -1;
+    const int g1 = (c + 1) * a->per_chunk < a->ng ? (c + 1) * a->per_chunk : a->ng;
+    for (int g = c * a->per_chunk; g < g1; g++) {
+        duet_group(a, g, y, GW, 0);
+        const int w = a->N - g * GW < GW ? a->N - g * GW : GW;
+        for (int r = 0; r < a->M; r++)
+            for (int k = 0; k < w; k++) {
+                const float v = y[r * GW + k];
+                if (best[r].index < 0 || better(v, best[r].value)) best[r].value = v, best[r].index = (int64_t)g * GW + k;
+            }
+    }
+}
+
+static int duet_q8_0_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws,
+                            int N, int64_t *out) {
+    DuetGemm a;
+    if (M > ARGMAX_ROWS || !duet_begin()) return 0;
+    int ok = duet_prepare(&a, 0, x, M, K, qs, d, ws, N);
+    if (ok) ok = duet_argmax(duet_argmax_chunk, &a, sizeof a, (a.ng + a.per_chunk - 1) / a.per_chunk, M, out);
+    duet_end();
+    return ok;
 }

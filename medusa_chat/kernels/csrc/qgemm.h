@@ -32,6 +32,9 @@ void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
 void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
+// column group g of a K-quant product (kind 2 Q4_K, 3 Q5_K, 4 Q6_K), all rows, to y [M, N] (kquants.c)
+void kq_group_kind(int kind, const int8_t *qx, const float *dx, const float *sx, int M, int K, const uint8_t *w,
+                   int N, int g, float *y);
 // the file's K-quant blocks (type 0 Q4_K, 1 Q5_K, 2 Q6_K) -> the kernel's stream (kquants.c)
 void kq_repack(int type, const uint8_t *raw, int rows, int K, int group, uint8_t *out);
 // rows of a K-quant stream dequantized as ggml does (kquants.c)
