@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from medusa_chat.kernels import qgemm
 from medusa_chat.model.tree_plan import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -138,9 +139,8 @@ class NativeForward:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         # the duet mode's helper may still be in a stale chunk that reads these weights (csrc/duet.c): before
         # they go, wait until it is out (microseconds; it only lags when the scheduler has it parked)
-        from medusa_chat.kernels import qgemm
-
         weakref.finalize(self, qgemm.quiesce)
+        self._guarded_kv: weakref.ref[torch.Tensor] | None = None
         # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
         # than the rotary module's few ops per step, and a position's values never depend on the batch it
         # came in (a prefill, a tree, one token)
@@ -177,7 +177,11 @@ class NativeForward:
             stride, longest = 0, t
         need = self.lib.decoder_scratch_bytes(self._model_ref, t, start + longest)
         if self._scratch.numel() < need:
+            qgemm.quiesce()  # the duet's helper may still read the old scratch (its attention: csrc/decoder.c)
             self._scratch = torch.empty(need + need // 4, dtype=torch.uint8)
+        if self._guarded_kv is None or self._guarded_kv() is not kv:  # ... and the KV cache's, before it is freed
+            weakref.finalize(kv, qgemm.quiesce)
+            self._guarded_kv = weakref.ref(kv)
         self.lib.decoder_forward(
             self._model_ref,
             t,

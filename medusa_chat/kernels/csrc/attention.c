@@ -178,13 +178,13 @@ static inline __attribute__((always_inline)) void weighted_values(const WPair *p
 
 void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, const kv_t *vc,
                          size_t cap, int start, int r0, int R, const int *blk, const int *blen, int stride,
-                         float *S, size_t s_stride, WPair *pairs, float *out) {
-    const int hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, G = nh / nkv;
+                         float *S, size_t s_stride, WPair *pairs, float *out, int kh0, int kh1) {
+    const int hd = m->head_dim, nh = m->n_heads, G = nh / m->n_kv;
     const float scale = m->scale;
     // 1. scores against the shared prefix [0, start): each key is read once for every row and head of its group
     const int nj = (start + JB - 1) / JB;
 #pragma omp for collapse(2) schedule(static)
-    for (int kh = 0; kh < nkv; kh++)
+    for (int kh = kh0; kh < kh1; kh++)
         for (int jb = 0; jb < nj; jb++) {
             const int j1 = (jb + 1) * JB < start ? (jb + 1) * JB : start;
             int j = jb * JB;
@@ -236,7 +236,7 @@ void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, 
     // 2. each row's block keys, 3. softmax weights (unnormalised) and their sum
 #pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < R; r++)
-        for (int h = 0; h < nh; h++) {
+        for (int h = kh0 * G; h < kh1 * G; h++) {
             const int row = r0 + r, kh = h / G, nb = block_len(blen, row), L = start + nb;
             const float *q = qkv + (size_t)row * qkv_n + h * hd;
             float *s = S + ((size_t)r * nh + h) * s_stride;
@@ -260,12 +260,12 @@ void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, 
             // pairs are ordered by KV head, then row, then query head of the group (step 4's tiles)
             const int g = h % G;
             pairs[((size_t)kh * R + r) * G + g] =
-                (WPair){s, out + (size_t)row * nh * hd + h * hd, 1.0f / hsum8(sum), row};
+                (WPair){s, out + (size_t)r * nh * hd + h * hd, 1.0f / hsum8(sum), row};
         }
     // 4. weighted sums of values: per KV head and 16-dim slice, all of its (row, query head) pairs at once
     const int n_slices = (hd + 15) / 16, n_pairs = R * G;
 #pragma omp for collapse(2) schedule(static)
-    for (int kh = 0; kh < nkv; kh++)
+    for (int kh = kh0; kh < kh1; kh++)
         for (int c = 0; c < n_slices; c++) {
             const kv_t *vh = vc + (size_t)kh * cap * hd;
             const WPair *pk = pairs + (size_t)kh * n_pairs;

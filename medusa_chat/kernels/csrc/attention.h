@@ -50,9 +50,10 @@ typedef struct {
     int row;         // row in the step (for its block keys)
 } WPair;
 
-// Attention of rows [r0, r0 + R) for one layer, as team work (each stage's items shared among the threads, a
-// barrier after each). q: rows of the qkv buffer (stride qkv_n), out [T, n_heads * hd]; S and pairs: shared
-// scratch.
+// Attention of rows [r0, r0 + R) for one layer, the query heads of KV heads [kh0, kh1), as team work (each
+// stage's items shared among the threads, a barrier after each). q: rows of the qkv buffer (stride qkv_n), out
+// [R, n_heads * hd] (row r0 first; only those heads' columns written); S and pairs: scratch (the duet's helper
+// passes its own). A (row, head)'s arithmetic does not depend on the head range it was computed in.
 void attend_chunk(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, const kv_t *vc, size_t cap,
                   int start, int r0, int R, const int *blk, const int *blen, int stride, float *S,
-                  size_t s_stride, WPair *pairs, float *out);
+                  size_t s_stride, WPair *pairs, float *out, int kh0, int kh1);

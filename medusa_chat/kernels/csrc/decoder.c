@@ -111,6 +111,45 @@ static inline void silu_mul_chunk(const float *g, const float *u, float *a, int 
     }
 }
 
+// Attention in the duet mode (duet.c): one chunk per KV head (its query heads' columns of `out`), the caller's
+// chunks with its scratch, the helper's with scratch of the runtime's own (duet_helper_scratch). The helper reads
+// the qkv rows (the step's scratch) and the KV cache; block_forward.py waits for it to be out of any chunk
+// before either is freed (qgemm.quiesce).
+typedef struct {
+    const DModel *m;
+    const float *qkv;
+    const kv_t *kc, *vc;
+    size_t cap, s_stride;
+    int qkv_n, start, r0, R, stride;
+    const int *blk, *blen;
+    float *S, *out, *helper_S;
+    WPair *pairs, *helper_pairs;
+} DuetAttention;
+
+static void duet_attention_chunk(const void *args, int c, float *y) {
+    const DuetAttention *a = args;
+    const int mine = y == a->out;
+    attend_chunk(a->m, a->qkv, a->qkv_n, a->kc, a->vc, a->cap, a->start, a->r0, a->R, a->blk, a->blen, a->stride,
+                 mine ? a->S : a->helper_S, a->s_stride, mine ? a->pairs : a->helper_pairs, y, c, c + 1);
+}
+
+static int duet_attention(const DModel *m, const float *qkv, int qkv_n, const kv_t *kc, const kv_t *vc, size_t cap,
+                          int start, int r0, int R, const int *blk, const int *blen, int stride, float *S, size_t s_stride,
+                          WPair *pairs, float *out) {
+    if (m->n_kv < 2 || !duet_begin()) return 0;
+    const size_t s_bytes = (size_t)R * m->n_heads * s_stride * sizeof(float);
+    unsigned char *h = duet_helper_scratch(s_bytes + (size_t)RC * m->n_heads * sizeof(WPair) + 64);
+    int ok = h != NULL;
+    if (ok) {
+        const DuetAttention a = {m, qkv, kc, vc, cap, s_stride, qkv_n, start, r0, R, stride, blk, blen, S, out,
+                                 (float *)h, pairs, (WPair *)(((uintptr_t)(h + s_bytes) + 63) & ~(uintptr_t)63)};
+        const int qd = m->n_heads * m->head_dim, cols = qd / m->n_kv;
+        ok = duet_columns(duet_attention_chunk, &a, sizeof a, m->n_kv, cols, R, qd, out);
+    }
+    duet_end();
+    return ok;
+}
+
 // x [T, hidden]: the token embeddings in, the final-normed hidden states out. cos/sin [T, head_dim] per row.
 // kv: the cache [n_layers, 2, n_kv, cap, head_dim] in fp16; rows are written at slots start .. start + T - 1.
 // blk [T, stride] / blen [T]: each row's block keys (slot offsets from start, in order), or NULL for causal.
@@ -165,9 +204,14 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
                     else if (hh >= nh + nkv)
                         store_kv(vc + ((size_t)(hh - nh - nkv) * cap + start + r) * hd, row + hh * hd, hd);
                 }
-            for (int r0 = 0; r0 < T; r0 += RC)
-                attend_chunk(m, qkv, qkv_n, kc, vc, cap, start, r0, T - r0 < RC ? T - r0 : RC, blk, blen, stride,
-                             S, (size_t)max_len, pairs, att);
+            for (int r0 = 0; r0 < T; r0 += RC) {
+                const int R = T - r0 < RC ? T - r0 : RC;
+                float *out = att + (size_t)r0 * qd;
+                if (!(mc_duet() && duet_attention(m, qkv, qkv_n, kc, vc, cap, start, r0, R, blk, blen, stride, S,
+                                                  (size_t)max_len, pairs, out)))
+                    attend_chunk(m, qkv, qkv_n, kc, vc, cap, start, r0, R, blk, blen, stride, S, (size_t)max_len,
+                                 pairs, out, 0, nkv);
+            }
             block_linear(&L->o, att, T, tmp, qx, dx, sx);
 #pragma omp for schedule(static)
             for (int r = 0; r < T; r++)

@@ -4,7 +4,8 @@
 // Why: the OpenMP step (decoder.c) ends every worksharing loop with a barrier. When another process holds one
 // of the two cores, the thread there runs only in the scheduler's slices, and each barrier (~500 a step) waits
 // for it: a step took up to 10x its quiet time, and one thread alone (no barrier) was the best there was, half
-// the quiet speed. Here the caller ("main") runs the whole step; only the block products are shared. Main takes
+// the quiet speed. Here the caller ("main") runs the whole step; only the block products and the attention's KV
+// heads (decoder.c) are shared. Main takes
 // chunks of column groups from the front, the helper from the back, each with one compare-and-swap on a word
 // that also names the product (so a helper that slept through a product can never take a chunk of the next).
 // The helper computes into a staging buffer of its own and publishes each finished chunk; main copies finished
@@ -16,9 +17,10 @@
 // column: qgemm.c), and staged values are copied bit for bit, so the outputs equal the one-thread and the OpenMP
 // step's exactly (tests/test_threads.py).
 //
-// Memory the helper touches: the weights (alive as long as the model), its staging buffer and the activation
-// codes, both owned here and only ever grown while the helper is known to be out of any chunk (a helper that
-// resumes a stale chunk reads and writes only these). The helper writes nothing main reads unless it finished
+// Memory the helper touches: the weights (alive as long as the model), its staging buffer, scratch and the
+// activation codes, all owned here and only ever grown while the helper is known to be out of any chunk, and in
+// attention the step's qkv rows and the KV cache, which block_forward.py frees only after duet_quiesce. A helper
+// that resumes a stale chunk reads and writes only these. The helper writes nothing main reads unless it finished
 // that chunk of the current product, and it is one thread, so a stale chunk's writes precede its later ones.
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -170,6 +172,13 @@ static void *grow(void *buf, size_t *have, size_t need) {
 void *duet_codes(size_t bytes) {
     codes = grow(codes, &codes_bytes, bytes);
     return codes;
+}
+
+static unsigned char *helper_scratch;
+static size_t helper_scratch_bytes;
+void *duet_helper_scratch(size_t bytes) {
+    helper_scratch = grow(helper_scratch, &helper_scratch_bytes, bytes);
+    return helper_scratch;
 }
 
 // Run chunks 0..n_chunks-1 of a product: fn(args, c, y) computes chunk c's columns [c * cols, (c + 1) * cols)

@@ -24,6 +24,8 @@ int duet_begin(void);
 void duet_end(void);
 // a buffer of at least `bytes` for a product's activation codes (the helper may read it after the product)
 void *duet_codes(size_t bytes);
+// scratch for the helper's own use in a product (decoder.c's attention), grown as duet_codes
+void *duet_helper_scratch(size_t bytes);
 int duet_columns(duet_chunk_fn fn, const void *args, size_t args_size, int n_chunks, int cols, int M, int N,
                  float *y);
 int duet_argmax(duet_chunk_fn fn, const void *args, size_t args_size, int n_chunks, int M, int64_t *out);
