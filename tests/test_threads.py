@@ -289,3 +289,44 @@ def test_a_reply_says_what_ran_its_steps(restore_threads, monkeypatch) -> None:
     fixed = MedusaEngine(model, Tree.named("mc_sim_7b_63").prefix(4))
     events = list(fixed.generate(training_prompts()[0], GenerationSettings(max_new_tokens=8, temperature=0)))
     assert events[-1].threads == "1 thread (fixed)"
+
+
+def test_a_forked_child_runs_products_without_the_duet_helper(restore_threads) -> None:
+    """Only the forking thread is copied into a child: there the duet is off (its products run the ordinary way)
+    and a helper that was inside a chunk at the fork does not keep the child's quiesce waiting."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+
+    if not qgemm.available() or not qgemm.duet_available() or not hasattr(os, "fork"):
+        pytest.skip("the native kernel (and its duet helper) cannot run here")
+    g = torch.Generator().manual_seed(7)
+    q4 = qgemm.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
+    x = torch.randn(3, 512, generator=g)
+    qgemm.set_threads(1)
+    want = q4(x)
+    qgemm.set_threads(qgemm.DUET)
+    qgemm.load().duet_set_test_delay(2000)  # the helper is likely inside a chunk when the fork happens
+    try:
+        for _ in range(3):
+            q4(x)
+        pid = os.fork()
+        if pid == 0:
+            ok = qgemm.load().duet_available() == 0 and torch.equal(q4(x), want)
+            qgemm.quiesce()
+            os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        qgemm.load().duet_set_test_delay(0)
+    assert torch.equal(q4(x), want)

@@ -14,8 +14,8 @@ The rule (ThreadGovernor.observe, fed each decoding step's wall time and tree si
   PROBE steps, which catches a load that was already there when the quiet median formed.
 - in the busy mode: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps
   and keeps them when they were clearly (WIN) faster than the busy mode's steps of the same sizes.
-The busy mode is the duet (kernels/csrc/duet.c): the step on one thread, its block products shared with a helper
-thread that runs only on otherwise idle time (SCHED_IDLE) and is never waited for. Under a process that keeps a
+The busy mode is the duet (kernels/csrc/duet.c): the step on one thread, its block products and attention shared
+with a helper thread that runs only on otherwise idle time (SCHED_IDLE) and is never waited for. Under a process that keeps a
 core busy it is the one-thread step (the helper gets no time); where the load comes and goes (a browser drawing
 the reply) the helper takes the idle slices. MEDUSA_CHAT_DUET=0 makes the busy mode plain one thread.
 A fixed count (`--threads N`, or MEDUSA_CHAT_THREADS) turns this off; torch's own pool follows it too.

@@ -42,7 +42,6 @@
 
 typedef struct {
     duet_chunk_fn fn;
-    int n_chunks, cols_per_chunk, M, N, argmax;
     _Alignas(64) unsigned char args[ARGS_BYTES];
 } Job;
 
@@ -128,7 +127,16 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+// A forked child has no helper thread (only the forking thread is copied): the duet is off there, and a helper
+// that was inside a chunk at the fork must not look busy forever to the child's quiesce.
+static void forked_child(void) {
+    helper_ok = 0;
+    atomic_store(&helper_busy, 0);
+    atomic_store(&helper_sleeping, 0);
+}
+
 static void start_helper(void) {
+    pthread_atfork(NULL, NULL, forked_child);
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -193,12 +201,17 @@ static int run(duet_chunk_fn fn, const void *args, size_t args_size, int n_chunk
     if (!stage) return 0;
     const uint32_t seq = ++seq_now;
     Job *job = &jobs[seq % SLOTS];
-    job->fn = fn, job->n_chunks = n_chunks, job->cols_per_chunk = cols, job->M = M, job->N = N, job->argmax = argmax;
+    job->fn = fn;
     memcpy(job->args, args, args_size);
     atomic_store_explicit(&state, pack(seq, 0, (uint32_t)n_chunks), memory_order_seq_cst);
     if (atomic_load_explicit(&helper_sleeping, memory_order_seq_cst)) {
         atomic_fetch_add_explicit(&wake_word, 1, memory_order_seq_cst);
         futex_wake(&wake_word);
+    }
+    if (atomic_load_explicit(&test_delay_us, memory_order_relaxed) > 0) {
+        // tests: let the (late) helper claim a chunk first, so that stealing really happens even when other
+        // processes leave an idle-time helper no time; sleeping, so that it can run on this core
+        for (int i = 0; i < 20000 && (uint32_t)atomic_load(&state) == (uint32_t)n_chunks; i++) usleep(50);
     }
     // main: from the front
     int mine = 0;
