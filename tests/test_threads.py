@@ -86,12 +86,14 @@ def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch)
     busy = gov.busy  # the duet where it runs, else 1 thread
     assert busy in (1, qgemm.DUET)
     _feed(gov, 0.015, until=busy, most=threads.WINDOW)  # 3x slower: dropped within the window
-    _feed(gov, 0.008, until=2, most=threads.PROBE_EVERY)  # the busy mode under load; then a try of 2
+    every = gov.probe_every  # PROBE_EVERY, or DUET_PROBE times that with the duet
+    assert every == threads.PROBE_EVERY * (threads.DUET_PROBE if busy != 1 else 1)
+    assert _feed(gov, 0.008, until=2, most=every) == every  # the busy mode under load; then a try of 2
     assert gov.threads == 2
     _feed(gov, 1.0, until=busy, most=1)  # a stall in the try (200x): it loses
-    _feed(gov, 0.008, until=2, most=2 * threads.PROBE_EVERY)
+    assert _feed(gov, 0.008, until=2, most=2 * every) == 2 * every  # each lost try puts the next one further off
     _feed(gov, 1.0, until=busy, most=threads.PROBE)  # still loaded: the try loses
-    _feed(gov, 0.008, until=2, most=4 * threads.PROBE_EVERY)  # each lost try puts the next one further off
+    _feed(gov, 0.008, until=2, most=4 * every)
     for _ in range(threads.PROBE):
         gov.observe(0.005, 8)  # the load is gone: 2 threads win the try and stay
     for _ in range(10):

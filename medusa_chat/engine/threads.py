@@ -12,7 +12,8 @@ The rule (ThreadGovernor.observe, fed each decoding step's wall time and tree si
   last WINDOW steps' median runs more than SLOW times that (or one step STALL times), the step drops to the busy
   mode. Rarely (every `down_every` steps, doubling after each probe that lost) it also tries the busy mode for
   PROBE steps, which catches a load that was already there when the quiet median formed.
-- in the busy mode: every PROBE_EVERY steps (doubling after each lost try) it tries all threads for PROBE steps
+- in the busy mode: every PROBE_EVERY steps (DUET_PROBE times that with the duet; doubling after each lost try)
+  it tries all threads for PROBE steps
   and keeps them when they were clearly (WIN) faster than the busy mode's steps of the same sizes.
 The busy mode is the duet (kernels/csrc/duet.c): the step on one thread, its block products and attention shared
 with a helper thread that runs only on otherwise idle time (SCHED_IDLE) and is never waited for. Under a process that keeps a
@@ -34,6 +35,10 @@ PROBE_EVERY = 32  # steps on 1 thread between two tries of all threads (doubles 
 PROBE_MAX = 256  # PROBE_MAX: under lasting load every try costs PROBE slow steps)
 WIN = 0.8  # a try wins when its steps' median is below this fraction of the other count's (noise is not a win)
 PROBE = 4  # steps per try
+# With the duet as the busy mode the tries of all threads are this many times rarer: staying in the duet when the
+# load has gone costs ~10% of a step (one thread: ~55%), while a try under load stalls. Measured with the web
+# page against `ask` (benchmarks/browser_vs_ask.py, alternating runs): 0.78x / 0.84x against 0.78x / 0.75x.
+DUET_PROBE = 4
 DOWN_EVERY = 64  # steps on all threads before a try of 1 thread (doubles after each lost try, up to DOWN_MAX)
 DOWN_MAX = 1024
 HISTORY = 32  # step times kept per (threads, tree size)
@@ -132,7 +137,8 @@ class ThreadGovernor:
         self._probing = False
         self._since = 0  # steps since the last switch or try
         self._down_every = DOWN_EVERY
-        self._up_every = PROBE_EVERY
+        self.probe_every = PROBE_EVERY * (DUET_PROBE if self.busy != 1 else 1)  # busy mode: steps between tries
+        self._up_every = self.probe_every
         self.fixed = f is not None
         self.resume()
 
@@ -178,7 +184,8 @@ class ThreadGovernor:
                 if self.threads == self.busy:  # a try of the busy mode from all threads
                     self._down_every = DOWN_EVERY if won else min(2 * self._down_every, DOWN_MAX)
                 else:
-                    self._up_every = PROBE_EVERY if won else min(2 * self._up_every, PROBE_MAX)
+                    scale = self.probe_every // PROBE_EVERY
+                    self._up_every = self.probe_every if won else min(2 * self._up_every, PROBE_MAX * scale)
                 self._use(self.threads if won else other)
             return
         if self.threads == self.full:
