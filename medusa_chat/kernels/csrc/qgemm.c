@@ -407,6 +407,20 @@ void q8_0_gemm_team(const float *x, int M, int K, const int8_t *qs, const uint16
 #define ARGMAX_THREADS 64
 static inline int better(float v, float best) { return v > best || (v != v && best == best); }
 
+// Column group g of the product folded into each row's running best (best/index [M]; index -1: none yet)
+static inline void argmax_group(const int8_t *qx, const int8_t *qxu, const float *dx, int M, int nb,
+                                const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, int g, float *best,
+                                int64_t *index) {
+    __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
+    q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, GW, 0);
+    const int w = N - g * GW < GW ? N - g * GW : GW;  // the last group's padding columns are not outputs
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < w; c++) {
+            const float v = y[r * GW + c];
+            if (index[r] < 0 || better(v, best[r])) best[r] = v, index[r] = (int64_t)g * GW + c;
+        }
+}
+
 int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
                      int64_t *out, int8_t *qx, float *dx, float *sx) {
     if (M > ARGMAX_ROWS) return 0;
@@ -424,18 +438,9 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
         threads = omp_get_num_threads();
         float best[ARGMAX_ROWS];
         int64_t index[ARGMAX_ROWS];
-        __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
         for (int r = 0; r < M; r++) best[r] = 0.0f, index[r] = -1;
 #pragma omp for schedule(static)
-        for (int g = 0; g < ng; g++) {
-            q8_0_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, y, GW, 0);
-            const int w = N - g * GW < GW ? N - g * GW : GW;  // the last group's padding columns are not outputs
-            for (int r = 0; r < M; r++)
-                for (int c = 0; c < w; c++) {
-                    const float v = y[r * GW + c];
-                    if (index[r] < 0 || better(v, best[r])) best[r] = v, index[r] = (int64_t)g * GW + c;
-                }
-        }
+        for (int g = 0; g < ng; g++) argmax_group(qx, qxu, dx, M, nb, qs, d, ws, N, g, best, index);
         if (t < ARGMAX_THREADS)
             for (int r = 0; r < M; r++) team_best[t][r] = best[r], team_index[t][r] = index[r];
     }
@@ -496,7 +501,7 @@ void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int6
 #define DUET_CHUNKS 8
 
 typedef struct {
-    int kind, M, K, N, ng, per_chunk;  // kind: decoder.h's BLin kinds; per_chunk: column groups per chunk
+    int kind, M, K, N, ng, per_chunk, chunks;  // kind: decoder.h's BLin kinds; per_chunk: column groups per chunk
     const void *qs;
     const uint16_t *d;
     const void *aux;
@@ -504,12 +509,10 @@ typedef struct {
     const float *dx, *sx;
 } DuetGemm;
 
-static void duet_group(const DuetGemm *a, int g, float *y, int ldy, int c0) {
+static void duet_group(const DuetGemm *a, int g, float *y) {  // column group g, all rows, to y [M, N]
     const int nb = a->K / QK;
     switch (a->kind) {
-        case 0:
-            q8_0_group(a->qx, a->qxu, a->dx, a->M, nb, a->qs, a->d, a->aux, a->N, g, y, ldy, c0);
-            break;
+        case 0: q8_0_group(a->qx, a->qxu, a->dx, a->M, nb, a->qs, a->d, a->aux, a->N, g, y, a->N, g * GW); break;
         case 1: q4_1_group(a->qx, a->dx, a->sx, a->M, nb, a->qs, a->d, a->aux, a->N, g, y); break;
         default: kq_group_kind(a->kind, a->qx, a->dx, a->sx, a->M, a->K, a->qs, a->N, g, y);
     }
@@ -518,7 +521,7 @@ static void duet_group(const DuetGemm *a, int g, float *y, int ldy, int c0) {
 static void duet_gemm_chunk(const void *args, int c, float *y) {
     const DuetGemm *a = args;
     const int g1 = (c + 1) * a->per_chunk < a->ng ? (c + 1) * a->per_chunk : a->ng;
-    for (int g = c * a->per_chunk; g < g1; g++) duet_group(a, g, y, a->N, g * GW);
+    for (int g = c * a->per_chunk; g < g1; g++) duet_group(a, g, y);
 }
 
 // The activations quantized (as each *_team does) into the runtime's own code buffer, the product described
@@ -533,7 +536,8 @@ static int duet_prepare(DuetGemm *a, int kind, const float *x, int M, int K, con
     else if (kind == 1) quantize_rows(x, M, K, qx, dx, sx, NULL, NULL);
     else quantize_rows(x, M, K, qx, dx, kind == 4 ? NULL : sx, NULL, kind == 4 ? (int16_t *)sx : NULL);
     const int ng = (N + GW - 1) / GW;
-    *a = (DuetGemm){kind, M, K, N, ng, (ng + DUET_CHUNKS - 1) / DUET_CHUNKS, qs, d, aux, qx, qxu, dx, sx};
+    const int per_chunk = (ng + DUET_CHUNKS - 1) / DUET_CHUNKS;
+    *a = (DuetGemm){kind, M, K, N, ng, per_chunk, (ng + per_chunk - 1) / per_chunk, qs, d, aux, qx, qxu, dx, sx};
     return 1;
 }
 
@@ -542,8 +546,7 @@ static int duet_gemm(int kind, const float *x, int M, int K, const void *qs, con
     DuetGemm a;
     if ((long)N * K < PAR_MIN || !duet_begin()) return 0;  // small: the caller alone (a hand-off costs more)
     int ok = duet_prepare(&a, kind, x, M, K, qs, d, aux, N);
-    if (ok) ok = duet_columns(duet_gemm_chunk, &a, sizeof a, (a.ng + a.per_chunk - 1) / a.per_chunk,
-                              a.per_chunk * GW, M, N, y);
+    if (ok) ok = duet_columns(duet_gemm_chunk, &a, sizeof a, a.chunks, a.per_chunk * GW, M, N, y);
     duet_end();
     return ok;
 }
@@ -555,19 +558,14 @@ int duet_block_linear(const BLin *l, const float *x, int M, float *y) {
 // chunk c of the lm_head's argmax: its rows' best over its columns, in column order (q8_0_gemm_argmax's rule)
 static void duet_argmax_chunk(const void *args, int c, float *out) {
     const DuetGemm *a = args;
-    DuetBest *best = (DuetBest *)out + (size_t)c * a->M;
-    __attribute__((aligned(64))) float y[ARGMAX_ROWS * GW];
-    for (int r = 0; r < a->M; r++) best[r].value = 0.0f, best[r].index = -1;
+    float best[ARGMAX_ROWS];
+    int64_t index[ARGMAX_ROWS];
+    for (int r = 0; r < a->M; r++) best[r] = 0.0f, index[r] = -1;
     const int g1 = (c + 1) * a->per_chunk < a->ng ? (c + 1) * a->per_chunk : a->ng;
-    for (int g = c * a->per_chunk; g < g1; g++) {
-        duet_group(a, g, y, GW, 0);
-        const int w = a->N - g * GW < GW ? a->N - g * GW : GW;
-        for (int r = 0; r < a->M; r++)
-            for (int k = 0; k < w; k++) {
-                const float v = y[r * GW + k];
-                if (best[r].index < 0 || better(v, best[r].value)) best[r].value = v, best[r].index = (int64_t)g * GW + k;
-            }
-    }
+    for (int g = c * a->per_chunk; g < g1; g++)
+        argmax_group(a->qx, a->qxu, a->dx, a->M, a->K / QK, a->qs, a->d, a->aux, a->N, g, best, index);
+    DuetBest *bests = (DuetBest *)out + (size_t)c * a->M;
+    for (int r = 0; r < a->M; r++) bests[r] = (DuetBest){best[r], index[r]};
 }
 
 static int duet_q8_0_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws,
@@ -575,7 +573,7 @@ static int duet_q8_0_argmax(const float *x, int M, int K, const int8_t *qs, cons
     DuetGemm a;
     if (M > ARGMAX_ROWS || !duet_begin()) return 0;
     int ok = duet_prepare(&a, 0, x, M, K, qs, d, ws, N);
-    if (ok) ok = duet_argmax(duet_argmax_chunk, &a, sizeof a, (a.ng + a.per_chunk - 1) / a.per_chunk, M, out);
+    if (ok) ok = duet_argmax(duet_argmax_chunk, &a, sizeof a, a.chunks, M, out);
     duet_end();
     return ok;
 }
