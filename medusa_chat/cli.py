@@ -59,8 +59,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--heads",
         default=None,
         metavar="ORG/NAME|PATH",
-        help="Medusa heads to use with --model; for the embedded model also its shipped `hydra` (the default) or "
-        "`medusa-1`",
+        help="Medusa heads to use with --model; for the embedded model also its shipped `hydra` (the default), "
+        "`medusa-1` or `eagle3`",
     )
     g.add_argument(
         "--quant",

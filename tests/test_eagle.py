@@ -163,6 +163,46 @@ def test_eagle3_greedy_and_features(deep_dir: Path, eagle3_dir: Path, lean: str,
     torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_eagle3_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle3_dir: Path, quant: str) -> None:
+    """On the native C step (the CPU default) an EAGLE-3 draft drafts each step in one C call (native_eagle.py,
+    csrc/eagle.c): the step gives the three layers' inputs (taps), trees are shaped by the draft, and every greedy
+    reply is the plain loop's, with shaped trees, static trees and a 2-node tree. The C draft (Q4_1 blocks) guesses
+    what the PyTorch draft guesses from the same features."""
+    loaded = load_model(model=str(deep_dir), heads=str(eagle3_dir), quant=quant, device="cpu")
+    plain = MedusaEngine(loaded, plain_tree())
+    assert plain.runner.lean is not None and hasattr(plain.runner.lean, "lib")  # the native step
+    prompts = _prompts(loaded)
+    expected = [_reply(plain, p, max_new_tokens=20).token_ids for p in prompts]
+    for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False), (TREE.prefix(2), True)):
+        engine = MedusaEngine(loaded, tree, shaped=shaped)
+        assert engine._eagle.native is not None
+        assert engine.draft_shaped == (shaped and tree.size > 2)
+        for p, want in zip(prompts, expected, strict=True):
+            events = list(engine.generate(p, GenerationSettings(max_new_tokens=20)))
+            assert events[-1].token_ids == want
+            drafted = {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
+            assert drafted <= set(engine._eagle.vocab.tolist())  # (context-lookup guesses aside)
+    # the taps: the native step's hidden states entering layers 2, 4 and 5, one [T, 3H] tensor per call
+    drafter = engine._eagle
+    assert drafter.feats.shape[1] == 3 * 64 and drafter.feats[: drafter.known].abs().sum() > 0
+    # the C draft's depth-1 guess vs the PyTorch draft's over the whole context from scratch, for many roots
+    native, agree, p = drafter.native, 0, drafter.known
+    roots = range(40, 120, 2)
+    with torch.inference_mode():
+        for r in roots:
+            root = torch.tensor([r])
+            drafter.seen = 0
+            cands = native._draft(root, 1, 4, 2)[2]
+            nxt = torch.cat([drafter.ids[1:p], root])
+            out = drafter.draft.reference_outputs(drafter.feats[:p], nxt, drafter.embed)[-1:]
+            torch_top3 = drafter._tokens(drafter._logits(out).topk(3, dim=-1).indices)[0].tolist()
+            agree += int(cands[0]) in torch_top3
+    # 4-bit weights and 8-bit activations move a random 64-wide draft's logits (36-40 of 40 here); a wrong layer
+    # (the two norms swapped, say) gets 0 of 40
+    assert agree >= 0.8 * len(roots), f"the C draft's top-1 was in the PyTorch draft's top-3 {agree}/{len(roots)} times"
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 def _load(path: Path, folder: Path):
     return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")

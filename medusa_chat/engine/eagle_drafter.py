@@ -25,6 +25,7 @@ import torch
 
 from medusa_chat.errors import HeadsError
 from medusa_chat.model.eagle import EagleDraft, eagle_taps
+from medusa_chat.model.native_eagle import NativeEagle3, native_eagle3_for
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
@@ -66,11 +67,22 @@ class EagleDrafter:
         self._shapes: dict[tuple[tuple[int, ...], ...], tuple[Tree, TreeBuffers, TreePlan | None]] = {}
         if draft.version == 3:
             self._tap(backbone, engine.runner)
+        # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py);
+        # `native_draft` set tells the engine's tree logic (trees.py) that draft-shaped trees are available
+        self.native: NativeEagle3 | None = None
+        self.native_draft = None
+        if draft.version == 3 and getattr(engine.runner.lean, "lib", None) is not None:
+            self.native = native_eagle3_for(draft, self.embed)
+            if self.native is not None:
+                self.native.state = self
+                self.native_draft = self.native.draft
 
     @property
     def dynamic(self) -> bool:
         """Does each step draft EAGLE-2's dynamic tree (else the engine's static tree)? For trees of 3 nodes or
         more that the expansion can fill; MEDUSA_CHAT_EAGLE_DYNAMIC=0 turns it off (for comparisons)."""
+        if self.native is not None:  # the C drafter shapes trees on its spine (trees.py, draft_shaped)
+            return False
         tree = self.engine.tree
         k = min(tree.size - 1, DYNAMIC_TOP_K)
         fits = tree.size - 1 <= k + (tree.depth - 1) * k * k
@@ -166,6 +178,8 @@ class EagleDrafter:
     def propose(self, root: torch.Tensor, hidden: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
         """root [1] -> the tree's tokens [N] for the engine's (static) tree: node j's pair sits at draft slot
         P - 1 + j (the root's pair is the context's last), masked by the tree's own attention bias."""
+        if self.native_draft is not None:
+            return self.native_draft(root, None, buf)
         p, state = self._extend(root)
         n = buf.tree.size
         tokens = root.new_zeros(n)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # How `info`, `ask` and `bench` say that the tree's shape follows the draft (MedusaEngine.draft_shaped)
 SHAPED_NOTE = ", shaped per step by the draft"
 EAGLE_NOTE = ", shaped per step by the EAGLE draft (EAGLE-2 dynamic tree)"
+EAGLE_NATIVE_NOTE = ", shaped per step by the EAGLE draft (drafted in C)"
 
 
 class StepTrees:
@@ -92,6 +93,8 @@ class StepTrees:
         """What `info`, `ask` and `bench` add to the tree's source: SHAPED_NOTE for draft-shaped trees, else ""."""
         eagle = getattr(self, "_eagle", None)
         if eagle is not None:  # an EAGLE draft: EAGLE-2's dynamic tree, or the static tree (eagle_drafter.py)
+            if self.draft_shaped:  # the C drafter's trees, on the draft's top-1 spine (native_eagle.py)
+                return EAGLE_NATIVE_NOTE
             return EAGLE_NOTE if eagle.dynamic and self.shaped else ", drafted by the EAGLE draft"
         return SHAPED_NOTE if self.draft_shaped else ""
 

@@ -145,6 +145,10 @@ class NativeForward:
         # than the rotary module's few ops per step, and a position's values never depend on the batch it
         # came in (a prefill, a tree, one token)
         self._cos = self._sin = torch.empty(0, self.head_dim)
+        # layers whose input hidden states each call leaves in `tapped` (one [T, len(taps) * H] tensor): an
+        # EAGLE-3 draft's features (engine/eagle_drafter.py), as LeanForward's taps
+        self.taps: tuple[int, ...] = ()
+        self.tapped: list[torch.Tensor] = []
 
     def _rotary_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.empty(1, 1, self.hidden, dtype=torch.float32, device=positions.device)
@@ -182,6 +186,11 @@ class NativeForward:
         if self._guarded_kv is None or self._guarded_kv() is not kv:  # ... and the KV cache's, before it is freed
             weakref.finalize(kv, qgemm.quiesce)
             self._guarded_kv = weakref.ref(kv)
+        taps = tap_out = None
+        if self.taps:
+            taps = (ctypes.c_int * len(self.taps))(*self.taps)
+            tap_out = torch.empty(t, len(self.taps) * self.hidden)
+            self.tapped[:] = [tap_out]
         self.lib.decoder_forward(
             self._model_ref,
             t,
@@ -195,6 +204,9 @@ class NativeForward:
             blen,
             stride,
             self._scratch.data_ptr(),
+            taps,
+            len(self.taps),
+            tap_out.data_ptr() if tap_out is not None else None,
         )
         cache.length = start + t
         return x
@@ -285,6 +297,20 @@ class _Embed(ctypes.Structure):  # decoder.c Embed: an fp32 table, or Q8_0 block
     _fields_ = [("table", _p), ("qs", _p), ("d", _p), ("group", _i)]
 
 
+def embed_struct(embed: Any) -> tuple[_Embed, Any] | None:
+    """The C description of a token embedding (drafting.h Embed) and the object that keeps its buffers alive: the
+    lm_head's Q8_0 blocks (a BlockEmbedding) or an fp32 table; None for anything else."""
+    from medusa_chat.kernels.qgemm import BlockEmbedding
+
+    if isinstance(embed, BlockEmbedding):
+        t = embed.table
+        return _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group), t
+    if isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:  # a full table
+        keep = embed.weight.detach().contiguous()
+        return _Embed(keep.data_ptr(), None, None, 0), keep
+    return None
+
+
 class NativeHydra:
     """The Hydra heads' cell and ResBlocks (heads.py) as one C call each (csrc/hydra.c), on the Q8_0
     copy of the heads that `block_quantized_copy` makes: per tree depth 2 calls instead of ~20 PyTorch ops.
@@ -324,19 +350,12 @@ class NativeHydra:
         """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
         cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
         the lm_head's Q8_0 blocks), and `draft` stays unused."""
-        from medusa_chat.kernels.qgemm import BlockEmbedding, BlockLinear
+        from medusa_chat.kernels.qgemm import BlockLinear
 
-        if not isinstance(project, BlockLinear):
+        bound = embed_struct(embed)
+        if not isinstance(project, BlockLinear) or bound is None:
             return False
-        if isinstance(embed, BlockEmbedding):
-            t = embed.table
-            emb = _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group)
-            keep: Any = t
-        elif isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:  # a full table
-            keep = embed.weight.detach().contiguous()
-            emb = _Embed(keep.data_ptr(), None, None, 0)
-        else:
-            return False
+        emb, keep = bound
         vocab = draft_vocab.to(torch.int64).contiguous()
         # the modules / tensors keep the buffers the C structs point to alive
         self._proj = (project, _blin(project), vocab, emb, keep)

@@ -81,9 +81,14 @@ def assets_dir() -> Path:
 
 
 EMBEDDED_HEADS_DIR = assets_dir() / "smollm2-135m"
-# The embedded model's shipped drafts, by the name `--heads` takes: the default Hydra heads, and Medusa-1 heads
-# (ResBlocks on the shared lm_head, in the published v2 layout) with a draft vocabulary beside them.
-SHIPPED_HEADS = {"hydra": EMBEDDED_HEADS_DIR, "medusa-1": assets_dir() / "smollm2-135m-medusa1"}
+# The embedded model's shipped drafts, by the name `--heads` takes: the default Hydra heads, Medusa-1 heads
+# (ResBlocks on the shared lm_head, in the published v2 layout) with a draft vocabulary beside them, and an
+# EAGLE-3 draft (SafeAILab's layout; drafted in C on the block kernel).
+SHIPPED_HEADS = {
+    "hydra": EMBEDDED_HEADS_DIR,
+    "medusa-1": assets_dir() / "smollm2-135m-medusa1",
+    "eagle3": assets_dir() / "smollm2-135m-eagle3",
+}
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -223,7 +228,7 @@ def _tree_default(heads_location: str | None, fallback: str) -> str:
 
 
 def heads_location(heads: str) -> str:
-    """`--heads`: a shipped heads name (hydra, medusa-1), a Hub repo ORG/NAME or a local folder, checked."""
+    """`--heads`: a shipped heads name (hydra, medusa-1, eagle3), a Hub repo ORG/NAME or a local folder, checked."""
     heads = heads.strip()
     return _check_location(str(SHIPPED_HEADS[heads]) if heads in SHIPPED_HEADS else heads, "heads")
 

@@ -151,6 +151,8 @@ static int duet_attention(const DModel *m, const float *qkv, int qkv_n, const kv
 }
 
 // x [T, hidden]: the token embeddings in, the final-normed hidden states out. cos/sin [T, head_dim] per row.
+// taps [n_taps] (layer indices, ascending) / tap_out [T, n_taps * hidden]: the hidden states entering those layers,
+// per row (an EAGLE-3 draft's features: engine/eagle_drafter.py); n_taps 0: none.
 // kv: the cache [n_layers, 2, n_kv, cap, head_dim] in fp16; rows are written at slots start .. start + T - 1.
 // blk [T, stride] / blen [T]: each row's block keys (slot offsets from start, in order), or NULL for causal.
 //
@@ -160,7 +162,8 @@ static int duet_attention(const DModel *m, const float *qkv, int qkv_n, const kv
 // for the per-row work in between (a step had ~180 fork/joins, and the second core idled through the per-row
 // work of every tree row). An item's arithmetic does not depend on which thread runs it.
 void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const float *sin_t, kv_t *kv, int cap,
-                     int start, const int *blk, const int *blen, int stride, void *scratch) {
+                     int start, const int *blk, const int *blen, int stride, void *scratch, const int *taps,
+                     int n_taps, float *tap_out) {
     const int H = m->hidden, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv, I = m->inter;
     const int qd = nh * hd, kvd = nkv * hd, qkv_n = qd + 2 * kvd;
     const int maxk = I > H ? I : (qd > H ? qd : H);
@@ -184,6 +187,12 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
         for (int li = 0; li < m->n_layers; li++) {
             const DLayer *L = &m->layers[li];
             kv_t *kc = kv + li * layer_stride, *vc = kc + half_stride;
+            for (int j = 0; j < n_taps; j++)
+                if (taps[j] == li) {
+#pragma omp for schedule(static)
+                    for (int r = 0; r < T; r++)
+                        memcpy(tap_out + ((size_t)r * n_taps + j) * H, x + (size_t)r * H, (size_t)H * sizeof(float));
+                }
             rms_norm(x, L->norm1, L->eps1, T, H, h);
             two_part_linear(&L->qkv, &L->v, h, T, qkv, part, qx, dx, sx);
             // the q/k/v biases (if any), rotary on the q and k heads, then the K/V writes: per (row, head). The

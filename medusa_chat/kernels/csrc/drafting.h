@@ -1,5 +1,6 @@
-// The drafters' shared pieces (hydra.c): Q8_0 linears with a bias, ResBlocks, top-k, a softmax's normaliser and
-// the confident-tree selection; medusa.c drafts Medusa-1 / Medusa-2 heads with them.
+// The drafters' shared pieces (hydra.c): Q8_0 linears with a bias, token embeddings, ResBlocks, top-k, a softmax's
+// normaliser and the confident-tree selection; medusa.c (Medusa-1 / Medusa-2 heads) and eagle.c (EAGLE-3 drafts)
+// draft with them.
 #pragma once
 #include <stdint.h>
 
@@ -10,6 +11,15 @@ typedef struct {
     const float *bias;
 } Q8Lin;
 
+// A token embedding: an fp32 table [vocab, H], or (table NULL) a Q8_0 block linear's rows (the tied lm_head's)
+typedef struct {
+    const float *table;
+    const int8_t *qs;
+    const uint16_t *d;
+    int group;
+} Embed;
+
+void embed_row(const Embed *e, int64_t tok, int H, float *out);
 void hydra_resblocks(int M, int H, int n, const Q8Lin *blocks, const float *x, float *y, float *tmp, int8_t *qx,
                      float *dx, float *sx);
 // the indices of the k (<= 64) largest of v[0 .. n), largest first; ties go to the lower index

@@ -96,14 +96,7 @@ float softmax_sum(const float *v, int n, float mx) {
 // embedding, an fp32 table [vocab, H] or a Q8_0 block linear's rows (the tied lm_head's: q8_0_rows).
 // work: floats, at least (6 * R + 2 * R) * H + R * V + R * 64, R = the most rows of a depth (I or C), V = the
 // projection's padded rows; qx/dx/sx: the 8-bit activation scratch for R rows of 2H.
-typedef struct {
-    const float *table;  // fp32 [vocab, H], or NULL: then the Q8_0 blocks below
-    const int8_t *qs;
-    const uint16_t *d;
-    int group;
-} Embed;
-
-static void embed_row(const Embed *e, int64_t tok, int H, float *out) {
+void embed_row(const Embed *e, int64_t tok, int H, float *out) {
     if (e->table)
         memcpy(out, e->table + (size_t)tok * H, (size_t)H * sizeof(float));
     else
