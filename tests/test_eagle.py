@@ -183,6 +183,11 @@ def test_eagle3_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle3_dir: Path
             assert events[-1].token_ids == want
             drafted = {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
             assert drafted <= set(engine._eagle.vocab.tolist())  # (context-lookup guesses aside)
+    # exact sampling: the same tokens as the plain loop with the same seed, with trees drafted in C
+    shaped = MedusaEngine(loaded, TREE.prefix(6))
+    for seed in range(3):
+        kw = dict(max_new_tokens=16, temperature=0.7, top_p=0.95, seed=seed, accept="exact")
+        assert _reply(shaped, prompts[0], **kw).token_ids == _reply(plain, prompts[0], **kw).token_ids
     # the taps: the native step's hidden states entering layers 2, 4 and 5, one [T, 3H] tensor per call
     drafter = engine._eagle
     assert drafter.feats.shape[1] == 3 * 64 and drafter.feats[: drafter.known].abs().sum() > 0
