@@ -288,19 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             summary["data"],
             log,
         )
-        ev = report.get("heldout", {})
         summary["configs"][fmt] = {
-            "estimated_tokens_per_step": report.get("estimated_tokens_per_step"),
-            "estimated_tokens_per_step_chain": report.get("estimated_tokens_per_step_chain"),
-            "top1": ev.get("top1"),
-            "top5": ev.get("top5"),
-            "chain": ev.get("chain_top1_conditional"),
-            "train_steps": report["training"]["steps"],
-            "total_steps": report["training"]["total_steps"],
-            "best_epoch": report["training"]["best_epoch"],
+            **config_summary(report, time.time() - t),
             "train_positions": report["data"]["train_positions"],
-            "seconds": round(time.time() - t, 1),
-            "file_mb": report["heads"]["file_mb"],
         }
         save_summary()
     if not configs:
@@ -355,19 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             embed_weight=model.get_input_embeddings().weight.detach(),
         )
         est = report.get("estimated_tokens_per_step", {})
-        ev = report.get("heldout", {})
-        summary["configs"][name] = {
-            "estimated_tokens_per_step": est,
-            "estimated_tokens_per_step_chain": report.get("estimated_tokens_per_step_chain"),
-            "top1": ev.get("top1"),
-            "top5": ev.get("top5"),
-            "chain": ev.get("chain_top1_conditional"),
-            "train_steps": report["training"]["steps"],
-            "total_steps": report["training"]["total_steps"],
-            "best_epoch": report["training"]["best_epoch"],
-            "seconds": round(time.time() - t, 1),
-            "file_mb": report["heads"]["file_mb"],
-        }
+        summary["configs"][name] = config_summary(report, time.time() - t)
         score = float(est.get("64", list(est.values())[-1])) if est else 0.0  # 64 nodes, or the whole tree
         if score > best_score:
             best_name, best_score = name, score
@@ -382,6 +360,23 @@ def main(argv: list[str] | None = None) -> int:
     save_summary()
     log(f"done in {time.time() - t0:.0f}s; wrote {out}")
     return 0 if best_name else 1
+
+
+def config_summary(report: dict, seconds: float) -> dict:
+    """What summary.json keeps of one configuration's training report."""
+    ev = report.get("heldout", {})
+    return {
+        "estimated_tokens_per_step": report.get("estimated_tokens_per_step", {}),
+        "estimated_tokens_per_step_chain": report.get("estimated_tokens_per_step_chain"),
+        "top1": ev.get("top1"),
+        "top5": ev.get("top5"),
+        "chain": ev.get("chain_top1_conditional"),
+        "train_steps": report["training"]["steps"],
+        "total_steps": report["training"]["total_steps"],
+        "best_epoch": report["training"]["best_epoch"],
+        "seconds": round(seconds, 1),
+        "file_mb": report["heads"]["file_mb"],
+    }
 
 
 def train_eagle_config(
