@@ -90,6 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", help="optional jsonl of extra prompts (never the bench prompts)")
     p.add_argument(
+        "--import-data",
+        default=None,
+        help="start from an export_npz file (e.g. benchmarks/data/distill_smollm2_h200_2026-12-04.npz); with "
+        "--data-frac 0 no new data is generated and the whole budget trains",
+    )
+    p.add_argument(
         "--max-tokens", type=int, default=None, help="stop data generation at this many reply tokens"
     )
     p.add_argument("--epochs", type=float, default=3.0)
@@ -214,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     data_deadline = t + args.data_frac * (end - t)  # a share of what is left after loading the model
     store = DistillStore.open(work / "distill", model=str(args.model))
+    if args.import_data and not store.shards:
+        from medusa_chat.training.distill import eos_ids
+        from medusa_chat.training.store import import_npz
+
+        import_npz(store, args.import_data, eos=eos_ids(tok, model))
+        log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
     ds = DistillSettings(
         magpie=args.magpie,
         prompt_file=args.prompts,
