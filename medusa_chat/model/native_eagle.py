@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_TOP_K = 64  # eagle3_draft_shaped's per-depth top-k and D x K <= 512 (drafting.h, confident_select)
+EXTEND_ROWS = 64  # csrc/eagle.c: the rows of one extend block
 
 
 class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
@@ -114,6 +115,7 @@ class NativeEagle3:
             keys, values = torch.zeros(self.n_kv, n, self.head_dim), torch.zeros(self.n_kv, n, self.head_dim)
             keys[:, :cap], values[:, :cap] = self._k, self._v
             self._k, self._v = keys, values
+        rows = min(rows, EXTEND_ROWS)  # (a long extend goes through the C call in blocks of this many rows)
         if rows > self._rows:
             widest = max(self.feature_size, 2 * self.hidden, self.inter)
             self._qx = torch.empty(2 * rows * widest, dtype=torch.int8)

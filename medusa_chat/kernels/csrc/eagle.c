@@ -13,6 +13,7 @@
 // nothing here can change a reply (the drafter's numbers need not match the PyTorch draft's bit for bit).
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +21,11 @@
 #include "decoder.h"
 #include "drafting.h"
 #include "qgemm.h"
+
+// Rows of one extend call at a time: a long prompt's pairs go through the layer in blocks of this many (each
+// block attends to everything before it), so the work buffer stays small whatever the prompt's length.
+#define EXTEND_ROWS 64
+#define MAX_TEAM 64  // attention's per-thread score rows (eagle3_work_floats)
 
 typedef struct {
     int H, F, n_heads, n_kv, head_dim, inter, V;  // F: the feature width (3H); V: the draft vocabulary
@@ -62,11 +68,13 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+// work floats for a call extending T pairs (any T: they go EXTEND_ROWS at a time) with up to max_len positions
 size_t eagle3_work_floats(const EDraft *m, int T, int max_len) {
     const size_t H = m->H, qkv_n = (size_t)(m->n_heads + 2 * m->n_kv) * m->head_dim, I = m->inter;
     const size_t widest = (size_t)m->F > 2 * I ? (size_t)m->F : 2 * I;
-    return T * (4 * H + 2 * H + qkv_n + (size_t)m->n_heads * m->head_dim + 2 * I + I + widest) + (size_t)max_len +
-           (size_t)m->V + 64;
+    const size_t rows = T < EXTEND_ROWS ? (size_t)T : EXTEND_ROWS;
+    return rows * (4 * H + 2 * H + qkv_n + (size_t)m->n_heads * m->head_dim + 2 * I + I + widest) +
+           (size_t)MAX_TEAM * max_len + (size_t)m->V + 64;
 }
 
 // The layer on T rows: x [T, H] (its input: fc of features, or the draft's own earlier output), emb [T, H] (the
@@ -94,27 +102,31 @@ static void layer_rows(const EDraft *m, int T, const float *x, const float *emb,
             memcpy(vc + ((size_t)g * cap + pos) * hd, row + qd + (nkv + g) * hd, (size_t)hd * sizeof(float));
         }
     }
-    for (int r = 0; r < T; r++) {  // after every row's K/V is written: row r sees slots 0 .. pos0 + r
-        const int len = pos0 + r + 1;
+    // after every row's K/V is written: row r sees slots 0 .. pos0 + r; (row, head) pairs shared by the team
+    // (a long prompt's first extend is most of a draft's attention), each thread with its own score row
+    const int team = mc_team() < MAX_TEAM ? mc_team() : MAX_TEAM;
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(team)
+    for (int r = 0; r < T; r++)
         for (int hh = 0; hh < nh; hh++) {
+            const int len = pos0 + r + 1;
+            float *Sr = S + (size_t)omp_get_thread_num() * (pos0 + T);
             const float *q = qkv + (size_t)r * qkv_n + hh * hd;
             const float *keys = kc + (size_t)(hh / group) * cap * hd, *vals = vc + (size_t)(hh / group) * cap * hd;
             float mx = -INFINITY;
             for (int j = 0; j < len; j++) {
-                S[j] = dot(q, keys + (size_t)j * hd, hd) * scale;
-                mx = S[j] > mx ? S[j] : mx;
+                Sr[j] = dot(q, keys + (size_t)j * hd, hd) * scale;
+                mx = Sr[j] > mx ? Sr[j] : mx;
             }
             float sum = 0.0f;
-            for (int j = 0; j < len; j++) sum += S[j] = expf(S[j] - mx);
+            for (int j = 0; j < len; j++) sum += Sr[j] = expf(Sr[j] - mx);
             float *o = att + (size_t)r * qd + hh * hd;
             memset(o, 0, (size_t)hd * sizeof(float));
             for (int j = 0; j < len; j++) {
-                const float p = S[j] / sum;
+                const float p = Sr[j] / sum;
                 const float *v = vals + (size_t)j * hd;
                 for (int i = 0; i < hd; i++) o[i] += p * v[i];
             }
         }
-    }
     linear(&m->o, att, T, tmp, qx, dx, sx);
     for (size_t i = 0; i < (size_t)T * H; i++) out[i] = x[i] + tmp[i];
     for (int r = 0; r < T; r++) norm_row(out + (size_t)r * H, m->post_norm, m->eps_post, H, h2 + (size_t)r * H);
@@ -132,22 +144,27 @@ static void layer_rows(const EDraft *m, int T, const float *x, const float *emb,
 // positions first .. first + n - 1 (next_ids[n - 1] is the root); the spine then runs at positions first + n ..
 // Out, as hydra_draft_shaped: codes[size - 1] (d * K + r of the chosen nodes, growth order), node_tokens[size]
 // (the root, then theirs) and cand_tokens[D * K] (every candidate's token, for static trees); returns how many
-// nodes were chosen. work: eagle3_work_floats(m, n, first + n + D) floats; qx/dx/sx: activation scratch for n
-// rows of the widest input (F or 2 * inter).
+// nodes were chosen. work: eagle3_work_floats(m, n, first + n + D) floats; qx/dx/sx: activation scratch for
+// min(n, EXTEND_ROWS) rows of the widest input (F or 2 * inter).
 int eagle3_draft_shaped(const EDraft *m, int n, const float *feats, const int64_t *next_ids, int first,
                         const float *cos_t, const float *sin_t, float *kc, float *vc, int cap, int D, int K, int size,
                         int *codes, int64_t *node_tokens, int64_t *cand_tokens, float *work, int8_t *qx, float *dx,
                         float *sx) {
     const int H = m->H;
     if (D * K > 8 * 64 || K > 64 || n < 1) return 0;
-    float *x = work, *emb = x + (size_t)n * H, *out = emb + (size_t)n * H, *hn = out + (size_t)n * H,
-          *logits = hn + (size_t)n * H, *lw = logits + m->V;
+    const int rows = n < EXTEND_ROWS ? n : EXTEND_ROWS;
+    float *x = work, *emb = x + (size_t)rows * H, *out = emb + (size_t)rows * H, *hn = out + (size_t)rows * H,
+          *logits = hn + (size_t)rows * H, *lw = logits + m->V;
     float path_p[8 * 64];
     int top[64];
-    linear(&m->fc, feats, n, x, qx, dx, sx);
-    for (int r = 0; r < n; r++) embed_row(&m->embed, next_ids[r], H, emb + (size_t)r * H);
-    layer_rows(m, n, x, emb, first, cos_t, sin_t, kc, vc, cap, out, lw, qx, dx, sx);
-    float *state = out + (size_t)(n - 1) * H;  // the root's pair: predicts depth 1
+    int T = 0;
+    for (int r0 = 0; r0 < n; r0 += T) {  // the new pairs, a block at a time (each attends to all before it)
+        T = n - r0 < EXTEND_ROWS ? n - r0 : EXTEND_ROWS;
+        linear(&m->fc, feats + (size_t)r0 * m->F, T, x, qx, dx, sx);
+        for (int r = 0; r < T; r++) embed_row(&m->embed, next_ids[r0 + r], H, emb + (size_t)r * H);
+        layer_rows(m, T, x, emb, first + r0, cos_t, sin_t, kc, vc, cap, out, lw, qx, dx, sx);
+    }
+    float *state = out + (size_t)(T - 1) * H;  // the root's pair: predicts depth 1
     float spine = 1.0f;
     for (int d = 0; d < D; d++) {
         norm_row(state, m->final_norm, m->eps_final, H, hn);
