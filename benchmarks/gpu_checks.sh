@@ -17,6 +17,7 @@
 #    random-weight 1.17B Llama with 4 Medusa-1 heads written to disk, then `medusa-chat bench` on CUDA in NF4 and in
 #    fp16 (load_model, the first-start calibration, the engine with graphs) against HF generate and the plain loop.
 #    Random weights: the speeds and the identity count, not acceptance.
+# 4. (with GPU_EMBEDDED) the embedded model's real weights on the GPU: see below.
 # GPU_STAGES="cuda_tests make_1b bench_1b_nf4 bench_1b_none" runs only the stages named (default: all);
 # GPU_E2E_SHAPES="1b 7b" adds the end-to-end stages at the 7B shape.
 # Each stage has its own time limit and a failed stage does not stop the next (the whole run fits a 10-minute
@@ -73,5 +74,37 @@ if [ -f "$tokenizer/tokenizer.json" ]; then
     done
 else
     echo "== end to end skipped: no $tokenizer/tokenizer.json (run benchmarks/gpu_prepare.sh first)"
+fi
+# 4. The embedded model with its real weights (when its GGUF was staged: benchmarks/gpu_stage_gguf.sh, then
+#    GPU_EMBEDDED="/tmp/smol.gguf /tmp/g/hf /tmp/g/hashes.json"): dequantized by this app's reader (hash-checked
+#    against the CPU conversion) into an fp32 folder, then `bench` on CUDA with the shipped drafts: real
+#    acceptance, identity with the plain loop and HF generate, NF4 and 16-bit. GPU_EMBEDDED_RUNS picks the
+#    (heads, quant) pairs (default: hydra none, hydra nf4, eagle3 none, medusa-1 nf4).
+if [ -n "${GPU_EMBEDDED:-}" ]; then
+    read -r e_gguf e_hf e_hashes <<<"$GPU_EMBEDDED"
+    e_model=/tmp/embedded-fp32
+    stage embedded_prepare "${GPU_PREP_S:-120}" "$py" -c "
+import json, sys
+from pathlib import Path
+sys.path.insert(0, 'benchmarks')
+from gpu_train_heads import prepare_model, tensor_hashes
+from safetensors.torch import load_file
+work = Path('/tmp/embedded-work'); work.mkdir(exist_ok=True)
+folder = prepare_model('$e_gguf', work, '$e_hf', print)
+want = json.loads(Path('$e_hashes').read_text())
+got = tensor_hashes({k: v for k, v in load_file(str(folder / 'model.safetensors')).items() if k in want})
+bad = [k for k in want if got.get(k) != want[k]]
+print('weights vs the CPU conversion:', 'identical' if not bad else f'{len(bad)} tensors differ')
+Path('$e_model').unlink(missing_ok=True); Path('$e_model').symlink_to(folder.resolve())
+sys.exit(1 if bad else 0)"
+    for run in ${GPU_EMBEDDED_RUNS:-hydra:none hydra:nf4 eagle3:none medusa-1:nf4}; do
+        heads=${run%%:*} q=${run##*:}
+        folder=assets/smollm2-135m$([ "$heads" = hydra ] || echo "-${heads//-/}")
+        base=plain$([ "$run" = hydra:none ] && echo ",hf")
+        MEDUSA_CHAT_CACHE=/tmp/embedded-cache stage "embedded_${heads}_$q" "${GPU_EMB_S:-120}" "$py" -m medusa_chat \
+            bench --model "$e_model" --heads "$folder" --device "${GPU_EMBEDDED_DEVICE:-cuda}" --quant "$q" --warmup 1 --quiet \
+            --prompts benchmarks/data/vicuna_bench_question.jsonl --limit 10 --max-new-tokens 64 --baselines "$base" \
+            --json "$out/embedded_${heads}_$q.json"
+    done
 fi
 cat "$out/stages.txt"
