@@ -473,3 +473,25 @@ def test_repl_lookup_command(tmp_path, monkeypatch) -> None:
     assert "context lookup on (greedy and exact sampling; the output is the same either way)" in text
     assert "context lookup off" in text and "error: bad value for context_lookup" in text
     assert session.settings.context_lookup is False
+
+
+def test_the_cpu_nucleus_from_the_head_is_the_full_sorts_bit_for_bit() -> None:
+    """`nucleus` on a CPU sorts only each row's head (probabilities >= (1 - top_p) / 2V): the kept set and
+    values must be the full descending sort's exactly, peaked or flat rows, 1-D or batched, ties included."""
+    from medusa_chat.engine.acceptance import _nucleus_from_head
+
+    def full(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        scale, temp, top_p = (0.5, 1, 3, 8)[trial % 4], (0.3, 0.7, 1.0, 1.5)[trial % 4], (0.5, 0.9, 0.95, 0.99)[trial % 3]
+        logits = torch.randn(3, 49152, generator=g) * scale
+        logits[:, :40] = logits[:, :1]  # ties, at the top
+        probs = torch.softmax(logits / temp, dim=-1)
+        assert _nucleus_from_head(probs, top_p) is not None
+        assert torch.equal(nucleus(probs, top_p), full(probs, top_p))
+        assert torch.equal(nucleus(probs[1], top_p), full(probs[1], top_p))
+    assert _nucleus_from_head(torch.full((1, 100), 1e-4), 0.9) is None  # unnormalised: the full sort decides

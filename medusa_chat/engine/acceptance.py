@@ -87,11 +87,39 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     function, so they agree on which tokens may appear."""
     if top_p >= 1.0:
         return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    if probs.device.type == "cpu" and probs.dim() <= 2:
+        out = _nucleus_from_head(probs, top_p)
+        if out is not None:
+            return out
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     keep = (
         sorted_p.cumsum(-1) - sorted_p < top_p
     )  # mass strictly before a token < top_p: always keeps the top
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+
+
+def _nucleus_from_head(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """`nucleus` on a CPU from each row's head: the tokens of probability >= (1 - top_p) / (2 V). Together
+    those hold at least top_p + (1 - top_p) / 2 of the mass (the rest is below V x the cut), so the nucleus lies
+    among them: they come first in the descending order, in the same order (a stable sort of the same values,
+    taken in index order), so their running sums and the kept set are the full sort's, bit for bit. Sorting all
+    49k probabilities of a row took ~2.8 ms on a 2-core CPU, as much as a decoding step of the embedded model;
+    the head is a few hundred to a few thousand tokens. None (the full sort) when a row's head does not reach
+    the mass it must (probabilities that do not sum to ~1)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    cut = (1.0 - top_p) / (2 * rows.shape[-1])
+    out = torch.zeros_like(rows)
+    for r in range(rows.shape[0]):
+        index = (rows[r] >= cut).nonzero()[:, 0]
+        if index.numel() == 0:
+            return None
+        head = rows[r].index_select(0, index)
+        sorted_p, order = head.sort(descending=True, stable=True)
+        before = sorted_p.cumsum(0) - sorted_p
+        if not float(before[-1] + sorted_p[-1]) >= top_p + (1.0 - top_p) / 4:
+            return None
+        out[r].index_copy_(0, index.index_select(0, order), sorted_p * (before < top_p))
+    return out.view_as(probs)
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
