@@ -418,3 +418,31 @@ def test_stream_decoder_streams_on_through_stray_bytes() -> None:
             assert len(shown) >= len(tok.decode(ids[: i + 1 - 3]).rstrip("\ufffd"))
     assert "".join(deltas) == dec.text == tok.decode(ids, skip_special_tokens=True)
     assert "€" in dec.text and dec.text.endswith(" ok 🐍")
+
+
+def test_a_long_prompt_prefills_in_blocks_with_the_bits_of_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the native C step `prefill` runs a long prompt PREFILL_BLOCK tokens at a time (faster: attention scores
+    cached keys 8 at a time); every hidden state, the KV cache and the reply are those of one block."""
+    from medusa_chat.engine import engine as engine_mod
+    from tests.tinymodels import block_loaded
+
+    loaded = block_loaded("int4")
+    engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(4))
+    assert getattr(engine.runner.lean, "lib", None) is not None  # the native step
+    ids = torch.randint(10, 400, (150,), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(engine_mod, "PREFILL_BLOCK", 1000)
+    engine.fresh_cache()
+    whole = engine.prefill(ids)
+    kv_whole = engine.cache.buffer[..., : len(ids), :].clone()
+    monkeypatch.setattr(engine_mod, "PREFILL_BLOCK", 32)
+    engine.fresh_cache()
+    blocks = engine.prefill(ids)
+    assert torch.equal(blocks, whole)
+    assert torch.equal(engine.cache.buffer[..., : len(ids), :], kv_whole)
+    prompt = ids.tolist()
+    monkeypatch.setattr(engine_mod, "PREFILL_BLOCK", 1000)
+    engine.fresh_cache()
+    one = list(engine.generate(prompt, GenerationSettings(max_new_tokens=12)))[-1].token_ids
+    monkeypatch.setattr(engine_mod, "PREFILL_BLOCK", 32)
+    engine.fresh_cache()
+    assert list(engine.generate(prompt, GenerationSettings(max_new_tokens=12)))[-1].token_ids == one
