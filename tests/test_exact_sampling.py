@@ -495,3 +495,21 @@ def test_the_cpu_nucleus_from_the_head_is_the_full_sorts_bit_for_bit() -> None:
         assert torch.equal(nucleus(probs, top_p), full(probs, top_p))
         assert torch.equal(nucleus(probs[1], top_p), full(probs[1], top_p))
     assert _nucleus_from_head(torch.full((1, 100), 1e-4), 0.9) is None  # unnormalised: the full sort decides
+
+
+def test_sample_draws_from_the_nucleus_distribution() -> None:
+    """`sample` (the typical mode's and the first token's sampler): frequencies match the renormalised nucleus
+    within binomial error, tokens outside the nucleus never appear, and one seed gives one sequence."""
+    from medusa_chat.engine.acceptance import sample
+
+    probs = torch.softmax(torch.randn(40, generator=torch.Generator().manual_seed(5)) * 2, -1)
+    kept = nucleus(probs, 0.9)
+    g = torch.Generator().manual_seed(11)
+    m = 20000
+    picks = torch.stack([sample(probs, 0.9, g) for _ in range(m)])
+    freq = torch.bincount(picks, minlength=40).double() / m
+    target = (kept / kept.sum()).double()
+    assert bool((freq[kept == 0] == 0).all())
+    torch.testing.assert_close(freq, target, atol=4 * (0.25 / m) ** 0.5, rtol=0)
+    again = torch.Generator().manual_seed(11)
+    assert torch.equal(torch.stack([sample(probs, 0.9, again) for _ in range(200)]), picks[:200])

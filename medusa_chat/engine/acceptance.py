@@ -128,8 +128,13 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
 
 
 def sample(probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Sample one token from a [V] distribution with nucleus (top_p) filtering; stays on the device."""
-    return torch.multinomial(nucleus(probs, top_p), 1, generator=generator)[0]
+    """Sample one token from a [V] distribution with nucleus (top_p) filtering; stays on the device.
+
+    By the inverse CDF of one uniform from `generator` (`inverse_cdf_sample`: exact for any categorical
+    distribution): torch.multinomial over a 49k vocabulary took ~1.1 ms a token on a 2-core CPU (a fifth of a
+    plain sampling step), this ~0.08 ms."""
+    u = torch.rand(1, generator=generator, device=probs.device)
+    return inverse_cdf_sample(nucleus(probs, top_p)[None], u)[0]
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
