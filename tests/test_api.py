@@ -124,8 +124,8 @@ def hf_greedy(session: SessionManager, messages: list[dict[str, str]], max_new: 
             torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new
         )
     text = loaded.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-    # the engine holds back a trailing incomplete UTF-8 character (U+FFFD) that a next token would complete
-    return text[:-1] if text.endswith("\ufffd") else text
+    # (a reply that ends in half a character ends in its U+FFFD, as the one-shot decode does)
+    return text
 
 
 def post(server: api.APIServer, body: Any, *, raw: bytes | None = None, **kw: Any) -> httpx.Response:

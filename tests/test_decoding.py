@@ -446,3 +446,24 @@ def test_a_long_prompt_prefills_in_blocks_with_the_bits_of_one_block(monkeypatch
     monkeypatch.setattr(engine_mod, "PREFILL_BLOCK", 32)
     engine.fresh_cache()
     assert list(engine.generate(prompt, GenerationSettings(max_new_tokens=12)))[-1].token_ids == one
+
+
+def test_a_reply_ending_in_half_a_character_streams_what_its_text_says() -> None:
+    """A reply cut off inside a multi-byte character (the token limit, EOS after stray bytes): the stream holds the
+    U+FFFD back while a token could complete it; at the end `flush` releases it, so the deltas add up to the
+    whole decode, which is the reply's text (engine.generate: the summary's text is the decoder's)."""
+    from medusa_chat.engine.text import StreamDecoder
+
+    tok = _embedded_tokenizer()
+    lead = tok.convert_tokens_to_ids("â")  # byte 0xE2: a 3-byte character's first byte
+    for tail in ([lead], [lead, lead], [lead] * 5):
+        ids = tok("Hello", add_special_tokens=False)["input_ids"] + tail
+        dec = StreamDecoder(tok)
+        deltas = [dec.push([t]) for t in ids]
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert whole.startswith("".join(deltas)) and len("".join(deltas)) < len(whole)  # the end held back
+        if len(tail) < 3:
+            assert "".join(deltas) == "Hello"
+        deltas.append(dec.flush())
+        assert "".join(deltas) == dec.text == tok.decode(ids, skip_special_tokens=True)
+        assert dec.flush() == ""

@@ -321,7 +321,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
         detok = StreamDecoder(self.model.tokenizer)
         # Streamed text that could be the start of a stop string is held back until a later step settles it.
-        text, held, hit = release_held(detok.push(reply), stop_strings, final=bool(stop_reason))
+        text, held, hit = release_held(_pushed(detok, reply, stop_reason), stop_strings, final=bool(stop_reason))
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths, busy_steps = 0, [], 0
@@ -353,7 +353,8 @@ class MedusaEngine(StepTrees, GraphSteps):
             if lookup is not None:
                 lookup.extend(new_tokens)
             stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
-            delta, held, hit = release_held(held + detok.push(new_tokens), stop_strings, final=bool(stop_reason))
+            pushed = _pushed(detok, new_tokens, stop_reason)
+            delta, held, hit = release_held(held + pushed, stop_strings, final=bool(stop_reason))
             stop_reason = "stop_string" if hit else stop_reason
             now = time.perf_counter()
             if self.threads is not None:
@@ -379,7 +380,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         if stop_reason == "context_limit":
             message = f"stopped at the model's context window ({self.context_limit} tokens)"
         yield ReplySummary(
-            text=self._reply_text(reply, stop_strings, held),
+            text=self._reply_text(detok.text, stop_strings, held),
             token_ids=reply,
             new_tokens=len(reply),
             steps=steps,
@@ -506,9 +507,9 @@ class MedusaEngine(StepTrees, GraphSteps):
             lookup_nodes=buf.chain[: len(guess)] if guess else [],
         )
 
-    def _reply_text(self, reply: list[int], stop_strings: tuple[str, ...], held: str) -> str:
-        """The reply's text: one exact full decode (the stream's deltas add up to it), cut at a stop string."""
-        text = self._detok(reply)
+    def _reply_text(self, text: str, stop_strings: tuple[str, ...], held: str) -> str:
+        """The reply's text: the decoder's (the stream's deltas add up to it; at a normal end it is the whole
+        decode, StreamDecoder.flush), cut at a stop string."""
         if stop_strings:
             cut = stop_string_cut(text, stop_strings)
             text = text if cut is None else text[:cut]
@@ -519,15 +520,17 @@ class MedusaEngine(StepTrees, GraphSteps):
         return text
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _detok(self, ids: list[int]) -> str:
-        text = self.model.tokenizer.decode(ids, skip_special_tokens=True)
-        # An incomplete multi-byte character decodes as U+FFFD: hold it back until the next token completes it.
-        return text[:-1] if text.endswith("\ufffd") else text
-
     def reset(self) -> None:
         """Forget the cached prefix (e.g. after a model-level change)."""
         self.cache.crop(0)
         self.cached_ids.clear()
+
+
+def _pushed(detok: StreamDecoder, tokens: list[int], stop_reason: str) -> str:
+    """The stream's text for these tokens; on the reply's last step also what the decoder held back (a character
+    no later token completes), so the stream and the reply's text are the same."""
+    text = detok.push(tokens)
+    return text + detok.flush() if stop_reason else text
 
 
 def plain_tree() -> Tree:

@@ -63,6 +63,15 @@ class StreamDecoder:
         return delta
 
 
+    def flush(self) -> str:
+        """At the end of a reply: the held end (half a character that no token will complete, stray bytes' U+FFFDs),
+        so that the deltas add up to the whole decode. One decode of the reply (once per reply)."""
+        whole = self._decode(self.ids)
+        delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+
 def keep_until_end(new: list[int], done: int, eos: set[int], max_new: int) -> tuple[list[int], str]:
     """The new tokens up to and including an EOS, within the reply's length limit; and why it ends ("")."""
     kept: list[int] = []
