@@ -62,7 +62,8 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
 class NativeEagle3:
     """The C drafter for one EAGLE-3 draft and backbone embedding; `state` is the engine's EagleDrafter."""
 
-    def __init__(self, draft: EagleDraft, embed: Any, lib: ctypes.CDLL, emb: tuple[_Embed, Any]) -> None:
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any]) -> None:
+        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct)."""
         from medusa_chat.kernels.cpu_linears import quantize_q4_1
         from medusa_chat.kernels.qgemm import Q41Linear
 
@@ -100,6 +101,7 @@ class NativeEagle3:
         self._work = torch.empty(0)
         self._rows = 0
         self._codes = torch.empty(0, dtype=torch.int32)
+        self._layouts: dict[int, tuple[Any, int, torch.Tensor]] = {}  # static trees' candidate index (`draft`)
         self.state: EagleDrafter | None = None
 
     def _ensure(self, rows: int, width: int, depth: int, k: int) -> None:
@@ -163,14 +165,15 @@ class NativeEagle3:
         tree = buf.tree
         if tree.size == 1:
             return root.view(1).to(torch.int64)
-        k = min(max(max(p[-1] for p in tree.paths) + 1, 1), MAX_TOP_K, self.vocab.shape[0])
-        depth = tree.depth
-        _, _, cands = self._draft(root, depth, k, 2)
-        tokens = torch.empty(tree.size, dtype=torch.int64)
-        tokens[0] = int(root)
-        for j, path in enumerate(tree.paths, start=1):
-            tokens[j] = cands[(len(path) - 1) * k + min(path[-1], k - 1)]
-        return tokens
+        layout = self._layouts.get(id(buf))
+        if layout is None or layout[0] is not buf:  # built once per tree: (buf, k, candidate index per node)
+            depth = tree.depth
+            k = min(max(p[-1] for p in tree.paths) + 1, MAX_TOP_K, self.vocab.shape[0], 8 * 64 // depth)
+            index = torch.tensor([(len(p) - 1) * k + min(p[-1], k - 1) for p in tree.paths])
+            layout = self._layouts[id(buf)] = (buf, k, index)
+        _, k, index = layout
+        cands = self._draft(root, tree.depth, k, 2)[2]
+        return torch.cat([root.view(1).to(torch.int64), cands.index_select(0, index)])
 
 
 def native_eagle3_for(draft: EagleDraft, embed: Any) -> NativeEagle3 | None:
@@ -186,4 +189,4 @@ def native_eagle3_for(draft: EagleDraft, embed: Any) -> NativeEagle3 | None:
     emb = embed_struct(embed)
     if lib is None or emb is None or draft.midlayer.mlp.gate_proj.out_features % 32:
         return None
-    return NativeEagle3(draft, embed, lib, emb)
+    return NativeEagle3(draft, lib, emb)
