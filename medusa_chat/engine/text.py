@@ -62,7 +62,6 @@ class StreamDecoder:
             self.shown = len(whole) - pending - len(self._decode(self.ids[self.prefix : self.read]))
         return delta
 
-
     def flush(self) -> str:
         """At the end of a reply: the held end (half a character that no token will complete, stray bytes' U+FFFDs),
         so that the deltas add up to the whole decode. One decode of the reply (once per reply)."""
