@@ -99,6 +99,7 @@ class NativeEagle3:
         self._cos = self._sin = torch.empty(0, self.head_dim)
         self._k = self._v = torch.empty(self.n_kv, 0, self.head_dim)
         self._work = torch.empty(0)
+        self._work_for = (0, 0)  # (extend rows, positions) `_work` is sized for
         self._rows = 0
         self._codes = torch.empty(0, dtype=torch.int32)
         self._layouts: dict[int, tuple[Any, int, torch.Tensor]] = {}  # static trees' candidate index (`draft`)
@@ -123,9 +124,10 @@ class NativeEagle3:
             self._qx = torch.empty(2 * rows * widest, dtype=torch.int8)
             self._dx = torch.empty(2, rows * widest // 32 + 1)
             self._rows = rows
-        need = int(self.lib.eagle3_work_floats(self._ref, rows, width))
-        if self._work.numel() < need:
-            self._work = torch.empty(need)
+        if rows > self._work_for[0] or width > self._work_for[1]:  # (the size only grows: not asked every step)
+            rows, width = max(rows, self._work_for[0]), max(width, 2 * self._work_for[1], 256)
+            self._work = torch.empty(int(self.lib.eagle3_work_floats(self._ref, rows, width)))
+            self._work_for = (rows, width)
         if self._codes.numel() < depth * k + 1:
             self._codes = torch.empty(depth * k + 1, dtype=torch.int32)
 
