@@ -57,16 +57,21 @@ def measure(model: str, heads: str, quant: str, sizes: list[int], reps: int) -> 
     base = Tree.named("mc_sim_7b_63")
     base = Tree.from_paths([p for p in base.paths if len(p) <= loaded.heads.num_heads], name=base.name)
     lat = measure_step_latency(loaded, sizes, tree=base, reps=reps)
-    plain = lat[1]["median_s"]
     return {
         "quant": quant,
         "heads": {k: info[k] for k in ("count", "format", "dtype", "drafter", "bytes")},
         "shared_lm_heads": getattr(loaded.heads, "shared_lm_heads", None),
         "load_s": round(load_s, 1),
-        "sizes": {
-            n: {"median_ms": round(v["median_s"] * 1e3, 2), "ratio": round(v["median_s"] / plain, 3)}
-            for n, v in lat.items()
-        },
+        "sizes": step_ratios(lat),
+    }
+
+
+def step_ratios(lat: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """{size: its median step in ms and its ratio to the 1-node step} of a measure_step_latency result."""
+    plain = lat[1]["median_s"]
+    return {
+        n: {"median_ms": round(v["median_s"] * 1e3, 2), "ratio": round(v["median_s"] / plain, 3)}
+        for n, v in lat.items()
     }
 
 

@@ -131,3 +131,54 @@ def deep_planted_backbone(folder: Path, layers: int = 8, seed: int = 3) -> Path:
             layer.self_attn.o_proj.weight.mul_(LAYER_SCALE)
             layer.mlp.down_proj.weight.mul_(LAYER_SCALE)
     return save_backbone(model, build_tokenizer("chatml"), folder, succ)
+
+
+def write_random_eagle1(folder: Path, cfg: dict[str, Any], seed: int = 0) -> Path:
+    """A random EAGLE-1 draft for a Llama of config `cfg`, in the published layout (fp16 safetensors)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    hd = int(cfg.get("head_dim") or h // heads)
+
+    def r(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).half()
+
+    state = {
+        "fc.weight": r(h, 2 * h),
+        "fc.bias": torch.zeros(h, dtype=torch.float16),
+        "layers.0.self_attn.q_proj.weight": r(heads * hd, h),
+        "layers.0.self_attn.k_proj.weight": r(kv * hd, h),
+        "layers.0.self_attn.v_proj.weight": r(kv * hd, h),
+        "layers.0.self_attn.o_proj.weight": r(h, heads * hd),
+        "layers.0.mlp.gate_proj.weight": r(inter, h),
+        "layers.0.mlp.up_proj.weight": r(inter, h),
+        "layers.0.mlp.down_proj.weight": r(h, inter),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch.float16),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "vocab_size", "rope_theta", "max_position_embeddings")  # fmt: skip
+    draft_cfg = {k: cfg[k] for k in keep if k in cfg}
+    draft_cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
+    (folder / "config.json").write_text(json.dumps(draft_cfg, indent=1))
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def c_draft_agreement(drafter: Any, roots: range, within: int = 0) -> int:
+    """For how many roots the C drafter's depth-1 top-4 is the PyTorch draft's (same order; with `within`: its
+    top-1 is among the PyTorch draft's top `within`), each run over the drafter's whole context from scratch
+    (native_eagle.py against model/eagle.py)."""
+    native, agree, p = drafter.native, 0, drafter.known
+    with torch.inference_mode():
+        for r in roots:
+            root = torch.tensor([r])
+            drafter.seen = 0
+            cands = native._draft(root, 1, 4, 2)[2]
+            nxt = torch.cat([drafter.ids[1:p], root])
+            out = drafter.draft.reference_outputs(drafter.feats[:p], nxt, drafter.embed)[-1:]
+            top = drafter._tokens(drafter._logits(out).topk(within or 4, dim=-1).indices)[0].tolist()
+            agree += int(cands[0]) in top if within else cands.tolist() == top
+    return agree

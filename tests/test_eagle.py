@@ -18,6 +18,7 @@ from medusa_chat.model.loading import load_model, summary_lines
 from medusa_chat.model.registry import heads_folder_kind
 from medusa_chat.tree import Tree
 from tests.eagle_helpers import (
+    c_draft_agreement,
     deep_planted_backbone,
     draft_config,
     planted_eagle1_state,
@@ -192,20 +193,73 @@ def test_eagle3_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle3_dir: Path
     drafter = engine._eagle
     assert drafter.feats.shape[1] == 3 * 64 and drafter.feats[: drafter.known].abs().sum() > 0
     # the C draft's depth-1 guess vs the PyTorch draft's over the whole context from scratch, for many roots
-    native, agree, p = drafter.native, 0, drafter.known
     roots = range(40, 120, 2)
-    with torch.inference_mode():
-        for r in roots:
-            root = torch.tensor([r])
-            drafter.seen = 0
-            cands = native._draft(root, 1, 4, 2)[2]
-            nxt = torch.cat([drafter.ids[1:p], root])
-            out = drafter.draft.reference_outputs(drafter.feats[:p], nxt, drafter.embed)[-1:]
-            torch_top3 = drafter._tokens(drafter._logits(out).topk(3, dim=-1).indices)[0].tolist()
-            agree += int(cands[0]) in torch_top3
+    agree = c_draft_agreement(drafter, roots, within=3)
     # 4-bit weights and 8-bit activations move a random 64-wide draft's logits (36-40 of 40 here); a wrong layer
     # (the two norms swapped, say) gets 0 of 40
     assert agree >= 0.8 * len(roots), f"the C draft's top-1 was in the PyTorch draft's top-3 {agree}/{len(roots)} times"
+
+
+@pytest.fixture(scope="module")
+def eagle1_deep_dir(deep_dir: Path, fixtures_root: Path) -> Path:
+    """A planted EAGLE-1 draft for the 8-layer backbone, with an fc bias and q/k/v biases (both read by the C
+    drafter)."""
+    folder = fixtures_root / "eagle1-deep-st"
+    if not folder.exists():
+        from safetensors.torch import load_file
+
+        weights = load_file(str(next(deep_dir.glob("*.safetensors"))))
+        emb = weights["model.embed_tokens.weight"].float()
+        g = torch.Generator().manual_seed(11)
+        state = planted_eagle1_state(emb, seed=2)
+        state["fc.bias"] = torch.randn(emb.shape[1], generator=g) * 0.3
+        for name in ("q_proj", "k_proj", "v_proj"):
+            rows = state[f"layers.0.self_attn.{name}.weight"].shape[0]
+            state[f"layers.0.self_attn.{name}.bias"] = torch.randn(rows, generator=g) * 0.3
+        write_eagle(folder, state, draft_config(), fmt="safetensors")
+    return folder
+
+
+def drafter_vocab(loaded) -> int:
+    return int(loaded.backbone.get_output_embeddings().out_features)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir: Path, quant: str) -> None:
+    """An EAGLE-1 draft on the native C step drafts in one C call too (its fc over cat(embedding, feature) with
+    the bias, the layer without an input norm, the backbone's own block lm_head as its head): every greedy reply
+    is the plain loop's, with shaped and static trees; the planted draft's guesses are accepted (deep paths);
+    the C draft guesses what the PyTorch draft guesses from the same features."""
+    loaded = load_model(model=str(deep_dir), heads=str(eagle1_deep_dir), quant=quant, device="cpu")
+    assert loaded.heads.version == 1 and loaded.heads.fc.bias is not None
+    plain = MedusaEngine(loaded, plain_tree())
+    prompts = _prompts(loaded)
+    expected = [_reply(plain, p, max_new_tokens=24).token_ids for p in prompts]
+    for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False)):
+        engine = MedusaEngine(loaded, tree, shaped=shaped)
+        native = engine._eagle.native
+        assert native is not None and native.vocab is None and native.V == drafter_vocab(loaded)
+        assert engine.draft_shaped == shaped
+        for p, want in zip(prompts, expected, strict=True):
+            reply = _reply(engine, p, max_new_tokens=24)
+            assert reply.token_ids == want
+            assert reply.tokens_per_step > 1.5, reply.tokens_per_step
+    roots = range(40, 120, 2)
+    agree = c_draft_agreement(engine._eagle, roots)
+    # (below: a draft vocabulary of the first 400 ids, as a real vocabulary's first 8,192; the bits of the
+    # replies do not depend on it)
+    # the same 4 candidates in the same order: 29 / 21 of 40 roots with int8 / int4 backbones (the draft's weights
+    # in 4 bits move near-ties); with the fc bias left out of the C layer, 1 of 40
+    assert agree >= 0.4 * len(roots), f"the C draft's top-4 was the PyTorch draft's {agree}/{len(roots)} times"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "400")
+        engine = MedusaEngine(loaded, TREE.prefix(6))
+        assert engine._eagle.native.V == 400 and engine._eagle.native.vocab.tolist() == list(range(400))
+        for p, want in zip(prompts, expected, strict=True):
+            events = list(engine.generate(p, GenerationSettings(max_new_tokens=24)))
+            assert events[-1].token_ids == want
+            drafted = {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
+            assert drafted and max(drafted) < 400
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 
 from medusa_chat.errors import HeadsError
 from medusa_chat.model.eagle import EagleDraft, eagle_taps
-from medusa_chat.model.native_eagle import NativeEagle3, native_eagle3_for
+from medusa_chat.model.native_eagle import NativeEagle, native_eagle_for
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
@@ -69,10 +69,10 @@ class EagleDrafter:
             self._tap(backbone, engine.runner)
         # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py);
         # `native_draft` set tells the engine's tree logic (trees.py) that draft-shaped trees are available
-        self.native: NativeEagle3 | None = None
+        self.native: NativeEagle | None = None
         self.native_draft = None
-        if draft.version == 3 and getattr(engine.runner.lean, "lib", None) is not None:
-            self.native = native_eagle3_for(draft, self.embed)
+        if getattr(engine.runner.lean, "lib", None) is not None:
+            self.native = native_eagle_for(draft, self.embed, self.full_head)
             if self.native is not None:
                 self.native.state = self
                 self.native_draft = self.native.draft

@@ -182,10 +182,10 @@ def _build_and_open(isa: str) -> ctypes.CDLL | None:
         lib.hydra_draft_shaped.restype = i
         lib.medusa_draft.argtypes = [i, p, i, i, p, p, p, p, p, p, p]
         lib.medusa_draft.restype = None
-        lib.eagle3_work_floats.argtypes = [p, i, i]
-        lib.eagle3_work_floats.restype = ctypes.c_size_t
-        lib.eagle3_draft_shaped.argtypes = [p, i, p, p, i, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
-        lib.eagle3_draft_shaped.restype = i
+        lib.eagle_work_floats.argtypes = [p, i, i]
+        lib.eagle_work_floats.restype = ctypes.c_size_t
+        lib.eagle_draft_shaped.argtypes = [p, i, p, p, i, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
+        lib.eagle_draft_shaped.restype = i
         lib.medusa_draft_shaped.argtypes = [i, p, i, i, i, p, p, p, p, p, p, p, p]
         lib.medusa_draft_shaped.restype = i
         lib.q8_0_gemm_argmax.argtypes = [p, i, i, p, p, p, i, p, p, p, p]

@@ -1,8 +1,10 @@
-"""An EAGLE-3 draft on the block kernel: each step's tree drafted in one C call (csrc/eagle.c).
+"""An EAGLE draft on the block kernel: each step's tree drafted in one C call (csrc/eagle.c).
 
-The draft (model/eagle.py) is one decoder layer plus a draft-vocabulary head, about 10 M parameters; in PyTorch
-a tree depth cost ~40 small ops, more than a whole backbone step of the embedded model takes on two cores. Here
-its linears are Q4_1 blocks (as the Hydra drafter's projection: 4 bits rank guesses as well; measured on the
+The draft (model/eagle.py) is one decoder layer plus a head: EAGLE-3's own draft-vocabulary head (the shipped
+draft: about 10 M parameters), or for EAGLE-1/2 the backbone's lm_head, read in the block form the native step
+already holds. In PyTorch a tree depth cost ~40 small ops, more than a whole backbone step of the embedded model
+takes on two cores, and a published EAGLE-1 draft for a 7B model is ~0.25 B parameters in fp32, read again at
+every depth. Here its linears are Q4_1 blocks (as the Hydra drafter's projection: 4 bits rank guesses as well; measured on the
 embedded model's draft: the same tokens per step as Q8_0, the draft 20% faster), its KV cache is fp32 in buffers
 of its own, and a step's extend + spine + tree choice is one call.
 
@@ -27,7 +29,14 @@ if TYPE_CHECKING:
     from medusa_chat.tree import TreeBuffers
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-MAX_TOP_K = 64  # eagle3_draft_shaped's per-depth top-k and D x K <= 512 (drafting.h, confident_select)
+# EAGLE-1/2 drafts project with the backbone's whole lm_head; drafted in C, each spine depth reads only these
+# first token ids' rows of it (a copy of those rows: 1/6 of a 49,152-token head). BPE and SentencePiece
+# vocabularies are numbered roughly by merge order / score, so low ids are the common tokens. Measured with the
+# embedded model's Medusa-1 heads (which take a draft vocabulary the same way), 10 Vicuna-bench turns, 8-node tree,
+# no context lookup: 1.641 tokens/step with the full vocabulary, 1.603 with the first 8,192 ids, 1.636 with the
+# 8,192 most frequent reply tokens. MEDUSA_CHAT_EAGLE_DRAFT_VOCAB sets the count (0: the whole head).
+EAGLE1_DRAFT_VOCAB = 8192
+MAX_TOP_K = 64  # eagle_draft_shaped's per-depth top-k and D x K <= 512 (drafting.h, confident_select)
 EXTEND_ROWS = 64  # csrc/eagle.c: the rows of one extend block
 
 
@@ -56,18 +65,22 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
         ("head", _BLin),
         ("vocab", _p),
         ("embed", _Embed),
+        ("version", _i),
+        ("fc_bias", _p),
+        ("qkv_bias", _p),
     ]
 
 
-class NativeEagle3:
-    """The C drafter for one EAGLE-3 draft and backbone embedding; `state` is the engine's EagleDrafter."""
+class NativeEagle:
+    """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
 
-    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any]) -> None:
-        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct)."""
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
+        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
+        the backbone's block lm_head, EAGLE-1's head."""
         from medusa_chat.kernels.cpu_linears import quantize_q4_1
         from medusa_chat.kernels.qgemm import Q41Linear
 
-        layer = draft.midlayer
+        layer = draft.midlayer if draft.version == 3 else draft.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
 
         def q4(*weights: torch.Tensor) -> Any:
@@ -80,19 +93,42 @@ class NativeEagle3:
         self.o = q4(attn.o_proj.weight)
         self.gate_up = q4(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.down = q4(mlp.down_proj.weight)
-        self.head = q4(draft.lm_head.weight)
-        self.vocab = draft.vocab_map().to(torch.int64).contiguous()
-        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, draft.norm]
-        self._norms = [n.weight.detach().float().contiguous() for n in norms]
+        v3 = draft.version == 3
+        vocab = draft.vocab_map()
+        if v3:
+            self.head = q4(draft.lm_head.weight)
+        else:
+            n = int(os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", EAGLE1_DRAFT_VOCAB))
+            full = int(lm_head.out_features)
+            vocab = torch.arange(n) if 0 < n < full else None
+            self.head = lm_head.rows(vocab) if vocab is not None else lm_head
+        self.vocab = vocab.to(torch.int64).contiguous() if vocab is not None else None
+        self.V = int(self.head.out_features)
+        norms = (
+            [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, draft.norm]
+            if v3 else [None, None, layer.post_attention_layernorm, None]
+        )  # fmt: skip
+        self._norms = [n.weight.detach().float().contiguous() if n is not None else None for n in norms]
+
+        def bias(*mods: Any) -> torch.Tensor | None:
+            if mods[0].bias is None:
+                return None
+            return torch.cat([m.bias.detach().float() for m in mods]).contiguous()
+
+        self._fc_bias = bias(draft.fc)
+        self._qkv_bias = bias(attn.q_proj, attn.k_proj, attn.v_proj)
         self._embed_keep = emb[1]
         self.n_kv, self.head_dim = int(draft.kv_heads), int(draft.head_dim)
         self.inter = int(mlp.gate_proj.out_features)
         self.feature_size = int(draft.feature_size)
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return t.data_ptr() if t is not None else None
+
         self.model = _EDraft(
-            self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter,
-            self.vocab.shape[0], *(float(n.eps) for n in norms), *(w.data_ptr() for w in self._norms),
+            self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter, self.V,
+            *(float(n.eps) if n is not None else 0.0 for n in norms), *(ptr(w) for w in self._norms),
             _blin(self.fc), _blin(self.qkv), _blin(self.o), _blin(self.gate_up), _blin(self.down),
-            _blin(self.head), self.vocab.data_ptr(), emb[0],
+            _blin(self.head), ptr(self.vocab), emb[0], draft.version, ptr(self._fc_bias), ptr(self._qkv_bias),
         )  # fmt: skip
         self._ref = ctypes.byref(self.model)
         self.inv_freq = draft.inv_freq.float()
@@ -126,7 +162,7 @@ class NativeEagle3:
             self._rows = rows
         if rows > self._work_for[0] or width > self._work_for[1]:  # (the size only grows: not asked every step)
             rows, width = max(rows, self._work_for[0]), max(width, 2 * self._work_for[1], 256)
-            self._work = torch.empty(int(self.lib.eagle3_work_floats(self._ref, rows, width)))
+            self._work = torch.empty(int(self.lib.eagle_work_floats(self._ref, rows, width)))
             self._work_for = (rows, width)
         if self._codes.numel() < depth * k + 1:
             self._codes = torch.empty(depth * k + 1, dtype=torch.int32)
@@ -142,7 +178,7 @@ class NativeEagle3:
         self._ensure(n, p + depth, depth, k)
         tokens = torch.empty(size, dtype=torch.int64)
         cands = torch.empty(depth * k, dtype=torch.int64)
-        chosen = self.lib.eagle3_draft_shaped(
+        chosen = self.lib.eagle_draft_shaped(
             self._ref, n, feats.data_ptr(), nxt.data_ptr(), first, self._cos.data_ptr(), self._sin.data_ptr(),
             self._k.data_ptr(), self._v.data_ptr(), self._k.shape[1], depth, k, size, self._codes.data_ptr(),
             tokens.data_ptr(), cands.data_ptr(), self._work.data_ptr(), self._qx.data_ptr(), self._dx[0].data_ptr(),
@@ -155,7 +191,7 @@ class NativeEagle3:
         self, root: torch.Tensor, hidden: torch.Tensor, depth: int, k: int, size: int
     ) -> tuple[tuple[int, ...], torch.Tensor]:
         """A tree of `size` nodes shaped by the draft's confidence, as NativeHydra.draft_shaped: (codes, tokens)."""
-        if not 1 <= k <= min(MAX_TOP_K, self.vocab.shape[0]) or depth * k > 8 * 64 or not 1 < size <= depth * k + 1:
+        if not 1 <= k <= min(MAX_TOP_K, self.V) or depth * k > 8 * 64 or not 1 < size <= depth * k + 1:
             raise ValueError(f"draft_shaped: no {size}-node tree from depth {depth} x top-{k}")
         n, tokens, _ = self._draft(root, depth, k, size)
         return tuple(self._codes[:n].tolist()), tokens
@@ -170,7 +206,7 @@ class NativeEagle3:
         layout = self._layouts.get(id(buf))
         if layout is None or layout[0] is not buf:  # built once per tree: (buf, k, candidate index per node)
             depth = tree.depth
-            k = min(max(p[-1] for p in tree.paths) + 1, MAX_TOP_K, self.vocab.shape[0], 8 * 64 // depth)
+            k = min(max(p[-1] for p in tree.paths) + 1, MAX_TOP_K, self.V, 8 * 64 // depth)
             index = torch.tensor([(len(p) - 1) * k + min(p[-1], k - 1) for p in tree.paths])
             layout = self._layouts[id(buf)] = (buf, k, index)
         _, k, index = layout
@@ -178,17 +214,23 @@ class NativeEagle3:
         return torch.cat([root.view(1).to(torch.int64), cands.index_select(0, index)])
 
 
-def native_eagle3_for(draft: EagleDraft, embed: Any) -> NativeEagle3 | None:
-    """The C drafter where the block kernel runs here, the draft is EAGLE-3 on the CPU and the embedding is one the C
-    code reads (a Q8_0 BlockEmbedding or an fp32 table); else None (the PyTorch drafter runs)."""
-    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0" or draft.version != 3:
+def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> NativeEagle | None:
+    """The C drafter where the block kernel runs here, the draft is on the CPU (EAGLE-3, or EAGLE-1/2 with one
+    layer and the backbone's lm_head a block linear), and the embedding one the C code reads (a Q8_0
+    BlockEmbedding, an fp32 table, or any other through its own lookup called back: a GGUF file's K-quant or F16
+    rows); else None (the PyTorch drafter runs)."""
+    from medusa_chat.kernels.qgemm import BlockLinear
+
+    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+        return None
+    if draft.version != 3 and (len(draft.layers) != 1 or not isinstance(lm_head, BlockLinear)):
         return None
     if draft.fc.weight.device.type != "cpu" or draft.hidden_size % 32 or draft.feature_size % 32:
         return None
     from medusa_chat.kernels.qgemm import load
 
     lib = load()
-    emb = embed_struct(embed)
-    if lib is None or emb is None or draft.midlayer.mlp.gate_proj.out_features % 32:
+    emb = embed_struct(embed, callback=True)
+    if lib is None or emb is None or draft.blocks[0].mlp.gate_proj.out_features % 32:
         return None
-    return NativeEagle3(draft, lib, emb)
+    return NativeEagle(draft, lib, emb, lm_head)

@@ -11,12 +11,15 @@ typedef struct {
     const float *bias;
 } Q8Lin;
 
-// A token embedding: an fp32 table [vocab, H], or (table NULL) a Q8_0 block linear's rows (the tied lm_head's)
+// A token embedding: an fp32 table [vocab, H], or (table NULL) a Q8_0 block linear's rows (the tied lm_head's),
+// or (both NULL) `lookup`, the embedding module's own lookup called back (a GGUF file's K-quant or F16 rows: a
+// few rows a step, called only from the thread that drafts, outside any parallel region)
 typedef struct {
     const float *table;
     const int8_t *qs;
     const uint16_t *d;
     int group;
+    void (*lookup)(int64_t tok, float *out);
 } Embed;
 
 void embed_row(const Embed *e, int64_t tok, int H, float *out);

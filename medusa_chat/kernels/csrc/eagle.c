@@ -1,12 +1,16 @@
-// An EAGLE-3 draft (model/eagle.py, EagleDraft version 3) drafting a step's tree in one C call, on block weights.
+// An EAGLE draft (model/eagle.py: EAGLE-3, or EAGLE-1/2 with one layer) drafting a step's tree in one C call,
+// on block weights.
 //
 // The draft is one Llama decoder layer over (the backbone's features, the next token's embedding) with its own
 // KV cache over the context. Per step (engine/eagle_drafter.py keeps the context's features and tokens):
-//   extend  the pairs the draft has not seen yet, the last one (last committed feature, the root) included: fc
-//           (3H -> H) on the features, then the layer as a causal block; its last output is the root's state.
-//   spine   depth by depth: the draft-vocabulary head on the state (final norm, then V rows), top-K and their
-//           probabilities; the top-1 token's embedding and the state go through the layer again (one row, at the
-//           next position), and so on. The tree is the size - 1 most probable of the D x K candidates below the
+//   extend  the pairs the draft has not seen yet, the last one (last committed feature, the root) included,
+//           through the layer as a causal block; its last output is the root's state. The layer's input:
+//             EAGLE-3: fc (3H -> H) on the three taps' features; q/k/v read cat(norm(embedding), norm(input))
+//             EAGLE-1: fc (2H -> H, with its bias) on cat(embedding, feature); q/k/v read that (no input norm)
+//   spine   depth by depth: the head on the state (EAGLE-3: final norm, then its V-token draft vocabulary;
+//           EAGLE-1: the backbone's own lm_head, the full vocabulary), top-K and their probabilities; the top-1
+//           token's embedding and the state go through the layer again (one row, at the next position; EAGLE-1
+//           fuses them with fc first, as for a feature), and so on. The tree is the size - 1 most probable of the D x K candidates below the
 //           top-1 spine (confident_select: EAGLE-2's dynamic tree on the spine, as the Hydra drafter's).
 // In PyTorch each depth was ~40 small ops, which cost more than the layer's arithmetic on a CPU; here a depth
 // costs its weight reads (~5 MB in Q4_1 with the embedded model's 576-wide draft). Drafts only choose what the backbone verifies:
@@ -25,15 +29,17 @@
 // Rows of one extend call at a time: a long prompt's pairs go through the layer in blocks of this many (each
 // block attends to everything before it), so the work buffer stays small whatever the prompt's length.
 #define EXTEND_ROWS 64
-#define MAX_TEAM 64  // attention's per-thread score rows (eagle3_work_floats)
+#define MAX_TEAM 64  // attention's per-thread score rows (eagle_work_floats)
 
 typedef struct {
-    int H, F, n_heads, n_kv, head_dim, inter, V;  // F: the feature width (3H); V: the draft vocabulary
+    int H, F, n_heads, n_kv, head_dim, inter, V;  // F: the feature width (3H, EAGLE-1 H); V: the head's rows
     float eps_in, eps_hidden, eps_post, eps_final;
-    const float *in_norm, *hidden_norm, *post_norm, *final_norm;  // fp32 [H] each
-    BLin fc, qkv, o, gate_up, down, head;  // qkv: q|k|v over cat(norm(emb), norm(x)) [2H]; gate_up: gate|up
-    const int64_t *vocab;                  // draft index -> token id
+    const float *in_norm, *hidden_norm, *post_norm, *final_norm;  // fp32 [H] each (EAGLE-1: post_norm only)
+    BLin fc, qkv, o, gate_up, down, head;  // qkv: q|k|v over cat(norm(emb), norm(x)) [2H] (EAGLE-1: x); gate_up: gate|up
+    const int64_t *vocab;                  // draft index -> token id (NULL: the head's rows are the token ids)
     Embed embed;                           // the backbone's token embedding
+    int version;                           // 3, or 1 (EAGLE-1/2)
+    const float *fc_bias, *qkv_bias;       // EAGLE-1's fc bias [H]; q|k|v biases [qkv rows] (NULL: none)
 } EDraft;
 
 // out = w * (x * rsqrt(mean(x^2) + eps)) for one row
@@ -69,7 +75,7 @@ static float dot(const float *a, const float *b, int n) {
 }
 
 // work floats for a call extending T pairs (any T: they go EXTEND_ROWS at a time) with up to max_len positions
-size_t eagle3_work_floats(const EDraft *m, int T, int max_len) {
+size_t eagle_work_floats(const EDraft *m, int T, int max_len) {
     const size_t H = m->H, qkv_n = (size_t)(m->n_heads + 2 * m->n_kv) * m->head_dim, I = m->inter;
     const size_t widest = (size_t)m->F > 2 * I ? (size_t)m->F : 2 * I;
     const size_t rows = T < EXTEND_ROWS ? (size_t)T : EXTEND_ROWS;
@@ -87,11 +93,18 @@ static void layer_rows(const EDraft *m, int T, const float *x, const float *emb,
     const int qd = nh * hd, qkv_n = qd + 2 * nkv * hd, group = nh / nkv;
     float *cat = w, *qkv = cat + (size_t)T * 2 * H, *att = qkv + (size_t)T * qkv_n, *tmp = att + (size_t)T * qd,
           *h2 = tmp + (size_t)T * H, *gu = h2 + (size_t)T * H, *act = gu + (size_t)T * 2 * I, *S = act + (size_t)T * I;
-    for (int r = 0; r < T; r++) {
-        norm_row(emb + (size_t)r * H, m->in_norm, m->eps_in, H, cat + (size_t)r * 2 * H);
-        norm_row(x + (size_t)r * H, m->hidden_norm, m->eps_hidden, H, cat + (size_t)r * 2 * H + H);
+    if (m->version == 3) {
+        for (int r = 0; r < T; r++) {
+            norm_row(emb + (size_t)r * H, m->in_norm, m->eps_in, H, cat + (size_t)r * 2 * H);
+            norm_row(x + (size_t)r * H, m->hidden_norm, m->eps_hidden, H, cat + (size_t)r * 2 * H + H);
+        }
+        linear(&m->qkv, cat, T, qkv, qx, dx, sx);
+    } else {
+        linear(&m->qkv, x, T, qkv, qx, dx, sx);  // EAGLE-1's one layer has no input norm
     }
-    linear(&m->qkv, cat, T, qkv, qx, dx, sx);
+    if (m->qkv_bias)
+        for (int r = 0; r < T; r++)
+            for (int i = 0; i < qkv_n; i++) qkv[(size_t)r * qkv_n + i] += m->qkv_bias[i];
     const float scale = 1.0f / sqrtf((float)hd);
     for (int r = 0; r < T; r++) {
         const int pos = pos0 + r;
@@ -140,13 +153,27 @@ static void layer_rows(const EDraft *m, int T, const float *x, const float *emb,
     for (size_t i = 0; i < (size_t)T * H; i++) out[i] += tmp[i];
 }
 
+// EAGLE-1's layer input for T rows: x = fc(cat(embedding, feature)) + bias, with `fused` [T, 2H] as scratch
+static void eagle1_input(const EDraft *m, int T, const float *emb, const float *feat, float *fused, float *x,
+                         int8_t *qx, float *dx, float *sx) {
+    const int H = m->H;
+    for (int r = 0; r < T; r++) {
+        memcpy(fused + (size_t)r * 2 * H, emb + (size_t)r * H, (size_t)H * sizeof(float));
+        memcpy(fused + (size_t)r * 2 * H + H, feat + (size_t)r * H, (size_t)H * sizeof(float));
+    }
+    linear(&m->fc, fused, T, x, qx, dx, sx);
+    if (m->fc_bias)
+        for (int r = 0; r < T; r++)
+            for (int i = 0; i < H; i++) x[(size_t)r * H + i] += m->fc_bias[i];
+}
+
 // One step's draft (module comment). feats [n, F] and next_ids [n] are the pairs not yet in the draft's cache, at
 // positions first .. first + n - 1 (next_ids[n - 1] is the root); the spine then runs at positions first + n ..
 // Out, as hydra_draft_shaped: codes[size - 1] (d * K + r of the chosen nodes, growth order), node_tokens[size]
 // (the root, then theirs) and cand_tokens[D * K] (every candidate's token, for static trees); returns how many
-// nodes were chosen. work: eagle3_work_floats(m, n, first + n + D) floats; qx/dx/sx: activation scratch for
+// nodes were chosen. work: eagle_work_floats(m, n, first + n + D) floats; qx/dx/sx: activation scratch for
 // min(n, EXTEND_ROWS) rows of the widest input (F or 2 * inter).
-int eagle3_draft_shaped(const EDraft *m, int n, const float *feats, const int64_t *next_ids, int first,
+int eagle_draft_shaped(const EDraft *m, int n, const float *feats, const int64_t *next_ids, int first,
                         const float *cos_t, const float *sin_t, float *kc, float *vc, int cap, int D, int K, int size,
                         int *codes, int64_t *node_tokens, int64_t *cand_tokens, float *work, int8_t *qx, float *dx,
                         float *sx) {
@@ -160,26 +187,28 @@ int eagle3_draft_shaped(const EDraft *m, int n, const float *feats, const int64_
     int T = 0;
     for (int r0 = 0; r0 < n; r0 += T) {  // the new pairs, a block at a time (each attends to all before it)
         T = n - r0 < EXTEND_ROWS ? n - r0 : EXTEND_ROWS;
-        linear(&m->fc, feats + (size_t)r0 * m->F, T, x, qx, dx, sx);
         for (int r = 0; r < T; r++) embed_row(&m->embed, next_ids[r0 + r], H, emb + (size_t)r * H);
+        if (m->version == 3) linear(&m->fc, feats + (size_t)r0 * m->F, T, x, qx, dx, sx);
+        else eagle1_input(m, T, emb, feats + (size_t)r0 * m->F, lw, x, qx, dx, sx);  // (lw: layer_rows' own scratch)
         layer_rows(m, T, x, emb, first + r0, cos_t, sin_t, kc, vc, cap, out, lw, qx, dx, sx);
     }
     float *state = out + (size_t)(T - 1) * H;  // the root's pair: predicts depth 1
     float spine = 1.0f;
     for (int d = 0; d < D; d++) {
-        norm_row(state, m->final_norm, m->eps_final, H, hn);
-        linear(&m->head, hn, 1, logits, qx, dx, sx);
+        if (m->version == 3) norm_row(state, m->final_norm, m->eps_final, H, hn);
+        linear(&m->head, m->version == 3 ? hn : state, 1, logits, qx, dx, sx);
         draft_top_k(logits, m->V, K, top);
         const float mx = logits[top[0]];
         const float sum = softmax_sum(logits, m->V, mx);
         for (int r = 0; r < K; r++) {
-            cand_tokens[d * K + r] = m->vocab[top[r]];
+            cand_tokens[d * K + r] = m->vocab ? m->vocab[top[r]] : top[r];
             path_p[d * K + r] = spine * (expf(logits[top[r]] - mx) / sum);
         }
         spine = path_p[d * K];
         if (d + 1 < D) {  // the top-1 token at depth d + 1 sits at position first + n + d
             embed_row(&m->embed, cand_tokens[d * K], H, emb);
-            memcpy(x, state, (size_t)H * sizeof(float));
+            if (m->version == 3) memcpy(x, state, (size_t)H * sizeof(float));
+            else eagle1_input(m, 1, emb, state, lw, x, qx, dx, sx);
             layer_rows(m, 1, x, emb, first + n + d, cos_t, sin_t, kc, vc, cap, out, lw, qx, dx, sx);
             state = out;
         }

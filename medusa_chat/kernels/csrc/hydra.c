@@ -99,8 +99,10 @@ float softmax_sum(const float *v, int n, float mx) {
 void embed_row(const Embed *e, int64_t tok, int H, float *out) {
     if (e->table)
         memcpy(out, e->table + (size_t)tok * H, (size_t)H * sizeof(float));
-    else
+    else if (e->qs)
         q8_0_rows(e->qs, e->d, H, e->group, &tok, 1, out);
+    else
+        e->lookup(tok, out);
 }
 
 void hydra_draft(int H, const Q8Lin *cell, const Q8Lin *const *heads, const int *n_blocks, const BLin *proj,
