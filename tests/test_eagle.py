@@ -235,11 +235,13 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
     plain = MedusaEngine(loaded, plain_tree())
     prompts = _prompts(loaded)
     expected = [_reply(plain, p, max_new_tokens=24).token_ids for p in prompts]
+    blocks = MedusaEngine(loaded, TREE.prefix(4))._eagle.native.blocks
     for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False)):
         engine = MedusaEngine(loaded, tree, shaped=shaped)
         native = engine._eagle.native
         assert native is not None and native.vocab is None and native.V == drafter_vocab(loaded)
         assert engine.draft_shaped == shaped
+        assert native.blocks is blocks  # the draft's blocks are built once, every engine drafts from them
         for p, want in zip(prompts, expected, strict=True):
             reply = _reply(engine, p, max_new_tokens=24)
             assert reply.token_ids == want

@@ -199,14 +199,16 @@ def test_a_k_quant_file_mixed_like_q4_k_m_runs_on_the_native_step(tmp_path: Path
         assert _reply(engine, p) == _reply(plain, p)
 
 
-def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path) -> None:
+def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A published-layout EAGLE-1 draft on a Q4_K_M-like file: the C drafter runs (the Q4_K token embedding, kept
-    as stored, looked up through its own module called back from C; the Q6_K lm_head as the draft's head), every
-    greedy reply is the plain loop's, and the C draft's candidates are the PyTorch draft's."""
+    as stored, looked up through its own module called back from C; the Q6_K lm_head as the draft's head, whole
+    here so that its candidates compare with the PyTorch draft's), every greedy reply is the plain loop's, and the
+    C draft's candidates are the PyTorch draft's."""
     from medusa_chat.kernels.qgemm import BlockEmbedding
     from tests.eagle_helpers import c_draft_agreement, write_random_eagle1
     from tests.tinygguf import SHAPES, vocab_size
 
+    monkeypatch.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "0")
     path = write_tiny_gguf(tmp_path / "small-Q4_K_M.gguf", "Q4_K", "Q4_K", "Q6_K", shape="small")
     hidden, _, heads, kv_heads, inter = SHAPES["small"]
     cfg = {"hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
@@ -215,7 +217,8 @@ def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path) -> None:
     assert not isinstance(loaded.backbone.get_input_embeddings(), BlockEmbedding)
     plain = MedusaEngine(loaded, plain_tree())
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(6))
-    assert engine._eagle.native is not None and type(engine._eagle.native.head).__name__ == "Q6KLinear"
+    assert engine._eagle.native is not None and engine._eagle.native.head is loaded.backbone.get_output_embeddings()
+    assert type(engine._eagle.native.head).__name__ == "Q6KLinear"
     prompt = loaded.build_prompt([{"role": "user", "content": "one two three one two three one two"}])
     for p in (prompt, [1, 2, 3, 400, 1, 2, 3, 400]):
         assert _reply(engine, p) == _reply(plain, p)

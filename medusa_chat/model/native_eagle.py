@@ -71,12 +71,12 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
     ]
 
 
-class NativeEagle:
-    """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
+class _DraftBlocks:
+    """A draft's weights as the C code reads them: its linears in Q4_1 blocks, the head (EAGLE-3's own, or rows of
+    the backbone's block lm_head), fp32 norms and biases. Built once per draft and head and kept on the draft
+    (`blocks_for`): every engine on the model (the calibration makes several) drafts from the same blocks."""
 
-    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
-        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
-        the backbone's block lm_head, EAGLE-1's head."""
+    def __init__(self, draft: EagleDraft, lm_head: Any, draft_vocab: int) -> None:
         from medusa_chat.kernels.cpu_linears import quantize_q4_1
         from medusa_chat.kernels.qgemm import Q41Linear
 
@@ -86,49 +86,66 @@ class NativeEagle:
         def q4(*weights: torch.Tensor) -> Any:
             return Q41Linear(*quantize_q4_1(torch.cat([w.detach().float() for w in weights])))
 
-        self.lib = lib
-        self.hidden = int(draft.hidden_size)
-        self.fc = q4(draft.fc.weight)
-        self.qkv = q4(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-        self.o = q4(attn.o_proj.weight)
-        self.gate_up = q4(mlp.gate_proj.weight, mlp.up_proj.weight)
-        self.down = q4(mlp.down_proj.weight)
-        v3 = draft.version == 3
-        vocab = draft.vocab_map()
-        if v3:
-            self.head = q4(draft.lm_head.weight)
-        else:
-            n = int(os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", EAGLE1_DRAFT_VOCAB))
-            full = int(lm_head.out_features)
-            vocab = torch.arange(n) if 0 < n < full else None
-            self.head = lm_head.rows(vocab) if vocab is not None else lm_head
-        self.vocab = vocab.to(torch.int64).contiguous() if vocab is not None else None
-        self.V = int(self.head.out_features)
-        norms = (
-            [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, draft.norm]
-            if v3 else [None, None, layer.post_attention_layernorm, None]
-        )  # fmt: skip
-        self._norms = [n.weight.detach().float().contiguous() if n is not None else None for n in norms]
-
         def bias(*mods: Any) -> torch.Tensor | None:
             if mods[0].bias is None:
                 return None
             return torch.cat([m.bias.detach().float() for m in mods]).contiguous()
 
-        self._fc_bias = bias(draft.fc)
-        self._qkv_bias = bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.fc = q4(draft.fc.weight)
+        self.qkv = q4(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        self.o = q4(attn.o_proj.weight)
+        self.gate_up = q4(mlp.gate_proj.weight, mlp.up_proj.weight)
+        self.down = q4(mlp.down_proj.weight)
+        vocab = draft.vocab_map()
+        if draft.version == 3:
+            self.head = q4(draft.lm_head.weight)
+        else:
+            vocab = torch.arange(draft_vocab) if 0 < draft_vocab < int(lm_head.out_features) else None
+            self.head = lm_head.rows(vocab) if vocab is not None else lm_head
+        self.vocab = vocab.to(torch.int64).contiguous() if vocab is not None else None
+        self.norms = (
+            [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, draft.norm]
+            if draft.version == 3 else [None, None, layer.post_attention_layernorm, None]
+        )  # fmt: skip
+        self.norm_weights = [n.weight.detach().float().contiguous() if n is not None else None for n in self.norms]
+        self.fc_bias = bias(draft.fc)
+        self.qkv_bias = bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.inter = int(mlp.gate_proj.out_features)
+
+    @staticmethod
+    def blocks_for(draft: EagleDraft, lm_head: Any) -> _DraftBlocks:
+        n = int(os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", EAGLE1_DRAFT_VOCAB)) if draft.version != 3 else 0
+        key = (id(lm_head), n)
+        kept = draft.__dict__.get("_native_blocks")
+        if kept is None or kept[0] != key:
+            kept = (key, _DraftBlocks(draft, lm_head, n))
+            draft.__dict__["_native_blocks"] = kept  # (not a submodule: no state-dict entry, no device moves)
+        return kept[1]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class NativeEagle:
+    """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
+
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
+        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
+        the backbone's block lm_head, EAGLE-1's head."""
+        self.lib = lib
+        b = self.blocks = _DraftBlocks.blocks_for(draft, lm_head)
+        self.head, self.vocab, self.V = b.head, b.vocab, int(b.head.out_features)
+        self.hidden = int(draft.hidden_size)
         self._embed_keep = emb[1]
         self.n_kv, self.head_dim = int(draft.kv_heads), int(draft.head_dim)
-        self.inter = int(mlp.gate_proj.out_features)
+        self.inter = b.inter
         self.feature_size = int(draft.feature_size)
-        def ptr(t: torch.Tensor | None) -> int | None:
-            return t.data_ptr() if t is not None else None
-
         self.model = _EDraft(
             self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter, self.V,
-            *(float(n.eps) if n is not None else 0.0 for n in norms), *(ptr(w) for w in self._norms),
-            _blin(self.fc), _blin(self.qkv), _blin(self.o), _blin(self.gate_up), _blin(self.down),
-            _blin(self.head), ptr(self.vocab), emb[0], draft.version, ptr(self._fc_bias), ptr(self._qkv_bias),
+            *(float(n.eps) if n is not None else 0.0 for n in b.norms), *(_ptr(w) for w in b.norm_weights),
+            _blin(b.fc), _blin(b.qkv), _blin(b.o), _blin(b.gate_up), _blin(b.down), _blin(b.head),
+            _ptr(b.vocab), emb[0], draft.version, _ptr(b.fc_bias), _ptr(b.qkv_bias),
         )  # fmt: skip
         self._ref = ctypes.byref(self.model)
         self.inv_freq = draft.inv_freq.float()
