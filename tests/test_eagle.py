@@ -264,6 +264,39 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
             assert drafted and max(drafted) < 400
 
 
+def test_an_eagle1_draft_vocabulary_beside_the_draft_is_what_the_c_drafter_guesses_among(
+    deep_dir: Path, eagle1_deep_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """draft_vocab.safetensors beside an EAGLE-1 draft (train-heads writes the most frequent reply tokens there):
+    the C drafter reads only those rows of the lm_head and guesses only those tokens; replies stay the plain
+    loop's; MEDUSA_CHAT_EAGLE_DRAFT_VOCAB=0 reads the whole head; ids outside the vocabulary are a clear error."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "eagle1-dv"
+    shutil.copytree(eagle1_deep_dir, folder)
+    ids = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:300]
+    save_file({"draft_vocab": ids}, str(folder / "draft_vocab.safetensors"))
+    loaded = load_model(model=str(deep_dir), heads=str(folder), quant="int8", device="cpu")
+    assert torch.equal(loaded.heads.draft_vocab_ids, ids)
+    native = MedusaEngine(loaded, TREE.prefix(6))._eagle.native
+    assert native.V == 300 and torch.equal(native.vocab, ids)
+    plain = MedusaEngine(loaded, plain_tree())
+    engine = MedusaEngine(loaded, TREE.prefix(6))
+    drafted: set[int] = set()
+    for p in _prompts(loaded):
+        events = list(engine.generate(p, GenerationSettings(max_new_tokens=20)))
+        assert events[-1].token_ids == _reply(plain, p, max_new_tokens=20).token_ids
+        drafted |= {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
+    assert drafted and drafted <= set(ids.tolist())
+    monkeypatch.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "0")
+    assert MedusaEngine(loaded, TREE.prefix(6))._eagle.native.vocab is None
+    save_file({"draft_vocab": torch.tensor([3, 700])}, str(folder / "draft_vocab.safetensors"))
+    with pytest.raises(HeadsError, match="another tokenizer"):
+        load_model(model=str(deep_dir), heads=str(folder), quant="int8", device="cpu")
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 def _load(path: Path, folder: Path):
     return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")

@@ -204,14 +204,18 @@ def test_written_draft_loads_and_greedy_replies_are_the_plain_loops(
         holdout=0.25,
         tree_budget=12,
         eval_depth=3,
+        eagle1_draft_vocab=100,
         **QUIET,
     )
-    assert {"config.json", EAGLE_FILE, "accuracy.json", "tree.json"} <= {f.name for f in out.iterdir()}
+    files = {f.name for f in out.iterdir()}
+    assert {"config.json", EAGLE_FILE, "accuracy.json", "tree.json", "draft_vocab.safetensors"} <= files
     assert report["data"]["heldout_samples"] > 0 and len(report["heldout"]["top1"]) == 3
     saved = load_file(str(out / EAGLE_FILE))
     assert all(v.dtype == torch.float16 for v in saved.values()) and "fc.weight" in saved
     loaded = load_model(model=str(tiny_llama_dir), heads=str(out), quant="none", device="cpu")
     assert loaded.spec.kind == "eagle" and loaded.heads.format == "eagle"
+    ids = loaded.heads.draft_vocab_ids  # the 100 most frequent reply tokens, for the C drafter
+    assert ids is not None and ids.numel() == 100 == ids.unique().numel()
     assert loaded.default_tree.size <= 12  # the fitted tree.json beside the draft
     for key, value in saved.items():
         assert torch.equal(loaded.heads.state_dict()[key], value.float()), key

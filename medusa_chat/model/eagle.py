@@ -115,6 +115,9 @@ class EagleDraft(nn.Module):
     """
 
     own_lm_head = False
+    # EAGLE-1/2: the token ids the C drafter guesses among (heads_files.DRAFT_VOCAB_FILE beside the draft, as
+    # train-heads writes it: the most frequent reply tokens); None: native_eagle.py's first-ids default
+    draft_vocab_ids: torch.Tensor | None = None
 
     def __init__(self, cfg: dict[str, Any], version: int, layers: int = 1, fc_bias: bool = True,
                  qkv_bias: bool = False, feature_size: int | None = None) -> None:

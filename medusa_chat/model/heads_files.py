@@ -81,6 +81,8 @@ def load_heads_file(folder: Path, keep_dtype: bool = False) -> tuple[MedusaHeads
     if eagle is not None and not any((folder / f).is_file() for f in HEADS_FILES):
         # an EAGLE-1/2/3 draft in its Hub layout (model/eagle.py; its errors name EAGLE)
         draft = load_eagle(folder, eagle, read_state_file(eagle))
+        if draft.version != 3:  # (EAGLE-3 drafts carry their own vocabulary maps)
+            draft.draft_vocab_ids = read_draft_vocab(folder / DRAFT_VOCAB_FILE)
         return draft, eagle, read_json(folder / "config.json")  # type: ignore[return-value]
     path = find_heads_file(folder)
     config = read_json(folder / "config.json")

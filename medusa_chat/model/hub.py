@@ -145,7 +145,8 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
         if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file, no tokenizer
             eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
             draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
-            return ["config.json", eagle] if draft else []
+            extra = [n for n in ("tree.json", "draft_vocab.safetensors") if n in present]  # (train-heads writes them)
+            return ["config.json", *extra, eagle] if draft else []
         return [n for n in ("config.json", "tree.json", "draft_vocab.safetensors") if n in present] + [heads]
     if want == "model":
         weights = weight_files(names)

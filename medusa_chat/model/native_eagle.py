@@ -34,7 +34,8 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # vocabularies are numbered roughly by merge order / score, so low ids are the common tokens. Measured with the
 # embedded model's Medusa-1 heads (which take a draft vocabulary the same way), 10 Vicuna-bench turns, 8-node tree,
 # no context lookup: 1.641 tokens/step with the full vocabulary, 1.603 with the first 8,192 ids, 1.636 with the
-# 8,192 most frequent reply tokens. MEDUSA_CHAT_EAGLE_DRAFT_VOCAB sets the count (0: the whole head).
+# 8,192 most frequent reply tokens: a draft_vocab.safetensors beside the draft (train-heads writes one) lists
+# those instead. MEDUSA_CHAT_EAGLE_DRAFT_VOCAB sets a count of first ids (0: the whole head) over either.
 EAGLE1_DRAFT_VOCAB = 8192
 MAX_TOP_K = 64  # eagle_draft_shaped's per-depth top-k and D x K <= 512 (drafting.h, confident_select)
 EXTEND_ROWS = 64  # csrc/eagle.c: the rows of one extend block
@@ -99,8 +100,11 @@ class _DraftBlocks:
         vocab = draft.vocab_map()
         if draft.version == 3:
             self.head = q4(draft.lm_head.weight)
-        else:
-            vocab = torch.arange(draft_vocab) if 0 < draft_vocab < int(lm_head.out_features) else None
+        else:  # draft_vocab < 0: the ids listed beside the draft
+            if draft_vocab < 0:
+                vocab = draft.draft_vocab_ids
+            else:
+                vocab = torch.arange(draft_vocab) if 0 < draft_vocab < int(lm_head.out_features) else None
             self.head = lm_head.rows(vocab) if vocab is not None else lm_head
         self.vocab = vocab.to(torch.int64).contiguous() if vocab is not None else None
         self.norms = (
@@ -114,13 +118,28 @@ class _DraftBlocks:
 
     @staticmethod
     def blocks_for(draft: EagleDraft, lm_head: Any) -> _DraftBlocks:
-        n = int(os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", EAGLE1_DRAFT_VOCAB)) if draft.version != 3 else 0
+        n = eagle1_draft_vocab(draft) if draft.version != 3 else 0
         key = (id(lm_head), n)
         kept = draft.__dict__.get("_native_blocks")
         if kept is None or kept[0] != key:
             kept = (key, _DraftBlocks(draft, lm_head, n))
             draft.__dict__["_native_blocks"] = kept  # (not a submodule: no state-dict entry, no device moves)
         return kept[1]
+
+
+def eagle1_draft_vocab(draft: EagleDraft) -> int:
+    """How many of the first token ids an EAGLE-1 head drafts among (MEDUSA_CHAT_EAGLE_DRAFT_VOCAB; 0: all); -1:
+    the draft vocabulary listed beside the draft (used unless the variable is set)."""
+    raw = os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB")
+    if raw is None:
+        return -1 if draft.draft_vocab_ids is not None else EAGLE1_DRAFT_VOCAB
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"MEDUSA_CHAT_EAGLE_DRAFT_VOCAB must be a token count >= 0 (0: the whole vocabulary), not {raw!r}")
+    return n
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

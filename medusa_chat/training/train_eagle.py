@@ -41,6 +41,7 @@ from torch.nn import functional as F
 
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
 from medusa_chat.model.eagle import EagleDraft, _rotate_half
+from medusa_chat.model.native_eagle import EAGLE1_DRAFT_VOCAB
 from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
 from medusa_chat.training.positions import cache_shards, heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log, atomic_torch_save
@@ -701,10 +702,13 @@ def train_and_save_eagle(
     extra_report: dict[str, Any] | None = None,
     stop_after_steps: int | None = None,
     draft_vocab: int | None = None,
+    eagle1_draft_vocab: int = EAGLE1_DRAFT_VOCAB,
 ) -> dict[str, Any]:
     """Train an EAGLE-1 draft (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply tokens, on
     `data` cached with EAGLE-3's taps) for `backbone`, round it to fp16, evaluate it on the held-out prompts,
-    write the Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks)."""
+    write the Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks);
+    an EAGLE-1 draft also its `eagle1_draft_vocab` most frequent reply tokens (draft_vocab.safetensors, where the
+    vocabulary is larger), which the C drafter guesses among."""
     from medusa_chat.training.fit_tree import fit_tree, size_summary
     from medusa_chat.training.pipeline import round_heads_
 
@@ -742,6 +746,16 @@ def train_and_save_eagle(
     draft.cpu().float()
     round_heads_(draft)  # evaluate exactly the fp16 weights that are shipped
     save_draft(draft, config, out_dir)
+    if not draft_vocab and eagle1_draft_vocab < lm_weight.shape[0]:
+        # EAGLE-1 projects with the backbone's whole lm_head; on a CPU the C drafter reads only these rows of it
+        # (native_eagle.py), so they are the reply tokens this draft was trained on, most frequent first
+        from safetensors.torch import save
+
+        from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE
+        from medusa_chat.training.train_heads import draft_vocabulary
+
+        ids = draft_vocabulary(train, eagle1_draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
+        atomic_write_bytes(out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()}))
     report: dict[str, Any] = {
         "heads": {
             "format": draft.format,
