@@ -55,7 +55,9 @@ class EagleDrafter:
         self.vocab = draft.vocab_map()  # EAGLE-3: draft index -> token id
         self.cache = draft.new_cache()
         dev = draft.fc.weight.device
-        self.feats = torch.zeros(0, draft.feature_size, dtype=draft.fc.weight.dtype, device=dev)
+        # (fp32 on a CPU whatever the draft's dtype: the C drafter reads them, and its draft may be kept in 16 bits)
+        feats_dtype = torch.float32 if dev.type == "cpu" else draft.fc.weight.dtype
+        self.feats = torch.zeros(0, draft.feature_size, dtype=feats_dtype, device=dev)
         self.ids = torch.zeros(0, dtype=torch.long, device=dev)
         self.known = 0  # positions whose feature and token are recorded
         self.seen = 0  # pairs in the draft's cache
