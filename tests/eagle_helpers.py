@@ -133,8 +133,10 @@ def deep_planted_backbone(folder: Path, layers: int = 8, seed: int = 3) -> Path:
     return save_backbone(model, build_tokenizer("chatml"), folder, succ)
 
 
-def write_random_eagle1(folder: Path, cfg: dict[str, Any], seed: int = 0) -> Path:
-    """A random EAGLE-1 draft for a Llama of config `cfg`, in the published layout (fp16 safetensors)."""
+def write_random_eagle(folder: Path, cfg: dict[str, Any], version: int = 1, draft_vocab: int = 32000,
+                       seed: int = 0) -> Path:  # fmt: skip
+    """A random EAGLE-1 (or `version` 3: EAGLE-3 over a `draft_vocab`-token draft vocabulary, every other token
+    id) draft for a Llama of config `cfg`, in SafeAILab's published layout (fp16 safetensors)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -145,23 +147,38 @@ def write_random_eagle1(folder: Path, cfg: dict[str, Any], seed: int = 0) -> Pat
     def r(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).half()
 
+    def ones() -> torch.Tensor:
+        return torch.ones(h, dtype=torch.float16)
+
+    layer, width = ("midlayer.", 2 * h) if version == 3 else ("layers.0.", h)  # q/k/v read cat(emb, x) in EAGLE-3
     state = {
-        "fc.weight": r(h, 2 * h),
-        "fc.bias": torch.zeros(h, dtype=torch.float16),
-        "layers.0.self_attn.q_proj.weight": r(heads * hd, h),
-        "layers.0.self_attn.k_proj.weight": r(kv * hd, h),
-        "layers.0.self_attn.v_proj.weight": r(kv * hd, h),
-        "layers.0.self_attn.o_proj.weight": r(h, heads * hd),
-        "layers.0.mlp.gate_proj.weight": r(inter, h),
-        "layers.0.mlp.up_proj.weight": r(inter, h),
-        "layers.0.mlp.down_proj.weight": r(h, inter),
-        "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch.float16),
+        f"{layer}self_attn.q_proj.weight": r(heads * hd, width),
+        f"{layer}self_attn.k_proj.weight": r(kv * hd, width),
+        f"{layer}self_attn.v_proj.weight": r(kv * hd, width),
+        f"{layer}self_attn.o_proj.weight": r(h, heads * hd),
+        f"{layer}mlp.gate_proj.weight": r(inter, h),
+        f"{layer}mlp.up_proj.weight": r(inter, h),
+        f"{layer}mlp.down_proj.weight": r(h, inter),
+        f"{layer}post_attention_layernorm.weight": ones(),
     }
-    folder.mkdir(parents=True, exist_ok=True)
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "vocab_size", "rope_theta", "max_position_embeddings")  # fmt: skip
-    draft_cfg = {k: cfg[k] for k in keep if k in cfg}
+    draft_cfg: dict[str, Any] = {k: cfg[k] for k in keep if k in cfg}
     draft_cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
+    if version == 3:
+        vocab = int(cfg["vocab_size"])
+        dv = min(draft_vocab, vocab // 2)
+        ids = torch.arange(0, 2 * dv, 2)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        state.update({
+            "fc.weight": r(h, 3 * h), f"{layer}hidden_norm.weight": ones(), f"{layer}input_layernorm.weight": ones(),
+            "norm.weight": ones(), "lm_head.weight": r(dv, h), "d2t": ids - torch.arange(dv), "t2d": t2d,
+        })  # fmt: skip
+        draft_cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv)
+    else:
+        state.update({"fc.weight": r(h, 2 * h), "fc.bias": torch.zeros(h, dtype=torch.float16)})
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(draft_cfg, indent=1))
     save_file(state, str(folder / "model.safetensors"))
     return folder

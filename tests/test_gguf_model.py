@@ -205,7 +205,7 @@ def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path, monkeypatc
     here so that its candidates compare with the PyTorch draft's), every greedy reply is the plain loop's, and the
     C draft's candidates are the PyTorch draft's."""
     from medusa_chat.kernels.qgemm import BlockEmbedding
-    from tests.eagle_helpers import c_draft_agreement, write_random_eagle1
+    from tests.eagle_helpers import c_draft_agreement, write_random_eagle
     from tests.tinygguf import SHAPES, vocab_size
 
     monkeypatch.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "0")
@@ -213,7 +213,7 @@ def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path, monkeypatc
     hidden, _, heads, kv_heads, inter = SHAPES["small"]
     cfg = {"hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
            "num_key_value_heads": kv_heads, "vocab_size": vocab_size(), "rms_norm_eps": 1e-5}  # fmt: skip
-    loaded = load_model(model=str(path), heads=str(write_random_eagle1(tmp_path / "eagle1", cfg)), device="cpu")
+    loaded = load_model(model=str(path), heads=str(write_random_eagle(tmp_path / "eagle1", cfg)), device="cpu")
     assert not isinstance(loaded.backbone.get_input_embeddings(), BlockEmbedding)
     plain = MedusaEngine(loaded, plain_tree())
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(6))

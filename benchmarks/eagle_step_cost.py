@@ -4,7 +4,7 @@
 the PyTorch drafter (the draft's layer in fp32, read again at
 every depth).
 
-    python benchmarks/eagle1_step_cost.py --model /work/models/llama-1b/llama-1b-Q4_K_M.gguf \
+    python benchmarks/eagle_step_cost.py --model /work/models/llama-1b/llama-1b-Q4_K_M.gguf \
         --hf-files /work/models/llama-1b/hf --sizes 1,4,8
 
 A random draft of the backbone's shape is written in SafeAILab's EAGLE-1 layout (config.json + model.safetensors:
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a GGUF file or an HF model folder")
     ap.add_argument("--hf-files", help="the model's config.json folder (for a GGUF: its shape)")
     ap.add_argument("--quant", default="int4", help="int4 | int8 (the CPU block paths)")
+    ap.add_argument("--format", default="eagle", choices=["eagle", "eagle3"], help="the draft written")
     ap.add_argument("--sizes", default="1,4,8")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the results here")
@@ -69,19 +70,20 @@ def main() -> None:
     cfg_dir = Path(args.hf_files or args.model)
     cfg = json.loads((cfg_dir / "config.json").read_text())
     os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
-    from tests.eagle_helpers import write_random_eagle1
+    from tests.eagle_helpers import write_random_eagle
 
-    with tempfile.TemporaryDirectory(prefix="eagle1-cost-") as tmp:
-        heads = str(write_random_eagle1(Path(tmp) / "eagle1", cfg))
+    version = 3 if args.format == "eagle3" else 1
+    configs = ((True, False), (True, True), (False, False)) if version == 1 else ((True, False), (False, False))
+    with tempfile.TemporaryDirectory(prefix="eagle-cost-") as tmp:
+        heads = str(write_random_eagle(Path(tmp) / args.format, cfg, version=version))
         runs = [
-            measure(args.model, heads, args.quant, sizes, args.reps, native, whole)
-            for native, whole in ((True, False), (True, True), (False, False))
+            measure(args.model, heads, args.quant, sizes, args.reps, native, whole) for native, whole in configs
         ]
     print(f"{'drafter':>14} " + " ".join(f"{n:>5}-node ms  ratio" for n in sizes))
     for r in runs:
         cells = " ".join(f"{r['sizes'][n]['median_ms']:>11.2f} {r['sizes'][n]['ratio']:>6.2f}" for n in sizes)
         print(f"{r['drafter']:>14} {cells}")
-    doc = {"model": args.model, "quant": args.quant, "cpu_count": os.cpu_count(), "runs": runs}
+    doc = {"model": args.model, "format": args.format, "quant": args.quant, "cpu_count": os.cpu_count(), "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
 
