@@ -299,6 +299,31 @@ def test_an_eagle1_draft_vocabulary_beside_the_draft_is_what_the_c_drafter_guess
         load_model(model=str(deep_dir), heads=str(folder), quant="int8", device="cpu")
 
 
+def test_an_embedding_the_c_code_cannot_read_is_looked_up_through_a_callback() -> None:
+    """embed_struct(callback=True) for any embedding module (a GGUF file's K-quant or F16 rows): the C drafters'
+    row lookup calls the module back and gets its row; a lookup that fails gives zeros, never an exception in C;
+    without `callback` (the drafters that look rows up inside parallel regions) such an embedding is refused."""
+    from medusa_chat.model.block_forward import embed_struct
+
+    class Rows(torch.nn.Module):  # an embedding the C code has no reader for
+        embedding_dim = 8
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if int(ids.max()) >= 100:
+                raise IndexError("token id out of range")
+            return ids[..., None].float() * torch.arange(8.0)
+
+    mod = Rows()
+    assert embed_struct(mod) is None
+    st, keep = embed_struct(mod, callback=True)
+    assert not st.table and not st.qs and keep[0] is mod
+    out = torch.full((8,), 5.0)
+    st.lookup(3, out.data_ptr())
+    assert out.tolist() == [3.0 * i for i in range(8)]
+    st.lookup(1000, out.data_ptr())
+    assert out.tolist() == [0.0] * 8
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 def _load(path: Path, folder: Path):
     return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")

@@ -319,9 +319,14 @@ def embed_struct(embed: Any, callback: bool = False) -> tuple[_Embed, Any] | Non
     row_bytes = int(width) * 4
 
     def lookup(tok: int, out: int) -> None:
-        with torch.inference_mode():
-            row = embed(torch.tensor([tok])).to(torch.float32).contiguous()
-        ctypes.memmove(out, row.data_ptr(), row_bytes)
+        # (an exception cannot cross into C: a row that fails is zeros, which can only make a worse guess, and
+        # guesses never change a reply)
+        try:
+            with torch.inference_mode():
+                row = embed(torch.tensor([tok])).to(torch.float32).contiguous()
+            ctypes.memmove(out, row.data_ptr(), row_bytes)
+        except Exception:  # noqa: BLE001 - see above
+            ctypes.memset(out, 0, row_bytes)
 
     fn = _LOOKUP(lookup)
     return _Embed(None, None, None, 0, fn), (embed, fn)  # (the callback object must outlive the C calls)
