@@ -1,5 +1,5 @@
 // The drafters' shared pieces (hydra.c): Q8_0 linears with a bias, token embeddings, ResBlocks, top-k, a softmax's
-// normaliser and the confident-tree selection; medusa.c (Medusa-1 / Medusa-2 heads) and eagle.c (EAGLE-3 drafts)
+// normaliser and the confident-tree selection; medusa.c (Medusa-1 / Medusa-2 heads) and eagle.c (EAGLE-1 and EAGLE-3 drafts)
 // draft with them.
 #pragma once
 #include <stdint.h>
