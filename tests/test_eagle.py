@@ -324,6 +324,28 @@ def test_an_embedding_the_c_code_cannot_read_is_looked_up_through_a_callback() -
     assert out.tolist() == [0.0] * 8
 
 
+def test_a_draft_loads_as_its_files_tensors(eagle3_dir: Path, deep_dir: Path) -> None:
+    """An EAGLE draft is built without weights and given the file's own tensors: its 16 bits as stored (no fp32
+    copy while loading), nothing left on the meta device, the rotary frequencies fp32; on a CPU the loader keeps
+    that precision, and the PyTorch drafter widens the draft to fp32 where it runs (no C drafter: --quant none)."""
+    from safetensors.torch import load_file
+
+    from medusa_chat.model.heads_files import load_heads_file
+
+    draft = load_heads_file(eagle3_dir)[0]
+    saved = load_file(str(eagle3_dir / "model.safetensors"))
+    own = draft.state_dict()
+    assert not any(t.is_meta for t in own.values())
+    for key, value in saved.items():
+        if value.is_floating_point():
+            assert own[key].dtype == torch.float16 and torch.equal(own[key], value), key
+    assert draft.inv_freq.dtype == torch.float32 and draft.inv_freq.device.type == "cpu"
+    loaded = load_model(model=str(deep_dir), heads=str(eagle3_dir), quant="none", device="cpu")
+    assert loaded.heads.fc.weight.dtype == torch.float16
+    MedusaEngine(loaded, TREE.prefix(4))
+    assert loaded.heads.fc.weight.dtype == torch.float32
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 def _load(path: Path, folder: Path):
     return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")

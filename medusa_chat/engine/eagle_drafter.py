@@ -53,6 +53,17 @@ class EagleDrafter:
         self.embed = backbone.get_input_embeddings()
         self.full_head = engine.lm_head  # EAGLE-1/2 project with the backbone's lm_head
         self.vocab = draft.vocab_map()  # EAGLE-3: draft index -> token id
+        # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py);
+        # `native_draft` set tells the engine's tree logic (trees.py) that draft-shaped trees are available
+        self.native: NativeEagle | None = None
+        self.native_draft = None
+        if getattr(engine.runner.lean, "lib", None) is not None:
+            self.native = native_eagle_for(draft, self.embed, self.full_head)
+            if self.native is not None:
+                self.native.state = self
+                self.native_draft = self.native.draft
+        if self.native is None and draft.fc.weight.device.type == "cpu" and draft.fc.weight.dtype != torch.float32:
+            draft.float()  # the PyTorch drafter on a CPU: fp32 (a draft is loaded in its file's 16 bits)
         self.cache = draft.new_cache()
         dev = draft.fc.weight.device
         # (fp32 on a CPU whatever the draft's dtype: the C drafter reads them, and its draft may be kept in 16 bits)
@@ -69,15 +80,6 @@ class EagleDrafter:
         self._shapes: dict[tuple[tuple[int, ...], ...], tuple[Tree, TreeBuffers, TreePlan | None]] = {}
         if draft.version == 3:
             self._tap(backbone, engine.runner)
-        # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py);
-        # `native_draft` set tells the engine's tree logic (trees.py) that draft-shaped trees are available
-        self.native: NativeEagle | None = None
-        self.native_draft = None
-        if getattr(engine.runner.lean, "lib", None) is not None:
-            self.native = native_eagle_for(draft, self.embed, self.full_head)
-            if self.native is not None:
-                self.native.state = self
-                self.native_draft = self.native.draft
 
     @property
     def dynamic(self) -> bool:

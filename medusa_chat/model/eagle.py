@@ -148,10 +148,8 @@ class EagleDraft(nn.Module):
             self.layers = nn.ModuleList(
                 EagleLayer(cfg, input_norm=i > 0, fused=False, bias=qkv_bias) for i in range(layers)
             )
-        base = float(cfg.get("rope_theta", 10000.0))
-        inv = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         # fp32 and not a buffer: `.to(float16)` of the module must not round the rotary frequencies
-        self.inv_freq = _scaled_inv_freq(inv, cfg.get("rope_scaling"))
+        self.inv_freq = rotary_inv_freq(cfg, self.head_dim)
 
     @property
     def format(self) -> str:
@@ -231,6 +229,13 @@ class EagleDraft(nn.Module):
         causal = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
         pos = torch.arange(t, device=features.device)
         return self(features, embed(next_tokens), pos, cache, pos, causal.to(features.device), True)
+
+
+def rotary_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """The draft's rotary frequencies (fp32, on the CPU), with the backbone config's scaling."""
+    base = float(cfg.get("rope_theta", 10000.0))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    return _scaled_inv_freq(inv, cfg.get("rope_scaling"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -338,8 +343,13 @@ def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> Eagl
     else:
         layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
     qkv_bias = any(k.endswith("q_proj.bias") for k in state)
-    draft = EagleDraft(cfg, version, layers, fc_bias="fc.bias" in state, qkv_bias=qkv_bias,
-                       feature_size=int(state["fc.weight"].shape[1]) if version == 3 else None)
+    # built without weights (the meta device) and given the file's own tensors (`assign` below): no random
+    # initialisation, and the draft keeps the file's 16 bits (loading.py widens it where a device needs that), so
+    # loading never holds more than the file's size twice
+    with torch.device("meta"):
+        draft = EagleDraft(cfg, version, layers, fc_bias="fc.bias" in state, qkv_bias=qkv_bias,
+                           feature_size=int(state["fc.weight"].shape[1]) if version == 3 else None)
+    draft.inv_freq = rotary_inv_freq(cfg, draft.head_dim)
     if version == 3:
         state["d2t"] = state["d2t"].long()
         state["t2d"] = state["t2d"].bool()
@@ -357,7 +367,9 @@ def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> Eagl
                 f"{path}: {key} has shape {list(tensor.shape)} but config.json (hidden {cfg['hidden_size']}, "
                 f"{cfg['heads']} heads x {cfg['head_dim']}, {cfg['kv_heads']} KV heads) gives {list(own[key].shape)}"
             )
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    floats = {v.dtype for v in state.values() if v.is_floating_point()}
+    dtype = floats.pop() if len(floats) == 1 else torch.float32  # (a file mixing float types: fp32 throughout)
+    draft.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, assign=True)
     draft.embed_shape = tuple(embed.shape) if embed is not None else None
     return draft.eval().requires_grad_(False)
 

@@ -658,7 +658,12 @@ def _fit_heads(
         # are fp32 already)
         block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
         return
-    # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact.
+    # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact. An EAGLE
+    # draft on a CPU keeps its file's precision here: the C drafter quantizes from it, and the PyTorch drafter
+    # widens it to fp32 only where it runs (engine/eagle_drafter.py).
+    if dev.type == "cpu" and getattr(heads_mod, "format", "") in ("eagle", "eagle3"):
+        heads_mod.to(device=dev)
+        return
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype)
 
