@@ -408,8 +408,7 @@ def train_eagle_config(
     from medusa_chat.model.eagle import eagle_taps
     from medusa_chat.training.train_eagle import (
         EagleSettings,
-        cache_eagle_features,
-        load_eagle_cache,
+        eagle_features,
         train_and_save_eagle,
     )
 
@@ -418,17 +417,7 @@ def train_eagle_config(
         taps = eagle_taps(int(model.config.num_hidden_layers))
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
     t = time.time()
-    cuda = device.type == "cuda"
-    paths = cache_eagle_features(
-        model,
-        store,
-        work / f"{fmt}-features",
-        batch_tokens=65536 if cuda else 4096,
-        log=log,
-        deadline=deadline,
-        taps=taps,
-    )
-    features = load_eagle_cache(paths)
+    features = eagle_features(model, store, work / f"{fmt}-features", device, log=log, deadline=deadline, taps=taps)
     log(f"{fmt}: features of {features.positions} positions in {time.time() - t:.0f}s")
     settings = EagleSettings(
         unroll=args.unroll,

@@ -236,7 +236,7 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
     prompts = _prompts(loaded)
     expected = [_reply(plain, p, max_new_tokens=24).token_ids for p in prompts]
     blocks = MedusaEngine(loaded, TREE.prefix(4))._eagle.native.blocks
-    # the C code drafts from the blocks: the PyTorch draft (the reference) is kept in 16 bits from then on
+    # the C code drafts from the blocks; the PyTorch draft (the reference) stays in its file's 16 bits
     assert loaded.heads.fc.weight.dtype == torch.float16 and loaded.heads.layers[0].mlp.down_proj.weight.dtype == torch.float16
     for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False)):
         engine = MedusaEngine(loaded, tree, shaped=shaped)

@@ -138,11 +138,6 @@ class _DraftBlocks:
         if kept is None or kept[0] != key:
             kept = (key, _DraftBlocks(draft, lm_head, n))
             draft.__dict__["_native_blocks"] = kept  # (not a submodule: no state-dict entry, no device moves)
-            if draft.fc.weight.dtype == torch.float32:
-                # From now on the C code drafts from the blocks; the PyTorch draft is only the reference (and the
-                # fallback), so it goes back to 16 bits: the published files' own precision, half the memory
-                # (a 7B EAGLE-1 draft: 0.47 GB instead of 0.94 GB beside its 0.13 GB of blocks)
-                draft.half()
         return kept[1]
 
 
@@ -274,7 +269,7 @@ def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> Nati
     layer and the backbone's lm_head a block linear), and the embedding one the C code reads (a Q8_0
     BlockEmbedding, an fp32 table, or any other through its own lookup called back: a GGUF file's K-quant or F16
     rows); else None (the PyTorch drafter runs)."""
-    from medusa_chat.kernels.qgemm import BlockLinear
+    from medusa_chat.kernels.qgemm import BlockLinear, load
 
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
@@ -282,8 +277,6 @@ def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> Nati
         return None
     if draft.fc.weight.device.type != "cpu" or draft.hidden_size % 32 or draft.feature_size % 32:
         return None
-    from medusa_chat.kernels.qgemm import load
-
     lib = load()
     emb = embed_struct(embed, callback=True)
     if lib is None or emb is None or draft.blocks[0].mlp.gate_proj.out_features % 32:

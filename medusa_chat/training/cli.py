@@ -338,7 +338,7 @@ def _train_eagle(
     taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
     then the Hub layout, accuracy.json and tree.json in `out`."""
     from medusa_chat.model.eagle import eagle_taps
-    from medusa_chat.training.train_eagle import cache_eagle_features, load_eagle_cache, train_and_save_eagle
+    from medusa_chat.training.train_eagle import eagle_features, train_and_save_eagle
 
     name, taps, draft_vocab = args.heads_format, None, None
     if name == "eagle3":
@@ -351,17 +351,7 @@ def _train_eagle(
             return 2
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
 
-    cuda = device.type == "cuda"
-    paths = cache_eagle_features(
-        model,
-        store,
-        work / f"{name}-features",
-        batch_tokens=65536 if cuda else 4096,
-        log=log,
-        deadline=deadline,
-        taps=taps,
-    )
-    data = load_eagle_cache(paths)  # on the host: batches go to the device one at a time
+    data = eagle_features(model, store, work / f"{name}-features", device, log=log, deadline=deadline, taps=taps)
     report = train_and_save_eagle(
         model,
         data,

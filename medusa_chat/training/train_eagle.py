@@ -154,6 +154,22 @@ def cache_eagle_features(
     return cache_shards(store, cache_dir, "feature", compute, log, deadline)
 
 
+def eagle_features(
+    model: Any,
+    store: DistillStore,
+    cache_dir: Path,
+    device: torch.device,
+    log: Log = print,
+    deadline: float | None = None,
+    taps: tuple[int, ...] | None = None,
+) -> EagleData:
+    """The data's features cached (`cache_eagle_features`, in batches sized for `device`) and loaded on the host:
+    training moves its batches to the device one at a time."""
+    batch_tokens = 65536 if device.type == "cuda" else 4096
+    paths = cache_eagle_features(model, store, cache_dir, batch_tokens, log=log, deadline=deadline, taps=taps)
+    return load_eagle_cache(paths)
+
+
 def load_eagle_cache(paths: list[Path]) -> EagleData:
     if not paths:
         raise ValueError("no feature cache to load: generate data first")
