@@ -346,6 +346,38 @@ def test_a_draft_loads_as_its_files_tensors(eagle3_dir: Path, deep_dir: Path) ->
     assert loaded.heads.fc.weight.dtype == torch.float32
 
 
+def test_the_c_drafters_blocks_give_the_files_pages_back(
+    eagle3_dir: Path, deep_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the C drafter's blocks are built, the draft's weights (views of the mapped file) leave the process'
+    resident memory: the PyTorch draft is then only the reference, and a 7B-class draft would otherwise stay
+    resident beside its blocks (its whole file, ~0.5-0.8 GB); a later touch reads the same values again."""
+    from safetensors.torch import load_file
+
+    from medusa_chat.model import mapped_weights, native_eagle
+
+    given_back: list[int] = []
+
+    def release(t: torch.Tensor) -> int:  # the real one, its answers kept
+        given_back.append(mapped_weights.release(t))
+        return given_back[-1]
+
+    monkeypatch.setattr(native_eagle, "release", release)
+    loaded = load_model(model=str(deep_dir), heads=str(eagle3_dir), quant="int8", device="cpu")
+    layer = loaded.heads.midlayer
+    weights = [loaded.heads.fc.weight, loaded.heads.lm_head.weight] + [
+        m.weight for m in (*layer.self_attn.children(), *layer.mlp.children()) if hasattr(m, "weight")
+    ]
+    assert all(mapped_weights._file_mapping(w.data_ptr(), w.data_ptr() + w.nbytes) for w in weights)
+    assert MedusaEngine(loaded, TREE.prefix(4))._eagle.native is not None
+    assert len(given_back) == len(weights)
+    assert sum(given_back) >= sum(w.nbytes for w in weights) - 2 * 4096 * len(weights)
+    saved = load_file(str(eagle3_dir / "model.safetensors"))
+    for key, value in loaded.heads.state_dict().items():
+        if value.is_floating_point():
+            assert torch.equal(value, saved[key]), key  # the values read back from the file
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 def _load(path: Path, folder: Path):
     return load_model(model=str(path), heads=str(folder), quant="none", device="cpu")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.model.block_forward import _BLin, _blin, _Embed, embed_struct, trim_heap
+from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
     from medusa_chat.engine.eagle_drafter import EagleDrafter
@@ -96,6 +97,7 @@ class _DraftBlocks:
                     codes.append(c.to(torch.uint8))
                     d.append(dc)
                     m.append(mc)
+                release(w)  # the file's pages of this weight go now (mapped_weights.release: re-read if touched)
             lin = Q41Linear(torch.cat(codes), torch.cat(d), torch.cat(m))
             del codes, d, m
             trim_heap()  # (the temporaries of one weight at a time: glibc keeps them resident otherwise)
