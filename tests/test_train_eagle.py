@@ -282,12 +282,19 @@ def test_train_heads_command_writes_an_eagle_draft(
     for bad, says in (
         (["--unroll", "0"], "--unroll must be between 1"),
         (["--unroll", "9"], "--unroll must be between 1"),
-        (["--init-from", str(out)], "trains from scratch"),
         (["--lr", "-1"], "must be positive"),
+        (["--heads-format", "hydra", "--init-from", str(out)], "cannot start a --heads-format hydra run"),
     ):
         assert train_main(p.parse_args(_argv(tiny_llama_dir, prompt_file, tmp_path / "bad", *bad))) == 2
         assert says in capsys.readouterr().out
     assert not (tmp_path / "bad").exists()  # refused before any work
+    # the trained draft, trained further (a warm start: the same kind and shape, from its own weights)
+    more = tmp_path / "more"
+    assert train_main(p.parse_args(_argv(tiny_llama_dir, prompt_file, more, "--init-from", str(out)))) == 0
+    assert "from a trained draft" in (more / "work" / "train.log").read_text()
+    first = json.loads((out / "accuracy.json").read_text())["training"]["epoch_heldout_loss"]
+    again = json.loads((more / "accuracy.json").read_text())["training"]["epoch_heldout_loss"]
+    assert again[0] < first[0], (first, again)  # its first epoch starts where the first run ended
 
 
 # ---- EAGLE-3: an 8-layer planted backbone (taps 2, 4, 5) ------------------------------------------------------
@@ -399,6 +406,33 @@ def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, t
             list(engine.generate(prompt, GenerationSettings(max_new_tokens=24)))[-1].token_ids
             == want.token_ids
         )
+
+
+def test_an_eagle3_draft_goes_on_training_from_a_trained_one(deep, data3, tmp_path: Path) -> None:
+    """`init_from`: the trained draft's weights and its own draft vocabulary (not the data's most frequent
+    tokens), the held-out loss going on from where it was; a draft of another kind or shape is refused."""
+    from medusa_chat.model.heads_files import load_heads_file
+    from medusa_chat.training.train_eagle import warm_start_eagle
+
+    _, model, _ = deep
+    _, d = data3
+    settings = EagleSettings(unroll=2, **SMALL)
+    kw = dict(holdout=0.25, tree_budget=8, eval_depth=3, **QUIET)
+    first = train_and_save_eagle(model, d, settings, tmp_path / "a", "deep", CPU, draft_vocab=60, **kw)
+    trained = load_heads_file(tmp_path / "a")[0]
+    more = EagleSettings(unroll=2, **{**SMALL, "epochs": 1, "lr": 3e-4})
+    again = train_and_save_eagle(
+        model, d, more, tmp_path / "b", "deep", CPU, draft_vocab=200, init_from=trained, **kw
+    )
+    assert again["training"]["epoch_heldout_loss"][0] < first["training"]["epoch_heldout_loss"][0]
+    saved = load_file(str(tmp_path / "b" / EAGLE_FILE))
+    assert torch.equal(saved["d2t"], trained.d2t) and int(saved["t2d"].sum()) == 60  # its vocabulary kept
+    fresh = new_draft(draft_config(model.config, "deep"), seed=0)  # EAGLE-1
+    with pytest.raises(ValueError, match="EAGLE-1 draft from an EAGLE-3"):
+        warm_start_eagle(fresh, trained)
+    wider = _draft3(model, d, size=80)
+    with pytest.raises(ValueError, match="does not fit"):
+        warm_start_eagle(wider, trained)
 
 
 def test_eagle3_command_refuses_a_backbone_too_shallow(

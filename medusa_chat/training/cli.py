@@ -115,7 +115,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--init-from",
         metavar="DIR",
         default=None,
-        help="warm-start from trained heads of the same shape (e.g. v2 heads -> hydra)",
+        help="warm-start from trained heads of the same shape (e.g. v2 heads -> hydra; an EAGLE draft of the "
+        "same format: the shipped one, trained further)",
     )
     g.add_argument("--num-heads", type=int, default=4)
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
@@ -208,9 +209,6 @@ def train_main(args: argparse.Namespace) -> int:
     if eagle:
         from medusa_chat.training.train_eagle import EagleSettings
 
-        if args.init_from:
-            print("--init-from warm-starts Medusa/Hydra heads; an EAGLE draft trains from scratch")
-            return 2
         eagle_settings = EagleSettings(
             unroll=args.unroll,
             epochs=args.epochs or 4.0,
@@ -229,6 +227,11 @@ def train_main(args: argparse.Namespace) -> int:
         from medusa_chat.model.heads_files import load_heads_file
 
         init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
+        given = getattr(init_from, "format", "heads")
+        if eagle != (given in ("eagle", "eagle3")) or (eagle and given != args.heads_format):
+            print(f"--init-from {args.init_from} holds {given} heads: it cannot start a --heads-format "
+                  f"{args.heads_format} run")  # fmt: skip
+            return 2
     if args.prompts:
         try:
             read_prompt_file(args.prompts)  # fail now, not after loading the model
@@ -280,7 +283,7 @@ def train_main(args: argparse.Namespace) -> int:
     deadline = time.time() + 60 * args.train_minutes if args.train_minutes else None
     if eagle:
         return _train_eagle(
-            args, model, store, eagle_settings, out, work, device, deadline, distill_report, log
+            args, model, store, eagle_settings, out, work, device, deadline, distill_report, log, init_from
         )
     paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
@@ -333,6 +336,7 @@ def _train_eagle(
     deadline: float | None,
     distill_report: dict[str, Any],
     log: Any,
+    init_from: Any = None,
 ) -> int:
     """The EAGLE draft after the data: every position's feature cached in `work`/eagle-features (EAGLE-3's three
     taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
@@ -350,6 +354,15 @@ def _train_eagle(
             )
             return 2
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
+    if init_from is not None:  # (before the feature cache: a draft for another model fails now)
+        from medusa_chat.errors import HeadsError
+        from medusa_chat.model.eagle import check_eagle_fits
+
+        try:
+            check_eagle_fits(init_from, model.config.to_dict(), args.init_from, str(args.model))
+        except HeadsError as err:
+            log(f"--init-from: {err}")
+            return 2
 
     data = eagle_features(model, store, work / f"{name}-features", device, log=log, deadline=deadline, taps=taps)
     report = train_and_save_eagle(
@@ -367,6 +380,7 @@ def _train_eagle(
         log=log,
         extra_report={"distill": distill_report},
         draft_vocab=draft_vocab,
+        init_from=init_from,
     )
     log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
     if "estimated_tokens_per_step" in report:

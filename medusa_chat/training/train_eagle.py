@@ -246,6 +246,24 @@ def new_draft(
     return draft.train()
 
 
+def warm_start_eagle(draft: EagleDraft, init: EagleDraft) -> None:
+    """Copy a trained draft's weights into the fresh `draft` (fp32): to go on training it, on more data or for
+    more epochs. A ValueError naming the first difference when the two are not the same kind and shape (another
+    backbone's draft, EAGLE-1 for EAGLE-3, another draft vocabulary)."""
+    if init.version != draft.version:
+        raise ValueError(f"cannot warm-start an EAGLE-{draft.version} draft from an EAGLE-{init.version} draft")
+    own, given = draft.state_dict(), init.state_dict()
+    if set(own) != set(given):
+        raise ValueError(f"the trained draft's layout differs: keys {sorted(set(own) ^ set(given))[:4]}")
+    for key, value in own.items():
+        if tuple(given[key].shape) != tuple(value.shape):
+            raise ValueError(
+                f"the trained draft does not fit this backbone: {key} is {list(given[key].shape)}, "
+                f"this draft's is {list(value.shape)}"
+            )
+    draft.load_state_dict({k: v.to(own[k].dtype) for k, v in given.items()})
+
+
 def draft_index(draft: EagleDraft) -> torch.Tensor:
     """EAGLE-3: token id -> draft index (-1 outside the draft vocabulary)."""
     t2d = draft.t2d
@@ -719,12 +737,15 @@ def train_and_save_eagle(
     stop_after_steps: int | None = None,
     draft_vocab: int | None = None,
     eagle1_draft_vocab: int = EAGLE1_DRAFT_VOCAB,
+    init_from: EagleDraft | None = None,
 ) -> dict[str, Any]:
     """Train an EAGLE-1 draft (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply tokens, on
     `data` cached with EAGLE-3's taps) for `backbone`, round it to fp16, evaluate it on the held-out prompts,
     write the Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks);
     an EAGLE-1 draft also its `eagle1_draft_vocab` most frequent reply tokens (draft_vocab.safetensors, where the
-    vocabulary is larger), which the C drafter guesses among."""
+    vocabulary is larger), which the C drafter guesses among.
+    `init_from`: a trained draft of the same kind and shape to continue from (`warm_start_eagle`); an EAGLE-3
+    draft keeps its draft vocabulary, `draft_vocab` is then its size."""
     from medusa_chat.training.fit_tree import fit_tree, size_summary
     from medusa_chat.training.pipeline import round_heads_
 
@@ -732,18 +753,25 @@ def train_and_save_eagle(
     train, held = data.split(holdout)
     lm_weight = backbone.get_output_embeddings().weight.detach()
     embed_weight = backbone.get_input_embeddings().weight.detach()
+    if init_from is not None and init_from.version == 3:
+        draft_vocab = int(init_from.lm_head.out_features)
     config = draft_config(backbone.config, base_model, draft_vocab)
     ids = None
-    if draft_vocab:
+    if init_from is not None and init_from.version == 3:
+        ids = torch.nonzero(init_from.t2d).flatten()  # its own vocabulary: the head's rows stay the same tokens
+    elif draft_vocab:
         from medusa_chat.training.train_heads import draft_vocabulary
 
         ids = draft_vocabulary(train, draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
     draft = new_draft(config, settings.seed, lm_weight, ids)
+    if init_from is not None:
+        warm_start_eagle(draft, init_from)
     kind = f"EAGLE-3 ({draft_vocab}-token draft vocabulary)" if draft_vocab else "EAGLE-1"
     n_params = sum(p.numel() for p in draft.parameters())
     log(
         f"training an {kind} draft ({n_params / 1e6:.2f} M parameters, {2 * n_params / 1e6:.1f} MB fp16) on "
         f"{len(train)} samples ({train.positions} positions), unroll {settings.unroll}, {settings.epochs} epochs"
+        + (" from a trained draft" if init_from is not None else "")
     )
     result = train_eagle(
         draft,
