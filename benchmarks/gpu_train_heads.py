@@ -10,7 +10,10 @@ are bit-identical to the ones the heads will be used with). Run from the reposit
 script puts the repo root on sys.path). No network is needed.
 
 `--configs` also takes `eagle` and `eagle3`: an EAGLE-1 or EAGLE-3 draft (training/train_eagle.py, as
-`train-heads --heads-format eagle|eagle3`) from the same data, with its own feature cache.
+`train-heads --heads-format eagle|eagle3`) from the same data, with its own feature cache; `--eagle-init DIR`
+goes on training a trained draft of that format instead of starting from scratch (the shipped one, longer:
+`--import-data benchmarks/data/distill_smollm2_h200_2026-12-04.npz --data-frac 0 --configs eagle3 --eagle-init
+assets/smollm2-135m-eagle3 --eagle-epochs 16`).
 
 Steps, each stamped with wall-clock time: Magpie prompts + greedy replies in fp32 with TF32 off (so replies
 match CPU fp32 greedy decoding) until `data-frac` of the budget is spent; hidden states for every reply
@@ -107,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle-batch", type=int, default=16384, help="EAGLE: pairs per batch, padding included")
     p.add_argument("--eagle-lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3: draft vocabulary size")
+    p.add_argument(
+        "--eagle-init",
+        default=None,
+        help="EAGLE: go on training this trained draft of the same format (e.g. assets/smollm2-135m-eagle3)",
+    )
     p.add_argument("--work", default=None, help="working folder (default OUT/work); reruns resume from it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -416,6 +424,13 @@ def train_eagle_config(
     if fmt == "eagle3":
         taps = eagle_taps(int(model.config.num_hidden_layers))
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
+    init = None
+    if args.eagle_init:
+        from medusa_chat.model.heads_files import load_heads_file
+
+        init = load_heads_file(Path(args.eagle_init))[0]
+        if getattr(init, "format", None) != fmt:
+            raise SystemExit(f"--eagle-init {args.eagle_init} is not an {fmt} draft")
     t = time.time()
     features = eagle_features(model, store, work / f"{fmt}-features", device, log=log, deadline=deadline, taps=taps)
     log(f"{fmt}: features of {features.positions} positions in {time.time() - t:.0f}s")
@@ -440,6 +455,7 @@ def train_eagle_config(
         log=log,
         extra_report={"distill": data},
         draft_vocab=draft_vocab,
+        init_from=init,
     )
 
 

@@ -753,16 +753,15 @@ def train_and_save_eagle(
     train, held = data.split(holdout)
     lm_weight = backbone.get_output_embeddings().weight.detach()
     embed_weight = backbone.get_input_embeddings().weight.detach()
-    if init_from is not None and init_from.version == 3:
-        draft_vocab = int(init_from.lm_head.out_features)
-    config = draft_config(backbone.config, base_model, draft_vocab)
     ids = None
-    if init_from is not None and init_from.version == 3:
-        ids = torch.nonzero(init_from.t2d).flatten()  # its own vocabulary: the head's rows stay the same tokens
+    if init_from is not None and init_from.version == 3:  # its own vocabulary: its head's rows stay those tokens
+        ids = torch.nonzero(init_from.t2d).flatten()
+        draft_vocab = len(ids)
     elif draft_vocab:
         from medusa_chat.training.train_heads import draft_vocabulary
 
         ids = draft_vocabulary(train, draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
+    config = draft_config(backbone.config, base_model, draft_vocab)
     draft = new_draft(config, settings.seed, lm_weight, ids)
     if init_from is not None:
         warm_start_eagle(draft, init_from)
