@@ -257,7 +257,8 @@ def test_release_gives_back_a_mapped_tensors_pages_and_keeps_its_values(tmp_path
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_quantizing_a_mapped_weight_gives_its_pages_back_as_it_goes(tmp_path: Path) -> None:
-    """quantize_q8_0 reads a file-mapped weight chunk by chunk and gives each chunk's pages back: a published
+    """quantize_q8_0 reads a file-mapped weight chunk by chunk and gives each chunk's pages back (block_heads
+    passes mapped_weights.release): a published
     Medusa-1 head's 32,000 x 4,096 projection is never resident whole beside its blocks (7B + 5 heads: peak RSS
     6.85 -> 6.06 GB while loading). The codes are the same bits as from a copy in memory."""
     from medusa_chat.kernels.qgemm import quantize_q8_0
@@ -271,7 +272,7 @@ def test_quantizing_a_mapped_weight_gives_its_pages_back_as_it_goes(tmp_path: Pa
     assert mapped and isinstance(state, dict)
     quantize_q8_0(torch.randn(4096, 2048).half())  # (the code it runs paged in first: libraries are files too)
     before = file_kb()
-    codes, d = quantize_q8_0(state["w"])
+    codes, d = quantize_q8_0(state["w"], release)
     assert file_kb() < before + 4000  # (16,000 kB if the pages stayed)
     want_codes, want_d = quantize_q8_0(state["w"].clone())
     assert torch.equal(codes, want_codes) and torch.equal(d, want_d)

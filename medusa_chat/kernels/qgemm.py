@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -551,13 +552,14 @@ def deinterleave_q8_0(qs: torch.Tensor, d8: torch.Tensor, group: int) -> tuple[t
 QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: the float temporaries stay ~16 MB for any matrix
 
 
-def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_q8_0(
+    weight: torch.Tensor, give_back: Callable[[torch.Tensor], object] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q8_0 rule: d = max|w| / 127 per block of 32, q = round(w / d).
 
     In chunks of rows (each row's blocks are independent, so the result is the same bits): a 32000 x 4096
-    projection in 16 bits would otherwise make ~2 GB of fp32 temporaries."""
-    from medusa_chat.model.mapped_weights import release
-
+    projection in 16 bits would otherwise make ~2 GB of fp32 temporaries. `give_back` is called with each chunk
+    of `weight` once it is read (mapped_weights.release: a file-mapped weight is then never resident whole)."""
     n, k = weight.shape
     rows = max(1, QUANTIZE_CHUNK // max(k, 1))
     codes = torch.empty(n, k, dtype=torch.int8)
@@ -568,7 +570,8 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv = torch.where(dd > 0, 1 / dd, torch.zeros_like(dd))
         codes[r : r + rows] = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(-1, k)
         d[r : r + rows] = dd
-        release(weight[r : r + rows])  # rows still mapped from a file go as they are read (mapped_weights)
+        if give_back is not None:
+            give_back(weight[r : r + rows])
     return codes, d.half().float()  # the file stores d as fp16, and so does Q80Linear
 
 
