@@ -229,7 +229,8 @@ def train_main(args: argparse.Namespace) -> int:
         init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
         given = getattr(init_from, "format", "heads")
         if eagle != (given in ("eagle", "eagle3")) or (eagle and given != args.heads_format):
-            print(f"--init-from {args.init_from} holds {given} heads: it cannot start a --heads-format "
+            what = "an EAGLE draft" if given in ("eagle", "eagle3") else "heads"
+            print(f"--init-from {args.init_from} holds {what} of format {given}: it cannot start a --heads-format "
                   f"{args.heads_format} run")  # fmt: skip
             return 2
     if args.prompts:
