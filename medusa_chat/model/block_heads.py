@@ -83,13 +83,13 @@ def block_medusa_heads(
         for k, head in enumerate(heads):
             for block in head[: heads.num_layers]:
                 lin = block.linear
+                # (a weight still mapped from its file gives its pages back chunk by chunk as it is read)
                 block.linear = BlockLinearWithBias(Q80Linear(*quantize_q8_0(lin.weight, release)), lin.bias)
-                release(lin.weight)  # a weight still mapped from its file: its pages go now (see release)
                 del lin  # the fp32 weight goes now, not after all heads are built
             if not heads.own_lm_head:
                 continue
             weight = head[heads.num_layers].weight
-            q8 = Q80Linear(*quantize_q8_0(weight, release))  # (its pages go chunk by chunk as it is read)
+            q8 = Q80Linear(*quantize_q8_0(weight, release))
             if share and _same_blocks(q8, backbone_head):
                 head[heads.num_layers] = backbone_head
                 shared.append(k)
@@ -97,7 +97,7 @@ def block_medusa_heads(
                 head[heads.num_layers] = Q41Linear(*quantize_q4_1(weight))
             else:
                 head[heads.num_layers] = q8
-            release(weight)
+            release(weight)  # (read again by the Q4_1 quantizer)
             del weight, q8
     heads.block_kind = "q8_0" if not heads.own_lm_head else lm_head_kind
     heads.shared_lm_heads = shared
