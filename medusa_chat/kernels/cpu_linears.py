@@ -101,17 +101,37 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scale)
 
 
-def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per group of 32 (GGUF Q4_1's rule): codes [N, K], scale and minimum [N, K / 32]."""
-    w = weight.detach().float()
-    n, k = w.shape
-    g = w.view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.int32)
+QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time (quantize_q4_1): the float temporaries stay ~16 MB
+
+
+def quantize_q4_1(
+    weight: torch.Tensor,
+    codes_dtype: torch.dtype = torch.int32,
+    give_back: Callable[[torch.Tensor], object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of 32 (GGUF Q4_1's rule): codes [N, K], scale and minimum [N, K / 32].
+
+    In chunks of rows (each row's groups are quantized on their own: the same bits), so no fp32 copy of a whole
+    weight exists: a 7B draft's 32,000 x 4,096 head in 16 bits would otherwise make ~0.5 GB of fp32 and its
+    temporaries several times that. `codes_dtype` torch.uint8 keeps the codes at a byte each (Q41Linear takes
+    them so); `give_back` is called with each chunk of `weight` once it is read (mapped_weights.release: a
+    file-mapped weight is then never resident whole)."""
+    n, k = weight.shape
+    rows = max(1, QUANTIZE_CHUNK // max(k, 1))
+    codes = torch.empty(n, k, dtype=codes_dtype, device=weight.device)
+    scale = torch.empty(n, k // GROUP, device=weight.device)
+    low = torch.empty(n, k // GROUP, device=weight.device)
+    for r in range(0, n, rows):
+        g = weight[r : r + rows].detach().float().view(-1, k // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        sc = (hi - lo) / 15
+        inv = torch.where(sc > 0, 1 / sc, torch.zeros_like(sc))
+        codes[r : r + rows] = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(codes_dtype).view(-1, k)
+        scale[r : r + rows], low[r : r + rows] = sc, lo
+        if give_back is not None:
+            give_back(weight[r : r + rows])
     # the file stores d and m as fp16 (and so does the block kernel, qgemm.py): round them as the file would
-    return codes.view(n, k), scale.half().float(), lo.half().float()
+    return codes, scale.half().float(), low.half().float()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,7 @@ def block_medusa_heads(
                 head[heads.num_layers] = backbone_head
                 shared.append(k)
             elif lm_head_kind == "q4_1":
-                head[heads.num_layers] = Q41Linear(*quantize_q4_1(weight))
+                head[heads.num_layers] = Q41Linear(*quantize_q4_1(weight, torch.uint8))
             else:
                 head[heads.num_layers] = q8
             release(weight)  # (read again by the Q4_1 quantizer)

@@ -38,7 +38,6 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # 8,192 most frequent reply tokens: a draft_vocab.safetensors beside the draft (train-heads writes one) lists
 # those instead. MEDUSA_CHAT_EAGLE_DRAFT_VOCAB sets a count of first ids (0: the whole head) over either.
 EAGLE1_DRAFT_VOCAB = 8192
-QUANT_ROWS = 2048  # rows of a draft weight quantized at a time (_DraftBlocks)
 MAX_TOP_K = 64  # eagle_draft_shaped's per-depth top-k and D x K <= 512 (drafting.h, confident_select)
 EXTEND_ROWS = 64  # csrc/eagle.c: the rows of one extend block
 
@@ -87,19 +86,11 @@ class _DraftBlocks:
         attn, mlp = layer.self_attn, layer.mlp
 
         def q4(*weights: torch.Tensor) -> Any:
-            # a few thousand rows at a time (each row's blocks are quantized on their own: the same codes), so
-            # no fp32 copy of a whole weight exists at once: a 7B draft's 32,000-row head would be ~0.5 GB of
-            # fp32 and its quantizer's temporaries several times that
-            codes, d, m = [], [], []
-            for w in weights:
-                for i in range(0, w.shape[0], QUANT_ROWS):
-                    c, dc, mc = quantize_q4_1(w[i : i + QUANT_ROWS].detach().float())
-                    codes.append(c.to(torch.uint8))
-                    d.append(dc)
-                    m.append(mc)
-                release(w)  # the file's pages of this weight go now (mapped_weights.release: re-read if touched)
-            lin = Q41Linear(torch.cat(codes), torch.cat(d), torch.cat(m))
-            del codes, d, m
+            # byte codes, and each chunk of a file-mapped weight's pages given back as it is read (re-read
+            # from the file if the PyTorch draft is ever used)
+            parts = [quantize_q4_1(w, torch.uint8, release) for w in weights]
+            lin = Q41Linear(*(torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts, strict=True)))
+            del parts
             trim_heap()  # (the temporaries of one weight at a time: glibc keeps them resident otherwise)
             return lin
 
