@@ -142,12 +142,13 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
         return [n for n in ("config.json",) if n in present]
     if want == "heads":
         heads = next((f for f in HEADS_FILES if f in present), None)
+        # beside the weights: the fitted tree and the draft vocabulary (train-heads writes both)
+        beside = [n for n in ("config.json", "tree.json", "draft_vocab.safetensors") if n in present]
         if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file, no tokenizer
             eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
             draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
-            extra = [n for n in ("tree.json", "draft_vocab.safetensors") if n in present]  # (train-heads writes them)
-            return ["config.json", *extra, eagle] if draft else []
-        return [n for n in ("config.json", "tree.json", "draft_vocab.safetensors") if n in present] + [heads]
+            return [*beside, eagle] if draft else []
+        return [*beside, heads]
     if want == "model":
         weights = weight_files(names)
         if not weights or "config.json" not in present:

@@ -10,8 +10,8 @@
 //   spine   depth by depth: the head on the state (EAGLE-3: final norm, then its V-token draft vocabulary;
 //           EAGLE-1: the backbone's own lm_head, the full vocabulary), top-K and their probabilities; the top-1
 //           token's embedding and the state go through the layer again (one row, at the next position; EAGLE-1
-//           fuses them with fc first, as for a feature), and so on. The tree is the size - 1 most probable of the D x K candidates below the
-//           top-1 spine (confident_select: EAGLE-2's dynamic tree on the spine, as the Hydra drafter's).
+//           fuses them with fc first, as for a feature), and so on. The tree is the size - 1 most probable of the
+//           D x K candidates below the top-1 spine (confident_select: EAGLE-2's dynamic tree on the spine, as the Hydra drafter's).
 // In PyTorch each depth was ~40 small ops, which cost more than the layer's arithmetic on a CPU; here a depth
 // costs its weight reads (~5 MB in Q4_1 with the embedded model's 576-wide draft). Drafts only choose what the backbone verifies:
 // nothing here can change a reply (the drafter's numbers need not match the PyTorch draft's bit for bit).
