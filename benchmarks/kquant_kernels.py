@@ -2,11 +2,17 @@
 a GGUF, gguf_linears.py) side by side with the kernel's Q4_1 and Q8_0, for 1, 2 and 4 rows.
 
     PYTHONPATH=. python benchmarks/kquant_kernels.py [--rows 1,2,4] [--seconds 0.5] [--threads N]
+    PYTHONPATH=. python benchmarks/kquant_kernels.py --stream 8 --kinds Q4_K,Q4_1 --rows 1,2,4,8 --prefetch t0,t1
 
 Per shape (out x in) and row count it prints ms per call of each kind and the ratio to its natural baseline
 (Q4_K / Q5_K / Q4_0 vs Q4_1, Q6_K vs Q8_0), then each kind's resident bytes per weight next to the file's,
 and the resident memory and time of building the largest shape from the file's bytes. Weights are random
 valid blocks (cost, not accuracy). A busy machine gives noisy numbers: measure on a quiet one.
+
+--stream LAYERS times instead one pass over LAYERS layers of the 1.17B's projections per kind (q, k, v, o, gate,
+up, down: 8 layers of Q4_K are ~200 MB, so the weights come from DRAM as in a real step, not from the L3 as a
+repeated call's do), for each row count and each prefetch hint (csrc/qblock.h) in turn, rounds interleaved;
+the median ms per pass and its ratio to the 1-row pass of the same hint, and t0's pass over each hint's.
 """
 
 from __future__ import annotations
@@ -75,10 +81,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.5, help="timing per (shape, kind, rows)")
     ap.add_argument("--threads", type=int, default=0, help="the kernel's team size (0: default)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="OUTxIN,...")
+    ap.add_argument("--stream", type=int, default=0, metavar="LAYERS", help="time passes over LAYERS layers")
+    ap.add_argument("--kinds", default="Q4_K,Q4_1", help="--stream: the kinds")
+    ap.add_argument("--prefetch", default="t0,t1", help="--stream: the prefetch hints (t0, t1, t2, off)")
+    ap.add_argument("--rounds", type=int, default=7, help="--stream: rounds")
     args = ap.parse_args()
     if not qgemm.available():
         raise SystemExit(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
     qgemm.set_threads(args.threads)
+    if args.stream:
+        stream(args)
+        return
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"block kernel: {qgemm.best_isa()}, {qgemm.get_threads()} threads; ms per call (ratio to baseline)")
@@ -115,6 +128,50 @@ def main() -> None:
         grown = rss_bytes() - before
         print(f"  {kind}: +{grown / 2**20:.0f} MiB for {raw.nbytes / 2**20:.0f} MiB of blocks, {took:.2f} s")
         del lin, raw
+
+
+LAYER_SHAPES = [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)]
+
+
+def stream(args: argparse.Namespace) -> None:
+    """Passes over --stream layers of the 1.17B's projections per kind, rows x prefetch hints interleaved."""
+    rows = [int(r) for r in args.rows.split(",")]
+    hints = args.prefetch.split(",")
+    before = qgemm.prefetch_choice().get("hints") or "t0"
+    print(f"block kernel: {qgemm.best_isa()}, {qgemm.get_threads()} threads; {args.stream} layers of the 1.17B")
+    print(f"prefetch hints measured for this machine: {before}")
+    try:
+        for kind in args.kinds.split(","):
+            mods = [
+                block_linear_from_gguf(kind, random_bytes(kind, n, k, seed=layer), n, k)
+                for layer in range(args.stream)
+                for n, k in LAYER_SHAPES
+            ]
+            mb = sum(b.numel() * b.element_size() for m in mods for b in m.buffers()) / 1e6
+            xs = {r: torch.randn(r, 5632, generator=torch.Generator().manual_seed(r)) for r in rows}
+            times: dict[tuple[str, int], list[float]] = {}
+            with torch.inference_mode():
+                for rnd in range(args.rounds + 1):  # round 0 warms up
+                    for hint in hints:
+                        qgemm.set_prefetch(hint)
+                        for r in rows:
+                            t0 = time.perf_counter()
+                            for m in mods:
+                                m(xs[r][:, : m.in_features])
+                            if rnd:
+                                times.setdefault((hint, r), []).append(time.perf_counter() - t0)
+            print(f"\n{kind}: {mb:.0f} MB per pass; ms per pass (ratio to 1 row) [t0 / this]")
+            for hint in hints:
+                one = np.median(times[(hint, rows[0])])
+                cells = []
+                for r in rows:
+                    ms = np.median(times[(hint, r)])
+                    vs = f" [{np.median(times[('t0', r)]) / ms:.2f}x]" if "t0" in hints and hint != "t0" else ""
+                    cells.append(f"{r}: {ms * 1e3:7.2f} ({ms / one:.2f}x){vs}")
+                print(f"  {hint:>4}  " + "   ".join(cells))
+            del mods
+    finally:
+        qgemm.set_prefetch(before)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile)(const int8_
                                                                      const uint8_t *w, int h, float *y, int N,
                                                                      int n0, const int MR_, const int HB) {
     const int SUB = HB ? 20 * GW : 16 * GW, SB = 8 * SUB + 20 * GW, nb = 8 * nsb;
+    const int pf = mc_pf_hint[PF_FAM_KQ][MR_ > 1];
     KV_F acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = KV_ZERO_PS();
@@ -24,12 +25,12 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile)(const int8_
 #endif
     for (int s = 0; s < nsb; s++) {
         const uint8_t *sb = w + (size_t)s * SB, *scales = sb + 8 * SUB;
-        prefetch_lines(scales + PF_AHEAD, 20 * GW);
+        prefetch_lines(scales + PF_AHEAD, 20 * GW, pf);
         const KV_F dv = KV_LOAD_F16((const uint16_t *)(scales + 16 * GW) + KV_LANES * h);
         const KV_F mv = KV_LOAD_F16((const uint16_t *)(scales + 18 * GW) + KV_LANES * h);
         for (int j = 0; j < 8; j++) {
             const uint8_t *wb = sb + j * SUB;
-            prefetch_lines(wb + PF_AHEAD, SUB);
+            prefetch_lines(wb + PF_AHEAD, SUB, pf);
             KV_I lo[4], hi[4];
             const KV_I hw = HB ? KV_LOAD(wb + GW * 16 + KV_LANES * 4 * h) : KV_ZERO_I();
 #pragma GCC unroll 4
@@ -86,6 +87,7 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
                                                                    const uint8_t *w, int h, float *y, int N,
                                                                    int n0, const int MR_) {
     const int SUB = 24 * GW, SB = 8 * SUB + 18 * GW, nb = 8 * nsb;
+    const int pf = mc_pf_hint[PF_FAM_KQ][MR_ > 1];
     KV_F acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = KV_ZERO_PS();
@@ -95,11 +97,11 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
 #endif
     for (int s = 0; s < nsb; s++) {
         const uint8_t *sb = w + (size_t)s * SB, *scales = sb + 8 * SUB;
-        prefetch_lines(scales + PF_AHEAD, 18 * GW);
+        prefetch_lines(scales + PF_AHEAD, 18 * GW, pf);
         const KV_F dv = KV_LOAD_F16((const uint16_t *)(scales + 16 * GW) + KV_LANES * h);
         for (int j = 0; j < 8; j++) {
             const uint8_t *wb = sb + j * SUB;
-            prefetch_lines(wb + PF_AHEAD, SUB);
+            prefetch_lines(wb + PF_AHEAD, SUB, pf);
             KV_I lo[4], hi[4];
             // bits 4-5 of the codes: byte t of vector pair p (words ha: vectors 0-1, hb: 2-3) holds, from bit 0,
             // elements 4(2p)+t, 16+4(2p)+t, 4(2p+1)+t, 16+4(2p+1)+t: one shift (within bytes once masked) each

@@ -29,9 +29,27 @@
 #ifndef PF_AHEAD  // benchmarks/step_gemms.c builds with -DPF_AHEAD=0 for the before
 #define PF_AHEAD 8192
 #endif
-static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes) {
+//
+// Which cache level the prefetches fill is chosen by measuring, per kernel family and per tile of one row or of
+// more (mc_pf_hint, set by qgemm.py's choose_prefetch from a stream of weights larger than the L3, timed on this
+// machine once and cached): on the 2-vCPU AMD EPYC (Zen 4) a prefetch into L1 (prefetcht0) held a core to ~15 GB/s
+// on the Q4_K stream (the L1's few outstanding misses) where one into L2 (prefetcht1) let it stream at ~25 GB/s and
+// kept the extra rows' arithmetic under the stream (one thread, 8 layers of the 1.17B's Q4_K projections from
+// DRAM, 1 / 2 / 4 rows: 13.9 / 15.3 / 18.3 -> 8.4 / 8.7 / 11.8 ms). The default, until measured, is prefetcht0.
+enum { PF_T0 = 0, PF_T1 = 1, PF_T2 = 2, PF_OFF = 3 };
+enum { PF_FAM_Q4_1 = 0, PF_FAM_Q8_0 = 1, PF_FAM_KQ = 2 };
+extern int mc_pf_hint[3][2];  // [family][tile of one row, of more]
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes, const int hint) {
+    if (hint == PF_T0) {
 #pragma GCC unroll 8
-    for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+    } else if (hint == PF_T1) {
+#pragma GCC unroll 8
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
+    } else if (hint == PF_T2) {
+#pragma GCC unroll 8
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 1);
+    }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -58,6 +58,13 @@ int mc_team_probe(void) {
     return n;
 }
 
+int mc_pf_hint[3][2];  // qblock.h: all PF_T0 until qgemm.py sets what it measured
+void mc_set_prefetch(int family, int many_rows, int hint) {
+    if (family >= 0 && family < 3 && (many_rows == 0 || many_rows == 1) && hint >= PF_T0 && hint <= PF_OFF)
+        mc_pf_hint[family][many_rows] = hint;
+}
+int mc_get_prefetch(int family, int many_rows) { return mc_pf_hint[family][many_rows != 0]; }
+
 int qgemm_isa(void) { return HAVE_VNNI; }
 int qgemm_group(void) { return GW; }
 
@@ -123,6 +130,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
                                                              int nb, int r0, const uint8_t *qs, const uint16_t *d,
                                                              const uint16_t *mn, float *y, int N, int n0,
                                                              const int MR_) {
+    const int pf = mc_pf_hint[PF_FAM_Q4_1][MR_ > 1];
     __m256 acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
@@ -132,10 +140,10 @@ static inline __attribute__((always_inline)) void q4_1_tile(const int8_t *qx, co
 #endif
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = qs + (size_t)b * GW * 16;
-        prefetch_lines(wb + PF_AHEAD, GW * 16);
+        prefetch_lines(wb + PF_AHEAD, GW * 16, pf);
         if ((b & 1) == 0) {  // the scales: 2 blocks per 64-byte line
-            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64);
-            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64);
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64, pf);
+            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64, pf);
         }
         __m256i lo[4], hi[4];
 #pragma GCC unroll 4
@@ -188,6 +196,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
                                                              int nb, int r0, const int8_t *qs, const uint16_t *d,
                                                              const int16_t *ws, float *y, int N, int n0,
                                                              const int MR_) {
+    const int pf = mc_pf_hint[PF_FAM_Q8_0][MR_ > 1];
     __m256 acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
@@ -199,10 +208,10 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qx, co
 #endif
     for (int b = 0; b < nb; b++) {
         const int8_t *wb = qs + (size_t)b * GW * 32;
-        prefetch_lines(wb + PF_AHEAD, GW * 32);
+        prefetch_lines(wb + PF_AHEAD, GW * 32, pf);
         if ((b & 1) == 0) {
-            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64);
-            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64);
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64, pf);
+            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64, pf);
         }
         __m256i w[8];
 #pragma GCC unroll 8
@@ -248,16 +257,17 @@ static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, 
                                                                int nb, int r0, const uint8_t *qs,
                                                                const uint16_t *d, const uint16_t *mn, float *y,
                                                                int N, int n0, const int MR_) {
+    const int pf = mc_pf_hint[PF_FAM_Q4_1][MR_ > 1];
     __m512 acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *wb = qs + (size_t)b * 256;
-        prefetch_lines(wb + PF_AHEAD, 256);
+        prefetch_lines(wb + PF_AHEAD, 256, pf);
         if ((b & 1) == 0) {
-            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64);
-            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64);
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 8, 64, pf);
+            prefetch_lines(mn + (size_t)b * GW + PF_AHEAD / 8, 64, pf);
         }
         __m512i lo[4], hi[4];
 #pragma GCC unroll 4
@@ -295,15 +305,16 @@ static inline __attribute__((always_inline)) void q8_0_tile16(const int8_t *qxu,
                                                                const int8_t *qs, const uint16_t *d,
                                                                const int16_t *ws, float *y, int N, int n0,
                                                                const int MR_) {
+    const int pf = mc_pf_hint[PF_FAM_Q8_0][MR_ > 1];
     __m512 acc[TR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int8_t *wb = qs + (size_t)b * 512;
-        prefetch_lines(wb + PF_AHEAD, 512);
+        prefetch_lines(wb + PF_AHEAD, 512, pf);
         if ((b & 1) == 0) {
-            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64);
-            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64);
+            prefetch_lines(d + (size_t)b * GW + PF_AHEAD / 16, 64, pf);
+            prefetch_lines(ws + (size_t)b * GW + PF_AHEAD / 16, 64, pf);
         }
         __m512i w[8];
 #pragma GCC unroll 8
