@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stage the embedded model's GGUF for a GPU machine that has no network and takes at most 64 MiB per call, the
-# repository itself included (~46 MB with the shipped drafts): pieces under ./.gpu (git-ignored), one carried
+# Stage the embedded model's GGUF for a GPU machine that has no network and takes at most CARRY_LIMIT_MB (default
+# 64) MiB per call, the repository itself included (~46 MB with the shipped drafts): pieces under ./.gpu (git-ignored), one carried
 # by each call, joined on the machine. Also the converted model's config/tokenizer files and the fp32 weights'
 # hashes, so gpu_train_heads.py dequantizes the GGUF there with this app's reader (no `gguf` package needed)
 # and checks that the weights are bit for bit the ones the heads will run with.
@@ -23,7 +23,9 @@ hf=$("$py" -c "from medusa_chat.model.embedded import embedded_model_dir; print(
 [ -n "$gguf" ] && [ -f "$hf/model.safetensors" ] || { echo "run medusa-chat once first (the converted model)"; exit 1; }
 tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 whl=$(du -sb .whl 2>/dev/null | cut -f1 || echo 0)
-limit=$((64 * 1024 * 1024 - 5 * 1024 * 1024))  # 5 MiB of slack: the tokenizer files, untracked files
+# CARRY_LIMIT_MB: what one call to the GPU machine may carry (the repository included); 5 MiB of slack for the
+# tokenizer files and untracked files
+limit=$((${CARRY_LIMIT_MB:-64} * 1024 * 1024 - 5 * 1024 * 1024))
 room=$((limit - tracked))
 first=$((room - whl))
 size=$(stat -c %s "$gguf")

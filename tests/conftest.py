@@ -8,10 +8,16 @@ of a standard HF cache holding the tiny repos, with HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels (the CUDA 4-bit path) run under Triton's interpreter where there is no GPU: set before any
+# kernel module is imported, since `triton.jit` reads it when a kernel is defined.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import atexit
 import functools
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator

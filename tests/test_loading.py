@@ -450,13 +450,16 @@ def test_7b_on_cpu_needs_explicit_device(tmp_path: Path, v1_pt_heads_dir: Path) 
         load_model(model="vicuna-7b")  # registry size: refused before touching the network
 
 
-def test_the_nf4_note_points_to_16_bit_weights_only_where_they_fit() -> None:
-    from medusa_chat.model.devices import nf4_trees_note
+def test_auto_on_cuda_is_the_int4_path_where_triton_is_installed() -> None:
+    from medusa_chat.kernels import triton_matmul
+    from medusa_chat.model.devices import pick_quant
 
-    seven_b = 6_740_000_000  # 13.5 GB in 16 bits
-    assert nf4_trees_note(seven_b, 140 << 30) is not None and "13.5 GB" in nf4_trees_note(seven_b, 140 << 30)
-    assert nf4_trees_note(seven_b, 12 << 30) is None  # a 12 GB card: NF4 is what fits
-    assert nf4_trees_note(seven_b, 17 << 30) is None  # the weights alone would fit, the cache would not
+    cuda = torch.device("cuda", 0)
+    expected = "int4" if triton_matmul.triton is not None else "nf4"
+    assert pick_quant("auto", cuda) == expected
+    assert pick_quant("auto", torch.device("cpu")) == "auto"  # a CPU measures its own paths
+    if triton_matmul.triton is not None:
+        assert pick_quant("int4", cuda) == "int4"  # no longer refused on a GPU
 
 
 # ---- on a CUDA GPU (skipped elsewhere) ----------------------------------------------------------------------------

@@ -42,16 +42,21 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_quant(quant: str, device: torch.device) -> str:
-    """auto: NF4 on CUDA; on a CPU "auto" stays until the session measures the paths (numeric_path.py).
-    On a CPU int8 and int4 are torch's weight-only kernels; nf4 is bitsandbytes (slow on a CPU)."""
+    """auto: on CUDA the int4 path (model/cuda_int4.py: Triton or tinygemm kernels, row-invariant, chosen by
+    measuring) where Triton is installed, else bitsandbytes NF4; on a CPU "auto" stays until the session measures
+    the paths (numeric_path.py). On a CPU int8 and int4 are the block kernels; nf4 is bitsandbytes (slow there)."""
     if quant not in QUANTS:
         raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8, int4 or none)")
     if quant == "auto":
-        return "nf4" if device.type == "cuda" else "auto"
+        if device.type != "cuda":
+            return "auto"
+        return "int4" if cuda_int4_available() else "nf4"
     if device.type == "cpu" and quant in CPU_QUANTS:
         return quant
     if quant == "int4":
-        raise DeviceError("--quant int4 is the CPU's 4-bit path; on a GPU use --quant nf4")
+        if not cuda_int4_available():
+            raise DeviceError("--quant int4 on a GPU needs triton (pip install triton), or use --quant nf4")
+        return quant
     if quant != "none":
         try:
             import bitsandbytes  # noqa: F401
@@ -62,20 +67,19 @@ def pick_quant(quant: str, device: torch.device) -> str:
     return quant
 
 
-def nf4_trees_note(params: int, free_bytes: int) -> str | None:
-    """What to tell a user whose model loaded NF4 on a GPU that has room for its 16-bit weights.
+def cuda_int4_available() -> bool:
+    from medusa_chat.kernels import triton_matmul
 
-    Measured on an H200 (benchmarks/RESULTS.md, "GPU"): bitsandbytes runs more than two rows by dequantizing every
-    weight, so an NF4 tree step of 4 nodes costs 2.1x a plain step and one of 64 nodes 2.5x, where fp16 pays
-    1.2x and 1.3x: with NF4 the calibration keeps (nearly) plain decoding. Only a note: NF4 stays the default.
-    """
-    need = params * 2 * 1.2 + (2 << 30)  # 16-bit weights, plus the cache and activations' room
-    if free_bytes < need:
-        return None
-    return (
-        f"this GPU has room for the 16-bit weights ({params * 2 / 1e9:.1f} GB): --quant none decodes faster with "
-        "Medusa trees (bitsandbytes NF4 tree steps cost 2-2.5x a plain step; 16-bit ones 1.2-1.3x)"
-    )
+    return triton_matmul.triton is not None
+
+
+# Told to a user who asked for bitsandbytes NF4 on a GPU with Medusa heads. Measured on an H200
+# (benchmarks/RESULTS.md, "GPU"): bitsandbytes runs more than two rows by dequantizing every weight, so an NF4 tree
+# step of 64 nodes costs 2.5x a plain step and the calibration keeps (nearly) plain decoding.
+NF4_TREES_NOTE = (
+    "bitsandbytes NF4 tree steps cost 2-2.5x a plain step (it dequantizes each weight for more than one row): "
+    "--quant int4 (the default on CUDA where triton is installed) keeps tree steps on its 4-bit kernel"
+)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -17,8 +17,10 @@ What makes a step capturable is static shapes and static storage. One graph per 
 Acceptance, the heads and the KV commit run as before on the graph's outputs (hidden states [N, H], logits
 [N, V]).
 
-Exactness: the graph computes what the engine's eager GPU step computes (one masked SDPA call over the tree
-block: equal to plain decoding up to rounding near-ties, README); tests run the same static body without
+Exactness: the graph computes what the engine's eager GPU step computes. With row-invariant projections (the
+CUDA int4 load) both attend through the Triton path attention (kernels/triton_attention.py), bitwise the plain
+loop's; otherwise through one masked SDPA call over the tree block, equal to plain decoding only up to rounding
+near-ties; tests run the same static body without
 capture on a CPU in float64, where no rounding can flip a token, against the eager engine and the plain loop.
 Before a new graph is used, its first replay is checked against the same step run eagerly; a graph that does
 not match, or that fails to capture, turns graphs off for the engine (the eager step goes on). CPU engines
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from medusa_chat.kernels.triton_attention import tree_paths
 from medusa_chat.tree import TreeBuffers
 
 MIN_BUCKET = 256
@@ -63,6 +66,7 @@ class _Static:
     nodes: torch.Tensor  # [N] long: 0 .. N - 1
     bias: torch.Tensor  # [N, N] additive tree mask (0: ancestor or self)
     cols: torch.Tensor  # [bucket] long: 0 .. bucket - 1
+    paths: torch.Tensor  # [N, max depth + 1] long: each node's ancestors root .. itself (exact path attention)
     hidden: torch.Tensor | None = None  # [N, H] output
     logits: torch.Tensor | None = None  # [N, V] output
     graph: Any = None  # torch.cuda.CUDAGraph, or None when run eagerly
@@ -117,6 +121,7 @@ class GraphStep:
             nodes=torch.arange(n, device=device),
             bias=buf.attn_bias.to(device),
             cols=torch.arange(width, device=device),
+            paths=tree_paths(buf.tree.parents)[0].to(device),
         )
 
     def _body(self, st: _Static, width: int) -> None:
@@ -129,7 +134,8 @@ class GraphStep:
         mask = torch.where(rel < 0, torch.zeros_like(tree_cols), torch.where(in_tree, tree_cols, hidden_mask))
         buffer = self.cache.buffer
         hidden = self.lean.forward_static(
-            st.tokens, st.start + st.depth, st.start + st.nodes, mask[None, None], buffer, width
+            st.tokens, st.start + st.depth, st.start + st.nodes, mask[None, None], buffer, width,
+            paths=(st.start, st.paths, st.depth),
         )
         logits = self.lm_head(hidden)
         if st.hidden is None or st.logits is None:

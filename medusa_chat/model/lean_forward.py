@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from medusa_chat.kernels.triton_attention import path_attention
+from medusa_chat.kernels.triton_linears import RowInvariantLinear
 from medusa_chat.model.tree_plan import TreePlan
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
@@ -151,6 +153,10 @@ class LeanForward:
         self.batch_nodes = sdpa_batch_invariant(
             self._act_dtype(causal_lm), weight.device, self.kv_heads, self.groups, self.head_dim
         )
+        # Row-invariant projections (the CUDA int4 load, model/cuda_int4.py): attention follows suit with the
+        # Triton path attention, which gives each tree node the plain step's bits, eager or in a CUDA graph.
+        self.path_attention = isinstance(causal_lm.get_output_embeddings(), RowInvariantLinear)
+        self._plan_paths: dict[int, tuple[TreePlan, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _act_dtype(causal_lm: Any) -> torch.dtype:
@@ -204,6 +210,16 @@ class LeanForward:
             out = out.index_select(0, plan.inverse)
         return out.reshape(n, kvh * groups, hd).transpose(0, 1)[None]
 
+    def _paths_of(self, plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The path attention's (path, depth) device tensors of a plan, built once per plan."""
+        hit = self._plan_paths.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            assert plan.blocks is not None and plan.block_len is not None
+            device = self.embed.weight.device
+            hit = (plan, plan.blocks.to(device, torch.long), (plan.block_len - 1).to(device, torch.long))
+            self._plan_paths[id(plan)] = hit
+        return hit[1], hit[2]
+
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan, cache: Any
     ) -> torch.Tensor:
@@ -217,11 +233,13 @@ class LeanForward:
         mask: torch.Tensor,
         buffer: torch.Tensor,
         width: int,
+        paths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The same layers with nothing that depends on host state (graph_step.py captures it as a CUDA graph):
         every layer writes its keys and values at the device tensor `slots` of the cache `buffer`
         [layers, 2, 1, kv_heads, capacity, head_dim] and attends over its first `width` slots with the additive
-        `mask` [1, 1, T, width]."""
+        `mask` [1, 1, T, width]; with `paths` (start [], path [T, D + 1], depth [T]: the tree as device tensors)
+        and row-invariant projections, through the exact path attention instead of the mask."""
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = buffer[i, 0], buffer[i, 1]
@@ -229,7 +247,8 @@ class LeanForward:
             values.index_copy_(2, slots, v)
             return keys[:, :, :width], values[:, :, :width]
 
-        return self._run(ids, positions, mask, write, None)
+        exact = (*paths, width) if paths is not None and self.path_attention else None
+        return self._run(ids, positions, mask, write, None, exact)
 
     def _run(
         self,
@@ -238,11 +257,16 @@ class LeanForward:
         attend: torch.Tensor | TreePlan,
         write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         cache: Any,
+        exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         t, hd, groups = ids.shape[0], self.head_dim, self.groups
         tree = isinstance(attend, TreePlan)
         # a tree's first slot (every layer writes its entries from here); only the exact tree path reads it
         start = cache.length if tree else 0
+        if tree and self.path_attention:  # the eager step attends as its CUDA graph does
+            assert isinstance(attend, TreePlan)
+            path, depth = self._paths_of(attend)
+            exact = (torch.tensor(start, device=ids.device), path, depth, start + t)
         x = self.embed(ids[None])
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -264,7 +288,12 @@ class LeanForward:
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
             k, v = write(i, k, v)
-            if tree:
+            if exact is not None:
+                start_t, path, depth, width = exact
+                node_major = q[0].transpose(0, 1)
+                out = path_attention(node_major, k[0], v[0], start_t, path, depth, width, self.scaling)
+                out = out.transpose(0, 1)[None]
+            elif tree:
                 out = self._attend_tree(i, start, q, k, v, attend, cache)
             elif groups > 1 and t == 1:
                 # one query: attend per key/value head with the query heads as rows (no repeat of the cache)

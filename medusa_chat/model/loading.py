@@ -31,7 +31,7 @@ from medusa_chat.model import hub
 from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11, build_prompt_ids
 from medusa_chat.model.devices import (
     CPU_QUANTS,
-    nf4_trees_note,
+    NF4_TREES_NOTE,
     pick_device,
     pick_dtype,
     pick_quant,
@@ -413,7 +413,11 @@ def load_model(
                 model_dir, spec.name, q, compute_dtype, notes, progress, trust_remote_code,
                 half_embedding=not isinstance(heads_mod, HydraHeads),
             )
-        if backbone is None:
+        if backbone is None and dev.type == "cuda" and q == "int4":
+            backbone = _load_cuda_int4(
+                model_dir, dev, compute_dtype, notes, say, bool(medusa_keys), trust_remote_code
+            )
+        elif backbone is None:
             backbone = load_backbone(
                 model_dir,
                 dev,
@@ -439,9 +443,7 @@ def load_model(
     if heads_mod is not None:
         _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
     if dev.type == "cuda" and q == "nf4" and heads_mod is not None:
-        note = nf4_trees_note(estimate_params(config), torch.cuda.mem_get_info(dev)[0])
-        if note:
-            notes.append(note)
+        notes.append(NF4_TREES_NOTE)
     # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
     if dev.type == "cpu" and compute_dtype == torch.float32 and q in ("none", "") and cpu_native_bf16():
         notes.append(
@@ -566,6 +568,31 @@ def _separate_heads(
         if spec.kind in ("v1-heads", "v2-heads", "eagle"):
             spec = replace(spec, kind=heads_kind(heads_mod))
     return spec, heads_mod, heads_dir, heads_path
+
+
+def _load_cuda_int4(
+    model_dir: Path,
+    dev: torch.device,
+    dtype: torch.dtype,
+    notes: list[str],
+    say: Progress,
+    ignore_medusa: bool,
+    trust_remote_code: bool,
+) -> Any:
+    """The checkpoint read in 16 bits on the CPU, its projections quantized to int4 on the GPU one at a time and
+    the int4 kernel chosen by measuring (model/cuda_int4.py)."""
+    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
+
+    backbone = load_backbone(
+        model_dir, torch.device("cpu"), dtype, "none", ignore_medusa=ignore_medusa, trust_remote_code=trust_remote_code
+    )
+    done = quantize_backbone(backbone, dev, dtype, progress=say)
+    choice = choose_kernel(backbone, dev, progress=say)
+    notes.append(
+        f"int4 (group-wise, {done['int4']} projections, {human_bytes(done['bytes'])}) on the {choice['kernel']} kernel"
+        + (f"; {len(done['kept_16bit'])} projections kept 16-bit" if done["kept_16bit"] else "")
+    )
+    return backbone
 
 
 def _load_from_quantized_file(

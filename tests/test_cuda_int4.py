@@ -1,0 +1,218 @@
+"""The CUDA 4-bit path (kernels/int4_quant.py, triton_matmul.py, triton_attention.py, model/cuda_int4.py),
+checked where it can be without a GPU: Triton's interpreter runs the very kernels on this CPU.
+
+What is pinned: the quantizer (never worse than round-to-nearest, codes and layout round-trip), the kernels
+against a float reference, every row's bits independent of how many rows share the call (the property that
+makes a tree step give the plain step's bits), the path attention bitwise equal to the plain step's attention
+for every node, and end to end: a tiny Llama quantized by `quantize_backbone` decodes Medusa replies equal to
+its own plain loop token for token, eager and through the graph step's static body. Speed is the GPU's
+(benchmarks/gpu_4bit.py); `benchmarks/gpu_checks.sh` runs the CUDA-only parts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from medusa_chat.kernels import triton_matmul
+from medusa_chat.kernels.int4_quant import (
+    dequantize,
+    group_for,
+    pack_codes,
+    pack_int4,
+    quantize_int4,
+    unpack_codes,
+)
+from medusa_chat.kernels.triton_linears import Int4Linear
+
+# On a GPU machine the kernels run for real, in 16 bits; elsewhere under Triton's interpreter in fp32.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+TOL = {"rtol": 2e-2, "atol": 2e-2} if DTYPE == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
+
+pytestmark = pytest.mark.skipif(
+    not triton_matmul.available(), reason="needs triton (a GPU or its interpreter)"
+)
+
+
+def test_group_sizes_keep_a_group_inside_one_half_of_k() -> None:
+    assert group_for(4096) == 64 and group_for(11008) == 64  # Llama-2-7B's projections
+    assert group_for(576) == 32  # SmolLM2-135M: K/2 = 288, not a multiple of 64
+    assert group_for(4096, preferred=128) == 128 and group_for(11008, preferred=128) == 128
+    assert group_for(100) is None and group_for(7) is None
+
+
+def test_the_refit_is_never_worse_than_round_to_nearest_per_group() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g)  # rows of different ranges
+    w[3, 17] = 9.0  # an outlier in one group
+    errors = {}
+    for refine in (0, 2):
+        codes, scales, zeros = quantize_int4(w, 64, refine=refine, storage=torch.float32)
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        per_group = (dequantize(codes, scales, zeros, 64) - w).pow(2).reshape(48, 4, 64).sum(-1)
+        errors[refine] = per_group
+    assert bool((errors[2] <= errors[0] * (1 + 1e-6)).all())
+    assert float(errors[2].sum()) < 0.97 * float(errors[0].sum())  # and it does help overall
+
+
+def test_packing_round_trips_and_dequantizes_as_the_formula_says() -> None:
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (24, 128), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+    w = torch.randn(24, 128, generator=g)
+    packed = pack_int4(w, 32)
+    c, s, z = quantize_int4(w, 32)
+    want = ((c.float() - 8).reshape(24, 4, 32) * s.float()[..., None] + z.float()[..., None]).reshape(24, 128)
+    assert torch.equal(packed.dequantize(), want)
+    assert (packed.dequantize() - w).abs().max() < 0.5  # 4 bits of a unit normal
+
+
+CONFIGS = [
+    triton_matmul.Config(32, 32, 1, 4, 3),
+    triton_matmul.Config(64, 32, 2, 4, 3),
+    triton_matmul.Config(16, 32, 3, 4, 3),  # a split that does not divide the steps evenly
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name())
+def test_int4_rows_are_the_same_bits_at_every_row_count(cfg: triton_matmul.Config) -> None:
+    g = torch.Generator().manual_seed(2)
+    n, k = 80, 192  # N not a multiple of the column block; 3 groups of 32 per half of K
+    packed = pack_int4(torch.randn(n, k, generator=g).to(DEVICE), 32)
+    x = torch.randn(70, k, generator=g).to(DEVICE, DTYPE)  # 70 rows: two row programs (64 + 6)
+    full = triton_matmul.int4_matmul(x, packed, cfg)
+    torch.testing.assert_close(full.float(), x.float() @ packed.dequantize().T, **TOL)
+    for m in (1, 2, 7, 16, 17, 40, 64):
+        assert torch.equal(triton_matmul.int4_matmul(x[:m], packed, cfg), full[:m]), m
+        assert torch.equal(triton_matmul.int4_matmul(x[m - 1 : m], packed, cfg)[0], full[m - 1]), m
+
+
+def test_the_dense_kernel_is_row_invariant_too() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 72, generator=g).to(DEVICE, DTYPE)  # K not a multiple of BLOCK_K
+    x = torch.randn(33, 72, generator=g).to(DEVICE, DTYPE)
+    cfg = triton_matmul.Config(32, 32, 2, 4, 3)
+    full = triton_matmul.dense_matmul(x, w, cfg)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T, **TOL)
+    for m in (1, 5, 16, 32):
+        assert torch.equal(triton_matmul.dense_matmul(x[m - 1 : m], w, cfg)[0], full[m - 1])
+
+
+def test_path_attention_gives_each_node_the_plain_steps_bits() -> None:
+    from medusa_chat.kernels.triton_attention import CHUNK, path_attention, tree_paths
+
+    g = torch.Generator().manual_seed(4)
+    kvh, groups, hd, start = 2, 3, 16, CHUNK + 37  # the prefix spans two key chunks
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 7]
+    n = len(parents)
+    path, depth = tree_paths(parents)
+    path, depth = path.to(DEVICE), depth.to(DEVICE)
+    keys = torch.randn(kvh, 2048, hd, generator=g).to(DEVICE, DTYPE)
+    values = torch.randn(kvh, 2048, hd, generator=g).to(DEVICE, DTYPE)
+    q = torch.randn(n, kvh * groups, hd, generator=g).to(DEVICE, DTYPE)
+    scale = hd**-0.5
+    at = lambda v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    out = path_attention(q, keys, values, at(start), path, depth, 1024, scale)
+    for node in range(n):
+        chain = path[node, : int(depth[node]) + 1].tolist()
+        slots = list(range(start)) + [start + a for a in chain]
+        k = keys[:, slots].repeat_interleave(groups, 0).float()
+        v = values[:, slots].repeat_interleave(groups, 0).float()
+        ref = F.scaled_dot_product_attention(q[node][:, None].float(), k, v, scale=scale)[:, 0]
+        torch.testing.assert_close(out[node].float(), ref, **TOL)
+        # the plain loop: the path committed in order, this token alone at start + depth, another width
+        k2, v2 = keys.clone(), values.clone()
+        for t, a in enumerate(chain):
+            k2[:, start + t], v2[:, start + t] = keys[:, start + a], values[:, start + a]
+        zero = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        one = path_attention(
+            q[node : node + 1], k2, v2, at(start + len(chain) - 1), zero[None], zero, 2048, scale
+        )
+        assert torch.equal(one[0], out[node]), node
+
+
+@pytest.fixture(scope="module")
+def int4_loaded():
+    from medusa_chat.kernels.triton_linears import Int4Linear, RowInvariantLinear
+    from medusa_chat.model.cuda_int4 import quantize_backbone
+    from tests.tinymodels import moved, tiny_loaded
+
+    loaded = moved(tiny_loaded("llama"), DEVICE, DTYPE)
+    loaded.dtype = DTYPE
+    done = quantize_backbone(loaded.backbone, DEVICE, DTYPE)
+    assert done["int4"] == 14 and not done["kept_16bit"]  # 2 layers x 7 projections
+    assert isinstance(loaded.backbone.get_output_embeddings(), RowInvariantLinear)
+    assert isinstance(loaded.backbone.model.layers[0].mlp.down_proj, Int4Linear)
+    loaded.quant = "int4"
+    return loaded
+
+
+def _reply(engine, prompt: list[int], n: int):
+    from medusa_chat.events import GenerationSettings, ReplySummary
+
+    *_, summary = engine.generate(prompt, GenerationSettings(max_new_tokens=n))
+    assert isinstance(summary, ReplySummary)
+    return summary
+
+
+def test_int4_medusa_replies_equal_its_plain_loop_eager_and_as_graph_bodies(int4_loaded) -> None:
+    from medusa_chat.engine.engine import MedusaEngine, plain_tree
+    from medusa_chat.tree import Tree
+
+    tree = Tree.named("mc_sim_7b_63").prefix(12)
+    plain = MedusaEngine(int4_loaded, plain_tree())
+    eager = MedusaEngine(int4_loaded, tree)
+    graph = MedusaEngine(int4_loaded, tree)
+    graph.use_graphs(capture=DEVICE.type == "cuda")  # on a CPU the CUDA graph's static body, run eagerly
+    assert plain.runner.lean.path_attention  # the exact attention is what runs
+    prompt = torch.randint(3, 60, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = _reply(plain, prompt, 16).token_ids
+    engines = [eager, graph]
+    if DEVICE.type == "cuda":  # the plain loop recorded as graphs too: the pair a user's session compares
+        plain_graph = MedusaEngine(int4_loaded, plain_tree())
+        plain_graph.use_graphs(capture=True)
+        engines.append(plain_graph)
+    for engine in engines:
+        summary = _reply(engine, prompt, 16)
+        assert summary.token_ids == want
+        if engine is not engines[-1] or DEVICE.type != "cuda":  # (a plain loop accepts nothing)
+            assert (
+                max(summary.accepted_lengths) >= 1
+            )  # the tree did accept guesses: the equality is not trivial
+
+
+def test_the_kernel_choice_is_measured_once_then_read_back(monkeypatch, tmp_path) -> None:
+    from medusa_chat.kernels.triton_matmul import Config
+    from medusa_chat.model import cuda_int4
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(6)
+            self.a = Int4Linear(
+                pack_int4(torch.randn(48, 64, generator=g).to(DEVICE), 32), None, act_dtype=DTYPE
+            )
+            self.b = Int4Linear(
+                pack_int4(torch.randn(48, 64, generator=g).to(DEVICE), 32), None, act_dtype=DTYPE
+            )
+
+    candidates = (Config(16, 32, 1, 4, 3), Config(32, 32, 2, 4, 3))
+    model = Tiny()
+    record = cuda_int4.choose_kernel(model, DEVICE, candidates=candidates)
+    assert record["measured"]["48x64g32"]["triton"]["rows_invariant"] is True
+    if DEVICE.type == "cpu":  # tinygemm has no CPU packing: measured as unavailable, the Triton kernel chosen
+        assert record["kernel"] == "triton" and "error" in record["measured"]["48x64g32"]["tinygemm"]
+    assert model.a.config.name() == model.b.config.name() == record["configs"]["48x64g32"]
+    assert model.a.kernel == model.b.kernel == record["kernel"]
+
+    def no_measuring(*_args, **_kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cuda_int4, "_measure", no_measuring)
+    again = Tiny()
+    assert cuda_int4.choose_kernel(again, DEVICE, candidates=candidates)["kernel"] == record["kernel"]
+    assert again.a.config.name() == record["configs"]["48x64g32"]
