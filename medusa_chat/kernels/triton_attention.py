@@ -28,8 +28,15 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-BLOCK = 32  # logical keys per block
+KEYS_X_GROUPS = 32  # logical keys per block times query heads per KV head: a [groups, keys, head_dim] fp32 tile
 CHUNK = 256  # logical keys per program (split-KV)
+
+
+def block_for(groups: int) -> int:
+    """Logical keys per block: a function of the model's head layout alone, so the plain step and every tree step
+    block a token's keys alike."""
+    pad = 1 << max(0, (groups - 1).bit_length())
+    return max(8, KEYS_X_GROUPS // pad)
 
 
 if triton is not None:
@@ -133,7 +140,7 @@ def path_attention(
         q, keys, values, start, path, depth, acc, ml,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), path.stride(0),
         hq * chunks, chunks, 1, scale, chunks,
-        GROUPS=groups, GROUPS_PAD=triton.next_power_of_2(groups), HEAD_DIM=hd, BLOCK=BLOCK, CHUNK=CHUNK,
+        GROUPS=groups, GROUPS_PAD=triton.next_power_of_2(groups), HEAD_DIM=hd, BLOCK=block_for(groups), CHUNK=CHUNK,
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge_chunks[(n, hq)](acc, ml, out, chunks, out.stride(0), out.stride(1), HEADS=hq, HEAD_DIM=hd)
