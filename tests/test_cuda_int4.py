@@ -216,3 +216,48 @@ def test_the_kernel_choice_is_measured_once_then_read_back(monkeypatch, tmp_path
     again = Tiny()
     assert cuda_int4.choose_kernel(again, DEVICE, candidates=candidates)["kernel"] == record["kernel"]
     assert again.a.config.name() == record["configs"]["48x64g32"]
+
+
+def test_medusa_1_heads_project_in_int4_and_still_draft_what_their_weights_say() -> None:
+    from medusa_chat.model.cuda_int4 import quantize_head_projections
+    from medusa_chat.model.heads import MedusaHeads
+
+    torch.manual_seed(7)
+    heads = MedusaHeads(64, 512, 3, own_lm_head=True).to(DEVICE, DTYPE)
+    hidden = torch.randn(2, 64, device=DEVICE, dtype=DTYPE)
+    before = heads(hidden)
+    reference = [head[1].weight.detach().clone() for head in heads]
+    assert quantize_head_projections(heads, DEVICE, DTYPE) == 3
+    assert all(isinstance(head[1], Int4Linear) for head in heads)
+    after = heads(hidden)
+    assert after.shape == before.shape == (3, 2, 512)
+    for k, head in enumerate(heads):  # the int4 values the kernel holds, applied exactly
+        feats = heads.features(hidden)[k].float()
+        torch.testing.assert_close(after[k].float(), feats @ head[1].packed.dequantize().T, **TOL)
+        assert (head[1].packed.dequantize() - reference[k].float()).abs().max() < 0.1
+    v2 = MedusaHeads(64, 512, 2, own_lm_head=False)
+    assert quantize_head_projections(v2, DEVICE, DTYPE) == 0  # v2 heads share the backbone's lm_head
+
+
+def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
+    tiny_llama_dir, monkeypatch, tmp_path
+) -> None:
+    """The CUDA branch of load_model (loading._load_cuda_int4) on a real safetensors folder: 16 bits read on the
+    CPU, each projection quantized onto the device, the kernel chosen; the logits stay near the float model's."""
+    from medusa_chat.model import loading
+    from medusa_chat.model.runner import BackboneRunner
+
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
+    notes: list[str] = []
+    backbone = loading._load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
+    assert any("int4" in n and "projections" in n for n in notes)
+    layers = backbone.config.num_hidden_layers
+    assert sum(isinstance(m, Int4Linear) for m in backbone.modules()) == 7 * layers
+    reference = loading.load_backbone(tiny_llama_dir, DEVICE, DTYPE, "none")
+    ids = torch.arange(3, 19, device=DEVICE)[None]
+    with torch.inference_mode():
+        want = reference(ids).logits.float()
+        got = backbone(ids).logits.float()  # the transformers forward over the int4 modules
+        runner = BackboneRunner(backbone)
+        assert runner.lean is not None and runner.lean.path_attention
+    assert torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.95

@@ -73,6 +73,24 @@ def quantize_backbone(
     return {"int4": count, "kept_16bit": kept, "bytes": nbytes}
 
 
+def quantize_head_projections(
+    heads: Any, device: torch.device, dtype: torch.dtype, group: int = GROUP
+) -> int:
+    """Medusa-1 heads' own vocab projections to int4 (Vicuna-7B's five 32000 x 4096 projections: 1.3 GB read at
+    every step in 16 bits, 0.37 GB in int4). They only draft, so their precision moves acceptance, never the
+    reply; the ResBlocks stay 16-bit. Returns how many were quantized."""
+    count = 0
+    if not getattr(heads, "own_lm_head", False):
+        return 0
+    for head in heads:
+        proj = head[heads.num_layers]
+        g = group_for(proj.in_features, group)
+        if isinstance(proj, torch.nn.Linear) and g is not None:
+            head[heads.num_layers] = Int4Linear.from_linear(proj, g, device, dtype)
+            count += 1
+    return count
+
+
 def int4_modules(model: Any) -> list[Int4Linear]:
     return [m for m in model.modules() if isinstance(m, Int4Linear)]
 

@@ -441,7 +441,7 @@ def load_model(
         heads_source = "medusa-2 checkpoint"
         check_heads_fit(heads_mod, config, str(heads_path), backbone_loc)
     if heads_mod is not None:
-        _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev)
+        _fit_heads(heads_mod, heads_path, backbone, compute_dtype, dev, q)
     if dev.type == "cuda" and q == "nf4" and heads_mod is not None:
         notes.append(NF4_TREES_NOTE)
     # (only for the float path: with int8/int4 the projections are not fp32 GEMMs, and bf16 would be slower)
@@ -492,7 +492,7 @@ def with_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None
     heads_dir = _local_or_fetch(heads_location(heads), "heads", progress)
     heads_mod, heads_path, _ = load_heads_file(heads_dir, keep_dtype=True)
     check_heads_fit(heads_mod, loaded.backbone.config.to_dict(), str(heads_path), loaded.spec.name)
-    _fit_heads(heads_mod, heads_path, loaded.backbone, loaded.dtype, loaded.device)
+    _fit_heads(heads_mod, heads_path, loaded.backbone, loaded.dtype, loaded.device, loaded.quant)
     spec = loaded.spec
     if (heads_dir / "tree.json").is_file():  # the tree fitted to these heads, not the ones loaded before
         spec = replace(spec, default_tree=str(heads_dir / "tree.json"))
@@ -663,8 +663,10 @@ def _fit_heads(
     backbone: Any,
     compute_dtype: torch.dtype,
     dev: torch.device,
+    quant: str = "none",
 ) -> None:
-    """Check the heads' vocabulary against the backbone's lm_head, then move them to the device and dtype."""
+    """Check the heads' vocabulary against the backbone's lm_head, then move them to the device and dtype (on
+    CUDA int4, Medusa-1 heads' vocab projections in int4 too)."""
     lm_head = backbone.get_output_embeddings()
     vocab = int(lm_head.out_features)
     if heads_mod.own_lm_head and heads_mod.vocab_size != vocab:
@@ -693,6 +695,10 @@ def _fit_heads(
         return
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype)
+    if dev.type == "cuda" and quant == "int4" and isinstance(heads_mod, MedusaHeads):
+        from medusa_chat.model.cuda_int4 import quantize_head_projections
+
+        quantize_head_projections(heads_mod, dev, compute_dtype)
 
 
 def _load_tokenizer(
