@@ -467,12 +467,36 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_cuda_auto_is_nf4_with_16bit_heads(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
-    import bitsandbytes as bnb
+def test_cuda_auto_is_int4_with_int4_head_projections(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
+    from medusa_chat.kernels.triton_linears import Int4Linear, RowInvariantLinear
 
     gpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir))
+    assert gpu.device.type == "cuda" and gpu.quant == "int4"
+    assert any("int4" in n and "kernel" in n for n in gpu.notes)
+    assert sum(isinstance(m, Int4Linear) for m in gpu.backbone.modules()) == 7 * gpu.backbone.config.num_hidden_layers
+    assert isinstance(gpu.backbone.get_output_embeddings(), RowInvariantLinear)
+    assert all(isinstance(head[gpu.heads.num_layers], Int4Linear) for head in gpu.heads)
+    cpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cpu")
+    ids = cpu.build_prompt(PROMPT)
+    with torch.no_grad():
+        a = cpu.backbone(torch.tensor([ids])).logits.flatten()
+        b = gpu.backbone(torch.tensor([ids], device=gpu.device)).logits.float().cpu().flatten()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.97
+        hidden = final_hidden(gpu, ids)
+        got = gpu.heads(hidden, gpu.backbone.get_output_embeddings()).float().cpu().flatten()
+    want = hand_logits(heads_state(v1_safetensors_heads_dir), hidden.float().cpu()).flatten()
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.97  # int4 projections: near, not equal
+
+
+@needs_cuda
+def test_cuda_nf4_on_request_with_16bit_heads(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
+    import bitsandbytes as bnb
+
+    from medusa_chat.model.devices import NF4_TREES_NOTE
+
+    gpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), quant="nf4")
     assert gpu.device.type == "cuda" and gpu.quant == "nf4"
-    assert any("--quant none decodes faster" in n for n in gpu.notes)  # a tiny model always fits in 16 bits
+    assert NF4_TREES_NOTE in gpu.notes
     assert gpu.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in gpu.backbone.modules())
     p = next(gpu.heads.parameters())
