@@ -414,11 +414,9 @@ def train_eagle_config(
     """An EAGLE-1 (`eagle`) or EAGLE-3 (`eagle3`) draft from the distilled data, as `train-heads --heads-format`
     does: the features cached in work/<fmt>-features, training to `deadline`, the Hub layout written to `out`."""
     from medusa_chat.model.eagle import eagle_taps
-    from medusa_chat.training.train_eagle import (
-        EagleSettings,
-        eagle_features,
-        train_and_save_eagle,
-    )
+    from medusa_chat.training.eagle_data import eagle_features
+    from medusa_chat.training.eagle_pipeline import train_and_save_eagle
+    from medusa_chat.training.train_eagle import EagleSettings
 
     taps, draft_vocab = None, None
     if fmt == "eagle3":

@@ -19,21 +19,11 @@ from medusa_chat.model.eagle import EagleDraft, eagle_taps
 from medusa_chat.model.loading import load_model
 from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
+from medusa_chat.training.eagle_data import EagleData, cache_eagle_features, load_eagle_cache
+from medusa_chat.training.eagle_model import draft_config, new_draft, unrolled_outputs
+from medusa_chat.training.eagle_pipeline import EAGLE_FILE, evaluate_eagle, train_and_save_eagle
 from medusa_chat.training.store import DistillStore
-from medusa_chat.training.train_eagle import (
-    EAGLE_FILE,
-    EagleData,
-    EagleSettings,
-    batch_losses,
-    cache_eagle_features,
-    draft_config,
-    evaluate_eagle,
-    load_eagle_cache,
-    new_draft,
-    train_and_save_eagle,
-    train_eagle,
-    unrolled_outputs,
-)
+from medusa_chat.training.train_eagle import EagleSettings, batch_losses, train_eagle
 from medusa_chat.training.train_heads import draft_vocabulary
 
 CPU = torch.device("cpu")
@@ -412,7 +402,7 @@ def test_an_eagle3_draft_goes_on_training_from_a_trained_one(deep, data3, tmp_pa
     """`init_from`: the trained draft's weights and its own draft vocabulary (not the data's most frequent
     tokens), the held-out loss going on from where it was; a draft of another kind or shape is refused."""
     from medusa_chat.model.heads_files import load_heads_file
-    from medusa_chat.training.train_eagle import warm_start_eagle
+    from medusa_chat.training.eagle_model import warm_start_eagle
 
     _, model, _ = deep
     _, d = data3

@@ -1,35 +1,29 @@
 """The session manager: one conversation, its settings and statistics, driving one MedusaEngine.
 
-Both UIs (Rich REPL, Gradio) talk only to this class. It builds prompts with the model's chat template (dropping
-the oldest turns when the conversation outgrows the context window), serialises replies (one at a time), forwards
-the engine's events unchanged, keeps a stopped reply (marked stopped), and autosaves the conversation atomically
-after every change. It imports no UI code and holds no decoding logic.
+Both UIs (Rich REPL, Gradio) and the HTTP API talk only to this class. It imports no UI code and holds no
+decoding logic. Its jobs live in three modules, each a part of the one class (a mixin, so the UIs keep one
+object and its attribute names):
+- this one: the model and engine (built on `load()`), the tree and its calibration on a first start, the
+  settings, and the reply lock that keeps one reply at a time;
+- turns.py: a turn: the prompt within the context window, the engine's reply streamed, the reply kept;
+- history.py: the conversation between replies: undo, clear, the system prompt, and its files (autosave,
+  save, load, delete, export).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from medusa_chat.chat.conversations import (
-    Conversation,
-    ConversationMeta,
-    ConversationStore,
-    Message,
-    default_data_dir,
-    export_conversation,
-)
-from medusa_chat.chat.speed import MEASURED_BASELINES, SpeedMeter
-from medusa_chat.chat.stream import Item, ReplyStream
-from medusa_chat.errors import BusyError, MedusaChatError, PromptError
+from medusa_chat.chat.conversations import Conversation, ConversationStore, default_data_dir
+from medusa_chat.chat.speed import MEASURED_BASELINES
+from medusa_chat.chat.turns import ReplyTurns
+from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
 
@@ -38,14 +32,9 @@ if TYPE_CHECKING:
     from medusa_chat.model.loading import LoadedModel
 
 
-_OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, the package's floor)
-
-
-_STATS_DROP = ("text", "token_ids")  # the reply's text is the message itself; ids are not worth storing
-
-
-class SessionManager(SpeedMeter):
-    """One chat session. Not a model wrapper: the model and engine are built on `load()`."""
+class SessionManager(ReplyTurns):
+    """One chat session. Not a model wrapper: the model and engine are built on `load()`. Its turns (send, ...)
+    are turns.ReplyTurns', its conversation's edits and files history.ConversationHistory's."""
 
     def __init__(
         self,
@@ -309,345 +298,6 @@ class SessionManager(SpeedMeter):
                 self.load()  # e.g. the first load failed on the tree: retry with this one
             else:
                 self.engine.set_tree(tree)
-
-    # ---- replies --------------------------------------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        """A reply is decoding (a background calibration does not count: a request cancels it)."""
-        return self._lock.locked() and not self.calibrating
-
-    def stop(self) -> None:
-        """Ask the running reply to end; the engine checks this every step and keeps what it produced."""
-        self._stop.set()
-
-    def send(self, message: str) -> ReplyStream:
-        """Add a user message and stream the reply: StepEvent..., then one ReplySummary."""
-        if not message or not message.strip():
-            raise PromptError("the message is empty")
-        return self._reply(lambda msgs: msgs.append(Message("user", message)))
-
-    def regenerate(self) -> ReplyStream:
-        """Replace the last reply with a new one (or answer the last user message if its reply failed)."""
-
-        def edit(msgs: list[Message]) -> None:
-            if msgs and msgs[-1].role == "assistant":
-                msgs.pop()
-            if not msgs or msgs[-1].role != "user":
-                raise MedusaChatError("nothing to regenerate yet: send a message first")
-
-        return self._reply(edit)
-
-    def edit_last(self, message: str) -> ReplyStream:
-        """Replace the last user message (dropping its reply) and answer the new text."""
-        if not message or not message.strip():
-            raise PromptError("the message is empty")
-
-        def edit(msgs: list[Message]) -> None:
-            if msgs and msgs[-1].role == "assistant":
-                msgs.pop()
-            if not msgs or msgs[-1].role != "user":
-                raise MedusaChatError("there is no user message to edit yet")
-            msgs[-1] = Message("user", message)
-
-        return self._reply(edit)
-
-    def _reply(self, edit: Callable[[list[Message]], None]) -> ReplyStream:
-        # Non-blocking: a second request while a reply runs gets a clear answer instead of queueing silently.
-        if not self._acquire():
-            raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
-        try:
-            engine = self._require_engine()
-            self._stop.clear()  # cleared here, not when iteration starts, so an early stop() is not lost
-            self.notices = []
-            before = list(self.conversation.messages)
-            edit(self.conversation.messages)
-            try:
-                prompt_ids, dropped = self._prompt_ids()
-            except PromptError:
-                self.conversation.messages[:] = before  # a message that can never fit is not kept
-                raise
-            self._autosave()  # the user's message is on disk before the (fallible) generation starts
-            settings = dataclasses.replace(self.settings)  # the reply keeps its own copy
-            gen = self._generate(engine, prompt_ids, settings, dropped)
-        except BaseException:
-            self._lock.release()
-            raise
-        return ReplyStream(gen, self._release_reply, self.stop)
-
-    def complete(
-        self,
-        messages: Sequence[dict[str, Any]],
-        settings: GenerationSettings,
-        *,
-        stop: threading.Event | None = None,
-        wait_s: float = 0.0,
-    ) -> ReplyStream:
-        """Answer `messages` (role/content dicts, e.g. from the HTTP API) without touching the conversation.
-
-        Stateless: the conversation, the notices and `last_events`/`last_summary` (what the UIs show) stay as
-        they are; the same exclusive lock as `send` keeps it from interleaving with a UI reply, and the engine's
-        prefix reuse copes with the changed prompt. `stop` (a per-reply flag, so a UI's Stop does not end it)
-        is checked every step; `wait_s` > 0 waits that long for a running reply to finish before BusyError.
-        A prompt that leaves no room in the context window raises PromptError (never truncated silently).
-        """
-        if not self._acquire(wait_s):
-            raise BusyError("a reply is already being generated: wait for it to finish or stop it first")
-        stop = stop if stop is not None else threading.Event()
-        try:
-            settings.validate()
-            engine = self._require_engine()
-            assert self.loaded is not None
-            try:
-                prompt_ids = self.loaded.build_prompt(list(messages))
-            except PromptError:
-                raise
-            except Exception as err:  # e.g. a jinja TemplateError: "roles must alternate user/assistant"
-                raise PromptError(f"the model's chat template cannot format these messages: {err}") from err
-            limit = int(self.loaded.context_limit)
-            if len(prompt_ids) + 1 >= limit:
-                raise PromptError(
-                    f"the messages are too long: {len(prompt_ids)} prompt tokens, but the model's context "
-                    f"window is {limit}"
-                )
-            gen = self._generate_detached(engine, prompt_ids, dataclasses.replace(settings), stop)
-        except BaseException:
-            self._lock.release()
-            raise
-        return ReplyStream(gen, self._release_reply, stop.set)
-
-    def _generate_detached(
-        self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, stop: threading.Event
-    ) -> Generator[Item, None, None]:
-        gen = engine.generate(prompt_ids, settings, stop)
-        try:
-            yield from gen
-        except GeneratorExit:  # closed between two steps: a clean point, the cache is consistent
-            raise
-        except _OOM as err:
-            with contextlib.suppress(Exception):
-                engine.reset()
-            self._free_memory()
-            raise MedusaChatError(
-                "out of memory while generating: try fewer max tokens, shorter messages, a smaller tree "
-                "(--tree-size 16) or 4-bit weights (--quant nf4)"
-            ) from err
-        except BaseException:
-            # A step may have died half-way through writing the cache: the next prompt starts from scratch.
-            with contextlib.suppress(Exception):
-                engine.reset()
-            raise
-        finally:
-            with contextlib.suppress(Exception):
-                gen.close()
-
-    def _prompt_ids(self) -> tuple[list[int], int]:
-        """The templated prompt, dropping the oldest turns (never the system prompt) until it leaves room for
-        max_new_tokens. Returns (ids, number of messages dropped)."""
-        assert self.loaded is not None
-        limit = int(self.loaded.context_limit)
-        budget = limit - self.settings.max_new_tokens
-        turns = self.conversation.turns()
-        system = turns[:1] if turns and turns[0]["role"] == "system" else []
-        rest = turns[len(system) :]
-        # Cut points: drop whole exchanges from the front, so the kept history still starts with a user turn
-        # (some templates insist on alternation). The last cut keeps only the newest user message.
-        cuts = sorted({0, *(i for i, m in enumerate(rest) if m["role"] == "user")})
-        ids = self.loaded.build_prompt(system + rest)
-        dropped = 0
-        if len(ids) > budget and len(cuts) > 1:
-            # Prompt length falls as cuts move forward: binary search for the smallest cut that fits, so a
-            # long conversation costs O(log n) tokenizations, not one per dropped turn.
-            lo, hi = 1, len(cuts) - 1
-            best = self.loaded.build_prompt(system + rest[cuts[hi] :])
-            while lo < hi:
-                mid = (lo + hi) // 2
-                candidate = self.loaded.build_prompt(system + rest[cuts[mid] :])
-                if len(candidate) <= budget:
-                    hi, best = mid, candidate
-                else:
-                    lo = mid + 1
-            ids, dropped = best, cuts[hi]  # the newest user message alone when nothing else fits
-        if len(ids) + 1 >= limit:
-            raise PromptError(
-                f"the message is too long: {len(ids)} prompt tokens, but the model's context window is {limit}"
-            )
-        if dropped:
-            self.notices.append(
-                f"dropped the {dropped} oldest message{'s' if dropped > 1 else ''} to fit the model's context "
-                f"window ({limit} tokens, {self.settings.max_new_tokens} kept free for the reply)"
-            )
-        if len(ids) > budget:
-            self.notices.append(
-                f"only {limit - len(ids)} tokens of the context window are left for the reply"
-            )
-        return ids, dropped
-
-    def _generate(
-        self, engine: MedusaEngine, prompt_ids: list[int], settings: GenerationSettings, dropped: int
-    ) -> Generator[Item, None, None]:
-        self.last_events = []
-        self.last_summary = None
-        parts: list[str] = []
-        summary: ReplySummary | None = None
-        error: str | None = None
-        gen = engine.generate(prompt_ids, settings, self._stop)
-        try:
-            for item in gen:
-                if isinstance(item, ReplySummary):
-                    summary = item
-                    self.last_summary = item
-                else:
-                    self.last_events.append(item)
-                    parts.append(item.text)
-                yield item
-        except _OOM as err:
-            error = "out of memory"
-            raise MedusaChatError(
-                "out of memory while generating: try a smaller tree (--tree-size 16), fewer new tokens (/max), "
-                "a shorter conversation (/clear), or 4-bit weights (--quant nf4)"
-            ) from err
-        except MedusaChatError as err:
-            error = str(err)
-            raise
-        except Exception as err:  # a bug: re-raised as is, but the conversation must survive it
-            error = f"{type(err).__name__}: {err}"
-            raise
-        except GeneratorExit:  # the consumer closed the stream between two steps: a clean point
-            raise
-        except BaseException:
-            # e.g. KeyboardInterrupt raised inside a forward pass: the reply is kept (as stopped) below, but
-            # the engine's cache may be half-written, so the next prompt is prefilled from scratch.
-            with contextlib.suppress(Exception):
-                engine.reset()
-            raise
-        finally:
-            with contextlib.suppress(Exception):
-                gen.close()
-            self._finish_reply(engine, parts, summary, error, dropped)
-
-    def _finish_reply(
-        self,
-        engine: MedusaEngine,
-        parts: list[str],
-        summary: ReplySummary | None,
-        error: str | None,
-        dropped: int,
-    ) -> None:
-        msgs = self.conversation.messages
-        if summary is not None:
-            stats = {k: v for k, v in summary.to_dict().items() if k not in _STATS_DROP}
-            value, kind = self.speedup(summary.decode_tokens_per_s, summary.tokens_per_step)
-            stats.update(
-                speedup=round(value, 3), speedup_kind=kind, tree=engine.tree.name, dropped_messages=dropped
-            )
-            if self.notices:
-                stats["notices"] = list(self.notices)
-            msgs.append(Message("assistant", summary.text, stats, stopped=summary.stop_reason == "stopped"))
-        elif error is not None:
-            # The engine failed: keep the user's message (regenerate retries it) and start the next prompt
-            # from a clean cache, since a step may have died half-way through writing it.
-            self.notices.append(f"the reply failed ({error}); your message is kept: /regen retries it")
-            with contextlib.suppress(Exception):
-                engine.reset()
-            if error == "out of memory":
-                self._free_memory()
-        else:
-            # The caller abandoned the stream (closed it, or an interrupt hit the consumer): keep what was
-            # produced, marked stopped, exactly as if stop() had been called.
-            if parts:  # at least one step arrived (its text may be empty, e.g. a special token)
-                text = "".join(parts)
-                made = self.last_events[-1].new_tokens_total if self.last_events else None
-                msgs.append(
-                    Message("assistant", text, {"stop_reason": "stopped", "new_tokens": made}, stopped=True)
-                )
-        self._autosave()
-
-    @staticmethod
-    def _free_memory() -> None:
-        if torch.cuda.is_available():
-            with contextlib.suppress(Exception):
-                torch.cuda.empty_cache()
-
-    # ---- conversation ---------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Changes that must not interleave with a running reply."""
-        if not self._acquire():
-            raise BusyError("a reply is being generated: wait for it to finish or stop it first")
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-    def undo(self) -> None:
-        """Remove the last exchange (the last reply and the user message it answered)."""
-        with self._exclusive():
-            msgs = self.conversation.messages
-            if not msgs:
-                raise MedusaChatError("nothing to undo")
-            if msgs[-1].role == "assistant":
-                msgs.pop()
-            if msgs and msgs[-1].role == "user":
-                msgs.pop()
-            self.last_events, self.last_summary = [], None
-            self._autosave()
-
-    def clear(self) -> None:
-        """Start a new, empty conversation with the same system prompt (the old one stays saved)."""
-        with self._exclusive():
-            old = self.conversation
-            self.conversation = Conversation(system_prompt=old.system_prompt, model=old.model)
-            self.last_events, self.last_summary = [], None
-            self.notices = []
-
-    def set_system(self, text: str) -> None:
-        with self._exclusive():
-            self.conversation.system_prompt = text.strip()
-            self._autosave()
-
-    def save(self, name: str | None = None) -> Path:
-        """Save now (autosave does this anyway), optionally giving the conversation a title."""
-        with self._exclusive():
-            if name:
-                self.conversation.title = name.strip()
-            return self.store.save(self.conversation)
-
-    def list_conversations(self) -> list[ConversationMeta]:
-        return self.store.list_all()
-
-    def load_conversation(self, id: str) -> Conversation:
-        """Make a saved conversation current: by id, unique id prefix, title, or list number."""
-        with self._exclusive():
-            conv = self.store.load(self.store.resolve(id))
-            self.conversation = conv
-            self.last_events, self.last_summary = [], None
-            return conv
-
-    def delete_conversation(self, id: str) -> None:
-        with self._exclusive():
-            conv_id = self.store.resolve(id)
-            self.store.delete(conv_id)
-            if conv_id == self.conversation.id:
-                old = self.conversation
-                self.conversation = Conversation(system_prompt=old.system_prompt, model=old.model)
-                self.last_events, self.last_summary = [], None
-
-    def export(self, path: str | Path, fmt: str = "md") -> Path:
-        return export_conversation(self.conversation, path, fmt)
-
-    def _autosave(self) -> None:
-        # An empty new conversation is not written (the list would fill with blanks); once it has a file,
-        # every change (including undoing to empty) is written.
-        conv = self.conversation
-        if not conv.messages and not self.store.exists(conv.id):
-            return
-        # Autosave runs inside a reply's cleanup and before its generation: it must never raise. A disk error
-        # (OSError) or a conversation the store refuses (MedusaChatError) becomes a notice; the conversation
-        # stays in memory, whole, and /save or the next change tries again.
-        try:
-            self.store.save(conv)
-        except (OSError, MedusaChatError) as err:
-            self.notices.append(f"could not save the conversation ({err}); it is still here in memory")
 
 
 def _switch(value: Any) -> bool:

@@ -343,7 +343,8 @@ def _train_eagle(
     taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
     then the Hub layout, accuracy.json and tree.json in `out`."""
     from medusa_chat.model.eagle import eagle_taps
-    from medusa_chat.training.train_eagle import eagle_features, train_and_save_eagle
+    from medusa_chat.training.eagle_data import eagle_features
+    from medusa_chat.training.eagle_pipeline import train_and_save_eagle
 
     name, taps, draft_vocab = args.heads_format, None, None
     if name == "eagle3":
