@@ -90,3 +90,5 @@ sys.exit(1 if bad else 0)"
     stage summary 30 "$py" benchmarks/gpu_4bit.py summary "$out"
 fi
 cat "$out/stages.txt"
+# one archive of the logs and JSON files (not the cache), for machines that return only a few files
+tar czf "$out.tgz" -C "$(dirname "$out")" --exclude=cache "$(basename "$out")" && echo "archive: $out.tgz"

@@ -26,8 +26,11 @@ rm -rf .whl/site .whl/tokenizer
 mkdir -p .whl/site .whl/tokenizer
 for w in "$tmp"/*.whl; do (cd .whl/site && unzip -q -o "$w"); done
 # the wheel carries libraries for every CUDA and ROCm version (~100 MB); the image's torch is CUDA 13
+# (BNB_CUDA: the image's CUDA as bitsandbytes names it, e.g. 130 for torch+cu130)
 find .whl/site/bitsandbytes -maxdepth 1 -name 'libbitsandbytes_*.so' \
-    ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete
+    ! -name '*_cpu.so' ! -name "*_cuda${BNB_CUDA:-130}.so" -delete
+# gemlite's tuned configurations for other GPUs (it falls back to its defaults without them)
+find .whl/site/gemlite/configs -name '*.json' ! -name 'h100.json' -delete
 "$py" - <<'PY'
 import shutil
 from pathlib import Path
