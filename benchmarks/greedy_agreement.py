@@ -1,8 +1,12 @@
 """Greedy replies token by token: medusa-chat's plain loop on a GGUF file vs llama.cpp's `llama-completion` on the
 same file vs the transformers float model of the checkpoint it was converted from, on the same prompt tokens.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/greedy_agreement.py --hf /work/models/qwen2-0.5b-l4/hf \\
-        --gguf /work/models/qwen2-0.5b-l4/qwen2-0.5b-l4-Q8_0.gguf --llama-cpp /path/to/llama.cpp --tokens 32
+    PYTHONPATH=. .venv/bin/python benchmarks/greedy_agreement.py MODELS/qwen2-0.5b-l4 --gguf qwen2-0.5b-l4-Q8_0.gguf \\
+        --llama-cpp /path/to/llama.cpp --tokens 32
+
+MODEL_DIR is a folder as `benchmarks/make_real_size_models.py --out` writes it: the checkpoint in `hf/` and the
+GGUF files converted from it (`--gguf NAME` picks one; the only one there needs no flag). `--hf DIR` and `--gguf
+PATH` name the two anywhere instead.
 
 For each prompt (the fidelity text's user prompts in the model's chat template) and each pair of the three
 replies: the tokens they share before the first difference, and at that position the two tokens' logit margin
@@ -219,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from medusa_chat.bench.fidelity import text_prompts
+    from medusa_chat.bench.runs import repo_path
     from medusa_chat.model.fidelity import fixed_text
     from medusa_chat.model.loading import load_model
 
@@ -267,8 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tf = teacher_forced(args, loaded, extra, float_model)
     return {
         "teacher_forced": tf,
-        "gguf": str(args.gguf),
-        "hf": str(args.hf),
+        "gguf": repo_path(str(args.gguf)),
+        "hf": repo_path(str(args.hf)),
         "tokens": args.tokens,
         "prompts": len(prompts),
         "summary": summary,
@@ -277,10 +282,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def model_files(folder: Path | None, hf: Path | None, gguf: Path | None) -> tuple[Path, Path]:
+    """The checkpoint folder and the GGUF file: as given, else found in `folder` (`hf/`; the GGUF named, or the
+    folder's only one that is not the converter's F16 file)."""
+    if folder is not None:
+        hf = hf or folder / "hf"
+        if gguf is not None and not gguf.is_absolute() and not gguf.exists():
+            gguf = folder / gguf
+        if gguf is None:
+            found = sorted(p for p in folder.glob("*.gguf") if not p.stem.upper().endswith("F16"))
+            if len(found) != 1:
+                names = ", ".join(p.name for p in found) or "none"
+                raise ValueError(f"{folder}: pick the GGUF with --gguf NAME (found: {names})")
+            gguf = found[0]
+    if hf is None or gguf is None:
+        raise ValueError("give MODEL_DIR, or both --hf and --gguf")
+    for path in (hf, gguf):
+        if not path.exists():
+            raise ValueError(f"{path} does not exist")
+    return hf, gguf
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf", type=Path, required=True, help="the checkpoint folder the GGUF was converted from")
-    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("model_dir", type=Path, nargs="?", help="a folder holding hf/ and the GGUF files")
+    parser.add_argument("--hf", type=Path, help="the checkpoint folder the GGUF was converted from (MODEL_DIR/hf)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF file, or its name inside MODEL_DIR")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with build/bin/llama-completion")
     parser.add_argument("--hf-quant", choices=["int4", "int8"], help="also medusa-chat from the folder")
     parser.add_argument("--tokens", type=int, default=32)
@@ -290,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--f16-gguf", type=Path, help="the F16 GGUF of the checkpoint (llama.cpp's reference)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    try:
+        args.hf, args.gguf = model_files(args.model_dir, args.hf, args.gguf)
+    except ValueError as err:
+        parser.error(str(err))
     doc = run(args)
     text = json.dumps(doc, indent=1)
     if args.out:

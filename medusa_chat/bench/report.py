@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from medusa_chat.bench.runs import LOOKUP_TOKENS, METHODS, TIMING_NOTE, Run
+from medusa_chat.bench.runs import LOOKUP_TOKENS, METHODS, TIMING_NOTE, Run, repo_path
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -31,7 +31,7 @@ def _heads_label(loaded: Any) -> str | None:
     heads = getattr(loaded, "heads", None)
     if heads is None:  # a model without heads says so: "none (context lookup only)"
         return getattr(loaded, "heads_source", "") or None
-    src = getattr(loaded, "heads_file", "") or ""
+    src = repo_path(getattr(loaded, "heads_file", "") or "")
     return f"{heads.num_heads} x {heads.format}" + (f" ({src})" if src else "")
 
 
