@@ -1,6 +1,7 @@
 """What a tree step costs on this CPU: the engine's own step at 1 / 2 / 4 / 8 rows (nodes) for the embedded model
 and for any GGUF you give, side by side in one process, and the weight stream's prefetch hint as measured for
-this machine (`auto`, what the app runs) against the former fixed prefetcht0 (`t0`), written to a result JSON.
+this machine (`auto`, what the app runs) against the former fixed prefetcht0 (`t0`), written to a result JSON;
+for a GGUF, llama.cpp's `llama-bench` token generation on the same file beside it where a binary is found.
 
     python benchmarks/step_cost.py                                   # the embedded model, 1 and 2 threads
     python benchmarks/step_cost.py --model llama-1b-Q4_K_M.gguf --threads 2 --json out.json
@@ -79,8 +80,35 @@ def measure_model(
                 cell["vs_t0"] = round(statistics.median(steps[(t, "t0", n)]) / ms, 3)
             rows[str(n)] = cell
         out["variants"][f"threads={t} prefetch={p}"] = rows
+    out["llama_bench"] = llama_bench(loaded, threads, out)
     del engines, loaded
     return out
+
+
+def llama_bench(loaded: Any, threads: list[int], out: dict[str, Any]) -> dict[str, Any] | str:
+    """llama.cpp's `llama-bench -p 0 -n 32` on the same GGUF per thread count, where a binary is found
+    (MEDUSA_CHAT_LLAMA_BENCH or PATH): ms per token, and llama.cpp's over our plain (1-node) step with the
+    hints in force (> 1: ours faster). Else why not."""
+    from medusa_chat.bench.peer import LlamaBench, find_llama_bench, model_gguf
+
+    binary, gguf = find_llama_bench(), model_gguf(loaded)
+    if binary is None or gguf is None:
+        return "skipped: " + ("no llama-bench binary (MEDUSA_CHAT_LLAMA_BENCH)" if binary is None else "not a GGUF")
+    res: dict[str, Any] = {"binary": str(binary)}
+    for t in threads:
+        try:
+            tg = LlamaBench(binary, gguf, t).token_generation(32, reps=3)
+        except (RuntimeError, OSError) as err:
+            res[f"threads={t}"] = f"failed: {err}"
+            continue
+        ms = 1e3 / tg["tokens_per_s"]
+        ours = out["variants"].get(f"threads={t} prefetch=auto") or out["variants"].get(f"threads={t} prefetch=t0")
+        res[f"threads={t}"] = {
+            "ms_per_token": round(ms, 3),
+            "build": tg["build"],
+            "llamacpp_over_plain_step": round(ms / ours["1"]["median_ms"], 3) if ours else None,
+        }
+    return res
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from medusa_chat.bench.cli import load_from_args, progress_printer
 from medusa_chat.bench.runs import describe
-from medusa_chat.cliargs import add_accept_arg, settings_from_args
+from medusa_chat.cliargs import add_generation_args, settings_from_args
 from medusa_chat.events import ReplySummary, StepEvent
 
 
@@ -21,17 +21,7 @@ def add_ask_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "prompt", nargs="?", default="", metavar="PROMPT", help="the message ('-' reads stdin)"
     )
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = sampling (see --accept)"
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling for the bonus token (T > 0)"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=512, help="reply length limit (default: %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed for T > 0, so a reply can be repeated")
-    add_accept_arg(parser)
+    add_generation_args(parser, "ask")  # --temperature, --max-new-tokens, --top-p, --seed, --accept
     parser.add_argument("--system", default=None, metavar="TEXT", help="system message before the prompt")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the streamed text"

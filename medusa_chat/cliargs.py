@@ -1,11 +1,14 @@
-"""Command-line values every entry point reads alike: integer lists, and the reply settings from the options."""
+"""Command-line values every entry point reads alike: integer lists, and the generation options (their flags
+from medusa_chat/settings.py, the reply settings from their values)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from medusa_chat.events import GenerationSettings
+from medusa_chat.settings import ENTRY_OPTIONS, OPTIONS, OVERRIDE_ONLY
 
 
 def int_list(text: str) -> list[int]:
@@ -30,26 +33,32 @@ def positive_int(text: str) -> int:
     return value
 
 
-def settings_from_args(args: Any) -> GenerationSettings:
-    """The reply settings the options --max-new-tokens, --temperature, --top-p, --seed and --accept give,
+def add_generation_args(parser: Any, entry: str) -> None:
+    """The generation options `entry` takes (settings.ENTRY_OPTIONS), each from its one definition
+    (settings.OPTIONS): flags, default (the entry point's own where it differs on purpose), check and help.
+    `parser` is an ArgumentParser or an argument group. In an override-only entry point (chat) every flag
+    defaults to None: only what is given changes the session's settings."""
+    override = entry in OVERRIDE_ONLY
+    for name in ENTRY_OPTIONS[entry]:
+        option = OPTIONS[name]
+        default = None if override else option.default_for(entry)
+        help_text = option.help.replace("%(default)s", str(option.default_for(entry))) if override else option.help
+        if option.switch_off:
+            parser.add_argument(*option.flags, dest=name, action="store_false", help=help_text)
+            continue
+        parser.add_argument(
+            *option.flags, dest=name, type=option.type, choices=option.choices, default=default, help=help_text
+        )
+
+
+def settings_changes(args: Any) -> dict[str, Any]:
+    """The generation options given in `args` (every OPTIONS name `args` has, None = not given)."""
+    return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+
+
+def settings_from_args(args: Any, base: GenerationSettings | None = None) -> GenerationSettings:
+    """The reply settings `args`' generation options give over `base` (default: GenerationSettings()),
     validated (before any slow load, so a bad option fails at once)."""
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=getattr(args, "seed", None),
-        accept=getattr(args, "accept", "typical"),
-    )
+    settings = dataclasses.replace(base or GenerationSettings(), **settings_changes(args))
     settings.validate()
     return settings
-
-
-def add_accept_arg(parser: argparse.ArgumentParser) -> None:
-    """`--accept typical|exact`: the acceptance rule at temperature > 0 (chat, ask, bench)."""
-    parser.add_argument(
-        "--accept",
-        choices=["typical", "exact"],
-        default="typical",
-        help="rule at temperature > 0: typical (the paper's, default: fast, favours the heads' guesses) or "
-        "exact (replies keep the model's own sampling distribution)",
-    )

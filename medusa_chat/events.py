@@ -8,46 +8,48 @@ flag (`threading.Event`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from medusa_chat.settings import OPTIONS, accept_mode
+
+
+def _default(name: str) -> Any:
+    return OPTIONS[name].default
 
 
 @dataclass
 class GenerationSettings:
     """Per-reply settings. temperature == 0 -> greedy (identical to plain greedy decoding);
-    temperature > 0 -> `accept` picks the rule: "typical" (the paper's typical acceptance, bonus token sampled;
-    fast but biased towards the heads' guesses) or "exact" (the reply has the model's own sampling
-    distribution with this temperature and top_p; see medusa_chat/engine/acceptance.py)."""
+    temperature > 0 -> `accept` picks the rule (medusa_chat/settings.py: the modes, and each field's default,
+    check and help; medusa_chat/engine/acceptance.py: the rules themselves)."""
 
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    typical_epsilon: float = 0.09  # "posterior_threshold" in the reference implementation
-    typical_delta: float = 0.3  # "posterior_alpha"
-    seed: int | None = None
-    stop_strings: tuple[str, ...] = ()
-    accept: str = "typical"  # the rule for temperature > 0: "typical" | "exact"
+    max_new_tokens: int = _default("max_new_tokens")
+    temperature: float = _default("temperature")
+    top_p: float = _default("top_p")
+    typical_epsilon: float = _default("typical_epsilon")
+    typical_delta: float = _default("typical_delta")
+    seed: int | None = _default("seed")
+    stop_strings: tuple[str, ...] = _default("stop_strings")
+    accept: str = _default("accept")  # the rule for temperature > 0, one of settings.ACCEPT_MODES
     # put context-lookup guesses on the tree's main chain where the context repeats itself (lookup.py), in
     # greedy and exact mode, where the output is the same either way (only the tokens per step change); typical
     # acceptance never uses them (it would favour repeating earlier text)
-    context_lookup: bool = True
+    context_lookup: bool = _default("context_lookup")
 
     @property
     def accept_mode(self) -> str:
-        """The rule this reply uses: "greedy" at temperature 0 (already exact), else `accept`."""
-        return "greedy" if self.temperature <= 0 else self.accept
+        """The rule this reply uses (settings.accept_mode): greedy at temperature 0 (already exact), else
+        `accept`."""
+        return accept_mode(self.temperature, self.accept)
 
     def validate(self) -> None:
+        """Every field against its option's check; the first bad one raises MedusaChatError."""
         from medusa_chat.errors import MedusaChatError
 
-        if self.max_new_tokens < 1:
-            raise MedusaChatError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0:
-            raise MedusaChatError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise MedusaChatError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if not (0 <= self.typical_epsilon <= 1 and 0 <= self.typical_delta <= 1):
-            raise MedusaChatError("typical epsilon and delta must be in [0, 1]")
-        if self.accept not in ("typical", "exact"):
-            raise MedusaChatError(f"accept must be 'typical' or 'exact' (got {self.accept!r})")
+        for name, option in OPTIONS.items():
+            message = option.error(getattr(self, name))
+            if message is not None:
+                raise MedusaChatError(message)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class ReplySummary:
     decode_s: float
     prompt_tokens: int
     reused_prefix_tokens: int  # prompt tokens whose KV cache was kept from the previous reply
-    accept_mode: str  # "greedy" | "typical" | "exact"
+    accept_mode: str  # one of settings.MODES
     stop_reason: str  # "eos" | "stop_string" | "max_new_tokens" | "context_limit" | "stopped"
     tree_size: int
     message: str = ""  # human-readable note (e.g. why the context limit stopped the reply)

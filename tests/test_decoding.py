@@ -155,7 +155,7 @@ def test_typical_criterion_on_hand_made_distributions() -> None:
     )
     tokens = torch.tensor([0, 1, 0, 3])
     parent = torch.tensor([0, 0, 0, 1])
-    ok, logp = typical_node_ok(probs, tokens, parent, epsilon=0.09, delta=0.3)
+    ok, logp = typical_node_ok(probs, tokens, parent, typical_epsilon=0.09, typical_delta=0.3)
     # node1: p=0.05 under a peaked parent -> rejected; node2: p=0.9 -> accepted;
     # node3: p=0.25 under the flat parent, threshold 0.3*exp(-ln 4)=0.075 -> accepted.
     assert ok[1:].tolist() == [False, True, True]

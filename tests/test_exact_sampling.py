@@ -283,7 +283,7 @@ def test_exact_node_ok_keeps_only_the_first_of_equal_siblings() -> None:
     draws = torch.tensor([7, 9])  # root drew 7, node 1 drew 9
     ok = exact_node_ok(draws, tokens, buf.parent_slot, tables.sibling_before)
     assert ok[1:].tolist() == [True, False, True]
-    assert acc.mode == "exact"
+    assert acc.accept_mode == "exact"
 
 
 def test_typical_rejects_a_candidate_outside_the_nucleus() -> None:
@@ -304,7 +304,7 @@ def test_settings_accept_mode_and_validation() -> None:
     with pytest.raises(MedusaChatError, match="accept"):
         GenerationSettings(temperature=0.7, accept="lossless").validate()
     g = torch.Generator().manual_seed(0)
-    assert make_acceptor(GenerationSettings(temperature=0.7, accept="exact"), g, "cpu", 8).mode == "exact"
+    assert make_acceptor(GenerationSettings(temperature=0.7, accept="exact"), g, "cpu", 8).accept_mode == "exact"
 
 
 # ------------------------------------------------------------------------------------------------------------

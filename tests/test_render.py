@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 from medusa_chat.events import ReplySummary, StepEvent, TreeView
+from medusa_chat.settings import GREEDY, MODE_TEXT
 from medusa_chat.tree import Tree
 from medusa_chat.ui import render, tree_panel
 
@@ -310,8 +311,9 @@ def test_chart_bars_follow_counts() -> None:
 
 def test_mode_label() -> None:
     assert render.mode_label(0) == "greedy: identical to plain decoding"
-    assert render.mode_label(0.0) == render.GREEDY_LABEL
+    assert render.mode_label(0.0) == MODE_TEXT[GREEDY].headline
     assert render.mode_label(0.7) == "typical acceptance"
+    assert render.mode_label(0.7, "exact") == "exact sampling: same distribution as plain sampling"
     assert "typical acceptance" in render.mode_html(1.5) and 'data-mode="greedy"' in render.mode_html(0)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from medusa_chat.bench.harness import BenchConfig, run_bench
 from medusa_chat.bench.report import print_summary
 from medusa_chat.bench.runs import BASELINES, DEFAULT_BASELINES, read_prompts
-from medusa_chat.cliargs import add_accept_arg, int_list, settings_from_args
+from medusa_chat.cliargs import add_generation_args, int_list, settings_from_args
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,18 +37,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="one JSON object a line with `turns` (first turn used) or `prompt`",
     )
     parser.add_argument("--limit", type=int, default=None, metavar="K", help="first K prompts only")
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=128, help="reply length limit (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 = greedy, outputs compared token by token (default); > 0 = speed only",
-    )
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at T > 0")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (default: %(default)s)")
-    add_accept_arg(parser)
+    # --temperature, --max-new-tokens (128 here), --top-p, --seed (0 here), --accept, --no-context-lookup; at
+    # temperature 0 every method's reply is compared token by token with the reference, above it speed only
+    add_generation_args(parser, "bench")
     parser.add_argument(
         "--json", type=Path, default=None, metavar="OUT", help="write the results as JSON to OUT"
     )
@@ -68,12 +59,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run the bench quiet, then again with N busy processes (one core each), and show each method's "
         "speed side by side (bench/load.py)",
-    )
-    parser.add_argument(
-        "--no-context-lookup",
-        dest="context_lookup",
-        action="store_false",
-        help="Medusa without context-lookup guesses on the main chain (heads only)",
     )
     parser.add_argument(
         "--llamacpp-bench",
@@ -151,7 +136,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
         raise MedusaChatError(f"--background-load must be >= 0 (got {background})")
     prompts = read_prompts(args.prompts, args.limit)
-    settings_from_args(args)  # validates the options before the (slow) load
+    settings = settings_from_args(args)  # validated before the (slow) load
     for heads in getattr(args, "compare_heads", None) or []:
         from medusa_chat.model.registry import heads_location
 
@@ -161,11 +146,7 @@ def bench_main(args: argparse.Namespace) -> int:
         loaded, getattr(args, "tree", None), getattr(args, "tree_size", None), progress_printer(err, False)
     )
     config = BenchConfig(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        accept=getattr(args, "accept", "typical"),
+        settings=settings,
         baselines=args.baselines
         if args.baselines is not None
         else (["plain", "llamacpp"] if background else list(DEFAULT_BASELINES)),
@@ -173,7 +154,6 @@ def bench_main(args: argparse.Namespace) -> int:
         tree_sizes=args.tree_sizes,
         compare_heads=getattr(args, "compare_heads", None),
         llamacpp_bench=args.llamacpp_bench,
-        context_lookup=getattr(args, "context_lookup", True),
     )
     if background:
         from medusa_chat.bench.load import print_load_summary, run_with_background_load

@@ -15,6 +15,7 @@ Speedups are ratios of decode tokens per second, so different reply lengths do n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -39,6 +40,7 @@ from medusa_chat.bench.runs import (
 )
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings
+from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, defaults_for
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -109,19 +111,26 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return round(x, nd) if x is not None else None
 
 
+def _bench_settings() -> GenerationSettings:
+    """The bench's reply settings when none are given: its own defaults (settings.OPTIONS)."""
+    defaults = defaults_for("bench")
+    return GenerationSettings(**{name: defaults[name] for name in ENTRY_OPTIONS["bench"]})
+
+
 @dataclass
 class BenchConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    accept: str = "typical"  # acceptance rule at temperature > 0: typical | exact
+    # every method's reply settings (the Medusa run's; a method's own length and context lookup over them)
+    settings: GenerationSettings = field(default_factory=_bench_settings)
     baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
     warmup: int = 1
     tree_sizes: list[int] | None = None
     compare_heads: list[str] | None = None  # other heads or drafts on the same backbone, side by side
     llamacpp_bench: str | None = None
-    context_lookup: bool = True  # Medusa with context-lookup guesses on the main chain (lookup.py)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every method's reply is compared token by token with the reference."""
+        return self.settings.accept_mode == GREEDY
 
 
 def run_bench(
@@ -134,14 +143,13 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run every method on every prompt, interleaved; return the JSON document (settings, one row per prompt,
     the summary)."""
-    greedy = config.temperature <= 0
     methods = _Methods(loaded, tree, config)
     ident = describe(loaded)
     load_before = _load_average()
     encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
     for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
         for m in methods.all:
-            methods.run(m, encoded[0], min(16, config.max_new_tokens))
+            methods.run(m, encoded[0], min(16, config.settings.max_new_tokens))
 
     tally = _Tally(methods.all, methods.sizes)
     rows: list[dict[str, Any]] = []
@@ -158,7 +166,7 @@ def run_bench(
         rows.append(row)
         if console is not None:
             _print_prompt(console, i + 1, len(prompts), row, runs)
-    summary = _summary(rows, tally, methods, greedy)
+    summary = _summary(rows, tally, methods, config.greedy)
     return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
 
 
@@ -201,21 +209,17 @@ class _Methods:
             self.drafts[method] = other.heads_file
         self.all = self.methods + [f"medusa@{n}" for n in self.sizes] + list(self.drafts)
 
-    def settings_for(self, max_new: int, context_lookup: bool | None = None) -> GenerationSettings:
-        config = self.config
-        return GenerationSettings(
-            max_new_tokens=max_new,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=config.seed,
-            accept=config.accept,
-            context_lookup=config.context_lookup if context_lookup is None else context_lookup,
+    def settings_for(self, method: str, max_new: int) -> GenerationSettings:
+        """The run's settings for one method: its reply length; context lookup off for the heads-only run."""
+        settings = self.config.settings
+        return dataclasses.replace(
+            settings, max_new_tokens=max_new, context_lookup=settings.context_lookup and method != "heads"
         )
 
     def run(self, method: str, prompt_ids: list[int], max_new: int) -> Run:
-        s = self.settings_for(max_new, self.config.context_lookup and method != "heads")
+        s = self.settings_for(method, max_new)
         if method in ("hf", "lookup"):
-            return run_hf(self.loaded, method, prompt_ids, s, seed=self.config.seed)
+            return run_hf(self.loaded, method, prompt_ids, s, seed=s.seed)
         return run_engine(self.engines[method], method, prompt_ids, s)
 
     def run_peer(self, prompt_ids: list[int]) -> dict[str, Any] | None:
@@ -226,7 +230,7 @@ class _Methods:
             return None
         try:
             self.peer_runs.append(
-                self.peer.token_generation(self.config.max_new_tokens, reps=1, prompt_ids=prompt_ids)
+                self.peer.token_generation(self.config.settings.max_new_tokens, reps=1, prompt_ids=prompt_ids)
             )
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
             self.peer, self.peer_note = None, f"llama.cpp baseline failed: {err}"
@@ -243,7 +247,7 @@ class _Methods:
             if m == "llamacpp":
                 peer_run = self.run_peer(prompt_ids)
             else:
-                runs[m] = self.run(m, prompt_ids, self.config.max_new_tokens)
+                runs[m] = self.run(m, prompt_ids, self.config.settings.max_new_tokens)
         return runs, peer_run
 
 
@@ -277,8 +281,8 @@ def _prompt_row(
     sizes: list[int],
 ) -> dict[str, Any]:
     """One prompt's row of the document: speeds, speedups and whether the replies are identical."""
-    greedy = config.temperature <= 0
-    exact = not greedy and config.accept == "exact"
+    greedy = config.greedy
+    exact = config.settings.accept_mode == EXACT
     med = runs["medusa"]
     ref_method = "hf" if "hf" in runs else ("plain" if "plain" in runs else None)
     ref = runs[ref_method] if ref_method else None
@@ -435,6 +439,8 @@ def _document(
     peer_tps = (
         statistics.harmonic_mean([r["tokens_per_s"] for r in peer_runs]) if peer_runs and peer else None
     )
+    settings = config.settings
+    lookup = "+lookup" if settings.context_lookup and tree.size > 1 else ""
     doc: dict[str, Any] = {
         **ident,
         "tree": tree.name,
@@ -442,14 +448,14 @@ def _document(
         "tree_source": tree_source + engines["medusa"].tree_note,
         "draft_shaped": engines["medusa"].draft_shaped,
         # which drafter filled the trees: hydra | medusa-1 | medusa-2 (| none), "+lookup" with context lookup
-        "drafter": engines["medusa"].drafter_name + ("+lookup" if config.context_lookup and tree.size > 1 else ""),
+        "drafter": engines["medusa"].drafter_name + lookup,
         "lookup_run": engines["medusa"].lookup_run,
         "heads": _heads_label(loaded),
-        "max_new_tokens": config.max_new_tokens,
-        "temperature": config.temperature,
-        "accept_mode": methods.settings_for(1).accept_mode,
-        "context_lookup": config.context_lookup,
-        "top_p": config.top_p,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "accept_mode": settings.accept_mode,
+        "context_lookup": settings.context_lookup,
+        "top_p": settings.top_p,
         "baselines": [m for m in methods.methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -482,7 +488,7 @@ def _document(
             {
                 "method": m,
                 "heads_file": methods.drafts[m],
-                "drafter": engines[m].drafter_name + ("+lookup" if config.context_lookup and tree.size > 1 else ""),
+                "drafter": engines[m].drafter_name + lookup,
                 "tree_size": engines[m].tree.size,
                 "tokens_per_step": _r(t[m].tokens_per_step),
                 "acceptance_by_depth": t[m].acceptance_by_depth(),

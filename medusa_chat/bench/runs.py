@@ -15,6 +15,7 @@ import torch
 
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.settings import GREEDY
 
 if TYPE_CHECKING:
 
@@ -121,10 +122,10 @@ def run_hf(
         "max_new_tokens": settings.max_new_tokens,
         "eos_token_id": eos or None,
         "pad_token_id": pad if pad is not None else (eos[0] if eos else 0),
-        "do_sample": settings.temperature > 0,
+        "do_sample": settings.accept_mode != GREEDY,
         "repetition_penalty": 1.0,  # a model's generation_config must not change what plain greedy means
     }
-    if settings.temperature > 0:
+    if kw["do_sample"]:
         kw.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
         if seed is not None:
             torch.manual_seed(seed)

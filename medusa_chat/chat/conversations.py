@@ -22,6 +22,7 @@ from typing import Any
 
 from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.settings import GREEDY, TYPICAL
 
 FORMAT_VERSION = 1
 APP_NAME = "medusa-chat"
@@ -274,7 +275,7 @@ def _stats_markdown(stats: dict | None) -> str:
         bits.append(f"{per_step:.2f} tokens/step")
     if tps is not None:
         bits.append(f"{tps:.1f} tokens/s")
-    if stats.get("accept_mode") in ("greedy", "typical"):
+    if stats.get("accept_mode") in (GREEDY, TYPICAL):
         bits.append(str(stats["accept_mode"]))
     return "<sub>" + ", ".join(bits) + "</sub>"
 

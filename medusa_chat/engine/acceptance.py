@@ -61,20 +61,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from medusa_chat.settings import EXACT, GREEDY, TYPICAL
 from medusa_chat.tree import TreeBuffers
 
 if TYPE_CHECKING:
     from medusa_chat.events import GenerationSettings
-
-ACCEPT_MODES = ("typical", "exact")  # the modes a user picks for temperature > 0 (0 is always greedy)
-
-ACCEPT_LABELS = {"greedy": "greedy", "typical": "typical acceptance", "exact": "exact sampling"}
-ACCEPT_GUARANTEES = {
-    "greedy": "identical to plain greedy decoding",
-    "typical": "faster, but favours the heads' guesses: not the model's exact sampling distribution",
-    "exact": "same distribution as plain sampling (same seed, fp32: same reply as the plain loop)",
-}
-
 
 # ------------------------------------------------------------------------------------------------------------
 # Target distributions and samplers
@@ -183,11 +174,12 @@ def typical_node_ok(
     probs: torch.Tensor,
     tokens: torch.Tensor,
     parent: torch.Tensor,
-    epsilon: float,
-    delta: float,
+    typical_epsilon: float,
+    typical_delta: float,
     top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p))), p = parent's distribution,
+    """Typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p))) (epsilon, delta: the settings'
+    typical_epsilon and typical_delta), p = parent's distribution,
     and (top_p < 1) x is inside the parent's nucleus, so that an accepted candidate is always a token plain
     sampling could have produced there (the threshold itself still uses the full distribution's entropy, as in
     the paper).
@@ -195,7 +187,7 @@ def typical_node_ok(
     Returns ([N] bool accepted, [N] log p(token | parent)) for tie-breaking between equally long paths.
     """
     entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(dim=-1)
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    threshold = torch.minimum(torch.full_like(entropy, typical_epsilon), typical_delta * torch.exp(-entropy))
     p_child = probs[parent, tokens]
     ok = p_child > threshold[parent]
     if top_p < 1.0:
@@ -252,7 +244,7 @@ class Acceptor:
     """A reply's acceptance rule. Per step the engine calls `judge` (which nodes are accepted), `best_path`,
     then `bonus` with the logits at the last accepted node. Everything stays on the device."""
 
-    mode = "greedy"
+    accept_mode = GREEDY
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         """The reply's first token [1] from the prefill's next-token logits [V]."""
@@ -274,13 +266,18 @@ class Acceptor:
 
 
 class TypicalAcceptor(Acceptor):
-    mode = "typical"
+    accept_mode = TYPICAL
 
     def __init__(
-        self, temperature: float, top_p: float, epsilon: float, delta: float, generator: torch.Generator
+        self,
+        temperature: float,
+        top_p: float,
+        typical_epsilon: float,
+        typical_delta: float,
+        generator: torch.Generator,
     ) -> None:
         self.temperature, self.top_p = temperature, top_p
-        self.epsilon, self.delta = epsilon, delta
+        self.typical_epsilon, self.typical_delta = typical_epsilon, typical_delta
         self.generator = generator
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
@@ -292,7 +289,7 @@ class TypicalAcceptor(Acceptor):
         if not len(buf.internal):
             return tokens != tokens, None
         probs = torch.softmax(parent_logits / self.temperature, dim=-1)
-        return typical_node_ok(probs, tokens, buf.parent_slot, self.epsilon, self.delta, self.top_p)
+        return typical_node_ok(probs, tokens, buf.parent_slot, self.typical_epsilon, self.typical_delta, self.top_p)
 
     def bonus(self, last_logits: torch.Tensor, last: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return self.first(last_logits)
@@ -333,7 +330,7 @@ def _exact_tables(buf: TreeBuffers) -> _ExactTables:
 class ExactAcceptor(Acceptor):
     """Distribution-preserving verification (module docstring): token k of the reply is `F_k^{-1}(u[k])`."""
 
-    mode = "exact"
+    accept_mode = EXACT
 
     def __init__(
         self,
@@ -386,10 +383,10 @@ def make_acceptor(
     """The acceptor for one reply. `horizon` bounds the reply positions a step can reach (max_new_tokens +
     tree depth + 1); `generator` is the reply's seeded generator (None at temperature 0)."""
     mode = settings.accept_mode
-    if mode == "greedy":
+    if mode == GREEDY:
         return Acceptor()
     assert generator is not None
-    if mode == "exact":
+    if mode == EXACT:
         return ExactAcceptor(settings.temperature, settings.top_p, generator, horizon, device)
     return TypicalAcceptor(
         settings.temperature, settings.top_p, settings.typical_epsilon, settings.typical_delta, generator
@@ -397,9 +394,6 @@ def make_acceptor(
 
 
 __all__ = [
-    "ACCEPT_GUARANTEES",
-    "ACCEPT_LABELS",
-    "ACCEPT_MODES",
     "Acceptor",
     "ExactAcceptor",
     "TypicalAcceptor",

@@ -55,6 +55,7 @@ from medusa_chat.model.graph_step import GraphStep
 from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.settings import GREEDY, TYPICAL
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
@@ -230,7 +231,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
-        if logits_once and acceptor.mode == "greedy":
+        if logits_once and acceptor.accept_mode == GREEDY:
             # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
@@ -328,7 +329,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token).
         # Not under typical acceptance: that rule keeps any plausible guess, so lookup guesses would make
         # sampled replies repeat earlier text more often than the model does (greedy and exact: no such effect).
-        use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != "typical"
+        use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != TYPICAL
         lookup = ContextLookup([*prompt_ids, first]) if use_lookup else None
         # runs of lookup guesses longer than the tree's chain: where a step's tree is free (the exact CPU step)
         runs = self.lookup_run if self._exact and self._graph is None else 0
@@ -423,7 +424,7 @@ class MedusaEngine(StepTrees, GraphSteps):
                 "shorten it or start a new conversation"
             )
         generator = None
-        if settings.temperature > 0:
+        if settings.accept_mode != GREEDY:
             generator = torch.Generator(device=self.device)
             seed = (
                 settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_chat.events import ReplySummary
+from medusa_chat.settings import OPTIONS
 
 log = logging.getLogger("medusa_chat.openai.server")
 
@@ -22,8 +23,10 @@ log = logging.getLogger("medusa_chat.openai.server")
 API_KEY_ENV = "MEDUSA_CHAT_API_KEY"  # the server's API key, where --api-key is not given
 MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt a local model's context window can hold
 MAX_STOP_STRINGS = 4  # as OpenAI
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults when a request leaves them out
-DEFAULT_TOP_P = 1.0
+# OpenAI's defaults when a request leaves them out (temperature 1: sampling), from the options' definitions
+DEFAULT_TEMPERATURE = OPTIONS["temperature"].default_for("api")
+DEFAULT_TOP_P = OPTIONS["top_p"].default_for("api")
+DEFAULT_MAX_TOKENS = OPTIONS["max_new_tokens"].default_for("api")  # None: to the end of the context window
 
 
 # Request fields that ask for something this server cannot do: refused rather than silently ignored.
@@ -89,7 +92,7 @@ class ChatRequest:
     include_usage: bool = False
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
-    max_tokens: int | None = None
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     seed: int | None = None
 

@@ -161,9 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     add_api_key_argument(parser)
-    from medusa_chat.cliargs import add_accept_arg
+    from medusa_chat.cliargs import add_generation_args
 
-    add_accept_arg(parser)  # the acceptance rule for requests with temperature > 0 (typical | exact)
+    add_generation_args(parser, "serve")  # --accept: the rule for requests with temperature > 0
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -186,7 +186,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if warning:
         print(warning, file=sys.stderr)
     session = SessionManager.from_args(args)
-    session.update_settings(accept=getattr(args, "accept", None) or "typical")
+    from medusa_chat.cliargs import settings_changes
+
+    session.update_settings(**settings_changes(args))  # --accept; a request sets the rest
     # Bind first: a taken port is reported before minutes of model loading, not after.
     server = APIServer(create_app(session, api_key=api_key, max_queue=max_queue), host, args.port)
     session.load(progress=lambda text: print(text, file=sys.stderr, flush=True))

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.settings import ACCEPT_CHOICES, EXACT, GREEDY, MODE_TEXT, TYPICAL
 from medusa_chat.ui.rich_render import (  # how things look; this module decides when
     info_panel,
     stats_table,
@@ -30,8 +31,8 @@ COMMANDS: dict[str, str] = {
     "/edit TEXT": "replace the last message and answer it",
     "/system [TEXT]": "show or set the system prompt (`/system -` clears it)",
     "/temp X": "temperature: 0 = greedy (identical to plain decoding), > 0 = sampling (see /accept)",
-    "/accept typical|exact": "rule at temperature > 0: typical (fast, favours the heads' guesses) or exact "
-    "(the model's own sampling distribution)",
+    f"/accept {ACCEPT_CHOICES}": f"rule at temperature > 0: {TYPICAL} (fast, favours the heads' guesses) or "
+    f"{EXACT} (the model's own sampling distribution)",
     "/lookup on|off": "context lookup: guess repeated text from the conversation on the tree's main chain "
     "(greedy and exact sampling: same output, fewer steps; on by default)",
     "/max N": "max new tokens per reply",
@@ -124,30 +125,22 @@ class SlashCommands:
         self.session.update_settings(**kw)
 
     def _mode_note(self) -> str:
-        from medusa_chat.engine.acceptance import ACCEPT_GUARANTEES, ACCEPT_LABELS
-
-        mode = self.session.settings.accept_mode
-        return f"{ACCEPT_LABELS[mode]}: {ACCEPT_GUARANTEES[mode]}"
+        text = MODE_TEXT[self.session.settings.accept_mode]
+        return f"{text.label}: {text.guarantee}"
 
     def cmd_temp(self, arg: str) -> None:
         self._set("/temp X", temperature=arg)
-        mode = self.session.settings.accept_mode
-        short = {
-            "greedy": "greedy: identical to plain decoding",
-            "typical": "typical acceptance",
-            "exact": "exact sampling: same distribution as plain sampling",
-        }[mode]
-        self.note(f"temperature {self.session.settings.temperature:g} ({short})")
+        st = self.session.settings
+        self.note(f"temperature {st.temperature:g} ({MODE_TEXT[st.accept_mode].headline})")
 
     def cmd_accept(self, arg: str) -> None:
+        usage = f"/accept {ACCEPT_CHOICES}"
         if not arg:
-            self.note(
-                f"acceptance {self._mode_note()}; /accept typical|exact picks the rule for temperature > 0"
-            )
+            self.note(f"acceptance {self._mode_note()}; {usage} picks the rule for temperature > 0")
             return
-        self._set("/accept typical|exact", accept=arg)
+        self._set(usage, accept=arg)
         st = self.session.settings
-        later = "" if st.temperature > 0 else f" (applies at temperature > 0; now {st.temperature:g}: greedy)"
+        later = "" if st.accept_mode != GREEDY else f" (applies at temperature > 0; now {st.temperature:g}: greedy)"
         self.note(f"acceptance at temperature > 0: {st.accept}{later}; now {self._mode_note()}")
 
     def cmd_lookup(self, arg: str) -> None:

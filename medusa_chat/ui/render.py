@@ -18,17 +18,8 @@ from typing import Any
 from markdown_it import MarkdownIt
 
 from medusa_chat.events import ReplySummary, StepEvent
+from medusa_chat.settings import DEFAULT_ACCEPT, MODE_TEXT, accept_mode
 from medusa_chat.units import human_bytes, human_count
-
-GREEDY_LABEL = "greedy: identical to plain decoding"
-TYPICAL_LABEL = "typical acceptance"
-EXACT_LABEL = "exact sampling"
-# what each mode guarantees, shown under the label (kept in step with acceptance.ACCEPT_GUARANTEES)
-MODE_GUARANTEES = {
-    "greedy": "the reply is plain greedy decoding, token for token",
-    "typical": "fast, but favours the heads' guesses: not the model's exact sampling distribution",
-    "exact": "the reply follows the model's own sampling distribution (up to float rounding)",
-}
 
 # tokens produced by one step -> background colour of that step's text in the shaded reply
 STEP_SHADES = ["#e2e8f0", "#c7d2fe", "#a5b4fc", "#818cf8", "#6366f1", "#4f46e5"]
@@ -160,23 +151,16 @@ def message_stats_html(stats: Mapping[str, object] | None, stopped: bool) -> str
     return f'<div class="mc-msg-stats">{esc(" · ".join(bits))}</div>'
 
 
-def mode_key(temperature: float | None, accept: str | None = "typical") -> str:
-    """The mode key: "greedy" at temperature 0, else the chosen rule ("typical" or "exact")."""
-    return "greedy" if not temperature or temperature <= 0 else ("exact" if accept == "exact" else "typical")
-
-
-def mode_label(temperature: float | None, accept: str | None = "typical") -> str:
+def mode_label(temperature: float | None, accept: str | None = DEFAULT_ACCEPT) -> str:
     """The acceptance mode the temperature (and the rule picked for temperature > 0) selects, as the UI says it."""
-    return {"greedy": GREEDY_LABEL, "typical": TYPICAL_LABEL, "exact": EXACT_LABEL}[
-        mode_key(temperature, accept)
-    ]
+    return MODE_TEXT[accept_mode(temperature, accept)].headline
 
 
-def mode_html(temperature: float | None, accept: str | None = "typical") -> str:
-    cls = mode_key(temperature, accept)
+def mode_html(temperature: float | None, accept: str | None = DEFAULT_ACCEPT) -> str:
+    mode = accept_mode(temperature, accept)
     return (
-        f'<div class="mc-mode mc-mode-{cls}" data-mode="{cls}">Acceptance: <b>{esc(mode_label(temperature, accept))}</b>'
-        f'<div class="mc-mode-note">{esc(MODE_GUARANTEES[cls])}</div></div>'
+        f'<div class="mc-mode mc-mode-{mode}" data-mode="{mode}">Acceptance: <b>{esc(mode_label(temperature, accept))}</b>'
+        f'<div class="mc-mode-note">{esc(MODE_TEXT[mode].detail)}</div></div>'
     )
 
 

@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.text import Text
 
 from medusa_chat.chat.updates import updates
+from medusa_chat.cliargs import add_generation_args, settings_changes
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
 from medusa_chat.ui.commands import ALIASES, COMMANDS_NAMES, SlashCommands, help_table
@@ -316,26 +317,7 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     """Options of the chat command beyond the model options that cli.py defines."""
     g = parser.add_argument_group("chat")
     g.add_argument("--system", default=None, help="system prompt")
-    g.add_argument(
-        "--temperature",
-        "--temp",
-        type=float,
-        default=None,
-        dest="temperature",
-        help="0 = greedy (default), > 0 = sampling (rule: --accept)",
-    )
-    g.add_argument("--max-new-tokens", type=int, default=None, help="max new tokens per reply (default 512)")
-    g.add_argument(
-        "--top-p", type=float, default=None, dest="top_p", help="nucleus sampling (temperature > 0)"
-    )
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
-    g.add_argument(
-        "--accept",
-        choices=["typical", "exact"],
-        default=None,
-        help="rule at temperature > 0: typical (default: fast, favours the heads' guesses) or exact (the "
-        "model's own sampling distribution)",
-    )
+    add_generation_args(g, "chat")  # each changes the session's setting only where given
     g.add_argument(
         "--resume", metavar="NAME", default=None, help="continue a saved conversation (id or name)"
     )
@@ -381,13 +363,9 @@ def main(args: argparse.Namespace) -> int:
     )
     # MedusaChatError (unknown model, offline, no GPU, ...) propagates: cli.py prints it as one line.
     _load(session, info_console, interactive)
-    settings = {
-        name: getattr(args, name)
-        for name in ("temperature", "max_new_tokens", "top_p", "seed", "accept")
-        if getattr(args, name, None) is not None
-    }
-    if settings:
-        session.update_settings(**settings)
+    changes = settings_changes(args)  # the generation options given, over the session's defaults
+    if changes:
+        session.update_settings(**changes)
     if _arg(args, "system", None):
         session.conversation.system_prompt = args.system  # saved with the first message
     if _arg(args, "resume", None):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from medusa_chat.settings import ACCEPT_MODES, ACCEPT_SHORT_HELP
 from medusa_chat.ui import render
 
 if TYPE_CHECKING:
@@ -123,10 +124,10 @@ def _side_column(app: WebApp, c: SimpleNamespace, s: Any, info: dict[str, Any], 
             elem_id="temperature",
         )
         c.accept = gr.Radio(
-            ["typical", "exact"],
+            list(ACCEPT_MODES),
             value=s.accept,
             label="Sampling rule at temperature > 0",
-            info="typical: faster, favours the heads' guesses; exact: the model's own distribution",
+            info=ACCEPT_SHORT_HELP,
             elem_id="accept",
         )
         c.mode = gr.HTML(render.mode_html(s.temperature, s.accept), elem_id="mode")
@@ -135,10 +136,10 @@ def _side_column(app: WebApp, c: SimpleNamespace, s: Any, info: dict[str, Any], 
         )
         with gr.Accordion("Advanced", open=False):
             c.top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.01, label="top_p")
-            c.epsilon = gr.Slider(
+            c.typical_epsilon = gr.Slider(
                 0.0, 1.0, value=s.typical_epsilon, step=0.01, label="typical epsilon"
             )
-            c.delta = gr.Slider(
+            c.typical_delta = gr.Slider(
                 0.0, 1.0, value=s.typical_delta, step=0.01, label="typical delta"
             )
             c.seed = gr.Number(
@@ -240,7 +241,7 @@ def _wire_reply_events(app: WebApp, c: SimpleNamespace) -> None:
 def _wire_setting_events(app: WebApp, c: SimpleNamespace) -> None:
     """The reply settings and the tree."""
     error_box, model_panel, temperature, accept, mode = c.error_box, c.model_panel, c.temperature, c.accept, c.mode
-    max_new, top_p, epsilon, delta, seed = c.max_new, c.top_p, c.epsilon, c.delta, c.seed
+    max_new, top_p, typical_epsilon, typical_delta, seed = c.max_new, c.top_p, c.typical_epsilon, c.typical_delta, c.seed
     lookup, tree_name, tree_size, tree_btn = c.lookup, c.tree_name, c.tree_size, c.tree_btn
     quiet: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
     for evt in (temperature.input, temperature.change, accept.change):
@@ -263,8 +264,8 @@ def _wire_setting_events(app: WebApp, c: SimpleNamespace) -> None:
         lambda v: app.update_setting("temperature", v), temperature, error_box,
         api_visibility="private", **quiet,
     )  # fmt: skip
-    for comp, name in ((max_new, "max_new_tokens"), (top_p, "top_p"), (epsilon, "typical_epsilon"),
-                       (delta, "typical_delta"), (seed, "seed")):  # fmt: skip
+    for comp, name in ((max_new, "max_new_tokens"), (top_p, "top_p"), (typical_epsilon, "typical_epsilon"),
+                       (typical_delta, "typical_delta"), (seed, "seed")):  # fmt: skip
         comp.change(
             (lambda n: lambda v: app.update_setting(n, v))(name), comp, error_box,
             api_visibility="private", **quiet,

@@ -1,0 +1,242 @@
+"""Reply settings, defined once: the acceptance modes, the one mapping from temperature and rule to a reply's
+mode, and every generation option (name, default, check, help, command-line flags).
+
+Names, one per idea:
+
+- ``accept``: the rule a user picks for temperature > 0, one of `ACCEPT_MODES` (the `--accept` flag, the
+  `/accept` command, the web page's radio, `GenerationSettings.accept`);
+- ``accept_mode``: the rule a reply actually uses, one of `MODES`: `GREEDY` at temperature 0, else ``accept``
+  (`accept_mode()`, `GenerationSettings.accept_mode`, `ReplySummary.accept_mode`, an acceptor's `accept_mode`);
+- ``typical_epsilon`` / ``typical_delta``: the typical rule's two parameters (the reference implementation
+  calls them posterior_threshold and posterior_alpha).
+
+Every entry point takes its options from `OPTIONS`: chat, ask, bench and serve add their flags with
+`cliargs.add_generation_args` (which ones: `ENTRY_OPTIONS`), the web page's controls and the OpenAI API's
+request defaults read the same table, and calibrate's measuring replies are greedy (`GenerationSettings`'
+defaults, no flags). An entry point whose default differs on purpose says so in its option's `defaults`.
+
+No torch, no UI: `events.GenerationSettings`, the engine, the UIs and the server all import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---- acceptance modes ----------------------------------------------------------------------------------------
+GREEDY = "greedy"  # temperature 0: a node is accepted when it is its parent's argmax (already exact)
+TYPICAL = "typical"  # the Medusa paper's typical acceptance: fast, favours the heads' guesses
+EXACT = "exact"  # distribution-preserving: the reply has the law of plain sampling
+ACCEPT_MODES = (TYPICAL, EXACT)  # the rules a user picks for temperature > 0
+MODES = (GREEDY, *ACCEPT_MODES)  # every rule a reply can use
+DEFAULT_ACCEPT = TYPICAL
+
+
+@dataclass(frozen=True)
+class ModeText:
+    """How the UIs name a mode and what they say it guarantees."""
+
+    label: str  # the mode's name in prose: "typical acceptance"
+    headline: str  # the label with its promise, where the UIs give the mode in one line
+    guarantee: str  # what the reply is, in one line (the terminal's /accept)
+    detail: str  # the same for the web page's note under the headline
+
+
+MODE_TEXT: dict[str, ModeText] = {
+    GREEDY: ModeText(
+        "greedy",
+        "greedy: identical to plain decoding",
+        "identical to plain greedy decoding",
+        "the reply is plain greedy decoding, token for token",
+    ),
+    TYPICAL: ModeText(
+        "typical acceptance",
+        "typical acceptance",
+        "faster, but favours the heads' guesses: not the model's exact sampling distribution",
+        "fast, but favours the heads' guesses: not the model's exact sampling distribution",
+    ),
+    EXACT: ModeText(
+        "exact sampling",
+        "exact sampling: same distribution as plain sampling",
+        "same distribution as plain sampling (same seed, fp32: same reply as the plain loop)",
+        "the reply follows the model's own sampling distribution (up to float rounding)",
+    ),
+}
+ACCEPT_CHOICES = "|".join(ACCEPT_MODES)  # "typical|exact", as usage lines write it
+ACCEPT_HELP = (
+    f"rule at temperature > 0: {TYPICAL} (the paper's, default: fast, favours the heads' guesses) or "
+    f"{EXACT} (replies keep the model's own sampling distribution)"
+)
+ACCEPT_SHORT_HELP = f"{TYPICAL}: faster, favours the heads' guesses; {EXACT}: the model's own distribution"
+
+
+def accept_mode(temperature: float | None, accept: str | None = DEFAULT_ACCEPT) -> str:
+    """The rule a reply uses: `GREEDY` at temperature 0 (or none given), else the rule picked for temperature
+    > 0 (`DEFAULT_ACCEPT` when none was picked). The one place that says "temperature 0 means greedy"."""
+    if not temperature or temperature <= 0:
+        return GREEDY
+    return accept or DEFAULT_ACCEPT
+
+
+# ---- generation options ----------------------------------------------------------------------------------------
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One generation option: a `GenerationSettings` field and everything every entry point needs of it."""
+
+    name: str  # the field, the session's and the web page's setting name
+    default: Any
+    help: str  # for --help (argparse expands %(default)s)
+    check: Callable[[Any], bool]  # True for a good value
+    rule: str  # what a good value is, for the error message ("must be <rule>")
+    flags: tuple[str, ...] = ()  # command-line flags, the first the main one; () for options without any
+    type: Callable[[str], Any] | None = None  # argparse type of the flags' value
+    choices: tuple[str, ...] | None = None
+    switch_off: bool = False  # the flag takes no value and turns the option off (--no-context-lookup)
+    # an entry point whose default differs on purpose -> its default
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def default_for(self, entry: str) -> Any:
+        return self.defaults.get(entry, self.default)
+
+    def error(self, value: Any) -> str | None:
+        """The message for a bad value, None for a good one."""
+        return None if self.check(value) else f"{self.name} must be {self.rule} (got {value!r})"
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option(
+            "max_new_tokens",
+            512,
+            "max new tokens per reply (default: %(default)s)",
+            lambda v: _integer(v) and v >= 1,
+            ">= 1",
+            flags=("--max-new-tokens",),
+            type=int,
+            # bench: short replies, many prompts; API: no limit but the context window (None), as OpenAI's
+            defaults={"bench": 128, "api": None},
+        ),
+        Option(
+            "temperature",
+            0.0,
+            "0 = greedy (default: %(default)s), > 0 = sampling (rule: --accept)",
+            lambda v: _finite(v) and v >= 0,
+            ">= 0",
+            flags=("--temperature", "--temp"),
+            type=float,
+            defaults={"api": 1.0},  # OpenAI's default when a request leaves it out
+        ),
+        Option(
+            "top_p",
+            1.0,
+            "nucleus sampling at temperature > 0 (default: %(default)s)",
+            lambda v: _finite(v) and 0 < v <= 1,
+            "in (0, 1]",
+            flags=("--top-p",),
+            type=float,
+        ),
+        Option(
+            "typical_epsilon",
+            0.09,
+            "typical acceptance: a guess is kept when its probability exceeds min(epsilon, delta * exp(-H))",
+            lambda v: _finite(v) and 0 <= v <= 1,
+            "in [0, 1]",
+        ),
+        Option(
+            "typical_delta",
+            0.3,
+            "typical acceptance: delta in min(epsilon, delta * exp(-H))",
+            lambda v: _finite(v) and 0 <= v <= 1,
+            "in [0, 1]",
+        ),
+        Option(
+            "seed",
+            None,
+            "sampling seed at temperature > 0, so a reply can be repeated (default: %(default)s)",
+            lambda v: v is None or _integer(v),
+            "an integer or None",
+            flags=("--seed",),
+            type=int,
+            defaults={"bench": 0},  # a sampled bench run is repeatable by default
+        ),
+        Option(
+            "stop_strings",
+            (),
+            "the reply ends before the first of these strings (the API's `stop`)",
+            lambda v: isinstance(v, (tuple, list)) and all(isinstance(s, str) for s in v),
+            "a tuple of strings",
+        ),
+        Option(
+            "accept",
+            DEFAULT_ACCEPT,
+            ACCEPT_HELP,
+            lambda v: v in ACCEPT_MODES,
+            " or ".join(repr(m) for m in ACCEPT_MODES),
+            flags=("--accept",),
+            choices=ACCEPT_MODES,
+        ),
+        Option(
+            "context_lookup",
+            True,
+            "Medusa without context-lookup guesses on the main chain (heads only)",
+            lambda v: isinstance(v, bool),
+            "on or off",
+            flags=("--no-context-lookup",),
+            switch_off=True,
+        ),
+    )
+}
+
+REPLY_OPTIONS = ("temperature", "max_new_tokens", "top_p", "seed", "accept")  # what a reply's user picks
+# The generation options each entry point takes on its command line. The web page sets them in its controls, the
+# OpenAI API per request (temperature, top_p, seed, max_tokens, stop) over the server's --accept; calibrate's
+# measuring replies are greedy with the defaults.
+ENTRY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "chat": REPLY_OPTIONS,
+    "ask": REPLY_OPTIONS,
+    "bench": (*REPLY_OPTIONS, "context_lookup"),
+    "serve": ("accept",),
+    "web": (),
+    "calibrate": (),
+}
+# Entry points whose options change the session's settings only where given: their flags default to None.
+OVERRIDE_ONLY = frozenset({"chat"})
+
+
+def defaults_for(entry: str) -> dict[str, Any]:
+    """Every option's default at `entry` ("api" for the OpenAI API's requests)."""
+    return {name: o.default_for(entry) for name, o in OPTIONS.items()}
+
+
+__all__ = [
+    "ACCEPT_CHOICES",
+    "ACCEPT_HELP",
+    "ACCEPT_MODES",
+    "ACCEPT_SHORT_HELP",
+    "DEFAULT_ACCEPT",
+    "ENTRY_OPTIONS",
+    "EXACT",
+    "GREEDY",
+    "MODES",
+    "MODE_TEXT",
+    "OPTIONS",
+    "OVERRIDE_ONLY",
+    "REPLY_OPTIONS",
+    "TYPICAL",
+    "ModeText",
+    "Option",
+    "accept_mode",
+    "defaults_for",
+]

@@ -1,0 +1,126 @@
+"""Reply settings are defined once (medusa_chat/settings.py): every entry point's parser takes its generation
+options from that one definition and yields the same settings for the same arguments; the modes' names and
+labels live there alone; temperature 0 means greedy in one function."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from medusa_chat import cli, settings
+from medusa_chat.cliargs import settings_from_args
+from medusa_chat.errors import MedusaChatError
+from medusa_chat.events import GenerationSettings
+from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, OPTIONS, OVERRIDE_ONLY, TYPICAL
+
+PACKAGE = Path(settings.__file__).parent
+ENTRY_POINTS = ("chat", "ask", "bench", "serve", "web", "calibrate")
+PROMPT = {"ask": ["hello"]}  # positional arguments an entry point needs
+
+
+def _parse(entry: str, *argv: str) -> argparse.Namespace:
+    return cli.build_parser(entry).parse_args([entry, *argv, *PROMPT.get(entry, [])])
+
+
+def _actions(entry: str) -> dict[str, argparse.Action]:
+    """The entry point's sub-parser actions, by dest."""
+    parser = cli.build_parser(entry)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices[entry]._actions}
+
+
+def test_every_field_is_an_option_with_its_default() -> None:
+    fields = dataclasses.fields(GenerationSettings)
+    assert [f.name for f in fields] == list(OPTIONS)
+    assert {f.name: f.default for f in fields} == {n: o.default for n, o in OPTIONS.items()}
+    GenerationSettings().validate()  # the defaults pass their own checks
+    for entry in (*ENTRY_POINTS, "api"):
+        for name, option in OPTIONS.items():
+            value = option.default_for(entry)
+            assert value is None or option.check(value), (entry, name)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_each_entry_point_declares_exactly_its_options_from_the_definition(entry: str) -> None:
+    actions = _actions(entry)
+    all_flags = {flag for o in OPTIONS.values() for flag in o.flags}
+    declared = {flag for a in actions.values() for flag in a.option_strings if flag in all_flags}
+    assert declared == {flag for name in ENTRY_OPTIONS[entry] for flag in OPTIONS[name].flags}
+    for name in ENTRY_OPTIONS[entry]:
+        action, option = actions[name], OPTIONS[name]
+        assert tuple(action.option_strings) == option.flags
+        assert action.default == (None if entry in OVERRIDE_ONLY else option.default_for(entry))
+        assert action.choices == option.choices
+        assert action.help is not None and option.help.split("(")[0] in action.help
+
+
+ARGS = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "40", "--accept", "exact"]
+
+
+def test_every_entry_point_yields_the_same_settings_for_the_same_arguments() -> None:
+    want = GenerationSettings(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=3, accept=EXACT)
+    for entry in ("chat", "ask", "bench"):
+        assert settings_from_args(_parse(entry, *ARGS)) == want, entry
+        assert settings_from_args(_parse(entry, "--temp", "0.7", *ARGS[2:])) == want, entry
+    # serve takes the rule only (a request brings the rest), the web page and calibrate none
+    assert settings_from_args(_parse("serve", "--accept", EXACT)) == GenerationSettings(accept=EXACT)
+    for entry in ("web", "calibrate"):
+        assert settings_from_args(_parse(entry)) == GenerationSettings()
+    with pytest.raises(SystemExit):
+        _parse("ask", "--accept", "lossless")
+
+
+def test_defaults_that_differ_per_entry_point_are_the_definitions() -> None:
+    assert settings_from_args(_parse("chat")) == GenerationSettings()  # the session's defaults
+    assert settings_from_args(_parse("ask")) == GenerationSettings()
+    assert settings_from_args(_parse("serve")) == GenerationSettings()
+    bench = settings_from_args(_parse("bench"))
+    assert bench == GenerationSettings(max_new_tokens=128, seed=0)  # short replies, seeded sampling
+    from medusa_chat.bench.harness import BenchConfig
+
+    assert BenchConfig().settings == bench
+    # the OpenAI API samples at temperature 1 unless the request says otherwise, and runs to the context window
+    from medusa_chat.openai.protocol import ChatRequest
+
+    request = ChatRequest(model="m", messages=[])
+    assert (request.temperature, request.top_p, request.max_tokens) == (1.0, 1.0, None)
+    assert request.temperature == OPTIONS["temperature"].default_for("api")
+
+
+def test_bad_values_fail_before_any_load() -> None:
+    with pytest.raises(MedusaChatError, match=r"temperature must be >= 0 \(got -1.0\)"):
+        settings_from_args(_parse("ask", "--temperature", "-1"))
+    with pytest.raises(MedusaChatError, match=r"top_p must be in \(0, 1\]"):
+        settings_from_args(_parse("bench", "--top-p", "0"))
+    with pytest.raises(MedusaChatError, match="max_new_tokens must be >= 1"):
+        settings_from_args(_parse("chat", "--max-new-tokens", "0"))
+    with pytest.raises(MedusaChatError, match="accept must be 'typical' or 'exact'"):
+        GenerationSettings(accept="lossless").validate()
+    with pytest.raises(MedusaChatError, match="typical_epsilon must be in"):
+        GenerationSettings(typical_epsilon=2.0).validate()
+
+
+def test_one_mapping_from_temperature_and_rule_to_the_mode() -> None:
+    for temperature in (0, 0.0, -0.0, None):
+        for accept in (*settings.ACCEPT_MODES, None):
+            assert settings.accept_mode(temperature, accept) == GREEDY
+    assert settings.accept_mode(0.7) == TYPICAL == settings.DEFAULT_ACCEPT
+    assert settings.accept_mode(0.7, EXACT) == EXACT
+    assert GenerationSettings(temperature=0.7, accept=EXACT).accept_mode == EXACT
+    assert set(settings.MODE_TEXT) == set(settings.MODES) == {GREEDY, TYPICAL, EXACT}
+
+
+def test_the_mode_names_are_written_only_where_the_modes_are_defined() -> None:
+    """No module but settings.py spells a mode's name as a string literal: the others use the constants."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value == TYPICAL:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, f"the literal {TYPICAL!r} outside medusa_chat/settings.py: {found}"
