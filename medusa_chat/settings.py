@@ -90,6 +90,37 @@ def _integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _number(value: Any) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite number: {value!r}")
+    return number
+
+
+def _seed(value: Any) -> int | None:
+    return None if value in (None, "", "none", "None") else int(value)
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    return tuple(str(s) for s in value)
+
+
+def _rule(value: Any) -> str:
+    return str(value).strip().lower()
+
+
+def _switch(value: Any) -> bool:
+    """A yes/no setting from a bool or the words people type (on/off, true/false, 1/0, yes/no)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("on", "true", "1", "yes"):
+        return True
+    if word in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on or off, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Option:
     """One generation option: a `GenerationSettings` field and everything every entry point needs of it."""
@@ -99,6 +130,7 @@ class Option:
     help: str  # for --help (argparse expands %(default)s)
     check: Callable[[Any], bool]  # True for a good value
     rule: str  # what a good value is, for the error message ("must be <rule>")
+    parse: Callable[[Any], Any]  # a typed or sent value (slash command, web control) as the field's type
     flags: tuple[str, ...] = ()  # command-line flags, the first the main one; () for options without any
     type: Callable[[str], Any] | None = None  # argparse type of the flags' value
     choices: tuple[str, ...] | None = None
@@ -123,6 +155,7 @@ OPTIONS: dict[str, Option] = {
             "max new tokens per reply (default: %(default)s)",
             lambda v: _integer(v) and v >= 1,
             ">= 1",
+            int,
             flags=("--max-new-tokens",),
             type=int,
             # bench: short replies, many prompts; API: no limit but the context window (None), as OpenAI's
@@ -134,6 +167,7 @@ OPTIONS: dict[str, Option] = {
             "0 = greedy (default: %(default)s), > 0 = sampling (rule: --accept)",
             lambda v: _finite(v) and v >= 0,
             ">= 0",
+            _number,
             flags=("--temperature", "--temp"),
             type=float,
             defaults={"api": 1.0},  # OpenAI's default when a request leaves it out
@@ -144,6 +178,7 @@ OPTIONS: dict[str, Option] = {
             "nucleus sampling at temperature > 0 (default: %(default)s)",
             lambda v: _finite(v) and 0 < v <= 1,
             "in (0, 1]",
+            _number,
             flags=("--top-p",),
             type=float,
         ),
@@ -153,6 +188,7 @@ OPTIONS: dict[str, Option] = {
             "typical acceptance: a guess is kept when its probability exceeds min(epsilon, delta * exp(-H))",
             lambda v: _finite(v) and 0 <= v <= 1,
             "in [0, 1]",
+            _number,
         ),
         Option(
             "typical_delta",
@@ -160,6 +196,7 @@ OPTIONS: dict[str, Option] = {
             "typical acceptance: delta in min(epsilon, delta * exp(-H))",
             lambda v: _finite(v) and 0 <= v <= 1,
             "in [0, 1]",
+            _number,
         ),
         Option(
             "seed",
@@ -167,6 +204,7 @@ OPTIONS: dict[str, Option] = {
             "sampling seed at temperature > 0, so a reply can be repeated (default: %(default)s)",
             lambda v: v is None or _integer(v),
             "an integer or None",
+            _seed,
             flags=("--seed",),
             type=int,
             defaults={"bench": 0},  # a sampled bench run is repeatable by default
@@ -177,6 +215,7 @@ OPTIONS: dict[str, Option] = {
             "the reply ends before the first of these strings (the API's `stop`)",
             lambda v: isinstance(v, (tuple, list)) and all(isinstance(s, str) for s in v),
             "a tuple of strings",
+            _strings,
         ),
         Option(
             "accept",
@@ -184,6 +223,7 @@ OPTIONS: dict[str, Option] = {
             ACCEPT_HELP,
             lambda v: v in ACCEPT_MODES,
             " or ".join(repr(m) for m in ACCEPT_MODES),
+            _rule,
             flags=("--accept",),
             choices=ACCEPT_MODES,
         ),
@@ -193,6 +233,7 @@ OPTIONS: dict[str, Option] = {
             "Medusa without context-lookup guesses on the main chain (heads only)",
             lambda v: isinstance(v, bool),
             "on or off",
+            _switch,
             flags=("--no-context-lookup",),
             switch_off=True,
         ),
@@ -213,6 +254,24 @@ ENTRY_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 # Entry points whose options change the session's settings only where given: their flags default to None.
 OVERRIDE_ONLY = frozenset({"chat"})
+
+
+def parse_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """Setting changes as typed or sent (a slash command's text, a web control's value) in their fields'
+    types, not yet checked (GenerationSettings.validate does that). An unknown name or a value of the wrong
+    kind raises MedusaChatError."""
+    from medusa_chat.errors import MedusaChatError
+
+    parsed: dict[str, Any] = {}
+    for name, value in changes.items():
+        option = OPTIONS.get(name)
+        if option is None:
+            raise MedusaChatError(f"unknown setting {name!r} (known: {', '.join(OPTIONS)})")
+        try:
+            parsed[name] = option.parse(value)
+        except (TypeError, ValueError):
+            raise MedusaChatError(f"bad value for {name}: {value!r}") from None
+    return parsed
 
 
 def defaults_for(entry: str) -> dict[str, Any]:
@@ -239,4 +298,5 @@ __all__ = [
     "Option",
     "accept_mode",
     "defaults_for",
+    "parse_settings",
 ]

@@ -124,3 +124,29 @@ def test_the_mode_names_are_written_only_where_the_modes_are_defined() -> None:
             if isinstance(node, ast.Constant) and node.value == TYPICAL:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not found, f"the literal {TYPICAL!r} outside medusa_chat/settings.py: {found}"
+
+
+def test_typed_values_are_parsed_by_their_option() -> None:
+    """What a slash command or a web control sends, in the field's type (the session's update_settings)."""
+    from medusa_chat.settings import parse_settings
+
+    parsed = parse_settings(
+        {"temperature": "0.5", "max_new_tokens": 40.0, "seed": "none", "accept": " Exact ", "context_lookup": "off"}
+    )
+    assert parsed == {"temperature": 0.5, "max_new_tokens": 40, "seed": None, "accept": EXACT, "context_lookup": False}
+    assert parse_settings({"seed": "7", "stop_strings": ["a"]}) == {"seed": 7, "stop_strings": ("a",)}
+    with pytest.raises(MedusaChatError, match="bad value for temperature"):
+        parse_settings({"temperature": "nan"})
+    with pytest.raises(MedusaChatError, match="bad value for context_lookup"):
+        parse_settings({"context_lookup": "maybe"})
+    with pytest.raises(MedusaChatError, match="unknown setting 'temp'"):
+        parse_settings({"temp": 1})
+
+
+def test_the_configuration_page_lists_every_option_and_flag() -> None:
+    page = (PACKAGE.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    table = page[page.index("## Reply settings") :]
+    for name, option in OPTIONS.items():
+        assert f"`{name}`" in table, name
+        for flag in option.flags:
+            assert f"`{flag}" in table, flag
