@@ -337,7 +337,7 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
     from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.model.devices import pick_dtype
     from medusa_chat.model.fidelity import measure
-    from medusa_chat.model.loading import load_backbone
+    from medusa_chat.model.backbones import load_backbone
 
     folder = Path(args.model)
     cuda = device.type == "cuda"

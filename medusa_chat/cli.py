@@ -236,7 +236,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.model.loading import load_from_args, summary_lines
+    from medusa_chat.model.loaded import summary_lines
+    from medusa_chat.model.loading import load_from_args
     from medusa_chat.model.runner import BackboneRunner
     from medusa_chat.tuning.tree_choice import choose_tree
 

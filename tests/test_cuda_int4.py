@@ -242,18 +242,18 @@ def test_medusa_1_heads_project_in_int4_and_still_draft_what_their_weights_say()
 def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
     tiny_llama_dir, monkeypatch, tmp_path
 ) -> None:
-    """The CUDA branch of load_model (loading._load_cuda_int4) on a real safetensors folder: 16 bits read on the
+    """The CUDA branch of load_model (backbones.load_cuda_int4) on a real safetensors folder: 16 bits read on the
     CPU, each projection quantized onto the device, the kernel chosen; the logits stay near the float model's."""
-    from medusa_chat.model import loading
+    from medusa_chat.model import backbones
     from medusa_chat.model.runner import BackboneRunner
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
     notes: list[str] = []
-    backbone = loading._load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
+    backbone = backbones.load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
     assert any("int4" in n and "projections" in n for n in notes)
     layers = backbone.config.num_hidden_layers
     assert sum(isinstance(m, Int4Linear) for m in backbone.modules()) == 7 * layers
-    reference = loading.load_backbone(tiny_llama_dir, DEVICE, DTYPE, "none")
+    reference = backbones.load_backbone(tiny_llama_dir, DEVICE, DTYPE, "none")
     ids = torch.arange(3, 19, device=DEVICE)[None]
     with torch.inference_mode():
         want = reference(ids).logits.float()

@@ -14,7 +14,8 @@ from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model import hub
-from medusa_chat.model.loading import load_model, summary_lines
+from medusa_chat.model.loaded import summary_lines
+from medusa_chat.model.loading import load_model
 from medusa_chat.model.registry import heads_folder_kind
 from medusa_chat.tree import Tree
 from tests.eagle_helpers import (

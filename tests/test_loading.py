@@ -18,7 +18,8 @@ from medusa_chat.errors import (
     TreeError,
 )
 from medusa_chat.model.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
-from medusa_chat.model.loading import LoadedModel, estimate_params, load_model, summary_lines
+from medusa_chat.model.loaded import LoadedModel, summary_lines
+from medusa_chat.model.loading import estimate_params, load_model
 from medusa_chat.tuning.tree_choice import choose_tree
 from tests.test_heads import hand_logits
 from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads

@@ -22,7 +22,8 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError, ModelNotFoundError, TreeError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
-from medusa_chat.model.loading import LoadedModel, load_model, summary_lines
+from medusa_chat.model.loaded import LoadedModel, summary_lines
+from medusa_chat.model.loading import load_model
 from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 from medusa_chat.tuning.calibrate import lookup_only_latency

@@ -171,7 +171,7 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     if "/" in model and not model.startswith((".", "/", "~")):  # a Hub id: transformers finds it in the cache
         from transformers import AutoTokenizer
 
-        from medusa_chat.model.loading import load_backbone
+        from medusa_chat.model.backbones import load_backbone
 
         try:
             tok = AutoTokenizer.from_pretrained(model)

@@ -78,7 +78,7 @@ def load_for_training(
     """(model, tokenizer) for training: the app's own loader (frozen, eval mode, sdpa attention), unquantized."""
     from transformers import AutoTokenizer
 
-    from medusa_chat.model.loading import load_backbone
+    from medusa_chat.model.backbones import load_backbone
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
