@@ -261,3 +261,14 @@ def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
         runner = BackboneRunner(backbone)
         assert runner.lean is not None and runner.lean.path_attention
     assert torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.95
+
+
+def test_packing_in_row_chunks_is_the_same_as_in_one_piece(monkeypatch) -> None:
+    from medusa_chat.kernels import int4_quant
+
+    w = torch.randn(100, 128, generator=torch.Generator().manual_seed(8))
+    whole = pack_int4(w, 64)
+    monkeypatch.setattr(int4_quant, "ROWS_PER_CHUNK", 24)  # 100 rows: 4 chunks of 24 and one of 4
+    chunked = int4_quant.pack_int4(w, 64)
+    for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.zeros, chunked.zeros)):
+        assert torch.equal(a, b)

@@ -131,11 +131,19 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([lo, hi], dim=0).T.contiguous()
 
 
+ROWS_PER_CHUNK = 2048  # quantized at a time: fp32 temporaries of a few times 2048 x K, not of the whole weight
+
+
 def pack_int4(
     weight: torch.Tensor, group: int, *, refine: int = 2, storage: torch.dtype = torch.float16
 ) -> PackedInt4:
-    """Quantize a [N, K] weight and lay it out for the Triton kernel, on the weight's device."""
-    codes, scales, zeros = quantize_int4(weight, group, refine=refine, storage=storage)
+    """Quantize a [N, K] weight and lay it out for the Triton kernel, on the weight's device, a chunk of rows at
+    a time (a 32000 x 4096 vocab projection would otherwise need ~4 GB of fp32 temporaries on the GPU)."""
+    parts = [
+        quantize_int4(weight[i : i + ROWS_PER_CHUNK], group, refine=refine, storage=storage)
+        for i in range(0, weight.shape[0], ROWS_PER_CHUNK)
+    ]
+    codes, scales, zeros = (torch.cat(p) for p in zip(*parts, strict=True))
     return PackedInt4(
         codes=pack_codes(codes), scales=scales.T.contiguous(), zeros=zeros.T.contiguous(), group=group
     )
