@@ -91,6 +91,9 @@ def main() -> int:
     doc["peak_over_file"] = round(peak / doc["file_bytes"], 3)
     doc["within_target"] = peak <= doc["target_bytes"]
     doc["threads"] = os.environ.get("OMP_NUM_THREADS")
+    from medusa_chat.bench.runs import repo_path  # after the measurements: paths relative to the repository
+
+    doc["model"] = repo_path(doc["model"])
     print(json.dumps(doc, indent=1))
     return 0
 
