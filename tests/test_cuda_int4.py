@@ -272,3 +272,22 @@ def test_packing_in_row_chunks_is_the_same_as_in_one_piece(monkeypatch) -> None:
     chunked = int4_quant.pack_int4(w, 64)
     for a, b in ((whole.codes, chunked.codes), (whole.scales, chunked.scales), (whole.zeros, chunked.zeros)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(triton_matmul.triton is None, reason="needs triton")
+def test_the_cuda_kernels_compile_for_hopper_without_a_gpu() -> None:
+    """Triton's compiler and ptxas on every kernel variant the app launches (tests/cuda_compile.py): what the
+    interpreter above accepts but a GPU's compiler would refuse fails here, before a GPU is lent."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, str(root / "tests" / "cuda_compile.py")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    launched = 2 * len(triton_matmul.CANDIDATES) + 2 + 1 + 4 + 1  # int4 x tiles, dense, sum, attention, merge
+    assert done.stdout.count("ok ") == launched, done.stdout

@@ -69,24 +69,27 @@ class Config:
         return cls(*(int(v) for v in found.groups())) if found else None
 
 
-# Tried by the tuner (benchmarks/gpu_4bit.py and the first-start choice, int4_linear.tune_configs).
+# Tried by the tuner (benchmarks/gpu_4bit.py and the first-start choice, cuda_int4.choose_kernel). Compiled for
+# sm_90 without a GPU (tests/cuda_compile.py), 64 rows (4 tiles): 32 columns x 64 K fits in registers (199, no
+# spill); 64 x 64 spills 72-88 bytes with 4 warps, so it is offered with 8 warps too.
 CANDIDATES = (
-    Config(64, 64, 1, 4, 3),
     Config(32, 64, 1, 4, 3),
     Config(32, 64, 2, 4, 3),
-    Config(64, 64, 4, 4, 3),
-    Config(32, 128, 1, 4, 4),
-    Config(128, 64, 1, 8, 3),
+    Config(32, 64, 4, 4, 4),
     Config(16, 64, 4, 4, 4),
+    Config(64, 64, 1, 8, 3),
+    Config(64, 64, 4, 8, 3),
+    Config(64, 32, 2, 4, 3),
 )
 
 
 def default_config(n: int, k: int, group: int | None = None) -> Config:
-    """A sensible configuration before any measurement: enough programs to cover a large GPU at one row."""
+    """A sensible configuration before any measurement: no register spill at 64 rows, and enough programs
+    (column blocks x K slices) to cover a large GPU at one row."""
     block_k = min(64, group or 64)
-    programs = n // 64
-    split = 1 if programs >= 256 else 2 if programs >= 96 else 4
-    return Config(64, block_k, split, 4, 3)
+    programs = n // 32
+    split = 1 if programs >= 256 else 2 if programs >= 128 else 4
+    return Config(32, block_k, split, 4, 3)
 
 
 if triton is not None:
