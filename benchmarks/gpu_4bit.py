@@ -241,19 +241,20 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     shape = TINY if args.tiny else LLAMA2_7B
     tokens = 12 if args.tiny else 128
     sizes = [1, 8] if args.tiny else [1, 64]
-    prompts = 1 if args.tiny else 3
+    prompts = 1 if args.tiny else 2
     doc: dict[str, Any] = {**device_info(device), "config": shape, "tree_sizes": sizes, "paths": {}}
     heads = random_heads(shape["hidden_size"], shape["vocab_size"], 5, True, dtype, device, std=0.002)
     tree = Tree.named("mc_sim_7b_63").prefix(max(sizes))
     for path in args.paths.split(","):
         log(f"7B shape, {path}")
         try:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
             if path == "int4":
-                model = build_llama(
-                    shape, dtype, torch.device("cpu")
-                )  # as a checkpoint load: 16-bit on the CPU
+                # as a checkpoint load: the 16-bit model on the CPU (built on the GPU, where random init is fast,
+                # and moved), then quantized onto the GPU one weight at a time: the peak counts from here
+                model = build_llama(shape, dtype, device).to("cpu")
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 done = quantize_backbone(model, device, dtype)
                 choice = choose_kernel(
                     model, device, progress=log, candidates=CANDIDATES[:2] if args.tiny else CANDIDATES
@@ -261,6 +262,8 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                 extra = {"int4_bytes": done["bytes"], "kernel": choice["kernel"], "kernel_costs": choice.get("cost_s"),
                          "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"]}  # fmt: skip
             else:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
                 model = build_llama(shape, dtype, device)
                 if path == "nf4":
                     to_nf4(model, dtype)
@@ -334,10 +337,10 @@ def _dequantized(backbone: Any, group: int) -> Any:
 def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from medusa_chat.model.backbones import load_backbone
     from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.model.devices import pick_dtype
     from medusa_chat.model.fidelity import measure
-    from medusa_chat.model.backbones import load_backbone
 
     folder = Path(args.model)
     cuda = device.type == "cuda"

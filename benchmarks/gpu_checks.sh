@@ -58,7 +58,7 @@ if [ -z "${GPU_EMBEDDED:-}" ]; then
         tests/test_graph_step.py tests/test_loading.py -k "int4 or path_attention or rows or cuda or recorded"
     stage kernels_4bit "${GPU_KERNELS_S:-150}" "$py" benchmarks/gpu_4bit.py kernels --out "$out/kernels.json" \
         "${extra[@]}"
-    stage step_4bit "${GPU_STEP_S:-200}" "$py" benchmarks/gpu_4bit.py step7b --out "$out/step7b.json" \
+    stage step_4bit "${GPU_STEP_S:-300}" "$py" benchmarks/gpu_4bit.py step7b --out "$out/step7b.json" \
         "${extra[@]}"
 else
     read -r e_gguf e_hf e_hashes <<<"$GPU_EMBEDDED"
