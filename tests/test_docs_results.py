@@ -125,6 +125,19 @@ def test_readme_headline_table_matches_its_files() -> None:
     assert table_row(text, "greedy reply identical")[2] == f"{identical.pop()}/{prompts.pop()} prompts"
 
 
+def test_readme_fidelity_table_matches_its_file() -> None:
+    name = "benchmarks/results/fidelity_2026-12-05_epyc_embedded.json"
+    text = readme()
+    assert name in named_results(text)
+    paths = load(name)["paths"]
+    for label, key in (("default, int4", "medusa-chat int4"), ("int8 (Q8_0", "medusa-chat int8")):
+        row = [cell.replace("**", "") for cell in table_row(text, label)]
+        tf, greedy = paths[key]["teacher_forced"], paths[key]["greedy"]
+        assert row[1] == f"{100 * tf['top1']:.1f}%"
+        assert row[2] == f"{tf['mean_kl']:.5f}"
+        assert row[3].startswith(f"{greedy['median_chars']:g} ({greedy['identical']}/{load(name)['prompts']}")
+
+
 def _plain_vs_llamacpp(doc: dict[str, Any]) -> float:
     return doc["summary"]["plain_vs_llamacpp"]
 
