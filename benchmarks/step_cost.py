@@ -143,7 +143,8 @@ def main() -> None:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "isa": qgemm.best_isa(),
-        "prefetch": qgemm.prefetch_choice(),
+        # (the cache file's path is the machine's own: kept out of a result file meant for the repository)
+        "prefetch": {k: v for k, v in qgemm.prefetch_choice().items() if k != "source"},
         "command": "python benchmarks/step_cost.py " + " ".join(sys.argv[1:]),
         "models": [measure_model(m, sizes, threads, prefetch, args.rounds, args.reps) for m in models],
     }
