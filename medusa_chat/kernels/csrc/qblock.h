@@ -22,11 +22,11 @@
 // ~100 MB of weights (the backbone, the lm_head, the drafter), more than a small machine's share of the L3, so
 // they stream from DRAM every step; the hardware prefetcher alone left the kernel at ~24 GB/s there, and an extra
 // tree row's arithmetic then came on top of the stream instead of under it. Measured on the 2-vCPU Xeon, one
-// step's projections of SmolLM2-135M in one parallel region (benchmarks/step_gemms.c): weights from DRAM, 1 / 2 /
+// step's projections of SmolLM2-135M in one parallel region (benchmarks/step_gemms.c at commit 4e8dc55): weights from DRAM, 1 / 2 /
 // 3 rows 5.5 / 6.2 / 6.6 ms -> 3.4 / 3.5 / 3.8 ms; from L3 1.41 / 1.46 / 1.62 -> 1.32 / 1.37 / 1.42 ms (4 KB
 // ahead: a little faster at 1 row, slower at 3; 16 KB: slower). A prefetch is a hint: the arithmetic, so the
 // bits, are unchanged. (It must stay inlined: GCC deletes calls to a function that only prefetches.)
-#ifndef PF_AHEAD  // benchmarks/step_gemms.c builds with -DPF_AHEAD=0 for the before
+#ifndef PF_AHEAD  // benchmarks/step_gemms.c at commit 4e8dc55 builds with -DPF_AHEAD=0 for the before
 #define PF_AHEAD 8192
 #endif
 //

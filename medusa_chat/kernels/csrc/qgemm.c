@@ -283,7 +283,7 @@ static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, 
             const int8_t *q = qx + xb * QK;
             // one accumulation chain (exact integers, so any order gives the same sums): an add fewer per row and
             // block than two chains, and the rows' and blocks' chains in flight hide the latency. Measured with
-            // benchmarks/step_gemms.c (30 layers, 2-vCPU Xeon, three alternating runs): 1 / 3 / 8 rows 1.50-1.63
+            // benchmarks/step_gemms.c at commit 4e8dc55 (30 layers, 2-vCPU Xeon, three alternating runs): 1 / 3 / 8 rows 1.50-1.63
             // / 1.65-1.80 / 3.17-3.39 ms -> 1.43-1.47 / 1.61-1.65 / 3.07-3.15 ms
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4_512(q));
 #pragma GCC unroll 4
