@@ -33,6 +33,7 @@ from medusa_chat.bench.runs import (
     Run,
     describe,
     first_divergence,
+    repo_path,
     run_engine,
     run_hf,
     tie_tolerance,
@@ -487,7 +488,7 @@ def _document(
         doc["drafts"] = [
             {
                 "method": m,
-                "heads_file": methods.drafts[m],
+                "heads_file": repo_path(methods.drafts[m]) if methods.drafts[m] else methods.drafts[m],
                 "drafter": engines[m].drafter_name + lookup,
                 "tree_size": engines[m].tree.size,
                 "tokens_per_step": _r(t[m].tokens_per_step),
