@@ -5,15 +5,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING
 
 from medusa_chat.errors import BusyError
 from medusa_chat.events import ReplySummary, StepEvent
-
-if TYPE_CHECKING:
-    pass
-
-
 
 Item = StepEvent | ReplySummary
 

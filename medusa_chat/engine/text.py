@@ -3,70 +3,167 @@ string, cut at the first stop string, and where a reply ends (EOS, the token lim
 
 from __future__ import annotations
 
+import codecs
+import json
+import re
+from collections.abc import Callable
 from typing import Any
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback token of one byte
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the others (in byte
+    order) for the characters from U+0100 up: the table tokenizers' ByteLevel decoder reads."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + k): b for k, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_chars()
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """The kinds of step in a fast tokenizer's decoder (a Sequence's members), e.g. {"ByteLevel"}; empty when it
+    has none that can be read (a slow or duck-typed tokenizer)."""
+    try:
+        state = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return set()
+    steps = state.get("decoders") or [state]
+    return {str(step.get("type")) for step in steps if isinstance(step, dict)}
+
+
+def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes | None]:
+    """For a tokenizer, id -> the raw bytes the token writes, or None for a token that writes whole characters
+    (decoded by the tokenizer itself, in context).
+
+    Raw bytes: every token of a byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2: its pieces are bytes spelled in
+    GPT-2's alphabet), SentencePiece's byte-fallback tokens (<0xE2>), and tokens a tokenizer gives as bytes
+    (tiktoken-based ones). These are the tokens that can end inside a character. A special token writes b""
+    (a reply's text skips it). Tokens added to a vocabulary are written as they are, so they are text.
+    """
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if to_piece is None:
+        return lambda _id: None
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
+    special |= {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+    # the byte-level table only where the decoder does nothing else to the text (no cleanup of spaces)
+    byte_level = _decoder_types(tokenizer) == {"ByteLevel"} and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    )
+    cache: dict[int, bytes | None] = {}
+
+    def read(token: int) -> bytes | None:
+        if token in cache:
+            return cache[token]
+        piece = None if token in added else to_piece(token)
+        out: bytes | None = None
+        if token in special:
+            out = b""
+        elif isinstance(piece, bytes):
+            out = piece
+        elif isinstance(piece, str) and byte_level and all(c in _BYTE_LEVEL for c in piece):
+            out = bytes(_BYTE_LEVEL[c] for c in piece)
+        elif isinstance(piece, str) and (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+            out = bytes([int(m.group(1), 16)])
+        cache[token] = out
+        return out
+
+    return read
 
 
 class StreamDecoder:
-    """Incremental detokenization in O(new tokens) per step (the TGI/vLLM method).
+    """Incremental detokenization in O(new tokens) per step, cut at the last complete UTF-8 character.
 
-    Decoding the whole reply every step would cost O(reply) per step. Instead decode a short window twice:
-    from `prefix` to the previous end and from `prefix` to the new end, and emit the difference. Starting the
-    window a step back keeps SentencePiece's leading spaces and multi-token characters right.
+    Tokens that write raw bytes (token_bytes_reader) go through one incremental UTF-8 decoder: each push streams
+    every character its bytes complete, and holds back only the at most 3 bytes of a character still incomplete
+    at the end. A byte that cannot be (or continue) a character is final at once, as U+FFFD, and the text after
+    it streams on: a reply whose tokens keep ending mid-character never stalls, and nothing already streamed is
+    ever taken back. Tokens that write whole characters (SentencePiece's word pieces, added tokens, a tokenizer
+    of another kind) are decoded by the tokenizer after the last token that wrote something (its context: it
+    keeps SentencePiece's leading spaces, which a decode from the token itself would strip), and end any
+    incomplete bytes before them (U+FFFD, as the tokenizer's own decode shows them).
 
-    An incomplete UTF-8 character decodes to U+FFFD at the end: that end is held back until a later token
-    completes it, while the text before it streams on. A U+FFFD with tokens of at least 3 more bytes after it is
-    final (a character has at most 4 bytes): it is streamed like any text, and the window moves past it, so a
-    reply that keeps ending in stray bytes neither stalls the stream nor grows the window.
+    `flush` at the reply's end writes what is still held (half a character no token will complete) as U+FFFD,
+    so that the deltas add up to the reply's text.
     """
-
-    SETTLED_BYTES = 3  # tokens this far from the end cannot change what a character before them decodes to
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.shown = 0  # characters of the window's text after `before` (ids[prefix:read]) already streamed
-        self.text = ""
+        self.text = ""  # everything streamed: the deltas joined
+        self._bytes_of = token_bytes_reader(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # the last token that wrote something (or the reply's first word token) and what it decodes to alone
+        # ("" until a word token needs it)
+        self._context: int | None = None
+        self._context_text = ""
+
+    @property
+    def pending(self) -> bytes:
+        """The bytes held back: the start of a character that no token has completed yet (at most 3)."""
+        return self._utf8.getstate()[0]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        ready = after.rstrip("\ufffd")  # the text that can be streamed now
-        settle = None  # where the next window's `read` goes, if the window moves
-        if len(ready) == len(after):
-            if len(after) > len(before):  # (else nothing printable yet: a special token)
-                settle = len(self.ids)
-        elif len(self.ids) - self.read > self.SETTLED_BYTES:
-            # half a character at the end: the text up to SETTLED_BYTES tokens back is final where it is a
-            # prefix of `after` (no character split at that token), its own U+FFFDs included
-            cut = len(self.ids) - self.SETTLED_BYTES
-            final = self._decode(self.ids[self.prefix : cut])
-            if after.startswith(final):
-                settle, ready = cut, max(ready, final, key=len)
-        done = len(before) + self.shown
-        delta = ready[done:]
+        """The reply's next tokens: the text they complete (every character up to the last complete one)."""
+        parts: list[str] = []
+        words: list[int] = []  # consecutive tokens that write whole characters, decoded together
+        for token in ids:
+            raw = self._bytes_of(token)
+            if raw is None:
+                words.append(token)
+                continue
+            if words:
+                parts.append(self._words(words))
+                words = []
+            if raw:
+                parts.append(self._bytes(raw))
+                self._context, self._context_text = token, ""  # decoded only if a word token follows
+        if words:
+            parts.append(self._words(words))
+        delta = "".join(parts)
         self.text += delta
-        if settle is None:
-            self.shown += len(delta)
-            return delta
-        pending = len(after) - max(len(ready), done)  # the held end, the same characters in the next window
-        self.prefix, self.read = self.read, settle
-        if settle == len(self.ids) and pending <= 0:
-            self.shown = 0
-        else:  # streamed so far, counted in the next window (decoded from its own start)
-            whole = self._decode(self.ids[self.prefix :])
-            self.shown = len(whole) - pending - len(self._decode(self.ids[self.prefix : self.read]))
         return delta
 
+    def _bytes(self, raw: bytes) -> str:
+        text = self._utf8.decode(raw)
+        held = self.pending
+        if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:
+            # a UTF-16 surrogate's first two bytes, no character in UTF-8: final now (Python's decoder waits for
+            # the third byte, for its surrogatepass handler)
+            text += self._end_bytes()
+        return text
+
+    def _words(self, words: list[int]) -> str:
+        """The text of tokens that write whole characters, after whatever came before them."""
+        cut = self._end_bytes()  # a word token ends an incomplete character: the tokenizer shows it as U+FFFD
+        start = self._context is None
+        if start:  # the reply's start: decoded as the whole reply's decode starts (its first space stripped)
+            text = self._decode(words)
+        else:
+            if not self._context_text:
+                self._context_text = self._decode([self._context])
+            whole = self._decode([self._context, *words])
+            before = self._context_text
+            text = whole[len(before) :] if whole.startswith(before) else self._decode(words)
+        if text or start:  # (at the start even a token that writes nothing: the stripping has happened there)
+            self._context, self._context_text = words[-1], ""
+        return cut + text
+
+    def _end_bytes(self) -> str:
+        """The held bytes as U+FFFD (no later byte can complete them), and the byte decoder reset."""
+        tail = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return tail
+
     def flush(self) -> str:
-        """At the end of a reply: the held end (half a character that no token will complete, stray bytes' U+FFFDs),
-        so that the deltas add up to the whole decode. One decode of the reply (once per reply)."""
-        whole = self._decode(self.ids)
-        delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
+        """At the end of a reply: the held end (half a character that no token will complete) as U+FFFD, so that
+        the deltas add up to the reply's text."""
+        delta = self._end_bytes()
         self.text += delta
         return delta
 
