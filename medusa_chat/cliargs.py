@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from medusa_chat.events import GenerationSettings
-from medusa_chat.settings import ENTRY_OPTIONS, OPTIONS, OVERRIDE_ONLY
+from medusa_chat.settings import ENTRY_OPTIONS, OPTIONS, OVERRIDE_ONLY, parse_settings
 
 
 def int_list(text: str) -> list[int]:
@@ -52,8 +52,9 @@ def add_generation_args(parser: Any, entry: str) -> None:
 
 
 def settings_changes(args: Any) -> dict[str, Any]:
-    """The generation options given in `args` (every OPTIONS name `args` has, None = not given)."""
-    return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+    """The generation options given in `args` (every OPTIONS name `args` has, None = not given), converted and
+    checked by their options (settings.parse_settings)."""
+    return parse_settings({name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None})
 
 
 def settings_from_args(args: Any, base: GenerationSettings | None = None) -> GenerationSettings:

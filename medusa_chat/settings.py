@@ -98,14 +98,23 @@ def _number(value: Any) -> float:
 
 
 def _seed(value: Any) -> int | None:
-    return None if value in (None, "", "none", "None") else int(value)
+    """A seed, or None for a new seed each reply: none, nothing, or a negative number (the web page's -1)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"not an integer: {value!r}")
+    seed = int(value)
+    return None if seed < 0 else seed
 
 
 def _strings(value: Any) -> tuple[str, ...]:
+    """Stop strings: one string or a list of them (the API's `stop` takes either)."""
+    if isinstance(value, str):
+        return (value,)
     return tuple(str(s) for s in value)
 
 
-def _rule(value: Any) -> str:
+def _lowercase_word(value: Any) -> str:
     return str(value).strip().lower()
 
 
@@ -129,7 +138,7 @@ class Option:
     default: Any
     help: str  # for --help (argparse expands %(default)s)
     check: Callable[[Any], bool]  # True for a good value
-    rule: str  # what a good value is, for the error message ("must be <rule>")
+    valid: str  # what a good value is, for the error message ("must be <valid>")
     parse: Callable[[Any], Any]  # a typed or sent value (slash command, web control) as the field's type
     flags: tuple[str, ...] = ()  # command-line flags, the first the main one; () for options without any
     type: Callable[[str], Any] | None = None  # argparse type of the flags' value
@@ -137,13 +146,26 @@ class Option:
     switch_off: bool = False  # the flag takes no value and turns the option off (--no-context-lookup)
     # an entry point whose default differs on purpose -> its default
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the OpenAI-compatible API: the request's names for this option, and its bounds where they are narrower
+    # than `check` (OpenAI's own); () for an option a request cannot set
+    api_names: tuple[str, ...] = ()
+    api_bounds: tuple[float | None, float | None] = (None, None)
 
     def default_for(self, entry: str) -> Any:
         return self.defaults.get(entry, self.default)
 
-    def error(self, value: Any) -> str | None:
-        """The message for a bad value, None for a good one."""
-        return None if self.check(value) else f"{self.name} must be {self.rule} (got {value!r})"
+    def error(self, value: Any, name: str | None = None) -> str | None:
+        """The message for a bad value, None for a good one (`name`: what the caller calls the option)."""
+        return None if self.check(value) else f"{name or self.name} must be {self.valid} (got {value!r})"
+
+    def api_error(self, value: Any, name: str) -> str | None:
+        """`error` for a request's value, with the API's own bounds on top (`name`: the request's name)."""
+        message = self.error(value, name)
+        lo, hi = self.api_bounds
+        if message is None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            within = " and ".join(f"{op} {b:g}" for op, b in ((">=", lo), ("<=", hi)) if b is not None)
+            message = f"{name} must be {within} (got {value!r})"
+        return message
 
 
 OPTIONS: dict[str, Option] = {
@@ -160,6 +182,8 @@ OPTIONS: dict[str, Option] = {
             type=int,
             # bench: short replies, many prompts; API: no limit but the context window (None), as OpenAI's
             defaults={"bench": 128, "api": None},
+            api_names=("max_completion_tokens", "max_tokens"),  # OpenAI's current name, its older alias
+            api_bounds=(None, 2**31 - 1),
         ),
         Option(
             "temperature",
@@ -171,6 +195,8 @@ OPTIONS: dict[str, Option] = {
             flags=("--temperature", "--temp"),
             type=float,
             defaults={"api": 1.0},  # OpenAI's default when a request leaves it out
+            api_names=("temperature",),
+            api_bounds=(None, 2.0),  # OpenAI's range is [0, 2]
         ),
         Option(
             "top_p",
@@ -181,6 +207,7 @@ OPTIONS: dict[str, Option] = {
             _number,
             flags=("--top-p",),
             type=float,
+            api_names=("top_p",),
         ),
         Option(
             "typical_epsilon",
@@ -208,6 +235,8 @@ OPTIONS: dict[str, Option] = {
             flags=("--seed",),
             type=int,
             defaults={"bench": 0},  # a sampled bench run is repeatable by default
+            api_names=("seed",),
+            api_bounds=(-(2**63), 2**64 - 1),  # OpenAI's: a 64-bit integer, either sign
         ),
         Option(
             "stop_strings",
@@ -216,6 +245,7 @@ OPTIONS: dict[str, Option] = {
             lambda v: isinstance(v, (tuple, list)) and all(isinstance(s, str) for s in v),
             "a tuple of strings",
             _strings,
+            api_names=("stop",),
         ),
         Option(
             "accept",
@@ -223,7 +253,7 @@ OPTIONS: dict[str, Option] = {
             ACCEPT_HELP,
             lambda v: v in ACCEPT_MODES,
             " or ".join(repr(m) for m in ACCEPT_MODES),
-            _rule,
+            _lowercase_word,
             flags=("--accept",),
             choices=ACCEPT_MODES,
         ),
@@ -257,9 +287,9 @@ OVERRIDE_ONLY = frozenset({"chat"})
 
 
 def parse_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Setting changes as typed or sent (a slash command's text, a web control's value) in their fields'
-    types, not yet checked (GenerationSettings.validate does that). An unknown name or a value of the wrong
-    kind raises MedusaChatError."""
+    """Setting changes as given (a flag's value, a slash command's text, a web control's value) in their
+    fields' types, each checked by its option: the one place a setting's value is converted and checked. An
+    unknown name, a value of the wrong kind or a bad value raises MedusaChatError."""
     from medusa_chat.errors import MedusaChatError
 
     parsed: dict[str, Any] = {}
@@ -269,8 +299,11 @@ def parse_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
             raise MedusaChatError(f"unknown setting {name!r} (known: {', '.join(OPTIONS)})")
         try:
             parsed[name] = option.parse(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise MedusaChatError(f"bad value for {name}: {value!r}") from None
+        message = option.error(parsed[name])
+        if message is not None:
+            raise MedusaChatError(message)
     return parsed
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,92 @@ def test_typed_values_are_parsed_by_their_option() -> None:
         parse_settings({"context_lookup": "maybe"})
     with pytest.raises(MedusaChatError, match="unknown setting 'temp'"):
         parse_settings({"temp": 1})
+
+
+def test_parsing_checks_each_value_by_its_option() -> None:
+    """parse_settings is where a value is both converted and checked: a bad value fails there, named."""
+    from medusa_chat.settings import parse_settings
+
+    with pytest.raises(MedusaChatError, match=r"temperature must be >= 0 \(got -1.0\)"):
+        parse_settings({"temperature": "-1"})
+    with pytest.raises(MedusaChatError, match="typical_epsilon must be in"):
+        parse_settings({"typical_epsilon": "1.5"})
+    with pytest.raises(MedusaChatError, match="accept must be 'typical' or 'exact'"):
+        parse_settings({"accept": "lossless"})
+    with pytest.raises(MedusaChatError, match="max_new_tokens must be >= 1"):
+        parse_settings({"max_new_tokens": "0"})
+    with pytest.raises(MedusaChatError, match="bad value for seed"):
+        parse_settings({"seed": 2.5})
+    with pytest.raises(MedusaChatError, match="bad value for max_new_tokens"):
+        parse_settings({"max_new_tokens": float("inf")})
+
+
+def test_seed_and_stop_strings_take_every_form_an_entry_point_sends() -> None:
+    from medusa_chat.settings import parse_settings
+
+    # the web page's number control sends floats, -1 for "a new seed each reply"; /seed none; --seed -1
+    for none in (None, "", "none", " None ", -1, -1.0, "-1"):
+        assert parse_settings({"seed": none}) == {"seed": None}, none
+    assert parse_settings({"seed": 42.0}) == {"seed": 42}
+    # one string is one stop string (as the API's `stop`), not its characters
+    assert parse_settings({"stop_strings": "END"}) == {"stop_strings": ("END",)}
+    assert parse_settings({"stop_strings": ["a", "bc"]}) == {"stop_strings": ("a", "bc")}
+    assert parse_settings({"stop_strings": ()}) == {"stop_strings": ()}
+
+
+def test_command_line_values_go_through_the_same_parsing() -> None:
+    assert settings_from_args(_parse("ask", "--seed", "-1")).seed is None
+    assert settings_from_args(_parse("bench", "--no-context-lookup")).context_lookup is False
+
+
+def test_every_option_the_session_takes_is_parsed_by_the_definition() -> None:
+    """The session's update_settings takes every option, the ones no flag sets too (typical_epsilon,
+    typical_delta, stop_strings), each converted and checked by settings.parse_settings alone."""
+    from medusa_chat.chat.session import SessionManager
+
+    session = SessionManager(auto_calibrate=False)
+    new = session.update_settings(
+        typical_epsilon="0.2", typical_delta=0.5, stop_strings="###", seed=-1.0, context_lookup="off"
+    )
+    assert (new.typical_epsilon, new.typical_delta, new.stop_strings, new.seed, new.context_lookup) == (
+        0.2, 0.5, ("###",), None, False,
+    )  # fmt: skip
+    before = session.settings
+    for bad in ({"typical_delta": "2"}, {"temperature": "warm"}, {"posterior_threshold": 0.1}):
+        with pytest.raises(MedusaChatError):
+            session.update_settings(**bad)
+        assert session.settings is before  # unchanged
+    source = (PACKAGE / "chat" / "session.py").read_text(encoding="utf-8")
+    assert "parse_settings" in source and "isfinite" not in source
+
+
+def test_the_api_takes_its_names_and_bounds_from_the_definitions() -> None:
+    """The OpenAI-compatible API's request names map to the options; OpenAI's narrower bounds are declared
+    with them, and the request parser checks each value with its option."""
+    from medusa_chat.openai.protocol import APIError, parse_chat_request
+
+    names = {n: o.name for o in OPTIONS.values() for n in o.api_names}
+    assert names == {
+        "max_completion_tokens": "max_new_tokens",
+        "max_tokens": "max_new_tokens",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "seed": "seed",
+        "stop": "stop_strings",
+    }
+    assert OPTIONS["temperature"].api_error(2.5, "temperature") == "temperature must be <= 2 (got 2.5)"
+    assert OPTIONS["temperature"].api_error(-1.0, "temperature") == "temperature must be >= 0 (got -1.0)"
+    assert OPTIONS["max_new_tokens"].api_error(0, "max_tokens") == "max_tokens must be >= 1 (got 0)"
+    assert OPTIONS["top_p"].api_error(1.0, "top_p") is None
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "seed": 3}'
+    request = parse_chat_request(body)
+    assert (request.temperature, request.seed) == (0.5, 3)
+
+    for field, value in (("temperature", "2.5"), ("top_p", "0"), ("max_tokens", "0"), ("seed", str(2**64))):
+        raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})[:-1] + f', "{field}": {value}}}'
+        with pytest.raises(APIError) as info:
+            parse_chat_request(raw.encode())
+        assert info.value.param == field and info.value.message.startswith(f"{field} must be"), info.value.message
 
 
 def test_the_configuration_page_lists_every_option_and_flag() -> None:

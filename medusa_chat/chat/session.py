@@ -13,7 +13,6 @@ object and its attribute names):
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -23,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from medusa_chat.chat.conversations import Conversation, ConversationStore, default_data_dir
 from medusa_chat.chat.speed import MEASURED_BASELINES
 from medusa_chat.chat.turns import ReplyTurns
-from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
+from medusa_chat.settings import parse_settings
 from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
@@ -255,32 +254,10 @@ class SessionManager(ReplyTurns):
 
     # ---- settings -------------------------------------------------------------------------------------------
     def update_settings(self, **changes: Any) -> GenerationSettings:
-        """Change settings for the next reply (a running reply keeps its own copy). Validated; unknown names
-        and bad values raise MedusaChatError and leave the settings unchanged."""
-        names = {f.name: f for f in dataclasses.fields(GenerationSettings)}
-        coerced: dict[str, Any] = {}
-        for key, value in changes.items():
-            if key not in names:
-                raise MedusaChatError(f"unknown setting {key!r} (known: {', '.join(names)})")
-            try:
-                if key == "max_new_tokens":
-                    value = int(value)
-                elif key == "seed":
-                    value = None if value in (None, "", "none", "None") else int(value)
-                elif key == "stop_strings":
-                    value = tuple(str(s) for s in value)
-                elif key == "accept":
-                    value = str(value).strip().lower()
-                elif key == "context_lookup":
-                    value = _switch(value)
-                else:
-                    value = float(value)
-                    if not math.isfinite(value):
-                        raise ValueError
-            except (TypeError, ValueError):
-                raise MedusaChatError(f"bad value for {key}: {value!r}") from None
-            coerced[key] = value
-        new = dataclasses.replace(self.settings, **coerced)
+        """Change settings for the next reply (a running reply keeps its own copy). Each value is converted and
+        checked by its option (settings.parse_settings); unknown names and bad values raise MedusaChatError
+        and leave the settings unchanged."""
+        new = dataclasses.replace(self.settings, **parse_settings(changes))
         new.validate()
         self.settings = new
         return new
@@ -299,14 +276,3 @@ class SessionManager(ReplyTurns):
             else:
                 self.engine.set_tree(tree)
 
-
-def _switch(value: Any) -> bool:
-    """A yes/no setting from a bool or the words people type (on/off, true/false, 1/0, yes/no)."""
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word in ("on", "true", "1", "yes"):
-        return True
-    if word in ("off", "false", "0", "no"):
-        return False
-    raise ValueError(f"expected on or off, got {value!r}")

@@ -97,7 +97,9 @@ class ChatRequest:
     seed: int | None = None
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+def _number(body: dict[str, Any], name: str, option: str, default: float) -> float:
+    """A JSON number (the wire's type check here), checked by its option's definition (settings.OPTIONS,
+    with the API's bounds)."""
     value = body.get(name)
     if value is None:
         return default
@@ -110,13 +112,14 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
         value = math.inf
     if not math.isfinite(value):
         raise bad_request(f"{name} must be a finite number", name)
-    if value > hi or value < lo or (lo_open and value == lo):
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad_request(f"{name} must be in {interval}, got {value}", name)
-    return float(value)
+    message = OPTIONS[option].api_error(value, name)
+    if message is not None:
+        raise bad_request(message, name)
+    return value
 
 
-def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+def _integer(body: dict[str, Any], name: str, option: str) -> int | None:
+    """A JSON integer (the wire's type check here), checked by its option's definition."""
     value = body.get(name)
     if value is None:
         return None
@@ -124,10 +127,9 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) ->
         value = int(value)  # some clients send 100.0
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{name} must be an integer, got {json.dumps(value)}", name)
-    if value < lo or (hi is not None and value > hi):
-        raise bad_request(
-            f"{name} must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value}", name
-        )
+    message = OPTIONS[option].api_error(value, name)
+    if message is not None:
+        raise bad_request(message, name)
     return value
 
 
@@ -223,18 +225,17 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if any(s == "" for s in stops):
         raise bad_request("stop strings must not be empty", "stop")
     # max_completion_tokens is OpenAI's current name; max_tokens its deprecated alias
-    max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
-    legacy = _integer(body, "max_tokens", 1, 2**31 - 1)
+    max_tokens, legacy = (_integer(body, name, "max_new_tokens") for name in OPTIONS["max_new_tokens"].api_names)
     return ChatRequest(
         model=model,
         messages=messages,
         stream=bool(stream),
         include_usage=bool(stream) and include_usage,
-        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0, lo_open=False),
-        top_p=_number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
+        temperature=_number(body, "temperature", "temperature", DEFAULT_TEMPERATURE),
+        top_p=_number(body, "top_p", "top_p", DEFAULT_TOP_P),
         max_tokens=max_tokens if max_tokens is not None else legacy,
         stop=tuple(stops),
-        seed=_integer(body, "seed", -(2**63), 2**64 - 1),
+        seed=_integer(body, "seed", "seed"),
     )
 
 

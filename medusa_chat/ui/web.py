@@ -407,11 +407,7 @@ class WebApp:
         return ""
 
     def update_setting(self, name: str, value: Any) -> str:
-        try:
-            if name == "seed" and (
-                value is None or value == "" or (isinstance(value, (int, float)) and value < 0)
-            ):
-                value = None
+        try:  # the seed control's -1 is "none" (settings.parse_settings)
             self.session.update_settings(**{name: value})
         except Exception as err:  # noqa: BLE001
             return self._warn(err)
