@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from medusa_chat import __version__
+from medusa_chat import __version__, envvars
 from medusa_chat.cliargs import positive_int
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.units import human_bytes
@@ -246,7 +245,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
     tree, source = choose_tree(loaded, args.tree, args.tree_size)  # the tree chat would use, and why
-    auto = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"  # as SessionManager decides
+    auto = envvars.auto_calibrate()  # as SessionManager decides
     if source == "default" and auto and loaded.device.type == "cpu" and tree.size > 1:
         source = "default; the first chat on this CPU calibrates its size once"
     info = loaded.info()
@@ -329,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _run_external(args.command, args)
         return int(code or 0)
     except MedusaChatError as err:
-        if os.environ.get("MEDUSA_CHAT_DEBUG"):
+        if envvars.value("MEDUSA_CHAT_DEBUG"):
             raise
         message = " ".join(str(err).split("\n")).strip() or type(err).__name__
         print(f"error: {message}", file=sys.stderr)

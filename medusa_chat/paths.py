@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from medusa_chat import envvars
 
 
 def cache_root() -> Path:
     """Where medusa-chat keeps converted models and other derived files (platformdirs user cache)."""
-    env = os.environ.get("MEDUSA_CHAT_CACHE")
+    env = envvars.value("MEDUSA_CHAT_CACHE")
     if env:
         return Path(env)
     from platformdirs import user_cache_dir

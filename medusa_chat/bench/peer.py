@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from medusa_chat import envvars
+
 
 @dataclass
 class LlamaBench:
@@ -131,7 +133,7 @@ def parse_llama_bench_json(text: str) -> dict[str, Any]:
 
 
 def find_llama_bench(explicit: str | os.PathLike[str] | None = None) -> Path | None:
-    for candidate in (explicit, os.environ.get("MEDUSA_CHAT_LLAMA_BENCH"), shutil.which("llama-bench")):
+    for candidate in (explicit, envvars.value("MEDUSA_CHAT_LLAMA_BENCH"), shutil.which("llama-bench")):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import secrets
 import time
@@ -20,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from medusa_chat import envvars
 from medusa_chat.atomic import TMP_PREFIX, atomic_write_text
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.settings import GREEDY, TYPICAL
@@ -32,7 +32,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,80}$")
 
 def default_data_dir() -> Path:
     """The user data folder (platformdirs), or $MEDUSA_CHAT_DATA when set (tests, portable installs)."""
-    env = os.environ.get("MEDUSA_CHAT_DATA")
+    env = envvars.value("MEDUSA_CHAT_DATA")
     if env:
         return Path(env).expanduser()
     from platformdirs import user_data_dir

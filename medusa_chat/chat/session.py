@@ -13,12 +13,12 @@ object and its attribute names):
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from medusa_chat import envvars
 from medusa_chat.chat.conversations import Conversation, ConversationStore, default_data_dir
 from medusa_chat.chat.speed import MEASURED_BASELINES
 from medusa_chat.chat.turns import ReplyTurns
@@ -71,7 +71,7 @@ class SessionManager(ReplyTurns):
         # not per step (the speedup is shown while a reply streams).
         self._latency_by_size: dict[int, float] = {}
         if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
-            auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
+            auto_calibrate = envvars.auto_calibrate()
         self.auto_calibrate = auto_calibrate
         self._lock = threading.Lock()  # held for the whole of a reply
         self._load_lock = threading.Lock()

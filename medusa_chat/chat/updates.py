@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from medusa_chat import envvars
 from medusa_chat.events import ReplySummary, StepEvent
 
 # At most this many UI updates a second while a reply streams (the last one is always sent). Each costs the
@@ -44,7 +45,7 @@ def updates_per_s() -> float:
 
 def default_interval_s() -> float:
     """Seconds between two UI updates: 1 / MEDUSA_CHAT_UI_HZ when set (> 0), else 1 / updates_per_s()."""
-    return 1.0 / _rate("MEDUSA_CHAT_UI_HZ", updates_per_s())
+    return 1.0 / envvars.positive_rate("MEDUSA_CHAT_UI_HZ", updates_per_s())
 
 
 # The web page's panels (the meter with its tokens-per-step chart, the live tree view, the step slider) are
@@ -58,26 +59,13 @@ PANEL_UPDATES_PER_S = 2.0
 def panel_interval_s() -> float:
     """Seconds between two redraws of the web page's panels: 1 / MEDUSA_CHAT_UI_PANEL_HZ when set (> 0), else
     1 / PANEL_UPDATES_PER_S."""
-    return 1.0 / _rate("MEDUSA_CHAT_UI_PANEL_HZ", PANEL_UPDATES_PER_S)
-
-
-def _rate(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        hz = float(text)
-    except ValueError as err:
-        raise ValueError(f"{name} must be a number of updates per second (got {text!r})") from err
-    if hz <= 0:
-        raise ValueError(f"{name} must be > 0 (got {text!r})")
-    return hz
+    return 1.0 / envvars.positive_rate("MEDUSA_CHAT_UI_PANEL_HZ", PANEL_UPDATES_PER_S)
 
 
 def decode_ahead_default() -> bool:
     """Decode in a worker thread (the default); MEDUSA_CHAT_UI_DECODE_AHEAD=0 keeps the old single-thread way
     (the UI pulls each step itself), for measuring the difference."""
-    return os.environ.get("MEDUSA_CHAT_UI_DECODE_AHEAD", "1").strip() != "0"
+    return envvars.enabled("MEDUSA_CHAT_UI_DECODE_AHEAD")
 
 
 @dataclass

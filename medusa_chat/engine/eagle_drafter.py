@@ -18,7 +18,6 @@ Static trees (`propose`) use the tree's own layout (TreeBuffers.levels, as Hydra
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,13 +83,13 @@ class EagleDrafter:
     @property
     def dynamic(self) -> bool:
         """Does each step draft EAGLE-2's dynamic tree (else the engine's static tree)? For trees of 3 nodes or
-        more that the expansion can fill; MEDUSA_CHAT_EAGLE_DYNAMIC=0 turns it off (for comparisons)."""
+        more that the expansion can fill."""
         if self.native is not None:  # the C drafter shapes trees on its spine (trees.py, draft_shaped)
             return False
         tree = self.engine.tree
         k = min(tree.size - 1, DYNAMIC_TOP_K)
         fits = tree.size - 1 <= k + (tree.depth - 1) * k * k
-        return tree.size > 2 and fits and os.environ.get("MEDUSA_CHAT_EAGLE_DYNAMIC", "1") != "0"
+        return tree.size > 2 and fits
 
     # ---- features from the backbone -----------------------------------------------------------------------
     def _tap(self, backbone: Any, runner: Any) -> None:

@@ -101,7 +101,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         self, model: LoadedModel, tree: Tree | None = None, graphs: bool = True, shaped: bool = True
     ) -> None:
         self.model = model
-        self.shaped = shaped and os.environ.get("MEDUSA_CHAT_SHAPED_TREES", "1") != "0"
+        self.shaped = shaped
         self.lookup_run = LOOKUP_RUN  # 0: lookup guesses only on the tree's own chain
         self.backbone = model.backbone
         self.runner = BackboneRunner(model.backbone)

@@ -24,9 +24,10 @@ A fixed count (`--threads N`, or MEDUSA_CHAT_THREADS) turns this off; torch's ow
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections import deque
+
+from medusa_chat import envvars
 
 WINDOW = 8  # recent steps judged together (a median: one hiccup is not load)
 SLOW = 2.0  # "much slower than quiet"
@@ -59,7 +60,7 @@ def fixed() -> tuple[int, str] | None:
     """(count, source) when the thread count is fixed (`fix`, else MEDUSA_CHAT_THREADS), else None."""
     if _fixed is not None:
         return _fixed
-    env = os.environ.get("MEDUSA_CHAT_THREADS", "").strip()
+    env = envvars.value("MEDUSA_CHAT_THREADS") or ""
     if env:
         try:
             n = int(env)
@@ -105,7 +106,7 @@ def busy_mode() -> int:
     MEDUSA_CHAT_DUET is not 0), else 1."""
     from medusa_chat.kernels import qgemm
 
-    if os.environ.get("MEDUSA_CHAT_DUET", "1") == "0" or not qgemm.duet_available():
+    if not envvars.enabled("MEDUSA_CHAT_DUET") or not qgemm.duet_available():
         return 1
     return qgemm.DUET
 

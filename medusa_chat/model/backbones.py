@@ -5,7 +5,6 @@ the CPU's row-invariant projections, and the heads fitted to the backbone's devi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -221,7 +220,7 @@ def fit_heads(
         # projections would be 2.6 GB).
         # (no cast after: the blocks keep their fp16 scales, which the kernel's bound pointers read; the biases
         # are fp32 already)
-        block_medusa_heads(heads_mod, backbone, os.environ.get("MEDUSA_CHAT_MEDUSA_LM_HEAD", "q8_0"))
+        block_medusa_heads(heads_mod, backbone, "q8_0")
         return
     # 16-bit on GPU like the backbone's compute; fp32 on CPU, where 16-bit matmuls are slow and inexact. An EAGLE
     # draft on a CPU keeps its file's precision here: the C drafter quantizes from it, and the PyTorch drafter

@@ -22,12 +22,12 @@ block (the engine's prefill). MEDUSA_CHAT_NATIVE=0 turns it off (the lean PyTorc
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from typing import Any
 
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.kernels import qgemm
 from medusa_chat.model.tree_plan import TreePlan
 
@@ -217,7 +217,7 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     kernel and the shapes suit it; else None (the lean PyTorch forward is used). q/k/v projections with a bias
     (Qwen2: cpu_linears.BlockLinearWithBias around the block linear) pass their biases to the step, which adds
     them after the projection."""
-    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+    if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
     from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
 
@@ -485,7 +485,7 @@ class NativeHydra:
 
 def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
     """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
-    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+    if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
     from medusa_chat.kernels.qgemm import load
 

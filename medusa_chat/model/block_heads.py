@@ -20,12 +20,12 @@ Drafts only choose which tokens the backbone verifies: the output is the plain l
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from medusa_chat import envvars
 from medusa_chat.kernels.cpu_linears import BlockLinearWithBias, quantize_q4_1
 from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear, Q80Linear, load, quantize_q8_0
 from medusa_chat.model.block_forward import _BLin, _blin, _Q8Lin
@@ -46,7 +46,7 @@ def can_block(heads: MedusaHeads | None, backbone: Any) -> bool:
     (MEDUSA_CHAT_BLOCK_HEADS=0: never, the fp32 heads stay as they are)."""
     if not isinstance(heads, MedusaHeads) or isinstance(heads, HydraHeads) or getattr(heads, "block_kind", ""):
         return False  # (an EAGLE draft is not Medusa heads: it runs as loaded)
-    if os.environ.get("MEDUSA_CHAT_BLOCK_HEADS", "1") == "0":  # the fp32 PyTorch heads (for comparisons)
+    if not envvars.enabled("MEDUSA_CHAT_BLOCK_HEADS"):  # the fp32 PyTorch heads (for comparisons)
         return False
     lm_head = backbone.get_output_embeddings()
     w = heads[0][0].linear.weight
@@ -233,7 +233,7 @@ def native_medusa_for(
     heads: MedusaHeads, projections: list[nn.Module], draft_vocab: torch.Tensor | None = None
 ) -> NativeMedusa | None:
     """The C drafter for block-quantized heads where the kernel runs here; else None (Python drafts them)."""
-    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+    if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
     lib = load()
     if lib is None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from medusa_chat import envvars
+
 CHUNK = 128  # tokens per chunk, as `llama-perplexity -c 128`
 TEXT_RESOURCE = "fidelity_text.txt"
 PROBE_CHUNKS = 9  # chunks the `--quant auto` choice scores (half the text: a few seconds for the embedded model)
@@ -131,11 +133,10 @@ def fidelity_probe(
     None where it cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float
     model and a quantized copy would not fit in memory beside each other. `load(quant)` loads the model with
     that numeric path on the CPU (loading.load_model; passed in, as loading imports this module)."""
-    import os
 
     from medusa_chat.machine import available_memory
 
-    if os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") == "0":
+    if not envvars.auto_calibrate():
         return None
     need = params * 4 * 1.5  # fp32 reference + a quantized copy + activations
     avail = available_memory()

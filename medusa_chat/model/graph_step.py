@@ -31,12 +31,12 @@ MEDUSA_CHAT_COMPILE=0 turns graphs off.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.kernels.triton_attention import tree_paths
 from medusa_chat.tree import TreeBuffers
 
@@ -44,7 +44,7 @@ MIN_BUCKET = 256
 
 
 def graphs_enabled() -> bool:
-    return os.environ.get("MEDUSA_CHAT_COMPILE", "1") != "0"
+    return envvars.enabled("MEDUSA_CHAT_COMPILE")
 
 
 def bucket_for(end: int, capacity: int) -> int:

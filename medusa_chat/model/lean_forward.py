@@ -28,7 +28,6 @@ unchanged). Set MEDUSA_CHAT_LEAN=0 to use the transformers forward instead (for 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from medusa_chat import envvars
 from medusa_chat.kernels.triton_attention import path_attention
 from medusa_chat.kernels.triton_linears import RowInvariantLinear
 from medusa_chat.model.tree_plan import TreePlan
@@ -333,7 +333,7 @@ def lean_forward_for(causal_lm: Any) -> Any:
     instead (block_forward.NativeForward, same call signature). Built once per model object and shared by every
     engine and by the calibration that times it.
     """
-    if os.environ.get("MEDUSA_CHAT_LEAN", "1") == "0" or not _supported(causal_lm):
+    if not envvars.enabled("MEDUSA_CHAT_LEAN") or not _supported(causal_lm):
         return None
     built = getattr(causal_lm, "_medusa_lean_forward", None)
     if built is None:

@@ -16,11 +16,11 @@ verifies: replies are the plain loop's whatever this computes.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.model.block_forward import _BLin, _blin, _Embed, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
@@ -137,7 +137,7 @@ class _DraftBlocks:
 def eagle1_draft_vocab(draft: EagleDraft) -> int:
     """How many of the first token ids an EAGLE-1 head drafts among (MEDUSA_CHAT_EAGLE_DRAFT_VOCAB; 0: all); -1:
     the draft vocabulary listed beside the draft (used unless the variable is set)."""
-    raw = os.environ.get("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB")
+    raw = envvars.value("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB")
     if raw is None:
         return -1 if draft.draft_vocab_ids is not None else EAGLE1_DRAFT_VOCAB
     try:
@@ -264,7 +264,7 @@ def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> Nati
     rows); else None (the PyTorch drafter runs)."""
     from medusa_chat.kernels.qgemm import BlockLinear, load
 
-    if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
+    if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
     if draft.version != 3 and (len(draft.layers) != 1 or not isinstance(lm_head, BlockLinear)):
         return None

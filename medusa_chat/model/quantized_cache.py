@@ -53,6 +53,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.atomic import TMP_PREFIX, TMP_SUFFIX, atomic_write
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, GROUP
@@ -275,7 +276,7 @@ def plan(folder: Path, config: Any, quant: str) -> tuple[list[Planned], str]:
 
 def unsuitable(folder: Path, config: Any, quant: str, trust_remote_code: bool) -> str:
     """Why this checkpoint cannot take the cached-file path ("" when it can)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not envvars.enabled(ENV_SWITCH):
         return f"{ENV_SWITCH}=0"
     if quant not in ("int4", "int8"):
         return f"quantization {quant}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import socket
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from medusa_chat import envvars
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.openai.protocol import API_KEY_ENV, install_error_handlers
 from medusa_chat.openai.routes import DEFAULT_MAX_QUEUE, mount_api
@@ -149,7 +149,7 @@ def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
-    return getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    return getattr(args, "api_key", None) or envvars.value(API_KEY_ENV) or None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,6 @@ The choice is cached per model + device + quantization + dtype, so the UIs can s
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 from collections.abc import Callable, Iterable
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.engine.threads import adapts
 from medusa_chat.model.runner import BackboneRunner
 from medusa_chat.tree import Tree
@@ -425,7 +425,7 @@ def resolve_tree(
     `calibrate_first_start` when the user is reading the first reply.
     """
     if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
-        auto_calibrate = os.environ.get("MEDUSA_CHAT_AUTO_CALIBRATE", "1") != "0"
+        auto_calibrate = envvars.auto_calibrate()
     tree, source = choose_tree(loaded, tree_name, tree_size)
     if source != "default" or not auto_calibrate or loaded.device.type not in ("cpu", "cuda") or tree.size <= 1:
         return tree, source
@@ -483,7 +483,7 @@ def _choose_draft(
     `loaded` switches to it and the record says so (`draft`; each candidate's estimate in `drafts`), so later
     starts load it (tree_choice.choose_tree). Where trees stay small (a 2-core CPU: 3-4 nodes) the drafts
     accept about alike at depth 1 and the stronger deep draft only costs more (docs/EAGLE.md): nothing more is
-    measured, and the first start stays as short. MEDUSA_CHAT_DRAFT_CHOICE=0: never."""
+    measured, and the first start stays as short."""
     from medusa_chat.model.loading import switch_heads, with_heads
     from medusa_chat.tuning.tree_choice import DRAFT_CHOICES, shipped_draft
 
@@ -491,7 +491,7 @@ def _choose_draft(
     if current is None:
         return record, tree
     record["draft"] = current
-    if record["tree_size"] < DRAFT_CHOICE_MIN_NODES or os.environ.get("MEDUSA_CHAT_DRAFT_CHOICE", "1") == "0":
+    if record["tree_size"] < DRAFT_CHOICE_MIN_NODES:
         return record, tree
     drafts = {current: record["tokens_per_s_est"]}
     best, best_tree = record, tree

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from medusa_chat import envvars
 from medusa_chat.paths import cache_root
 
 
@@ -49,7 +50,7 @@ def live_reply_default() -> bool:
     """Stream replies into the live reply element (the default); MEDUSA_CHAT_UI_LIVE_REPLY=0 streams them into the
     Chatbot as before (each update re-sends the message list and the browser re-renders it), for measuring the
     difference (benchmarks/browser_vs_ask.py)."""
-    return os.environ.get("MEDUSA_CHAT_UI_LIVE_REPLY", "1").strip() != "0"
+    return envvars.enabled("MEDUSA_CHAT_UI_LIVE_REPLY")
 
 
 def friendly_error(err: BaseException) -> str:
