@@ -8,7 +8,7 @@ at a bounded rate from a decoding thread (medusa_chat/chat/updates.py), and the 
 light element under the chat instead of the Chatbot (medusa_chat/ui/web.py); this measures what is left.
 
 One process: the web UI (`medusa_chat.ui.web.launch`) on the embedded model, headless Debian Chromium driven by
-playwright (executable_path=/usr/bin/chromium, as tests/test_browser.py; never `playwright install`), and the
+playwright (`--chromium`, default /usr/bin/chromium as tests/test_browser.py; never `playwright install`), and the
 ask-style engine. Runs alternate (ask, page, ask, page, ...) so a slow spell hits both; medians are printed.
 Every page reply is checked token-identical to ask's.
 
@@ -40,12 +40,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-bench-"))
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = "/usr/bin/chromium"  # Debian's; --chromium or $CHROMIUM for another
 CHROMIUM_ARGS = [  # MEDUSA_FACTS section 12: offline, no sandbox in containers, nothing but the app reachable
     "--no-sandbox",
     "--disable-gpu",
@@ -171,7 +172,7 @@ def page_once(page: Any, app: Any, timeout_s: float) -> tuple[dict[str, Any], An
     return shown, summary, ui.updates_sent, time.monotonic() - t0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -183,36 +184,34 @@ def main() -> None:
         default="bounded",
         help=f"comma-separated, or all: {', '.join(VARIANTS)} (default: bounded)",
     )
+    parser.add_argument(
+        "--chromium",
+        default=os.environ.get("CHROMIUM", CHROMIUM),
+        help="the Chromium binary playwright drives (default: $CHROMIUM, else %(default)s)",
+    )
     args = parser.parse_args()
-    variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
-    if not variants or any(v not in VARIANTS for v in variants):
+    args.variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
         raise SystemExit(f"--variants: choose from {', '.join(VARIANTS)} (or all)")
-    if not Path(CHROMIUM).is_file():
-        raise SystemExit(f"Debian chromium is needed at {CHROMIUM} (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
+    if not Path(args.chromium).is_file():
+        raise SystemExit(f"Chromium is needed at {args.chromium} (apt-get install chromium, or --chromium PATH)")
+    return args
 
+
+def start_web_app(loaded: Any, max_new_tokens: int, tree: Any) -> tuple[Any, Any]:
+    """The web UI on `loaded` in this process, its model ready, greedy with `max_new_tokens`; its stream counts
+    the page updates the server sends (in `ui.updates_sent`). Returns (app, ui)."""
     from medusa_chat.chat.session import SessionManager
-    from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.loading import load_model
-    from medusa_chat.tuning.calibrate import resolve_tree
     from medusa_chat.ui import web
-
-    loaded = load_model()  # the embedded model, the default numeric path (as `ask` with no options)
-    tree, source = resolve_tree(loaded)
-    engine = MedusaEngine(loaded, tree)
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    prompt_ids = loaded.build_prompt([{"role": "user", "content": PROMPT}])
 
     session = SessionManager(loaded=loaded, data_dir=Path(tempfile.mkdtemp(prefix="medusa-bench-data-")))
     app = web.launch(session, port=free_port(), block=False, quiet=True)
     ui = app.medusa_web
     if not (ui.loader.wait(600) and ui.loader.status == "ready"):
         raise SystemExit(f"the web UI's model did not load: {ui.loader.error}")
-    session.update_settings(max_new_tokens=args.max_new_tokens, temperature=0)
+    session.update_settings(max_new_tokens=max_new_tokens, temperature=0)
     if session.engine is None or session.engine.tree.paths != tree.paths:
         print("note: the web session chose another tree than ask's", file=sys.stderr)
-    ask_threads, page_threads = StepThreads(engine), StepThreads(session.engine)
     # count the page updates the server sends (WebApp.send looks `stream` up per call)
     ui.updates_sent = 0
     real_stream = ui.stream
@@ -224,16 +223,98 @@ def main() -> None:
             yield out
 
     ui.stream = counting
+    return app, ui
+
+
+def set_variant(variant: str) -> None:
+    """The variant's UI switches, read per reply."""
+    for name, value in zip(ENV_NAMES, VARIANTS[variant], strict=True):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@dataclass
+class Figures:
+    """Per variant: the page's decode tok/s, the updates sent, the renderer main thread's task seconds."""
+
+    pages: dict[str, list[float]]
+    updates_sent: dict[str, list[int]]
+    renderer: dict[str, list[float]]
+
+    @classmethod
+    def empty(cls, variants: list[str]) -> Figures:
+        return cls({v: [] for v in variants}, {v: [] for v in variants}, {v: [] for v in variants})
+
+
+def page_run(page: Any, app: Any, cdp: Any, args: argparse.Namespace, variant: str, figures: Figures) -> tuple:
+    """One page reply under `variant`: its figures kept, (the reply's summary, the log text) returned."""
+    set_variant(variant)
+    own0, browser0 = cpu_seconds()
+    main0 = renderer_seconds(cdp)
+    shown, summary, n_updates, wall = page_once(page, app, args.timeout)
+    own1, browser1 = cpu_seconds()
+    main = {k: v - main0[k] for k, v in renderer_seconds(cdp).items()}
+    figures.pages[variant].append(shown["tps"])
+    figures.updates_sent[variant].append(n_updates)
+    figures.renderer[variant].append(main["TaskDuration"])
+    text = (
+        f"{variant} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
+        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f}; renderer main thread "
+        f"s: tasks {main['TaskDuration']:.2f}, script {main['ScriptDuration']:.2f}, layout "
+        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f}"
+    )
+    return summary, text
+
+
+def print_table(
+    asks: list[float], figures: Figures, args: argparse.Namespace, tree: Any, source: str, tokens: int
+) -> None:
+    a_med = statistics.median(asks)
+    print(
+        f"embedded model, tree {tree.size} nodes ({source}), greedy, {tokens} new tokens, {os.cpu_count()} CPUs"
+    )
+    if tokens < 128:
+        print(f"note: the reply has only {tokens} tokens (< 128)")
+    print(f"prompt: {PROMPT!r}; {args.rounds} rounds, medians; the page's figure is its meter's decode tok/s")
+    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}{'renderer s':>12}")
+    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}{'':>12}")
+    for v in args.variants:
+        p_med = statistics.median(figures.pages[v])
+        print(
+            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}"
+            f"{statistics.median(figures.updates_sent[v]):9.0f}{statistics.median(figures.renderer[v]):12.2f}"
+        )
+    print("renderer s: the page's renderer main thread (all tasks) during the reply, median")
+    print("target: bounded page >= 0.8x ask")
+
+
+def main() -> None:
+    args = parse_args()
+    variants = args.variants
+    from playwright.sync_api import sync_playwright
+
+    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.events import GenerationSettings
+    from medusa_chat.model.loading import load_model
+    from medusa_chat.tuning.calibrate import resolve_tree
+
+    loaded = load_model()  # the embedded model, the default numeric path (as `ask` with no options)
+    tree, source = resolve_tree(loaded)
+    engine = MedusaEngine(loaded, tree)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    prompt_ids = loaded.build_prompt([{"role": "user", "content": PROMPT}])
+    app, ui = start_web_app(loaded, args.max_new_tokens, tree)
+    ask_threads, page_threads = StepThreads(engine), StepThreads(ui.session.engine)
     xdg = Path(tempfile.mkdtemp(prefix="medusa-bench-xdg-"))
     env = {**os.environ, "XDG_CONFIG_HOME": str(xdg / "config"), "XDG_CACHE_HOME": str(xdg / "cache")}
     asks: list[float] = []
-    pages: dict[str, list[float]] = {v: [] for v in variants}
-    updates_sent: dict[str, list[int]] = {v: [] for v in variants}
-    renderer: dict[str, list[float]] = {v: [] for v in variants}  # the renderer main thread's task seconds
+    figures = Figures.empty(variants)
     tokens = 0
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)
+            browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS, env=env)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(app.local_url)
             page.wait_for_selector("#msg textarea")
@@ -256,48 +337,15 @@ def main() -> None:
                     f"{ask_threads.take()})"
                 ]
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated per round
-                    for name, value in zip(ENV_NAMES, VARIANTS[v], strict=True):
-                        if value is None:
-                            os.environ.pop(name, None)
-                        else:
-                            os.environ[name] = value
-                    own0, browser0 = cpu_seconds()
-                    main0 = renderer_seconds(cdp)
-                    shown, s, n_updates, wall = page_once(page, app, args.timeout)
-                    own1, browser1 = cpu_seconds()
-                    main = {k: v - main0[k] for k, v in renderer_seconds(cdp).items()}
+                    s, text = page_run(page, app, cdp, args, v, figures)
                     if s.token_ids != a.token_ids:
                         raise SystemExit(f"round {r + 1} ({v}): the page's reply differs from ask's")
-                    pages[v].append(shown["tps"])
-                    updates_sent[v].append(n_updates)
-                    renderer[v].append(main["TaskDuration"])
-                    line.append(
-                        f"{v} page {shown['tps']:.1f} tok/s ({n_updates} updates in {wall:.2f} s; CPU s: server "
-                        f"and decoder {own1 - own0:.2f}, browser {browser1 - browser0:.2f}; renderer main thread "
-                        f"s: tasks {main['TaskDuration']:.2f}, script {main['ScriptDuration']:.2f}, layout "
-                        f"{main['LayoutDuration']:.2f}, style {main['RecalcStyleDuration']:.2f}{page_threads.take()})"
-                    )
+                    line.append(text + f"{page_threads.take()})")
                 print(", ".join(line), file=sys.stderr, flush=True)
             browser.close()
     finally:
         app.close()
-    a_med = statistics.median(asks)
-    print(
-        f"embedded model, tree {tree.size} nodes ({source}), greedy, {tokens} new tokens, {os.cpu_count()} CPUs"
-    )
-    if tokens < 128:
-        print(f"note: the reply has only {tokens} tokens (< 128)")
-    print(f"prompt: {PROMPT!r}; {args.rounds} rounds, medians; the page's figure is its meter's decode tok/s")
-    print(f"{'':>34}{'tok/s':>10}{'x ask':>8}{'updates':>9}{'renderer s':>12}")
-    print(f"{'ask (engine, as medusa-chat ask)':>34}{a_med:10.1f}{1.0:8.2f}{'':>9}{'':>12}")
-    for v in variants:
-        p_med = statistics.median(pages[v])
-        print(
-            f"{'web UI in Chromium, ' + v:>34}{p_med:10.1f}{p_med / a_med:8.2f}"
-            f"{statistics.median(updates_sent[v]):9.0f}{statistics.median(renderer[v]):12.2f}"
-        )
-    print("renderer s: the page's renderer main thread (all tasks) during the reply, median")
-    print("target: bounded page >= 0.8x ask")
+    print_table(asks, figures, args, tree, source, tokens)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 the PyTorch drafter (the draft's layer in fp32, read again at
 every depth).
 
-    python benchmarks/eagle_step_cost.py --model /work/models/llama-1b/llama-1b-Q4_K_M.gguf \
-        --hf-files /work/models/llama-1b/hf --sizes 1,4,8
+    python benchmarks/eagle_step_cost.py --model ../models/llama-1b/llama-1b-Q4_K_M.gguf \
+        --hf-files ../models/llama-1b/hf --sizes 1,4,8
 
 A random draft of the backbone's shape is written in SafeAILab's EAGLE-1 layout (config.json + model.safetensors:
 fc over cat(embedding, feature) with its bias, one decoder layer `layers.0.*` without an input norm, no lm_head:
@@ -83,7 +83,10 @@ def main() -> None:
     for r in runs:
         cells = " ".join(f"{r['sizes'][n]['median_ms']:>11.2f} {r['sizes'][n]['ratio']:>6.2f}" for n in sizes)
         print(f"{r['drafter']:>14} {cells}")
-    doc = {"model": args.model, "format": args.format, "quant": args.quant, "cpu_count": os.cpu_count(), "runs": runs}
+    from medusa_chat.bench.runs import repo_path
+
+    model = repo_path(args.model)  # repo-relative, as every result JSON keeps paths
+    doc = {"model": model, "format": args.format, "quant": args.quant, "cpu_count": os.cpu_count(), "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
 

@@ -337,6 +337,7 @@ def _dequantized(backbone: Any, group: int) -> Any:
 def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from medusa_chat.bench.runs import repo_path
     from medusa_chat.model.backbones import load_backbone
     from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.model.devices import pick_dtype
@@ -366,7 +367,7 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
     paths = {"int4": int4(64), "int4_g128": int4(128), "nf4": plain("nf4")}
     result = measure(paths, plain("none"), limit=args.chunks)
-    return {**device_info(device), "model": str(folder), "reference": f"16-bit load ({dtype})",
+    return {**device_info(device), "model": repo_path(str(folder)), "reference": f"16-bit load ({dtype})",
             "int4": "the CUDA kernel" if cuda else "the scheme's dequantized values in fp32 (no GPU)",
             "paths": {k: v.as_dict() for k, v in result.items()}}  # fmt: skip
 

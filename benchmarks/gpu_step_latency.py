@@ -31,7 +31,7 @@ prompts, identical fraction and, where they differ, the reference's top-2 logit 
 near-ties).
 
     python benchmarks/gpu_step_latency.py --out gpu_step_latency.json [--check-lossless]   # GPU, < 4 min
-    python benchmarks/gpu_step_latency.py --tiny --out /tmp/tiny.json --check-lossless     # CPU smoke run
+    python benchmarks/gpu_step_latency.py --tiny --out tiny.json --check-lossless     # CPU smoke run
 """
 
 from __future__ import annotations
@@ -505,7 +505,7 @@ def latency_table(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("gpu_step_latency.json"), help="JSON results path")
     p.add_argument("--tiny", action="store_true", help="small model (CPU smoke test of the whole script)")
@@ -523,17 +523,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lossless-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    t_start = time.perf_counter()
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    dtype = torch.float16 if cuda else torch.float32  # 16-bit matmuls on CPU are slow and not the point
-    sizes = [int(x) for x in args.sizes.split(",")]
     if args.tiny:
         args.prefix = min(args.prefix, 64)
         args.reps = min(args.reps, 3)
         args.warmup = min(args.warmup, 1)
         args.lossless_prompts = min(args.lossless_prompts, 3)
         args.lossless_tokens = min(args.lossless_tokens, 24)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.float16 if cuda else torch.float32  # 16-bit matmuls on CPU are slow and not the point
+    sizes = [int(x) for x in args.sizes.split(",")]
     nf4_ok, nf4_note = bnb_available()
     import transformers
 
@@ -554,117 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     log(
         f"{result['device_name']}, torch {torch.__version__}, transformers {transformers.__version__}, {nf4_note}"
     )
-
     if not args.lossless_only:
-        # ---- ceilings ----
-        bw = copy_bandwidth(device, (2 << 30) if cuda else (64 << 20))
-        peak = matmul_flops(device, 8192 if cuda else 512, dtype)
-        result["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
-        result["matmul_tflops"] = round(peak / 1e12, 1)
-        log(
-            f"copy bandwidth {bw / 1e9:.0f} GB/s, {str(dtype).removeprefix('torch.')} matmul {peak / 1e12:.1f} TFLOP/s"
-        )
-
-        # ---- acceptance model and tree ----
-        acc = rank_accuracy(VICUNA7B_TOP1, VICUNA7B_TOP5)
-        tree, expected = grow_tree(acc, max(sizes), "vicuna7b-rank-model")
-        sizes = [n for n in sizes if n <= tree.size]
-        e_vicuna = {n: expected[n - 1] for n in sizes}
-        e_smol = smollm2_expected(args.tree_json, sizes) if args.tree_json else None
-        result["acceptance_model"] = {
-            "heads": "Vicuna-7B Medusa-1 (5 heads)",
-            "top1": VICUNA7B_TOP1,
-            "top5": VICUNA7B_TOP5,
-            "rank_accuracy": [[round(x, 4) for x in row] for row in acc],
-            "model": "P(rank r) = a1*q^r per head, q from the top-5 figure; heads independent; greedy tree growth",
-            "expected_tokens_per_step_published_mc_sim_7b_63": round(
-                expected_for_tree(Tree.named("mc_sim_7b_63"), acc), 3
-            ),
-            "paper_tokens_per_step": PAPER_TOKENS_PER_STEP,
-        }
-        result["expected_tokens_per_step"] = {"vicuna7b_medusa1_model": e_vicuna}
-        if e_smol:
-            result["expected_tokens_per_step"]["smollm2_measured"] = e_smol
-        log(
-            "E[tokens/step] (rank model): "
-            + ", ".join(f"{n}:{e_vicuna[n]:.2f}" for n in sizes)
-            + f"; published 64-node tree under the model: {result['acceptance_model']['expected_tokens_per_step_published_mc_sim_7b_63']}"
-        )
-
-        # ---- fp16 ----
-        shape = TINY if args.tiny else VICUNA_7B
-        result["config"] = shape
-        t0 = time.perf_counter()
-        model = build_llama(shape, dtype, device)
-        heads = random_heads(shape["hidden_size"], shape["vocab_size"], 5, True, dtype, device, std=0.002)
-        log(
-            f"built {'tiny' if args.tiny else '7B-shaped'} Llama + 5 v1 heads in {time.perf_counter() - t0:.1f} s"
-        )
-        kv_bytes = (
-            2 * shape["num_hidden_layers"] * args.prefix * shape["hidden_size"] * torch.finfo(dtype).bits // 8
-        )
-        heads_bytes = sum(q.numel() * q.element_size() for q in heads.parameters())
-        flops_per_token = 2 * sum(q.numel() for n_, q in model.named_parameters() if "embed_tokens" not in n_)
-        runs: dict[str, dict[int, dict[str, float]]] = {}
-        weights: dict[str, int] = {}
-        label = "fp16" if dtype == torch.float16 else "fp32"
-        log(f"{label} step latency ({args.prefix}-token cache):")
-        runs[label] = latency_table(model, heads, tree, sizes, args)
-        weights[label] = bytes_read_per_step(model)
-        # ---- NF4 ----
-        if args.no_nf4:
-            result["nf4_note"] = "skipped (--no-nf4)"
-        elif not nf4_ok:
-            result["nf4_note"] = f"skipped: {nf4_note}"
-            log(f"NF4 skipped: {nf4_note}")
-        else:
-            t0 = time.perf_counter()
-            to_nf4(model, dtype)
-            log(f"NF4 conversion {time.perf_counter() - t0:.1f} s; nf4 step latency:")
-            runs["nf4"] = latency_table(model, heads, tree, sizes, args)
-            weights["nf4"] = bytes_read_per_step(model)
-        if cuda:
-            result["max_memory_allocated_GB"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        del model, heads
-        if cuda:
-            torch.cuda.empty_cache()
-
-        # ---- projections and roofline ----
-        table = {}
-        for q, lat in runs.items():
-            l1 = lat[1]["median_s"]
-            rows = {}
-            for n in sizes:
-                read = weights[q] + kv_bytes + (heads_bytes if n > 1 else 0)
-                roof = max(read / bw, n * flops_per_token / peak)
-                roof1 = (weights[q] + kv_bytes) / bw
-                row = {
-                    "latency_ms": round(lat[n]["median_s"] * 1000, 3),
-                    "latency_min_ms": round(lat[n]["min_s"] * 1000, 3),
-                    "event_latency_ms": round(lat[n]["event_median_s"] * 1000, 3)
-                    if "event_median_s" in lat[n]
-                    else None,
-                    "relative_to_1": round(lat[n]["median_s"] / l1, 3),
-                    "projected_speedup_vicuna7b": round(e_vicuna[n] * l1 / lat[n]["median_s"], 3),
-                    "roofline_ms": round(roof * 1000, 3),
-                    "roofline_projected_speedup_vicuna7b": round(e_vicuna[n] * roof1 / roof, 3),
-                }
-                if e_smol:
-                    row["projected_speedup_smollm2_heads"] = round(e_smol[n] * l1 / lat[n]["median_s"], 3)
-                rows[n] = row
-            best = max(sizes, key=lambda n: rows[n]["projected_speedup_vicuna7b"])
-            table[q] = {
-                "weights_GB_read_per_step": round(weights[q] / 1e9, 3),
-                "roofline_tokens_per_s_plain": round(bw / (weights[q] + kv_bytes), 1),
-                "measured_tokens_per_s_plain": round(1 / l1, 1),
-                "best_size_vicuna7b": best,
-                "best_projected_speedup_vicuna7b": rows[best]["projected_speedup_vicuna7b"],
-                "sizes": rows,
-            }
-        result["results"] = table
-        result["heads_GB_per_step"] = round(heads_bytes / 1e9, 3)
-        print_table(result, sizes, e_vicuna, e_smol)
-
+        latency_part(result, args, device, dtype, sizes, nf4_ok, nf4_note)
     if args.check_lossless:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         # Keep the latency part on disk in case the rest fails or runs out of time.
@@ -677,6 +573,163 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1, default=str))
     log(f"wrote {args.out} ({result['wall_s']} s total)")
     return 0
+
+
+def latency_part(
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: list[int],
+    nf4_ok: bool,
+    nf4_note: str,
+) -> None:
+    """The ceilings, the acceptance model and its tree, the step latencies (16-bit, NF4) and the projections,
+    into `result`."""
+    bw, peak = ceilings(result, device, dtype)
+    tree, sizes, e_vicuna, e_smol = acceptance_model(result, args, sizes)
+    shape = TINY if args.tiny else VICUNA_7B
+    result["config"] = shape
+    runs, weights, costs = step_latencies(result, args, shape, device, dtype, tree, sizes, nf4_ok, nf4_note)
+    result["results"] = projections(runs, weights, costs, sizes, bw, peak, e_vicuna, e_smol)
+    result["heads_GB_per_step"] = round(costs["heads_bytes"] / 1e9, 3)
+    print_table(result, sizes, e_vicuna, e_smol)
+
+
+def ceilings(result: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, matmul FLOP/s) of the device."""
+    cuda = device.type == "cuda"
+    bw = copy_bandwidth(device, (2 << 30) if cuda else (64 << 20))
+    peak = matmul_flops(device, 8192 if cuda else 512, dtype)
+    result["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+    result["matmul_tflops"] = round(peak / 1e12, 1)
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s, {str(dtype).removeprefix('torch.')} matmul {peak / 1e12:.1f} TFLOP/s")
+    return bw, peak
+
+
+def acceptance_model(
+    result: dict[str, Any], args: argparse.Namespace, sizes: list[int]
+) -> tuple[Tree, list[int], dict[int, float], dict[int, float] | None]:
+    """The tree grown under Vicuna-7B's rank model, the sizes it allows, and the expected tokens per step by
+    size: (tree, sizes, under the model, SmolLM2's measured heads or None)."""
+    acc = rank_accuracy(VICUNA7B_TOP1, VICUNA7B_TOP5)
+    tree, expected = grow_tree(acc, max(sizes), "vicuna7b-rank-model")
+    sizes = [n for n in sizes if n <= tree.size]
+    e_vicuna = {n: expected[n - 1] for n in sizes}
+    e_smol = smollm2_expected(args.tree_json, sizes) if args.tree_json else None
+    result["acceptance_model"] = {
+        "heads": "Vicuna-7B Medusa-1 (5 heads)",
+        "top1": VICUNA7B_TOP1,
+        "top5": VICUNA7B_TOP5,
+        "rank_accuracy": [[round(x, 4) for x in row] for row in acc],
+        "model": "P(rank r) = a1*q^r per head, q from the top-5 figure; heads independent; greedy tree growth",
+        "expected_tokens_per_step_published_mc_sim_7b_63": round(expected_for_tree(Tree.named("mc_sim_7b_63"), acc), 3),
+        "paper_tokens_per_step": PAPER_TOKENS_PER_STEP,
+    }
+    result["expected_tokens_per_step"] = {"vicuna7b_medusa1_model": e_vicuna}
+    if e_smol:
+        result["expected_tokens_per_step"]["smollm2_measured"] = e_smol
+    log(
+        "E[tokens/step] (rank model): "
+        + ", ".join(f"{n}:{e_vicuna[n]:.2f}" for n in sizes)
+        + f"; published 64-node tree under the model: {result['acceptance_model']['expected_tokens_per_step_published_mc_sim_7b_63']}"
+    )
+    return tree, sizes, e_vicuna, e_smol
+
+
+def step_latencies(
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    shape: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    tree: Tree,
+    sizes: list[int],
+    nf4_ok: bool,
+    nf4_note: str,
+) -> tuple[dict[str, dict[int, dict[str, float]]], dict[str, int], dict[str, int]]:
+    """The step latency table of the 16-bit model, then NF4's where it runs: (tables by numeric path, weight
+    bytes read per step by path, the KV, heads and FLOPs-per-token costs)."""
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    model = build_llama(shape, dtype, device)
+    heads = random_heads(shape["hidden_size"], shape["vocab_size"], 5, True, dtype, device, std=0.002)
+    log(f"built {'tiny' if args.tiny else '7B-shaped'} Llama + 5 v1 heads in {time.perf_counter() - t0:.1f} s")
+    costs = {
+        "kv_bytes": 2 * shape["num_hidden_layers"] * args.prefix * shape["hidden_size"] * torch.finfo(dtype).bits // 8,
+        "heads_bytes": sum(q.numel() * q.element_size() for q in heads.parameters()),
+        "flops_per_token": 2 * sum(q.numel() for n_, q in model.named_parameters() if "embed_tokens" not in n_),
+    }
+    runs: dict[str, dict[int, dict[str, float]]] = {}
+    weights: dict[str, int] = {}
+    label = "fp16" if dtype == torch.float16 else "fp32"
+    log(f"{label} step latency ({args.prefix}-token cache):")
+    runs[label] = latency_table(model, heads, tree, sizes, args)
+    weights[label] = bytes_read_per_step(model)
+    if args.no_nf4:
+        result["nf4_note"] = "skipped (--no-nf4)"
+    elif not nf4_ok:
+        result["nf4_note"] = f"skipped: {nf4_note}"
+        log(f"NF4 skipped: {nf4_note}")
+    else:
+        t0 = time.perf_counter()
+        to_nf4(model, dtype)
+        log(f"NF4 conversion {time.perf_counter() - t0:.1f} s; nf4 step latency:")
+        runs["nf4"] = latency_table(model, heads, tree, sizes, args)
+        weights["nf4"] = bytes_read_per_step(model)
+    if cuda:
+        result["max_memory_allocated_GB"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    del model, heads
+    if cuda:
+        torch.cuda.empty_cache()
+    return runs, weights, costs
+
+
+def projections(
+    runs: dict[str, dict[int, dict[str, float]]],
+    weights: dict[str, int],
+    costs: dict[str, int],
+    sizes: list[int],
+    bw: float,
+    peak: float,
+    e_vicuna: dict[int, float],
+    e_smol: dict[int, float] | None,
+) -> dict[str, Any]:
+    """Per numeric path and tree size: the measured latency, the projected speedup under the acceptance model,
+    and the roofline's."""
+    kv_bytes, heads_bytes, flops_per_token = costs["kv_bytes"], costs["heads_bytes"], costs["flops_per_token"]
+    table = {}
+    for q, lat in runs.items():
+        l1 = lat[1]["median_s"]
+        rows = {}
+        for n in sizes:
+            read = weights[q] + kv_bytes + (heads_bytes if n > 1 else 0)
+            roof = max(read / bw, n * flops_per_token / peak)
+            roof1 = (weights[q] + kv_bytes) / bw
+            row = {
+                "latency_ms": round(lat[n]["median_s"] * 1000, 3),
+                "latency_min_ms": round(lat[n]["min_s"] * 1000, 3),
+                "event_latency_ms": round(lat[n]["event_median_s"] * 1000, 3)
+                if "event_median_s" in lat[n]
+                else None,
+                "relative_to_1": round(lat[n]["median_s"] / l1, 3),
+                "projected_speedup_vicuna7b": round(e_vicuna[n] * l1 / lat[n]["median_s"], 3),
+                "roofline_ms": round(roof * 1000, 3),
+                "roofline_projected_speedup_vicuna7b": round(e_vicuna[n] * roof1 / roof, 3),
+            }
+            if e_smol:
+                row["projected_speedup_smollm2_heads"] = round(e_smol[n] * l1 / lat[n]["median_s"], 3)
+            rows[n] = row
+        best = max(sizes, key=lambda n: rows[n]["projected_speedup_vicuna7b"])
+        table[q] = {
+            "weights_GB_read_per_step": round(weights[q] / 1e9, 3),
+            "roofline_tokens_per_s_plain": round(bw / (weights[q] + kv_bytes), 1),
+            "measured_tokens_per_s_plain": round(1 / l1, 1),
+            "best_size_vicuna7b": best,
+            "best_projected_speedup_vicuna7b": rows[best]["projected_speedup_vicuna7b"],
+            "sizes": rows,
+        }
+    return table
 
 
 def print_table(

@@ -47,7 +47,9 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -188,16 +190,62 @@ def parse_configs(spec: str) -> list[tuple[int, int, str]]:
     return out
 
 
+@dataclass
+class Run:
+    """One run's budget, folders, log and summary.json (written again after every unit of work)."""
+
+    args: argparse.Namespace
+    out: Path
+    work: Path
+    log: Any
+    t0: float
+    end: float  # the budget's end, a few seconds kept to write the summary
+    summary: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> Run:
+        t0 = time.time()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        work = Path(args.work) if args.work else out / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        summary = {"args": vars(args), "phases": {}, "configs": {}}
+        return cls(args, out, work, make_logger(file=out / "log.txt"), t0, t0 + 60 * args.minutes - 10, summary)
+
+    def save_summary(self) -> None:
+        self.summary["elapsed_s"] = round(time.time() - self.t0, 1)
+        atomic_write_json(self.out / "summary.json", self.summary)
+
+    def finish(self) -> None:
+        self.summary["phases"]["total_s"] = round(time.time() - self.t0, 1)
+        self.save_summary()
+        self.log(f"done in {time.time() - self.t0:.0f}s; wrote {self.out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t0 = time.time()
-    end = t0 + 60 * args.minutes - 10  # keep a few seconds to write the summary
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    log = make_logger(file=out / "log.txt")
-    device = torch.device(args.device)
+    run = Run.start(args)
+    device = training_device(args.device, run.log)
+    model, tok = load_backbone(run, device)
+    store = generate_data(run, model, tok)
+    if not store.shards:
+        run.log("no data generated: nothing to train")
+        return 1
+    specs = parse_configs(args.configs)
+    eagle_specs = [fmt for _, _, fmt in specs if fmt in EAGLE_CONFIGS]
+    configs = head_configs(run, model, [spec for spec in specs if spec[2] not in EAGLE_CONFIGS])
+    train_eagle_drafts(run, model, store, eagle_specs, len(configs) + len(eagle_specs), device)
+    if not configs:
+        run.finish()
+        return 0 if run.summary["configs"] else 1
+    train, held = cached_positions(run, model, store, device)
+    best_name = train_head_configs(run, model, configs, train, held, device)
+    run.finish()
+    return 0 if best_name else 1
+
+
+def training_device(name: str, log: Any) -> torch.device:
+    device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: pass --device cpu for a dry run")
@@ -207,27 +255,30 @@ def main(argv: list[str] | None = None) -> int:
         log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     else:
         log(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    summary: dict = {"args": vars(args), "phases": {}, "configs": {}}
+    return device
 
-    def save_summary() -> None:
-        summary["elapsed_s"] = round(time.time() - t0, 1)
-        atomic_write_json(out / "summary.json", summary)
 
-    # ---- model ----------------------------------------------------------------------------------------
-    model_dir = prepare_model(args.model, work, args.hf_files, log)
+def load_backbone(run: Run, device: torch.device) -> tuple[Any, Any]:
+    """The backbone in fp32 (a GGUF dequantized once), its weights checked against --expect-hashes."""
+    args = run.args
+    model_dir = prepare_model(args.model, run.work, args.hf_files, run.log)
     model, tok = load_for_training(model_dir, device)
     if args.expect_hashes:
         want = json.loads(Path(args.expect_hashes).read_text())
         got = tensor_hashes({k: v for k, v in model.state_dict().items() if k in want})
         bad = [k for k in want if got.get(k) != want[k]]
-        summary["backbone_hash_check"] = "ok" if not bad else f"{len(bad)} tensors differ: {bad[:5]}"
-        log(f"backbone weights vs expected hashes: {summary['backbone_hash_check']}")
-    log(f"model: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)")
+        run.summary["backbone_hash_check"] = "ok" if not bad else f"{len(bad)} tensors differ: {bad[:5]}"
+        run.log(f"backbone weights vs expected hashes: {run.summary['backbone_hash_check']}")
+    run.log(f"model: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)")
+    return model, tok
 
-    # ---- data -----------------------------------------------------------------------------------------
+
+def generate_data(run: Run, model: Any, tok: Any) -> DistillStore:
+    """Distilled replies (imported, then generated) for --data-frac of the time left, exported to OUT/data.npz."""
+    args, log = run.args, run.log
     t = time.time()
-    data_deadline = t + args.data_frac * (end - t)  # a share of what is left after loading the model
-    store = DistillStore.open(work / "distill", model=str(args.model))
+    data_deadline = t + args.data_frac * (run.end - t)  # a share of what is left after loading the model
+    store = DistillStore.open(run.work / "distill", model=str(args.model))
     if args.import_data and not store.shards:
         from medusa_chat.training.distill import eos_ids
         from medusa_chat.training.store import import_npz
@@ -248,31 +299,29 @@ def main(argv: list[str] | None = None) -> int:
     tokens_before = store.reply_tokens
     distill(model, tok, store, ds, deadline=data_deadline, log=log)
     dt = time.time() - t
-    n_magpie = sum(1 for s in store.sources if s == "magpie")
-    summary["data"] = {
+    run.summary["data"] = {
         "prompts_answered": store.next_prompt_index(),
-        "magpie_prompts": n_magpie,
+        "magpie_prompts": sum(1 for s in store.sources if s == "magpie"),
         "magpie_rounds": store.magpie_rounds,
         "magpie_sampled": store.magpie_sampled,
         "reply_tokens": store.reply_tokens,
         "max_new_tokens": args.max_new_tokens,
         "reply_tokens_per_s_overall": round((store.reply_tokens - tokens_before) / max(dt, 1e-9), 1),
     }
-    summary["phases"]["data_s"] = round(dt, 1)
-    log(f"data: {json.dumps(summary['data'])}")
-    summary["data"].update(export_npz(store, out / "data.npz"))
-    save_summary()
-    if not store.shards:
-        log("no data generated: nothing to train")
-        return 1
+    run.summary["phases"]["data_s"] = round(dt, 1)
+    log(f"data: {json.dumps(run.summary['data'])}")
+    run.summary["data"].update(export_npz(store, run.out / "data.npz"))
+    run.save_summary()
+    return store
 
-    specs = parse_configs(args.configs)
-    eagle_specs = [fmt for _, _, fmt in specs if fmt in EAGLE_CONFIGS]
-    head_specs = [spec for spec in specs if spec[2] not in EAGLE_CONFIGS]
+
+def head_configs(run: Run, model: Any, specs: list[tuple[int, int, str]]) -> list[TrainSettings]:
+    """The head configurations to train, those whose fp16 file exceeds --max-mb left out."""
+    args = run.args
     lm_head = model.get_output_embeddings()
     hidden_size, vocab = lm_head.weight.shape[1], lm_head.weight.shape[0]
     configs = []
-    for k, layers, fmt in head_specs:
+    for k, layers, fmt in specs:
         ts = TrainSettings(
             num_heads=k,
             num_layers=layers,
@@ -284,65 +333,66 @@ def main(argv: list[str] | None = None) -> int:
         )
         mb = heads_file_bytes(ts, hidden_size, vocab) / 1e6
         if mb > args.max_mb:
-            log(f"skip {k}x{layers}: {mb:.1f} MB > --max-mb {args.max_mb}")
+            run.log(f"skip {k}x{layers}: {mb:.1f} MB > --max-mb {args.max_mb}")
             continue
         configs.append(ts)
-    n_units = len(configs) + len(eagle_specs)
+    return configs
 
-    # ---- EAGLE drafts (each with its own feature cache) ------------------------------------------------
-    for i, fmt in enumerate(eagle_specs):
-        left = end - time.time()
+
+def train_eagle_drafts(
+    run: Run, model: Any, store: DistillStore, formats: list[str], n_units: int, device: torch.device
+) -> None:
+    """Each EAGLE draft (with its own feature cache) on an equal share of the time left among `n_units`."""
+    for i, fmt in enumerate(formats):
+        left = run.end - time.time()
         if left < 30:
-            log(f"time budget: no time left for {fmt}")
+            run.log(f"time budget: no time left for {fmt}")
             break
         t = time.time()
+        deadline = t + left / (n_units - i) - 8
         report = train_eagle_config(
-            model,
-            store,
-            fmt,
-            args,
-            out / fmt,
-            work,
-            device,
-            t + left / (n_units - i) - 8,
-            summary["data"],
-            log,
+            model, store, fmt, run.args, run.out / fmt, run.work, device, deadline, run.summary["data"], run.log
         )
-        summary["configs"][fmt] = {
+        run.summary["configs"][fmt] = {
             **config_summary(report, time.time() - t),
             "train_positions": report["data"]["train_positions"],
         }
-        save_summary()
-    if not configs:
-        summary["phases"]["total_s"] = round(time.time() - t0, 1)
-        save_summary()
-        log(f"done in {time.time() - t0:.0f}s; wrote {out}")
-        return 0 if summary["configs"] else 1
+        run.save_summary()
 
-    # ---- hidden states --------------------------------------------------------------------------------
+
+def cached_positions(run: Run, model: Any, store: DistillStore, device: torch.device) -> tuple[Any, Any]:
+    """The hidden states of every reply position, split into (train, held-out) on the device."""
     t = time.time()
     paths = cache_hidden_states(
         model,
         store,
-        work / "hidden",
+        run.work / "hidden",
         batch_tokens=131072 if device.type == "cuda" else 4096,
-        log=log,
-        deadline=end - 30,
+        log=run.log,
+        deadline=run.end - 30,
     )
     data = load_cache(paths)
     dt = time.time() - t
-    summary["phases"]["hidden_s"] = round(dt, 1)
-    log(f"hidden states: {len(data)} positions in {dt:.0f}s")
-    mask = heldout_mask(data.sample, args.holdout)
+    run.summary["phases"]["hidden_s"] = round(dt, 1)
+    run.log(f"hidden states: {len(data)} positions in {dt:.0f}s")
+    mask = heldout_mask(data.sample, run.args.holdout)
     train, held = data.subset(~mask).to(device), data.subset(mask).to(device)
     del data
-    summary["data"].update(train_positions=len(train), heldout_positions=len(held))
-    save_summary()
+    run.summary["data"].update(train_positions=len(train), heldout_positions=len(held))
+    run.save_summary()
+    return train, held
 
-    # ---- heads ----------------------------------------------------------------------------------------
+
+def train_head_configs(
+    run: Run, model: Any, configs: list[TrainSettings], train: Any, held: Any, device: torch.device
+) -> str | None:
+    """Each head configuration on an equal share of the time left; the best (estimated tokens per step at 64
+    nodes, or the whole tree) copied to OUT/best. Returns its name."""
+    args, out, log = run.args, run.out, run.log
+    lm_head = model.get_output_embeddings()
     best_name, best_score = None, -1.0
     for i, ts in enumerate(configs):
-        left = end - time.time()
+        left = run.end - time.time()
         if left < 20 and i > 0:  # the first configuration always trains (at least a step): save something
             log("time budget: no time left for more head configurations")
             break
@@ -357,29 +407,26 @@ def main(argv: list[str] | None = None) -> int:
             out / name,
             args.base_model,
             device,
-            checkpoint=work / f"{name}.ckpt",
+            checkpoint=run.work / f"{name}.ckpt",
             resume=True,
             deadline=time.time() + share - 8,
             log=log,
-            extra_report={"distill": summary["data"]},
+            extra_report={"distill": run.summary["data"]},
             embed_weight=model.get_input_embeddings().weight.detach(),
         )
         est = report.get("estimated_tokens_per_step", {})
-        summary["configs"][name] = config_summary(report, time.time() - t)
+        run.summary["configs"][name] = config_summary(report, time.time() - t)
         score = float(est.get("64", list(est.values())[-1])) if est else 0.0  # 64 nodes, or the whole tree
         if score > best_score:
             best_name, best_score = name, score
             shutil.rmtree(out / "best", ignore_errors=True)
             shutil.copytree(out / name, out / "best")
-            summary["best"] = {"config": name, "estimated_tokens_per_step_64": score}
-        save_summary()
+            run.summary["best"] = {"config": name, "estimated_tokens_per_step_64": score}
+        run.save_summary()
     log(f"best: {best_name} ({best_score:.3f} estimated tokens/step at 64 nodes)")
-    for name, c in summary["configs"].items():
+    for name, c in run.summary["configs"].items():
         log(f"  {name}: top1 {c['top1']} est {c['estimated_tokens_per_step']} ({c['seconds']}s)")
-    summary["phases"]["total_s"] = round(time.time() - t0, 1)
-    save_summary()
-    log(f"done in {time.time() - t0:.0f}s; wrote {out}")
-    return 0 if best_name else 1
+    return best_name
 
 
 def config_summary(report: dict, seconds: float) -> dict:

@@ -1,10 +1,10 @@
 """Write Llama-shaped (and Qwen2-shaped) models with random weights at real sizes, for measuring cost and numeric
 agreement (never acceptance).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 1b --out /work/models/llama-1b \\
+    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 1b --out ../models/llama-1b \\
         --gguf Q4_K_M,Q4_0,Q8_0,Q5_K_M --llama-cpp /path/to/llama.cpp
-    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 7b --out /work/models/llama-7b --gguf Q4_K_M
-    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py qwen2-0.5b-l4 --out /work/models/qwen2-l4 \
+    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py 7b --out ../models/llama-7b --gguf Q4_K_M
+    PYTHONPATH=. .venv/bin/python benchmarks/make_real_size_models.py qwen2-0.5b-l4 --out ../models/qwen2-l4 \
         --gguf Q4_K_M,Q8_0 --keep-f16 --llama-cpp /path/to/llama.cpp
 
 Per shape, under OUT:

@@ -2,7 +2,7 @@
 ratios to the plain (1-node) step, with the heads on the block kernel (model/block_heads.py: Q8_0 blocks, only the
 heads the tree reaches, drafted in C) and, with --compare-fp32, the old fp32 PyTorch heads (every head, every step).
 
-    python benchmarks/medusa1_step_cost.py --model /work/models/llama-1b/hf --heads /work/models/llama-1b/medusa1
+    python benchmarks/medusa1_step_cost.py --model ../models/llama-1b/hf --heads ../models/llama-1b/medusa1
     python benchmarks/medusa1_step_cost.py --model ... --heads ... --sizes 1,2,3,4,8 --quant int8 --compare-fp32
     python benchmarks/medusa1_step_cost.py --tiny          # a small random Llama + 4 v1 heads written here
 

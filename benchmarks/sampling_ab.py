@@ -42,7 +42,7 @@ def main(which: str) -> None:
     loaded = load_model(quant="int4", device="cpu")
     tree, _ = choose_tree(loaded)
     engines = (("medusa", MedusaEngine(loaded, tree)), ("plain", MedusaEngine(loaded, plain_tree())))
-    lines = Path("benchmarks/data/vicuna_bench_question.jsonl").read_text().splitlines()
+    lines = (Path(__file__).parent / "data" / "vicuna_bench_question.jsonl").read_text().splitlines()
     prompts = [loaded.build_prompt([{"role": "user", "content": json.loads(x)["turns"][0]}]) for x in lines[:10]]
     res: dict[tuple[str, str], list[float]] = {}
     for _round in range(2):

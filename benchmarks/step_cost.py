@@ -38,6 +38,7 @@ def measure_model(
 ) -> dict[str, Any]:
     import torch
 
+    from medusa_chat.bench.runs import repo_path
     from medusa_chat.kernels import qgemm
     from medusa_chat.model.loading import load_model
     from medusa_chat.tree import Tree
@@ -64,7 +65,7 @@ def measure_model(
         for engine, _, _ in engines.values():
             engine.reset()
     out: dict[str, Any] = {
-        "model": model,
+        "model": repo_path(model),  # repo-relative, as every result JSON keeps paths
         "load_s": round(load_s, 1),
         "drafter": "heads" if heads else "chain (context lookup)",
         "quant": str(getattr(loaded, "quant", "")),

@@ -30,7 +30,7 @@ from medusa_chat.training.distill import (
 )
 from medusa_chat.training.pipeline import train_and_save
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
-from medusa_chat.training.store import DistillStore, import_npz
+from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
 
@@ -190,49 +190,23 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     return lm.backbone.eval().requires_grad_(False), lm.tokenizer
 
 
-def train_main(args: argparse.Namespace) -> int:
-    from medusa_chat.model.devices import pick_device
+class _Refused(Exception):
+    """A run refused before any work: the message is printed and train-heads exits with 2."""
 
-    device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if device.type == "cuda":
-        # fp32 replies and hidden states must match what the backbone computes at decode time: no TF32.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+
+def train_main(args: argparse.Namespace) -> int:
+    device = _training_device(args)
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
-    if (work / "distill" / "manifest.json").exists() and not args.resume:
-        print(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
-        return 2
     eagle = args.heads_format in ("eagle", "eagle3")
-    if eagle:
-        from medusa_chat.training.train_eagle import EagleSettings
-
-        eagle_settings = EagleSettings(
-            unroll=args.unroll,
-            epochs=args.epochs or 4.0,
-            batch_tokens=args.train_batch_size or 4096,
-            lr=args.lr,
-            seed=args.seed,
-            bf16={"auto": None, "on": True, "off": False}[args.bf16],
-        )
-        try:
-            eagle_settings.check()  # fail now, not after the data
-        except ValueError as err:
-            print(f"train-heads: {err}")
-            return 2
-    init_from = None
-    if args.init_from:
-        from medusa_chat.model.heads_files import load_heads_file
-
-        init_from = load_heads_file(Path(args.init_from).expanduser())[0]  # fail now: bad folders say why
-        given = getattr(init_from, "format", "heads")
-        if eagle != (given in ("eagle", "eagle3")) or (eagle and given != args.heads_format):
-            what = "an EAGLE draft" if given in ("eagle", "eagle3") else "heads"
-            print(f"--init-from {args.init_from} holds {what} of format {given}: it cannot start a --heads-format "
-                  f"{args.heads_format} run")  # fmt: skip
-            return 2
+    try:
+        if (work / "distill" / "manifest.json").exists() and not args.resume:
+            raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
+        eagle_settings = _eagle_settings(args) if eagle else None
+        init_from = _init_from(args, eagle)
+    except _Refused as err:
+        print(err)
+        return 2
     if args.prompts:
         try:
             read_prompt_file(args.prompts)  # fail now, not after loading the model
@@ -240,7 +214,6 @@ def train_main(args: argparse.Namespace) -> int:
             raise PromptError(f"--prompts: {err}") from err
     work.mkdir(parents=True, exist_ok=True)
     log = make_logger(file=work / "train.log")
-    cuda = device.type == "cuda"
     model, tok = _load(args.model, device)
     store = DistillStore.open(work / "distill", model=str(args.model))
     if args.import_data and not store.shards:
@@ -248,44 +221,119 @@ def train_main(args: argparse.Namespace) -> int:
         log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
     t_data = time.time()
     if args.stage in ("all", "data"):
-        ds = DistillSettings(
-            magpie=args.magpie,
-            prompt_file=args.prompts,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size or (512 if cuda else 64),
-            magpie_batch=args.batch_size or (512 if cuda else 64),
-            shard_size=1024 if cuda else 256,
-            seed=args.seed,
-            max_reply_tokens=args.max_tokens,
-            opener_frac=args.opener_frac,
-        )
-        deadline = time.time() + 60 * args.minutes if args.minutes else None
-        log(
-            f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}"
-        )
-        distill(model, tok, store, ds, deadline=deadline, log=log)
-        log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
+        _distill_data(args, model, tok, store, device, log)
         if args.stage == "data":
             return 0
     if not store.shards:
         log("no distilled data: run without --stage train first")
         return 2
-    t_data = time.time() - t_data
-    n_magpie = sum(1 for s in store.sources if s == "magpie")
-    distill_report = {
-        "model": str(args.model),
-        "prompts": store.next_prompt_index(),
-        "magpie_prompts": n_magpie,
-        "magpie_rounds": store.magpie_rounds,
-        "reply_tokens": store.reply_tokens,
-        "max_new_tokens": args.max_new_tokens,
-        "data_seconds_this_run": round(t_data, 1),
-    }
+    distill_report = _distill_report(args, store, time.time() - t_data)
     deadline = time.time() + 60 * args.train_minutes if args.train_minutes else None
-    if eagle:
+    if eagle_settings is not None:
         return _train_eagle(
             args, model, store, eagle_settings, out, work, device, deadline, distill_report, log, init_from
         )
+    return _train_heads(args, model, store, out, work, device, deadline, distill_report, log, init_from)
+
+
+def _training_device(args: argparse.Namespace) -> torch.device:
+    """The device (`--device`), with `--threads` and, on CUDA, no TF32 (the fp32 replies and hidden states must
+    match what the backbone computes at decode time)."""
+    from medusa_chat.model.devices import pick_device
+
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def _eagle_settings(args: argparse.Namespace) -> Any:
+    """An EAGLE run's settings from the flags, checked now (not after the data)."""
+    from medusa_chat.training.train_eagle import EagleSettings
+
+    settings = EagleSettings(
+        unroll=args.unroll,
+        epochs=args.epochs or 4.0,
+        batch_tokens=args.train_batch_size or 4096,
+        lr=args.lr,
+        seed=args.seed,
+        bf16={"auto": None, "on": True, "off": False}[args.bf16],
+    )
+    try:
+        settings.check()
+    except ValueError as err:
+        raise _Refused(f"train-heads: {err}") from None
+    return settings
+
+
+def _init_from(args: argparse.Namespace, eagle: bool) -> Any:
+    """The heads or draft `--init-from` starts from (None without it), read now: bad folders say why, and a
+    format that cannot start this run is refused."""
+    if not args.init_from:
+        return None
+    from medusa_chat.model.heads_files import load_heads_file
+
+    init_from = load_heads_file(Path(args.init_from).expanduser())[0]
+    given = getattr(init_from, "format", "heads")
+    if eagle != (given in ("eagle", "eagle3")) or (eagle and given != args.heads_format):
+        what = "an EAGLE draft" if given in ("eagle", "eagle3") else "heads"
+        raise _Refused(f"--init-from {args.init_from} holds {what} of format {given}: it cannot start a "
+                       f"--heads-format {args.heads_format} run")  # fmt: skip
+    return init_from
+
+
+def _distill_data(
+    args: argparse.Namespace, model: Any, tok: Any, store: DistillStore, device: torch.device, log: Log
+) -> None:
+    """The data stage: self-distilled replies added to `store` (within `--minutes`)."""
+    cuda = device.type == "cuda"
+    ds = DistillSettings(
+        magpie=args.magpie,
+        prompt_file=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size or (512 if cuda else 64),
+        magpie_batch=args.batch_size or (512 if cuda else 64),
+        shard_size=1024 if cuda else 256,
+        seed=args.seed,
+        max_reply_tokens=args.max_tokens,
+        opener_frac=args.opener_frac,
+    )
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
+    distill(model, tok, store, ds, deadline=deadline, log=log)
+    log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
+
+
+def _distill_report(args: argparse.Namespace, store: DistillStore, data_seconds: float) -> dict[str, Any]:
+    """What the report says of the distilled data."""
+    return {
+        "model": str(args.model),
+        "prompts": store.next_prompt_index(),
+        "magpie_prompts": sum(1 for s in store.sources if s == "magpie"),
+        "magpie_rounds": store.magpie_rounds,
+        "reply_tokens": store.reply_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "data_seconds_this_run": round(data_seconds, 1),
+    }
+
+
+def _train_heads(
+    args: argparse.Namespace,
+    model: Any,
+    store: DistillStore,
+    out: Path,
+    work: Path,
+    device: torch.device,
+    deadline: float | None,
+    distill_report: dict[str, Any],
+    log: Log,
+    init_from: Any,
+) -> int:
+    """Medusa or Hydra heads: the hidden states cached, the heads trained, evaluated and saved to `out`."""
+    cuda = device.type == "cuda"
     paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
     mask = heldout_mask(data.sample, args.holdout)

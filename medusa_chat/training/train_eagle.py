@@ -16,7 +16,6 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -24,8 +23,16 @@ from torch.nn import functional as F
 from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.training.eagle_data import EagleData
 from medusa_chat.training.eagle_model import draft_index, draft_logits, step_rows, unrolled_outputs
-from medusa_chat.training.store import Log, atomic_torch_save
-from medusa_chat.training.train_heads import TrainSettings, WarmupCosine, _Progress, use_bf16
+from medusa_chat.training.loop import (
+    Checkpoint,
+    DeadlineFit,
+    Progress,
+    RunState,
+    WarmupCosine,
+    set_learning_rate,
+)
+from medusa_chat.training.store import Log
+from medusa_chat.training.train_heads import TrainSettings, use_bf16
 
 MAX_UNROLL = 7  # EAGLE-3 unrolls ~7 steps; the cached targets reach 8 tokens past a feature
 
@@ -166,113 +173,69 @@ def train_eagle(
         draft.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
     )
     key = {**asdict(settings), "pairs": len(train.hidden), "samples": len(train)}
-    state: dict[str, Any] = {
-        "step": 0,
-        "best_loss": math.inf,
-        "best_epoch": None,
-        "epoch_losses": [],
-        "best": None,
-    }
-    if resume and checkpoint is not None and checkpoint.is_file():
-        ck = torch.load(checkpoint, weights_only=True, map_location=device)
-        if ck["key"] == key:
-            draft.load_state_dict(ck["draft"])
-            opt.load_state_dict(ck["opt"])
-            plan.total = int(ck["total"])
-            state.update(
-                step=int(ck["step"]),
-                best_loss=float(ck["best_loss"]),
-                best_epoch=ck["best_epoch"],
-                epoch_losses=list(ck["epoch_losses"]),
-                best=ck.get("best"),
-            )
-            log(f"resuming EAGLE training at step {state['step']}/{plan.total}")
-        else:
-            log("checkpoint is for other settings or data: training from scratch")
-
-    def save_ck() -> None:
-        if checkpoint is not None:
-            atomic_torch_save(
-                {
-                    "key": key,
-                    "draft": draft.state_dict(),
-                    "opt": opt.state_dict(),
-                    "total": plan.total,
-                    **{k: state[k] for k in ("step", "best_loss", "best_epoch", "epoch_losses")},
-                    "best": state["best"],
-                },
-                checkpoint,
-            )
+    saved = Checkpoint(checkpoint, key, draft, opt, plan, "draft", "best")
+    state = saved.resume(device, log, "EAGLE training") if resume else RunState()
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     ema = [0.0] * settings.unroll
-    bar = _Progress(plan.total, "train eagle", log)
-    t0, t_meas, stopped = time.time(), None, False
-    cur_epoch, batches = -1, []
+    bar = Progress(plan.total, "train eagle", log)
+    t0, stopped = time.time(), False
+    fit = DeadlineFit(deadline, 3, 13, lambda per: f"{per:.2f} s/step")
+    order = _EpochBatches(train, settings)
     try:
-        while state["step"] < plan.total:
-            step = state["step"]
-            epoch, off = divmod(step, batches_per_epoch)
-            if epoch != cur_epoch:  # the same order after a resume
-                batches, cur_epoch = (
-                    make_batches(train, settings.batch_tokens, settings.seed * 7919 + epoch),
-                    epoch,
-                )
-            batch = train.batch(batches[off], device)
+        while state.step < plan.total:
+            batch = train.batch(order.batch(state.step, batches_per_epoch), device)
             with amp:
-                noise_gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+                noise_gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + state.step)
                 loss, top1 = batch_losses(draft, lm_w, embed, batch, settings, settings.noise, noise_gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), settings.grad_clip)
-            for grp in opt.param_groups:  # schedule set by hand: survives resumes and a shortened plan
-                grp["lr"] = settings.lr * plan(step)
+            set_learning_rate(opt, settings.lr * plan(state.step))
             opt.step()
-            state["step"] = step = step + 1
+            state.step += 1
             ema = [0.9 * e + 0.1 * a for e, a in zip(ema, top1, strict=True)]
-            if step == 3:
-                t_meas = time.time()
-            elif deadline is not None and t_meas is not None and step == 13:
-                per = (time.time() - t_meas) / 10
-                fit = int((deadline - time.time()) / per * 0.92)
-                if step + fit < plan.total:
-                    plan.total = max(step + 1, step + fit)
-                    log(f"time budget: training shortened to {plan.total} steps ({per:.2f} s/step)")
-            bar.update(
-                step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), total=plan.total
-            )
-            end_of_epoch = step % batches_per_epoch == 0 or step == plan.total
+            fit.after_step(state.step, plan, log)
+            bar.update(state.step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), plan.total)
+            end_of_epoch = state.step % batches_per_epoch == 0 or state.step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
                 hl = heldout_loss(draft, lm_w, embed, heldout, settings, device, bf16)
-                state["epoch_losses"].append(round(hl, 5))
-                if hl < state["best_loss"]:
-                    state["best_loss"], state["best_epoch"] = hl, math.ceil(step / batches_per_epoch)
-                    state["best"] = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-                log(f"epoch {math.ceil(step / batches_per_epoch)}: held-out loss {hl:.4f}")
-            if checkpoint is not None and (step % settings.checkpoint_every == 0 or end_of_epoch):
-                save_ck()
-            if stop_after_steps is not None and step >= stop_after_steps:
-                stopped = True
-                break
-            if deadline is not None and time.time() > deadline:
+                epoch = math.ceil(state.step / batches_per_epoch)
+                state.score_epoch(hl, epoch, draft, ndigits=5)
+                log(f"epoch {epoch}: held-out loss {hl:.4f}")
+            if checkpoint is not None and (state.step % settings.checkpoint_every == 0 or end_of_epoch):
+                saved.save(state)
+            stopped = stop_after_steps is not None and state.step >= stop_after_steps
+            if not stopped and fit.passed():
                 log("time budget: training stopped")
                 stopped = True
+            if stopped:
                 break
     finally:
         bar.close()
-    save_ck()
-    if state["best"] is not None and not stopped:
-        draft.load_state_dict(state["best"])
+    saved.save(state)
+    if state.best is not None and not stopped:
+        draft.load_state_dict(state.best)
+    ema_top1 = [round(a, 4) for a in ema]
     return EagleResult(
-        state["step"],
-        plan.total,
-        time.time() - t0,
-        stopped,
-        bf16,
-        [round(a, 4) for a in ema],
-        state["best_epoch"],
-        state["epoch_losses"],
+        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
     )
+
+
+class _EpochBatches:
+    """The samples' batches in each epoch's seeded order (the same after a resume)."""
+
+    def __init__(self, data: EagleData, settings: EagleSettings) -> None:
+        self.data, self.settings = data, settings
+        self.epoch, self.batches = -1, []
+
+    def batch(self, step: int, batches_per_epoch: int) -> list[int]:
+        """The sample indices of step `step`'s batch."""
+        epoch, off = divmod(step, batches_per_epoch)
+        if epoch != self.epoch:
+            seed = self.settings.seed * 7919 + epoch
+            self.batches, self.epoch = make_batches(self.data, self.settings.batch_tokens, seed), epoch
+        return self.batches[off]
 
 
 def use_bf16_eagle(settings: EagleSettings, device: torch.device) -> bool:

@@ -24,7 +24,6 @@ uses) up to len - 2. Targets past the end of the reply are -1 (ignored).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,8 +34,16 @@ from torch.nn import functional as F
 
 from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.training.loop import (
+    Checkpoint,
+    DeadlineFit,
+    Progress,
+    RunState,
+    WarmupCosine,
+    set_learning_rate,
+)
 from medusa_chat.training.positions import MAX_CACHED_HEADS, PositionData
-from medusa_chat.training.store import Log, atomic_torch_save
+from medusa_chat.training.store import Log
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,50 +153,6 @@ def head_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-class _Progress:
-    """A rich progress bar on a terminal; periodic log lines otherwise (logs of long runs stay readable)."""
-
-    def __init__(self, total: int, desc: str, log: Log, every_s: float = 20.0) -> None:
-        self.total, self.desc, self.log, self.every_s = total, desc, log, every_s
-        self.last = time.time()
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from rich.progress import (
-                    BarColumn,
-                    Progress,
-                    TextColumn,
-                    TimeElapsedColumn,
-                    TimeRemainingColumn,
-                )
-
-                self.bar = Progress(
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(),
-                    TimeRemainingColumn(),
-                    TextColumn("{task.fields[info]}"),
-                )
-                self.bar.start()
-                self.task = self.bar.add_task(desc, total=total, info="")
-            except ImportError:
-                self.bar = None
-
-    def update(self, done: int, info: str, total: int | None = None) -> None:
-        if total is not None:
-            self.total = total
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, total=self.total, info=info)
-        elif time.time() - self.last >= self.every_s or done >= self.total:
-            self.last = time.time()
-            self.log(f"{self.desc} {done}/{self.total} {info}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 @dataclass
 class TrainResult:
     steps: int
@@ -200,26 +163,6 @@ class TrainResult:
     train_top1: list[float] = field(default_factory=list)
     best_epoch: int | None = None
     epoch_heldout_loss: list[float] = field(default_factory=list)
-
-
-@dataclass
-class WarmupCosine:
-    """The learning-rate factor: linear warm-up over the first steps, then a cosine to 0 at `total`. A time
-    budget may shorten `total` during training; the warm-up stays as planned."""
-
-    total: int
-    warmup: int
-
-    @classmethod
-    def planned(cls, total: int, warmup_frac: float) -> WarmupCosine:
-        total = max(1, total)
-        return cls(total, max(1, int(warmup_frac * total)))
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        frac = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return 0.5 * (1 + math.cos(math.pi * frac))
 
 
 def train_heads(
@@ -258,127 +201,86 @@ def train_heads(
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    key = {**asdict(settings), "positions": n}
-    step, best_loss, best_state, best_epoch, epoch_losses = 0, math.inf, None, None, []
-    if resume and checkpoint is not None and checkpoint.is_file():
-        ck = torch.load(checkpoint, weights_only=True, map_location=device)
-        if ck["key"] == key:
-            heads.load_state_dict(ck["heads"])
-            opt.load_state_dict(ck["opt"])
-            step, plan.total = int(ck["step"]), int(ck["total"])
-            best_loss, best_epoch, epoch_losses = (
-                float(ck["best_loss"]),
-                ck["best_epoch"],
-                list(ck["epoch_losses"]),
-            )
-            best_state = ck.get("best_state")
-            log(f"resuming training at step {step}/{plan.total}")
-        else:
-            log("checkpoint is for other settings or data: training from scratch")
-
-    def save_ck() -> None:
-        if checkpoint is None:
-            return
-        atomic_torch_save(
-            {
-                "key": key,
-                "heads": heads.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "total": plan.total,
-                "best_loss": best_loss,
-                "best_epoch": best_epoch,
-                "epoch_losses": epoch_losses,
-                "best_state": best_state,
-            },
-            checkpoint,
-        )
+    saved = Checkpoint(checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state")
+    state = saved.resume(device, log, "training") if resume else RunState()
 
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
-    hidden, targets = train.hidden, train.targets
     ema = [0.0] * k
-    bar = _Progress(plan.total, "train", log)
-    t0, t_meas, stopped = time.time(), None, False
+    bar = Progress(plan.total, "train", log)
+    t0, stopped = time.time(), False
+    fit = DeadlineFit(deadline, 10, 40, lambda per: f"{per * 1000:.0f} ms/step")
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    perm_epoch, perm = -1, torch.empty(0, dtype=torch.long)
+    order = _EpochOrder(n, settings.seed, train.hidden.device)
     try:
-        while step < plan.total:
-            epoch, off = divmod(step, steps_per_epoch)
-            if epoch != perm_epoch:
-                g = torch.Generator().manual_seed(settings.seed * 7919 + epoch)  # same order after a resume
-                perm, perm_epoch = torch.randperm(n, generator=g).to(hidden.device), epoch
-            idx = perm[off * settings.batch_size : (off + 1) * settings.batch_size]
-            h = hidden[idx].to(device, non_blocking=True).float()
-            raw = targets[idx].to(device, non_blocking=True)
+        while state.step < plan.total:
+            idx = order.batch(state.step, steps_per_epoch, settings.batch_size)
+            h = train.hidden[idx].to(device, non_blocking=True).float()
+            raw = train.targets[idx].to(device, non_blocking=True)
             tg = head_targets(heads, raw, vocab_index)
             with amp:
                 logits = head_logits(heads, h, lm_weight, raw, embed)
-            losses = head_losses(logits, tg)
-            loss = (losses * weights).sum()
+            loss = (head_losses(logits, tg) * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            for grp in opt.param_groups:  # schedule set by hand: survives resumes and a shortened plan
-                grp["lr"] = settings.lr * plan(step)
+            set_learning_rate(opt, settings.lr * plan(state.step))
             opt.step()
-            step += 1
-            with torch.no_grad():
-                hit = logits.argmax(-1) == tg.T.long()
-                valid = tg.T >= 0
-                for i in range(k):
-                    v = int(valid[i].sum())
-                    if v:
-                        ema[i] = 0.95 * ema[i] + 0.05 * float((hit[i] & valid[i]).sum()) / v
-            if step == 10:
-                t_meas = time.time()
-            elif deadline is not None and t_meas is not None and step == 40:
-                per = (time.time() - t_meas) / 30
-                fit = int((deadline - time.time()) / per * 0.92)
-                if step + fit < plan.total:
-                    plan.total = max(step + 1, step + fit)
-                    log(
-                        f"time budget: training shortened to {plan.total} steps ({per * 1000:.0f} ms/step)"
-                    )
-            info = f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema)
-            bar.update(step, info, total=plan.total)
-            end_of_epoch = step % steps_per_epoch == 0 or step == plan.total
+            state.step += 1
+            _update_top1(ema, logits, tg)
+            fit.after_step(state.step, plan, log)
+            bar.update(state.step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), plan.total)
+            end_of_epoch = state.step % steps_per_epoch == 0 or state.step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
-                hl = heldout_loss(
-                    heads, lm_weight, heldout, k, device, bf16, settings.head_decay, vocab_index, embed
-                )
-                epoch_losses.append(hl)
-                if hl < best_loss:
-                    best_loss, best_epoch = hl, math.ceil(step / steps_per_epoch)
-                    best_state = {n_: t.detach().clone() for n_, t in heads.state_dict().items()}
-                log(f"epoch {math.ceil(step / steps_per_epoch)}: held-out weighted loss {hl:.4f}")
-            if checkpoint is not None and (step % settings.checkpoint_every == 0 or end_of_epoch):
-                save_ck()
-            if stop_after_steps is not None and step >= stop_after_steps:
-                save_ck()
-                stopped = True
-                break
-            if deadline is not None and time.time() > deadline:
+                hl = heldout_loss(heads, lm_weight, heldout, k, device, bf16, settings.head_decay, vocab_index, embed)
+                epoch = math.ceil(state.step / steps_per_epoch)
+                state.score_epoch(hl, epoch, heads)
+                log(f"epoch {epoch}: held-out weighted loss {hl:.4f}")
+            if checkpoint is not None and (state.step % settings.checkpoint_every == 0 or end_of_epoch):
+                saved.save(state)
+            stopped = stop_after_steps is not None and state.step >= stop_after_steps
+            if not stopped and fit.passed():
                 log("time budget: training stopped")
-                save_ck()
                 stopped = True
+            if stopped:
+                saved.save(state)
                 break
     finally:
         bar.close()
-    if best_state is not None and not stopped:
-        heads.load_state_dict(best_state)
-    save_ck()
+    if state.best is not None and not stopped:
+        heads.load_state_dict(state.best)
+    saved.save(state)
+    ema_top1 = [round(a, 4) for a in ema]
     return TrainResult(
-        step,
-        plan.total,
-        time.time() - t0,
-        stopped,
-        bf16,
-        [round(a, 4) for a in ema],
-        best_epoch,
-        epoch_losses,
+        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
     )
 
 
+class _EpochOrder:
+    """The positions' shuffled order: one permutation per epoch, seeded by the epoch (the same after a resume)."""
+
+    def __init__(self, n: int, seed: int, device: torch.device) -> None:
+        self.n, self.seed, self.device = n, seed, device
+        self.epoch, self.perm = -1, torch.empty(0, dtype=torch.long)
+
+    def batch(self, step: int, steps_per_epoch: int, batch_size: int) -> torch.Tensor:
+        """The position indices of step `step`'s batch."""
+        epoch, off = divmod(step, steps_per_epoch)
+        if epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self.perm, self.epoch = torch.randperm(self.n, generator=g).to(self.device), epoch
+        return self.perm[off * batch_size : (off + 1) * batch_size]
+
+
 @torch.no_grad()
+def _update_top1(ema: list[float], logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Each head's running top-1 accuracy over its valid targets (an exponential moving average, in place)."""
+    hit = logits.argmax(-1) == targets.T.long()
+    valid = targets.T >= 0
+    for i in range(len(ema)):
+        v = int(valid[i].sum())
+        if v:
+            ema[i] = 0.95 * ema[i] + 0.05 * float((hit[i] & valid[i]).sum()) / v
+
+
 def heldout_loss(
     heads: MedusaHeads,
     lm_weight: torch.Tensor,
