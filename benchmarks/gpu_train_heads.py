@@ -47,7 +47,6 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -190,17 +189,16 @@ def parse_configs(spec: str) -> list[tuple[int, int, str]]:
     return out
 
 
-@dataclass
 class Run:
-    """One run's budget, folders, log and summary.json (written again after every unit of work)."""
+    """One run's budget, folders, log and summary.json (written again after every unit of work). A plain class:
+    tests load this script without registering it as a module, which dataclasses need."""
 
-    args: argparse.Namespace
-    out: Path
-    work: Path
-    log: Any
-    t0: float
-    end: float  # the budget's end, a few seconds kept to write the summary
-    summary: dict = field(default_factory=dict)
+    def __init__(
+        self, args: argparse.Namespace, out: Path, work: Path, log: Any, t0: float, end: float, summary: dict
+    ) -> None:
+        self.args, self.out, self.work, self.log = args, out, work, log
+        self.t0, self.end = t0, end  # the budget's end keeps a few seconds to write the summary
+        self.summary = summary
 
     @classmethod
     def start(cls, args: argparse.Namespace) -> Run:

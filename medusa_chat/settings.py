@@ -163,7 +163,8 @@ class Option:
         message = self.error(value, name)
         lo, hi = self.api_bounds
         if message is None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            within = " and ".join(f"{op} {b:g}" for op, b in ((">=", lo), ("<=", hi)) if b is not None)
+            within = " and ".join(f"{op} {b:g}" if isinstance(b, float) else f"{op} {b}"
+                                  for op, b in ((">=", lo), ("<=", hi)) if b is not None)  # fmt: skip
             message = f"{name} must be {within} (got {value!r})"
         return message
 

@@ -219,6 +219,7 @@ def test_the_api_takes_its_names_and_bounds_from_the_definitions() -> None:
     assert OPTIONS["temperature"].api_error(-1.0, "temperature") == "temperature must be >= 0 (got -1.0)"
     assert OPTIONS["max_new_tokens"].api_error(0, "max_tokens") == "max_tokens must be >= 1 (got 0)"
     assert OPTIONS["top_p"].api_error(1.0, "top_p") is None
+    assert OPTIONS["seed"].api_error(2**64, "seed") == f"seed must be >= {-(2**63)} and <= {2**64 - 1} (got {2**64})"
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "seed": 3}'
     request = parse_chat_request(body)
     assert (request.temperature, request.seed) == (0.5, 3)

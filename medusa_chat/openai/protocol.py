@@ -217,9 +217,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if not isinstance(include_usage, bool):
         raise bad_request("stream_options.include_usage must be true or false", "stream_options.include_usage")
     stop = body.get("stop")
-    stops: list[Any] = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise bad_request("stop must be a string or a list of strings", "stop")
+    stops = OPTIONS["stop_strings"].parse(() if stop is None else stop)  # one string: one stop string
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     if any(s == "" for s in stops):
@@ -234,7 +234,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         temperature=_number(body, "temperature", "temperature", DEFAULT_TEMPERATURE),
         top_p=_number(body, "top_p", "top_p", DEFAULT_TOP_P),
         max_tokens=max_tokens if max_tokens is not None else legacy,
-        stop=tuple(stops),
+        stop=stops,
         seed=_integer(body, "seed", "seed"),
     )
 

@@ -281,6 +281,7 @@ def _update_top1(ema: list[float], logits: torch.Tensor, targets: torch.Tensor) 
             ema[i] = 0.95 * ema[i] + 0.05 * float((hit[i] & valid[i]).sum()) / v
 
 
+@torch.no_grad()
 def heldout_loss(
     heads: MedusaHeads,
     lm_weight: torch.Tensor,
