@@ -157,7 +157,89 @@ def kernels_stage(args: argparse.Namespace, device: torch.device) -> dict[str, A
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    doc["attention"] = _attention_costs(device, dtype, args.tiny)
     return doc
+
+
+def _attention_costs(device: torch.device, dtype: torch.dtype, tiny: bool) -> dict[str, Any]:
+    """One layer's exact path attention (kernels/triton_attention.py) at 1 and 64 nodes and several context
+    lengths, beside SDPA over the same keys (one query; the tree with an ancestor mask): what the tree's attention
+    adds to a step as the context grows, and whether each node keeps the plain call's bits at this size."""
+    from medusa_chat.kernels.triton_attention import tree_paths
+    from medusa_chat.tree import Tree
+
+    layouts = {"mha_32x128": (32, 1, 128), "gqa_8x4x128": (8, 4, 128)} if not tiny else {"gqa_2x2x16": (2, 2, 16)}
+    contexts = (64, 300) if tiny else (256, 1024, 4096)
+    parents = list(Tree.named("mc_sim_7b_63").prefix(8 if tiny else 64).parents)
+    path, depth = (t.to(device) for t in tree_paths(parents))
+    n = len(parents)
+    reps = 3 if tiny else 20
+    g = torch.Generator(device=device).manual_seed(1)
+    out: dict[str, Any] = {"tree_nodes": n, "timing": "median of CUDA events, one layer", "layouts": {}}
+    for name, (kvh, groups, hd) in layouts.items():
+        rows = {}
+        for ctx in contexts:
+            try:
+                rows[str(ctx)] = _attention_at(kvh, groups, hd, ctx, path, depth, dtype, g, reps)
+            except Exception as err:  # noqa: BLE001 - a failure at one size is a result; the others still run
+                rows[str(ctx)] = {"error": _why(err)}
+            log(f"  attention {name} ctx {ctx}: {rows[str(ctx)]}")
+        out["layouts"][name] = rows
+    return out
+
+
+def _attention_at(kvh: int, groups: int, hd: int, ctx: int, path: torch.Tensor, depth: torch.Tensor,
+                  dtype: torch.dtype, g: torch.Generator, reps: int) -> dict[str, Any]:  # fmt: skip
+    from medusa_chat.kernels.triton_attention import path_attention
+
+    device = path.device
+    n = path.shape[0]
+    width = ctx + n
+    keys = torch.randn(kvh, width, hd, generator=g, device=device).to(dtype)
+    values = torch.randn(kvh, width, hd, generator=g, device=device).to(dtype)
+    q = torch.randn(n, kvh * groups, hd, generator=g, device=device).to(dtype)
+    start = torch.tensor(ctx, device=device)
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    scale = hd**-0.5
+    mask = torch.full((n, width), float("-inf"), device=device)
+    mask[:, :ctx] = 0
+    for node in range(n):
+        mask[node, ctx + path[node, : int(depth[node]) + 1]] = 0
+    mask = mask.to(dtype)
+    k_rep, v_rep = keys.repeat_interleave(groups, 0)[None], values.repeat_interleave(groups, 0)[None]
+    q_heads = q.transpose(0, 1)[None]
+    calls = {
+        "path_1": lambda: path_attention(q[:1], keys, values, start, one, zero, width, scale),
+        f"path_{n}": lambda: path_attention(q, keys, values, start, path, depth, width, scale),
+        "sdpa_1": lambda: F.scaled_dot_product_attention(
+            q_heads[:, :, :1], k_rep[:, :, : ctx + 1], v_rep[:, :, : ctx + 1], scale=scale
+        ),
+        f"sdpa_{n}": lambda: F.scaled_dot_product_attention(q_heads, k_rep, v_rep, attn_mask=mask, scale=scale),
+    }
+    with torch.inference_mode():
+        us = {k: round(time_call(fn, reps) * 1e6, 2) for k, fn in calls.items()}
+        tree = path_attention(q, keys, values, start, path, depth, width, scale)
+        same = _node_alone_equal(q, keys, values, ctx, path, depth, tree, scale)
+    return {"us": us, f"ratio_path_{n}_vs_1": round(us[f"path_{n}"] / us["path_1"], 2), "nodes_bitwise_as_alone": same}
+
+
+def _node_alone_equal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int, path: torch.Tensor,
+                      depth: torch.Tensor, tree: torch.Tensor, scale: float) -> bool:  # fmt: skip
+    """Whether a few nodes of the tree call get the bits of the plain call for their token (the path committed)."""
+    from medusa_chat.kernels.triton_attention import path_attention
+
+    zero = torch.zeros(1, dtype=torch.long, device=q.device)
+    for node in {0, 1, len(q) // 2, len(q) - 1}:
+        chain = path[node, : int(depth[node]) + 1].tolist()
+        k2, v2 = keys.clone(), values.clone()
+        for t, a in enumerate(chain):
+            k2[:, ctx + t], v2[:, ctx + t] = keys[:, ctx + a], values[:, ctx + a]
+        at = torch.tensor(ctx + len(chain) - 1, device=q.device)
+        alone = path_attention(q[node : node + 1], k2, v2, at, zero[None], zero, keys.shape[1], scale)
+        if not torch.equal(alone[0], tree[node]):
+            return False
+    return True
 
 
 def _kernel_shape(w: torch.Tensor, x: torch.Tensor, rows: tuple[int, ...], tiny: bool) -> dict[str, Any]:

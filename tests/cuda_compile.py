@@ -68,13 +68,15 @@ def main() -> int:
     build(tm._sum_splits, {"ws_ptr": "*fp32", "out_ptr": "*bf16", "count": "i32", "SPLIT_K": "constexpr",
                            "BLOCK": "constexpr"}, {"SPLIT_K": 4, "BLOCK": 1024}, "sum_splits")  # fmt: skip
     attention = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "start_ptr": "*i64", "path_ptr": "*i64",
-                 "depth_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "stride_qn": "i32", "stride_qh": "i32",
-                 "stride_kh": "i32", "stride_ks": "i32", "stride_pn": "i32", "stride_an": "i32", "stride_ah": "i32",
-                 "stride_ac": "i32", "scale": "fp32", "chunks": "i32", "GROUPS": "constexpr",
-                 "GROUPS_PAD": "constexpr", "HEAD_DIM": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr"}  # fmt: skip
+                 "depth_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "n_nodes": "i32", "stride_qn": "i32",
+                 "stride_qh": "i32", "stride_kh": "i32", "stride_ks": "i32", "stride_pn": "i32", "stride_an": "i32",
+                 "stride_ah": "i32", "stride_ac": "i32", "scale": "fp32", "GROUPS": "constexpr",
+                 "GROUPS_PAD": "constexpr", "NODES": "constexpr", "HEAD_DIM": "constexpr", "BLOCK": "constexpr",
+                 "CHUNK": "constexpr", "DOT_PRECISION": "constexpr"}  # fmt: skip
     for groups, head_dim in ((1, 128), (4, 128), (3, 64), (8, 128)):
         consts = {"GROUPS": groups, "GROUPS_PAD": triton.next_power_of_2(groups), "HEAD_DIM": head_dim,
-                  "BLOCK": ta.block_for(groups), "CHUNK": ta.CHUNK}  # fmt: skip
+                  "NODES": ta.nodes_per_program(groups), "BLOCK": ta.BLOCK, "CHUNK": ta.CHUNK,
+                  "DOT_PRECISION": "tf32"}  # fmt: skip
         build(ta._path_attention_chunks, attention, consts, f"path attention groups={groups} head_dim={head_dim}")
     build(ta._merge_chunks, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "chunks": "i32",
                              "stride_on": "i32", "stride_oh": "i32", "HEADS": "constexpr", "HEAD_DIM": "constexpr"},

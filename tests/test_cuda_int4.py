@@ -100,12 +100,20 @@ def test_the_dense_kernel_is_row_invariant_too() -> None:
         assert torch.equal(triton_matmul.dense_matmul(x[m - 1 : m], w, cfg)[0], full[m - 1])
 
 
-def test_path_attention_gives_each_node_the_plain_steps_bits() -> None:
+# (KV heads, query heads per KV head, tree): GQA with 4 nodes per program (3 programs, the last with one node);
+# MHA with 16 nodes per program (2 programs)
+PATH_CASES = [
+    (2, 3, [-1, 0, 0, 1, 1, 2, 3, 6, 7]),
+    (3, 1, [-1, 0, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]),
+]
+
+
+@pytest.mark.parametrize("kvh,groups,parents", PATH_CASES, ids=["gqa", "mha"])
+def test_path_attention_gives_each_node_the_plain_steps_bits(kvh: int, groups: int, parents: list[int]) -> None:
     from medusa_chat.kernels.triton_attention import CHUNK, path_attention, tree_paths
 
     g = torch.Generator().manual_seed(4)
-    kvh, groups, hd, start = 2, 3, 16, CHUNK + 37  # the prefix spans two key chunks
-    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 7]
+    hd, start = 16, CHUNK + 37  # the prefix spans two key chunks; blocks of the prefix and of the tree both
     n = len(parents)
     path, depth = tree_paths(parents)
     path, depth = path.to(DEVICE), depth.to(DEVICE)

@@ -1,5 +1,6 @@
-"""The docs' figures and their result files: every `benchmarks/results/...json` that README.md and docs/*.md name
-exists, the README's headline table and a few other README figures are recomputed from the files they name, and
+"""The docs' figures and their result files: every `benchmarks/results/...` file (JSON, log) that README.md,
+docs/*.md and assets/README.md name exists; the README's headline table, a few other README figures and the
+docs' tables of busy-machine, browser, sampling, drafter and heads runs are recomputed from the files they name;
 no result JSON keeps an absolute path of the machine that wrote it."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "assets" / "README.md"]
 
 # `results/x.json`, `benchmarks/results/x.json`, `../benchmarks/results/x_{a,b}.json`, `results/h200_*`
-NAMED = re.compile(r"(?<![\w/.-])(?:\.\./)?(?:benchmarks/)?results/[\w.{},*/-]*(?:\.json|\*)")
+NAMED = re.compile(r"(?<![\w/.-])(?:\.\./)?(?:benchmarks/)?results/[\w.{},*/-]*(?:\.json|\.log|\.txt|\*)")
 ABSOLUTE = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users)/")
 HEADLINE = "benchmarks/results/bench_cpu_xeon_amx_80prompts_heads_ft_run{1,2,3}.json"
 
@@ -43,12 +44,13 @@ def load(name: str) -> dict[str, Any]:
 
 
 def test_the_pattern_finds_what_docs_write() -> None:
-    text = "see `results/a_{x,y}.json` and [f](../benchmarks/results/b.json), `results/h200_*` (results/)"
+    text = "see `results/a_{x,y}.json` and [f](../benchmarks/results/b.json), `results/h200_*` (results/), `results/c.log`"
     assert named_results(text) == [
         "benchmarks/results/a_x.json",
         "benchmarks/results/a_y.json",
         "benchmarks/results/b.json",
         "benchmarks/results/h200_*",
+        "benchmarks/results/c.log",
     ]
 
 
@@ -146,6 +148,10 @@ def _eagle3_tokens_per_step(doc: dict[str, Any]) -> float:
     return next(d["tokens_per_step"] for d in doc["drafts"] if d["method"] == "draft:eagle3")
 
 
+def _int8_over_int4_kl(doc: dict[str, Any]) -> float:
+    return doc["paths"]["medusa-chat int8"]["teacher_forced"]["mean_kl"] / doc["paths"]["medusa-chat int4"]["teacher_forced"]["mean_kl"]
+
+
 # (file, what to read, how the README writes it)
 README_FIGURES = [
     ("bench_2026-12-04_xeon_amx_1b_q4km.json", _plain_vs_llamacpp, "{:.2f}x on an Intel Xeon"),
@@ -160,6 +166,7 @@ README_FIGURES = [
      "{:.2f} tokens/step at 64 nodes"),
     ("bench_2026-12-04_xeon_amx_compare_eagle3_fp32_64nodes.json", lambda d: d["summary"]["tokens_per_step"],
      "Hydra {:.2f}"),
+    ("fidelity_2026-12-05_epyc_embedded.json", _int8_over_int4_kl, "a second time and is {:.1f}x less faithful"),
 ]
 
 
@@ -186,3 +193,129 @@ def test_bench_writes_paths_relative_to_the_repository(tmp_path: Path) -> None:
     for kept in ("smollm2-135m", "FasterDecoding/medusa-vicuna-7b-v1.3", "llama-1b.gguf", ""):
         assert repo_path(kept) == kept
     assert not ABSOLUTE.search(repo_path(str(tmp_path / "m.gguf")))
+
+
+# ---- the docs' tables, recomputed -------------------------------------------------------------------------------------
+def doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text(encoding="utf-8")
+
+
+def rows_naming(text: str, pattern: str) -> list[tuple[str, list[str]]]:
+    """(file, cells) of each table row, the file being the first match of `pattern` in its first cell; a row that
+    names none ("the same run") takes the previous row's file."""
+    out, last = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            last = None  # (a row of another table never takes this one's file)
+            continue
+        if line.startswith("|---"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        m = re.search(pattern, cells[0])
+        if m:
+            last = m.group(0)
+        elif not cells[0].startswith("the same") or last is None:
+            continue
+        out.append((last, cells))
+    return out
+
+
+def test_busy_machine_table_matches_its_files() -> None:
+    rows = rows_naming(doc("benchmarks.md"), r"bench_[\w.-]*background_load[\w.-]*\.json")
+    assert len(rows) >= 6
+    for name, cells in rows:
+        side = {m["method"]: m for m in load(f"benchmarks/results/{name}")["side_by_side"]}
+        medusa, plain = side["medusa"], side["plain"]
+        assert cells[1] == f"{medusa['quiet_tokens_per_s']:.1f} -> {medusa['loaded_tokens_per_s']:.1f}", name
+        assert cells[2] == f"{medusa['loaded_over_quiet']:.2f}x", name
+        assert cells[3] == f"{plain['quiet_tokens_per_s']:.1f} -> {plain['loaded_tokens_per_s']:.1f}", name
+        assert cells[4] == f"{plain['medusa_speedup_quiet']:.2f}x -> {plain['medusa_speedup_loaded']:.2f}x", name
+        llama = side.get("llamacpp")
+        if llama is None:
+            assert cells[5:] == ["", ""], name
+        else:
+            assert cells[5] == f"{llama['quiet_tokens_per_s']:.1f} -> {llama['loaded_tokens_per_s']:.1f}", name
+            assert cells[6] == f"{llama['medusa_speedup_loaded']:.2f}x", name
+
+
+def browser_summary(name: str) -> dict[str, tuple[float, float]]:
+    """A browser_vs_ask log's closing table: variant -> (tok/s, x ask); `ask` for the engine's own line."""
+    out = {}
+    for line in (RESULTS / name).read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\s*(ask \(engine|web UI in Chromium, ([\w-]+))[^\d]*\s([\d.]+)\s+([\d.]+)", line)
+        if m:
+            out[m.group(2) or "ask"] = (float(m.group(3)), float(m.group(4)))
+    return out
+
+
+def test_browser_table_matches_its_logs() -> None:
+    rows = rows_naming(doc("benchmarks.md"), r"browser_vs_ask_[\w.-]+\.log")
+    assert len(rows) >= 6
+    for name, cells in rows:
+        summary = browser_summary(name)
+        variant, ask, page, ratio = cells[1:5]
+        assert ask == f"{summary['ask'][0]:.1f}", name
+        assert page == f"{summary[variant][0]:.1f}", name
+        assert ratio == f"{summary[variant][1]:.2f}x", name
+
+
+def test_sampling_table_matches_its_files() -> None:
+    text = doc("sampling.md")
+    assert "benchmarks/results/bench_T{0.7,1.0}_{typical,exact}_cpu_avx2.json" in text
+    rows = [r for r in (line.strip("|").split("|") for line in text.splitlines() if re.match(r"\| [01]\.\d \|", line))]
+    assert len(rows) == 4
+    for row in rows:
+        temp, mode, per_step, medusa, plain, speedup, same = (c.strip() for c in row)
+        s = load(f"benchmarks/results/bench_T{temp}_{mode}_cpu_avx2.json")["summary"]
+        assert per_step == f"{s['tokens_per_step']:.2f}"
+        assert medusa == f"{s['medusa_tokens_per_s']:.1f}" and plain == f"{s['plain_tokens_per_s']:.1f}"
+        assert speedup == f"{s['speedup_vs_plain_loop']:.2f}x"
+        if mode == "exact":
+            assert same == f"{round(s['exact_identical_to_plain_fraction'] * s['prompts'])}/{s['prompts']}"
+
+
+def _depths(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}".removeprefix("0") for v in values[:3])
+
+
+def test_eagle3_table_matches_its_files() -> None:
+    text = doc("EAGLE.md")
+    assert "benchmarks/results/bench_2026-12-04_xeon_amx_compare_eagle3_{fp32_64nodes,native}.json" in text
+    fp32 = load("benchmarks/results/bench_2026-12-04_xeon_amx_compare_eagle3_fp32_64nodes.json")
+    native = load("benchmarks/results/bench_2026-12-04_xeon_amx_compare_eagle3_native.json")
+
+    def draft(d: dict[str, Any], method: str) -> dict[str, Any]:
+        return next(x for x in d["drafts"] if x["method"] == method)
+
+    def medusa(d: dict[str, Any]) -> dict[str, Any]:
+        s = d["summary"]
+        return {"tokens_per_step": s["tokens_per_step"], "acceptance_by_depth": s["acceptance_by_depth"],
+                "tokens_per_s": s["medusa_tokens_per_s"], "speedup_vs_plain_loop": s["speedup_vs_plain_loop"]}
+
+    expected = {
+        "fp32 (`--quant none`), Hydra heads": medusa(fp32),
+        "fp32, this EAGLE-3 draft": draft(fp32, "draft:eagle3"),
+        "fp32, the EAGLE-1 draft": draft(fp32, "draft:eagle"),
+        "int4 default, Hydra heads": medusa(native),
+        "int4, this EAGLE-3 draft": draft(native, "draft:eagle3"),
+    }
+    for label, r in expected.items():
+        row = [c.replace("**", "") for c in table_row(text, label)]
+        assert row[2] == f"{r['tokens_per_step']:.2f}", label
+        assert row[3] == _depths(r["acceptance_by_depth"]), label
+        assert row[4] == f"{r['tokens_per_s']:.1f}", label
+        assert row[5] == f"{r['speedup_vs_plain_loop']:.2f}x", label
+
+
+def test_medusa1_heads_table_matches_its_files() -> None:
+    text = doc("medusa1_heads.md")
+    assert "benchmarks/results/bench_2026-12-03_epyc_avx2_{medusa1,hydra}_heads.json" in text
+    for label, kind in (("Medusa-1 (`--heads medusa-1`)", "medusa1"), ("Hydra (default)", "hydra")):
+        d = load(f"benchmarks/results/bench_2026-12-03_epyc_avx2_{kind}_heads.json")
+        s, big = d["summary"], next(x for x in d["tree_sizes"] if x["size"] == 64)
+        row = [c.replace("**", "") for c in table_row(text, label)]
+        assert row[1] == f"{big['tokens_per_step']:.2f}"
+        assert row[2] == f"{d['tree_size']} node (plain)"
+        assert row[3] == f"{s['medusa_tokens_per_s']:.1f}"
+        assert row[4] == f"{s['speedup_vs_plain_loop']:.2f}x" and row[5] == f"{s['speedup_vs_llamacpp']:.2f}x"
+        assert row[6] == f"{round(s['identical_to_plain_loop_fraction'] * s['prompts'])}/{s['prompts']}"
