@@ -209,8 +209,8 @@ class EagleDraft(nn.Module):
         q = attn.q_proj(h).view(1, t, -1, hd).transpose(1, 2)
         k = attn.k_proj(h).view(1, t, -1, hd).transpose(1, 2)
         v = attn.v_proj(h).view(1, t, -1, hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         cache.keys[i].index_copy_(2, slots, k)
         cache.values[i].index_copy_(2, slots, v)
         width = mask.shape[-1]
@@ -238,7 +238,7 @@ def rotary_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
     return _scaled_inv_freq(inv, cfg.get("rope_scaling"))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
 
@@ -296,7 +296,7 @@ def is_eagle_folder(folder: Path) -> bool:
     return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
 
 
-def _config(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def eagle_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
     try:
         h = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -328,7 +328,7 @@ def eagle_file(folder: Path) -> Path | None:
 def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> EagleDraft:
     """The draft of `folder`'s config.json and the tensors `state` read from `path`, shapes checked against the
     config; a clear HeadsError for unknown or missing keys or a shape the config does not give."""
-    cfg = _config(read_json(folder / "config.json"), str(folder / "config.json"))
+    cfg = eagle_config(read_json(folder / "config.json"), str(folder / "config.json"))
     state = dict(state)
     version = 3 if any(k.startswith("midlayer.") for k in state) else 1
     if "fc.weight" not in state or (version == 1 and not any(k.startswith("layers.0.") for k in state)):

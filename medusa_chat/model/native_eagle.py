@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.model.block_forward import _BLin, _blin, _Embed, embed_struct, trim_heap
+from medusa_chat.model.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
@@ -59,14 +59,14 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
         ("hidden_norm", _p),
         ("post_norm", _p),
         ("final_norm", _p),
-        ("fc", _BLin),
-        ("qkv", _BLin),
-        ("o", _BLin),
-        ("gate_up", _BLin),
-        ("down", _BLin),
-        ("head", _BLin),
+        ("fc", BLin),
+        ("qkv", BLin),
+        ("o", BLin),
+        ("gate_up", BLin),
+        ("down", BLin),
+        ("head", BLin),
         ("vocab", _p),
-        ("embed", _Embed),
+        ("embed", EmbedStruct),
         ("version", _i),
         ("fc_bias", _p),
         ("qkv_bias", _p),
@@ -156,7 +156,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeEagle:
     """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
 
-    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[EmbedStruct, Any], lm_head: Any = None) -> None:
         """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
         the backbone's block lm_head, EAGLE-1's head."""
         self.lib = lib
@@ -170,7 +170,7 @@ class NativeEagle:
         self.model = _EDraft(
             self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter, self.V,
             *(float(n.eps) if n is not None else 0.0 for n in b.norms), *(_ptr(w) for w in b.norm_weights),
-            _blin(b.fc), _blin(b.qkv), _blin(b.o), _blin(b.gate_up), _blin(b.down), _blin(b.head),
+            blin_struct(b.fc), blin_struct(b.qkv), blin_struct(b.o), blin_struct(b.gate_up), blin_struct(b.down), blin_struct(b.head),
             _ptr(b.vocab), emb[0], draft.version, _ptr(b.fc_bias), _ptr(b.qkv_bias),
         )  # fmt: skip
         self._ref = ctypes.byref(self.model)

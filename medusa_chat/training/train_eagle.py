@@ -25,7 +25,7 @@ from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.training.eagle_data import EagleData
 from medusa_chat.training.eagle_model import draft_index, draft_logits, step_rows, unrolled_outputs
 from medusa_chat.training.store import Log, atomic_torch_save
-from medusa_chat.training.train_heads import TrainSettings, WarmupCosine, _Progress, use_bf16
+from medusa_chat.training.train_heads import Progress, TrainSettings, WarmupCosine, use_bf16
 
 MAX_UNROLL = 7  # EAGLE-3 unrolls ~7 steps; the cached targets reach 8 tokens past a feature
 
@@ -206,7 +206,7 @@ def train_eagle(
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     ema = [0.0] * settings.unroll
-    bar = _Progress(plan.total, "train eagle", log)
+    bar = Progress(plan.total, "train eagle", log)
     t0, t_meas, stopped = time.time(), None, False
     cur_epoch, batches = -1, []
     try:

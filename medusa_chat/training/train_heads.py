@@ -146,7 +146,7 @@ def head_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-class _Progress:
+class Progress:
     """A rich progress bar on a terminal; periodic log lines otherwise (logs of long runs stay readable)."""
 
     def __init__(self, total: int, desc: str, log: Log, every_s: float = 20.0) -> None:
@@ -297,7 +297,7 @@ def train_heads(
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
     hidden, targets = train.hidden, train.targets
     ema = [0.0] * k
-    bar = _Progress(plan.total, "train", log)
+    bar = Progress(plan.total, "train", log)
     t0, t_meas, stopped = time.time(), None, False
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     perm_epoch, perm = -1, torch.empty(0, dtype=torch.long)
