@@ -108,7 +108,19 @@ class EagleDrafter:
         """After each backbone forward: stash its features [T, F] (the next `record` keeps some rows)."""
         self._last = torch.cat(self.tapped, dim=-1) if self.draft.version == 3 else hidden
 
-    def record(self, start: int, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def record(self, start: int, ids: torch.Tensor) -> None:
+        """After a prefill: positions start .. start + len(ids) - 1 now hold `ids` [T], their features the stashed
+        rows."""
+        self._keep(start, ids, None)
+
+    def commit(self, start: int, nodes: list[int], tokens: list[int]) -> None:
+        """After a step: the accepted nodes' features and tokens, for the next draft."""
+        assert self._last is not None
+        rows = torch.tensor(nodes, device=self._last.device)
+        ids = torch.tensor([tokens[n] for n in nodes], device=self._last.device)
+        self._keep(start, ids, rows)
+
+    def _keep(self, start: int, ids: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Positions start .. start + len(ids) - 1 now hold `ids` [T] (committed), their features the stashed rows
         (`rows` of them, else all). Pairs from start - 1 on read tokens that may have changed: dropped."""
         assert self._last is not None
@@ -125,13 +137,6 @@ class EagleDrafter:
         self.ids[start:end] = ids
         self.known = end
         self.seen = min(self.seen, max(start - 1, 0))
-
-    def commit(self, start: int, nodes: list[int], tokens: list[int]) -> None:
-        """The accepted nodes' features and tokens, for the next draft."""
-        assert self._last is not None
-        rows = torch.tensor(nodes, device=self._last.device)
-        ids = torch.tensor([tokens[n] for n in nodes], device=self._last.device)
-        self.record(start, ids, rows)
 
     def pairs(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The pairs the draft has not seen yet, the root's last, as the C drafter reads them: (features [n, F]

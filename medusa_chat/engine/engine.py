@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
-from medusa_chat.engine.drafters import ROOT_ONLY, HydraDrafter, make_drafter  # noqa: F401
+from medusa_chat.engine.drafters import ROOT_ONLY, make_drafter
 from medusa_chat.engine.graphs import GraphSteps, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
