@@ -193,7 +193,7 @@ def c_draft_agreement(drafter: Any, roots: range, within: int = 0) -> int:
         for r in roots:
             root = torch.tensor([r])
             drafter.seen = 0
-            cands = native._draft(root, 1, 4, 2)[2]
+            cands = native.draft_pairs(*drafter.pairs(root), 1, 4, 2)[2]
             nxt = torch.cat([drafter.ids[1:p], root])
             out = drafter.draft.reference_outputs(drafter.feats[:p], nxt, drafter.embed)[-1:]
             top = drafter._tokens(drafter._logits(out).topk(within or 4, dim=-1).indices)[0].tolist()

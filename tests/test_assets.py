@@ -117,6 +117,6 @@ def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c() -> None:
     assert loaded.info()["heads"]["format"] == "eagle3"
     engine = MedusaEngine(loaded, loaded.default_tree.prefix(4))
     if loaded.quant in ("int4", "int8"):  # the native C step: the C drafter, draft-shaped trees
-        assert engine._eagle.native is not None and engine.draft_shaped
+        assert engine.drafter.native is not None and engine.draft_shaped
     per_step = _plain_loop_replies_and_tokens_per_step(loaded, engine)
     assert sum(per_step) / len(per_step) > 1.4, per_step

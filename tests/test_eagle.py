@@ -87,7 +87,7 @@ def test_eagle1_folder_loads_as_an_eagle_draft(eagle1, fixtures_root: Path, hub_
 def test_eagle1_greedy_replies_are_the_plain_loops(eagle1, shaped: bool) -> None:
     engine = MedusaEngine(eagle1, TREE, shaped=shaped)
     plain = MedusaEngine(eagle1, plain_tree())
-    assert engine._eagle is not None and ("EAGLE-2" in engine.tree_note) == shaped
+    assert engine.drafter is not None and ("EAGLE-2" in engine.tree_note) == shaped
     for prompt in _prompts(eagle1):
         a, b = _reply(engine, prompt, max_new_tokens=40), _reply(plain, prompt, max_new_tokens=40)
         assert a.token_ids == b.token_ids
@@ -102,7 +102,7 @@ def test_eagle1_features_and_draft_cache_match_a_from_scratch_run(eagle1) -> Non
     reply = _reply(engine, first, max_new_tokens=30)
     second = first + reply.token_ids[:-1] + _prompts(eagle1)[1]
     _reply(engine, second, max_new_tokens=20)
-    drafter = engine._eagle
+    drafter = engine.drafter
     p = drafter.known
     ids = drafter.ids[:p].tolist()
     assert ids == engine.cached_ids
@@ -153,8 +153,8 @@ def test_eagle3_greedy_and_features(deep_dir: Path, eagle3_dir: Path, lean: str,
         events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=16)))
         assert events[-1].token_ids == expected
         drafted = {t for e in events[1:-1] for t in e.tree.tokens[1:]}
-        assert drafted and drafted <= set(engine._eagle.vocab.tolist())  # draft-vocabulary tokens only (d2t)
-    drafter = engine._eagle
+        assert drafted and drafted <= set(engine.drafter.vocab.tolist())  # draft-vocabulary tokens only (d2t)
+    drafter = engine.drafter
     p = drafter.known
     hs = _hf_hidden_states(loaded, drafter.ids[:p].tolist())
     torch.testing.assert_close(drafter.feats[:p], torch.cat([hs[2], hs[4], hs[5]], dim=-1), atol=1e-4, rtol=1e-4)
@@ -178,20 +178,20 @@ def test_eagle3_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle3_dir: Path
     expected = [_reply(plain, p, max_new_tokens=20).token_ids for p in prompts]
     for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False), (TREE.prefix(2), True)):
         engine = MedusaEngine(loaded, tree, shaped=shaped)
-        assert engine._eagle.native is not None
+        assert engine.drafter.native is not None
         assert engine.draft_shaped == (shaped and tree.size > 2)
         for p, want in zip(prompts, expected, strict=True):
             events = list(engine.generate(p, GenerationSettings(max_new_tokens=20)))
             assert events[-1].token_ids == want
             drafted = {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
-            assert drafted <= set(engine._eagle.vocab.tolist())  # (context-lookup guesses aside)
+            assert drafted <= set(engine.drafter.vocab.tolist())  # (context-lookup guesses aside)
     # exact sampling: the same tokens as the plain loop with the same seed, with trees drafted in C
     shaped = MedusaEngine(loaded, TREE.prefix(6))
     for seed in range(3):
         kw = dict(max_new_tokens=16, temperature=0.7, top_p=0.95, seed=seed, accept="exact")
         assert _reply(shaped, prompts[0], **kw).token_ids == _reply(plain, prompts[0], **kw).token_ids
     # the taps: the native step's hidden states entering layers 2, 4 and 5, one [T, 3H] tensor per call
-    drafter = engine._eagle
+    drafter = engine.drafter
     assert drafter.feats.shape[1] == 3 * 64 and drafter.feats[: drafter.known].abs().sum() > 0
     # the C draft's depth-1 guess vs the PyTorch draft's over the whole context from scratch, for many roots
     roots = range(40, 120, 2)
@@ -236,12 +236,12 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
     plain = MedusaEngine(loaded, plain_tree())
     prompts = _prompts(loaded)
     expected = [_reply(plain, p, max_new_tokens=24).token_ids for p in prompts]
-    blocks = MedusaEngine(loaded, TREE.prefix(4))._eagle.native.blocks
+    blocks = MedusaEngine(loaded, TREE.prefix(4)).drafter.native.blocks
     # the C code drafts from the blocks; the PyTorch draft (the reference) stays in its file's 16 bits
     assert loaded.heads.fc.weight.dtype == torch.float16 and loaded.heads.layers[0].mlp.down_proj.weight.dtype == torch.float16
     for tree, shaped in ((TREE.prefix(6), True), (TREE.prefix(8), False)):
         engine = MedusaEngine(loaded, tree, shaped=shaped)
-        native = engine._eagle.native
+        native = engine.drafter.native
         assert native is not None and native.vocab is None and native.V == drafter_vocab(loaded)
         assert engine.draft_shaped == shaped
         assert native.blocks is blocks  # the draft's blocks are built once, every engine drafts from them
@@ -250,7 +250,7 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
             assert reply.token_ids == want
             assert reply.tokens_per_step > 1.5, reply.tokens_per_step
     roots = range(40, 120, 2)
-    agree = c_draft_agreement(engine._eagle, roots)
+    agree = c_draft_agreement(engine.drafter, roots)
     # (below: a draft vocabulary of the first 400 ids, as a real vocabulary's first 8,192; the bits of the
     # replies do not depend on it)
     # the same 4 candidates in the same order: 29 / 21 of 40 roots with int8 / int4 backbones (the draft's weights
@@ -259,7 +259,7 @@ def test_eagle1_drafts_in_c_on_the_block_kernel(deep_dir: Path, eagle1_deep_dir:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "400")
         engine = MedusaEngine(loaded, TREE.prefix(6))
-        assert engine._eagle.native.V == 400 and engine._eagle.native.vocab.tolist() == list(range(400))
+        assert engine.drafter.native.V == 400 and engine.drafter.native.vocab.tolist() == list(range(400))
         for p, want in zip(prompts, expected, strict=True):
             events = list(engine.generate(p, GenerationSettings(max_new_tokens=24)))
             assert events[-1].token_ids == want
@@ -283,7 +283,7 @@ def test_an_eagle1_draft_vocabulary_beside_the_draft_is_what_the_c_drafter_guess
     save_file({"draft_vocab": ids}, str(folder / "draft_vocab.safetensors"))
     loaded = load_model(model=str(deep_dir), heads=str(folder), quant="int8", device="cpu")
     assert torch.equal(loaded.heads.draft_vocab_ids, ids)
-    native = MedusaEngine(loaded, TREE.prefix(6))._eagle.native
+    native = MedusaEngine(loaded, TREE.prefix(6)).drafter.native
     assert native.V == 300 and torch.equal(native.vocab, ids)
     plain = MedusaEngine(loaded, plain_tree())
     engine = MedusaEngine(loaded, TREE.prefix(6))
@@ -294,7 +294,7 @@ def test_an_eagle1_draft_vocabulary_beside_the_draft_is_what_the_c_drafter_guess
         drafted |= {t for e in events[1:-1] for j, t in enumerate(e.tree.tokens) if j and j not in e.tree.lookup_nodes}
     assert drafted and drafted <= set(ids.tolist())
     monkeypatch.setenv("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", "0")
-    assert MedusaEngine(loaded, TREE.prefix(6))._eagle.native.vocab is None
+    assert MedusaEngine(loaded, TREE.prefix(6)).drafter.native.vocab is None
     save_file({"draft_vocab": torch.tensor([3, 700])}, str(folder / "draft_vocab.safetensors"))
     with pytest.raises(HeadsError, match="another tokenizer"):
         load_model(model=str(deep_dir), heads=str(folder), quant="int8", device="cpu")
@@ -370,7 +370,7 @@ def test_the_c_drafters_blocks_give_the_files_pages_back(
         m.weight for m in (*layer.self_attn.children(), *layer.mlp.children()) if hasattr(m, "weight")
     ]
     assert all(mapped_weights._file_mapping(w.data_ptr(), w.data_ptr() + w.nbytes) for w in weights)
-    assert MedusaEngine(loaded, TREE.prefix(4))._eagle.native is not None
+    assert MedusaEngine(loaded, TREE.prefix(4)).drafter.native is not None
     assert len(given_back) == len(weights)
     assert sum(given_back) >= sum(w.nbytes for w in weights) - 2 * 4096 * len(weights)
     saved = load_file(str(eagle3_dir / "model.safetensors"))
@@ -447,11 +447,12 @@ def test_every_drafted_node_is_the_drafts_guess_along_its_own_path(random_eagle1
     engine = MedusaEngine(eagle1, TREE, shaped=shaped)
     prompt = _prompts(eagle1)[0]
     _reply(engine, prompt, max_new_tokens=12)
-    drafter, draft = engine._eagle, engine._eagle.draft
+    drafter, draft = engine.drafter, engine.drafter.draft
     root = torch.tensor([int(drafter.ids[drafter.known - 1]) + 1])
     with torch.inference_mode():
         if shaped:
-            tree, _, _, tokens = drafter.dynamic_tree(root)
+            at = drafter.dynamic_tree(root, engine.tree, engine.step_state)
+            tree, tokens = at.tree, at.tokens
         else:
             tree, tokens = TREE, drafter.propose(root, None, engine.buffers)
         p = drafter.known

@@ -217,15 +217,15 @@ def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path, monkeypatc
     assert not isinstance(loaded.backbone.get_input_embeddings(), BlockEmbedding)
     plain = MedusaEngine(loaded, plain_tree())
     engine = MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(6))
-    assert engine._eagle.native is not None and engine._eagle.native.head is loaded.backbone.get_output_embeddings()
-    assert type(engine._eagle.native.head).__name__ == "Q6KLinear"
+    assert engine.drafter.native is not None and engine.drafter.native.head is loaded.backbone.get_output_embeddings()
+    assert type(engine.drafter.native.head).__name__ == "Q6KLinear"
     prompt = loaded.build_prompt([{"role": "user", "content": "one two three one two three one two"}])
     for p in (prompt, [1, 2, 3, 400, 1, 2, 3, 400]):
         assert _reply(engine, p) == _reply(plain, p)
     # a random draft's logits are near-ties, so top-1 against top-4: 18 of 20 roots; with the callback's rows
     # zeroed, 1 of 20
     roots = range(40, 100, 3)
-    assert c_draft_agreement(engine._eagle, roots, within=4) >= 0.6 * len(roots)
+    assert c_draft_agreement(engine.drafter, roots, within=4) >= 0.6 * len(roots)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------

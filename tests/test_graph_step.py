@@ -58,7 +58,7 @@ def test_the_static_step_gives_the_eager_engines_replies(loaded64, tree: Tree) -
         want = _reply(plain, prompt, max_new_tokens=40)
         assert _reply(eager, prompt, max_new_tokens=40) == want
         assert _reply(graph, prompt, max_new_tokens=40) == want
-    assert graph._graph is not None and graph.graph_note == ""  # every first replay passed its check
+    assert graph.graph is not None and graph.graph_note == ""  # every first replay passed its check
 
 
 def test_the_static_step_samples_like_the_eager_engine(loaded64) -> None:
@@ -118,9 +118,9 @@ def test_recorded_graphs_give_the_eager_gpu_replies() -> None:
     loaded = moved(tiny_loaded("llama"), "cuda", torch.float64)  # float64: rounding cannot flip a token
     for tree in (Tree.chain(3), Tree.named("mc_sim_7b_63")):
         graph = MedusaEngine(loaded, tree)
-        assert graph._graph is not None and graph._graph.capture
+        assert graph.graph is not None and graph.graph.capture
         eager = MedusaEngine(loaded, tree, graphs=False)
         for prompt in _prompts(3, 12):
             assert _reply(graph, prompt, max_new_tokens=40) == _reply(eager, prompt, max_new_tokens=40)
-        assert graph._graph is not None, graph.graph_note
-        assert graph._graph.captures >= 1
+        assert graph.graph is not None, graph.graph_note
+        assert graph.graph.captures >= 1

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.engine.engine import HydraDrafter, MedusaEngine, plain_tree
+from medusa_chat.engine.drafters import HydraDrafter
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict

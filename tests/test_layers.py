@@ -168,3 +168,131 @@ def test_imports_point_down_the_layers() -> None:
 @pytest.mark.parametrize("sub", sorted(k for k in LAYERS if (PACKAGE_DIR / k).is_dir()))
 def test_every_layer_exists(sub: str) -> None:
     assert (PACKAGE_DIR / sub / "__init__.py").is_file()
+
+
+# ---- private names stay in their module ------------------------------------------------------------------------
+# A name that starts with "_" (not a dunder) belongs to the module that defines it: no other module imports it,
+# reads it as an attribute, or sets it on an object.
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _from_target(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_imports(source: str, module: str, is_pkg: bool) -> list[str]:
+    """`from X import _name` in `source` (absolute or relative, anywhere: functions and TYPE_CHECKING blocks too)
+    where X is another module of the package: "X._name" for each."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            target = _from_target(node, module, is_pkg)
+            if target.split(".")[0] != PACKAGE or target == module:
+                continue
+            found += [f"{target}.{a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == PACKAGE and any(
+                _private(part) for part in a.name.split(".")[1:])]
+    return found
+
+
+def _attribute_uses(tree: ast.AST) -> tuple[set[str], set[str], set[str]]:
+    """(private names this module defines: self._x = ..., class-level _x, def _x, module-level _x; private
+    attributes it sets on other objects: obj._x = ..., setattr(obj, "_x", ...), obj.__dict__["_x"] = ...;
+    private attributes it reads on other objects: obj._x, getattr / hasattr(obj, "_x"))."""
+    defined: set[str] = set()
+    set_on: set[str] = set()
+    read_on: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+            defined.add(node.id)
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if mine and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif not mine:
+                (set_on if isinstance(node.ctx, ast.Store) else read_on).add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+            key = node.args[1]
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value):
+                if node.func.id == "setattr":
+                    set_on.add(key.value)
+                elif node.func.id in ("getattr", "hasattr"):
+                    read_on.add(key.value)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            key = node.slice
+            is_dict = isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__"
+            if is_dict and isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value):
+                set_on.add(key.value)
+    return defined, set_on, read_on
+
+
+def private_attribute_uses(root: Path = PACKAGE_DIR) -> list[str]:
+    """Where a module reads a private attribute that only other modules of the package define, and private
+    attributes that more than one module sets on objects not their own. (Private names the package never
+    defines, e.g. torch's `_C`, are not its business.)"""
+    uses = {}
+    for name, (path, _) in module_names(root).items():
+        uses[name] = _attribute_uses(ast.parse(path.read_text()))
+    owners: dict[str, set[str]] = {}
+    setters: dict[str, set[str]] = {}
+    for name, (defined, set_on, _) in uses.items():
+        for attr in defined | set_on:
+            owners.setdefault(attr, set()).add(name)
+        for attr in set_on:
+            setters.setdefault(attr, set()).add(name)
+    found = [
+        f"{name} reads {attr}, which {', '.join(sorted(owners[attr]))} define(s)"
+        for name, (defined, set_on, read_on) in sorted(uses.items())
+        for attr in sorted(read_on - defined - set_on)
+        if attr in owners
+    ]
+    found += [f"{attr} is set on objects by {', '.join(sorted(mods))}" for attr, mods in sorted(setters.items())
+              if len(mods) > 1]
+    return found
+
+
+def test_private_name_reader_sees_relative_function_level_and_type_checking_imports() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from .block_forward import _BLin, embed_struct\n"
+        "from medusa_chat.model.loading import load_model as _load\n"
+        "from medusa_chat.model.native_eagle import __doc__\n"
+        "from ._own import x\n"
+        "if TYPE_CHECKING:\n"
+        "    from medusa_chat.engine.engine import _Hidden\n"
+        "def f():\n"
+        "    from ..kernels.qgemm import _bind\n"
+        "    from medusa_chat.model.native_eagle import _helper\n"
+    )
+    found = private_imports(source, "medusa_chat.model.native_eagle", is_pkg=False)
+    assert found == ["medusa_chat.model.block_forward._BLin", "medusa_chat.engine.engine._Hidden",
+                     "medusa_chat.kernels.qgemm._bind"]
+    defined, set_on, read_on = _attribute_uses(ast.parse(
+        "class A:\n    _x = 1\n    def f(self, e):\n        self._y = e._graph\n        e._flag = True\n"
+        "        getattr(e, '_eagle', None)\n        e.__dict__['_kept'] = 1\n"
+    ))
+    assert defined == {"_x", "_y"} and set_on == {"_flag", "_kept"} and read_on == {"_graph", "_eagle"}
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = [
+        f"{name}: {target}"
+        for name, (path, is_pkg) in sorted(module_names(PACKAGE_DIR).items())
+        for target in private_imports(path.read_text(), name, is_pkg)
+    ]
+    assert not found, "private names imported from other modules:\n" + "\n".join(found)
+
+
+def test_no_module_reads_or_sets_another_modules_private_attributes() -> None:
+    found = private_attribute_uses()
+    assert not found, "private attributes used across modules:\n" + "\n".join(found)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.bench.report import _heads_label, _median, _print_prompt
+from medusa_chat.bench.report import heads_label, median_of, print_prompt
 from medusa_chat.bench.runs import (
     DEFAULT_BASELINES,
     METHODS,
@@ -166,7 +166,7 @@ def run_bench(
         row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
         rows.append(row)
         if console is not None:
-            _print_prompt(console, i + 1, len(prompts), row, runs)
+            print_prompt(console, i + 1, len(prompts), row, runs)
     summary = _summary(rows, tally, methods, config.greedy)
     return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
 
@@ -411,11 +411,11 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "near_ties": sum(1 for r in rows if r.get("near_tie")) if greedy else None,
         "exact_identical_to_plain_fraction": _r(sum(exact_flags) / len(exact_flags)) if exact_flags else None,
         # Per-prompt medians resist a slow spell of a shared machine better than the totals do.
-        "speedup_vs_hf_generate_median": _median(r["speedup_vs_hf_generate"] for r in rows),
-        "speedup_vs_plain_loop_median": _median(r["speedup_vs_plain_loop"] for r in rows),
-        "speedup_vs_prompt_lookup_median": _median(r["speedup_vs_prompt_lookup"] for r in rows),
-        "speedup_vs_heads_only_median": _median(r["speedup_vs_heads_only"] for r in rows),
-        "speedup_vs_llamacpp_median": _median(r.get("speedup_vs_llamacpp") for r in rows),
+        "speedup_vs_hf_generate_median": median_of(r["speedup_vs_hf_generate"] for r in rows),
+        "speedup_vs_plain_loop_median": median_of(r["speedup_vs_plain_loop"] for r in rows),
+        "speedup_vs_prompt_lookup_median": median_of(r["speedup_vs_prompt_lookup"] for r in rows),
+        "speedup_vs_heads_only_median": median_of(r["speedup_vs_heads_only"] for r in rows),
+        "speedup_vs_llamacpp_median": median_of(r.get("speedup_vs_llamacpp") for r in rows),
         "timing": TIMING_NOTE,
     }
     return summary
@@ -451,7 +451,7 @@ def _document(
         # which drafter filled the trees: hydra | medusa-1 | medusa-2 (| none), "+lookup" with context lookup
         "drafter": engines["medusa"].drafter_name + lookup,
         "lookup_run": engines["medusa"].lookup_run,
-        "heads": _heads_label(loaded),
+        "heads": heads_label(loaded),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
         "accept_mode": settings.accept_mode,

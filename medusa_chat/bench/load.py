@@ -124,7 +124,7 @@ def run_with_background_load(
 def print_load_summary(console: Console, doc: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from medusa_chat.bench.report import _fmt
+    from medusa_chat.bench.report import fmt_value
 
     q = doc["quiet"]
     n = doc["background_load"]
@@ -146,11 +146,11 @@ def print_load_summary(console: Console, doc: dict[str, Any]) -> None:
     for row in doc["side_by_side"]:
         table.add_row(
             LABELS.get(row["method"], row["method"]),
-            _fmt(row["quiet_tokens_per_s"], ".1f"),
-            _fmt(row["loaded_tokens_per_s"], ".1f"),
-            _fmt(row["loaded_over_quiet"], ".2f", "x"),
-            "" if row["method"] == "medusa" else _fmt(row["medusa_speedup_quiet"], ".2f", "x"),
-            "" if row["method"] == "medusa" else _fmt(row["medusa_speedup_loaded"], ".2f", "x"),
+            fmt_value(row["quiet_tokens_per_s"], ".1f"),
+            fmt_value(row["loaded_tokens_per_s"], ".1f"),
+            fmt_value(row["loaded_over_quiet"], ".2f", "x"),
+            "" if row["method"] == "medusa" else fmt_value(row["medusa_speedup_quiet"], ".2f", "x"),
+            "" if row["method"] == "medusa" else fmt_value(row["medusa_speedup_loaded"], ".2f", "x"),
         )
     console.print(table)
     for phase in ("quiet", "loaded"):

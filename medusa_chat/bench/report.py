@@ -22,12 +22,12 @@ def _busy(doc: dict[str, Any]) -> bool:
     return before > 0.9 * cpus or after - doc.get("threads", 1) > cpus / 2
 
 
-def _median(values: Any) -> float | None:
+def median_of(values: Any) -> float | None:
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 4) if present else None
 
 
-def _heads_label(loaded: Any) -> str | None:
+def heads_label(loaded: Any) -> str | None:
     heads = getattr(loaded, "heads", None)
     if heads is None:  # a model without heads says so: "none (context lookup only)"
         return getattr(loaded, "heads_source", "") or None
@@ -35,11 +35,11 @@ def _heads_label(loaded: Any) -> str | None:
     return f"{heads.num_heads} x {heads.format}" + (f" ({src})" if src else "")
 
 
-def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+def fmt_value(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
-def _print_prompt(console: Console, i: int, n: int, row: dict[str, Any], runs: dict[str, Run]) -> None:
+def print_prompt(console: Console, i: int, n: int, row: dict[str, Any], runs: dict[str, Run]) -> None:
     from rich.table import Table
 
     short = row["prompt"].replace("\n", " ")
@@ -64,9 +64,9 @@ def _print_prompt(console: Console, i: int, n: int, row: dict[str, Any], runs: d
         table.add_row(
             m,
             str(len(r.token_ids)),
-            _fmt(r.tokens_per_step),
-            _fmt(r.tokens_per_s, ".1f"),
-            _fmt(r.tokens_per_s / hf.tokens_per_s if hf and hf.tokens_per_s else None, ".2f", "x"),
+            fmt_value(r.tokens_per_step),
+            fmt_value(r.tokens_per_s, ".1f"),
+            fmt_value(r.tokens_per_s / hf.tokens_per_s if hf and hf.tokens_per_s else None, ".2f", "x"),
             same,
         )
     console.print(table)
@@ -97,7 +97,7 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("method", "decode tok/s", "tokens/step", "Medusa speedup vs it"):
         table.add_column(col, justify="left" if col == "method" else "right")
-    table.add_row("medusa", _fmt(s["medusa_tokens_per_s"], ".1f"), _fmt(s["tokens_per_step"]), "")
+    table.add_row("medusa", fmt_value(s["medusa_tokens_per_s"], ".1f"), fmt_value(s["tokens_per_step"]), "")
     for m, label, key in (
         ("hf", "HF generate", "speedup_vs_hf_generate"),
         ("plain", "plain loop (root-only tree)", "speedup_vs_plain_loop"),
@@ -107,16 +107,16 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
         if m in doc["baselines"]:
             tps_step = s[f"{m}_tokens_per_step"] if m in ("lookup", "heads") else 1.0
             table.add_row(
-                label, _fmt(s[f"{m}_tokens_per_s"], ".1f"), _fmt(tps_step), _fmt(s[key], ".2f", "x")
+                label, fmt_value(s[f"{m}_tokens_per_s"], ".1f"), fmt_value(tps_step), fmt_value(s[key], ".2f", "x")
             )
     if s.get("llamacpp_tokens_per_s"):
         table.add_row(
             "llama.cpp (llama-cpp-python, same GGUF, same prompts)"
             if s.get("llamacpp_runner") == "LlamaCppPython"
             else "llama.cpp (llama-bench tg, same GGUF)",
-            _fmt(s["llamacpp_tokens_per_s"], ".1f"),
+            fmt_value(s["llamacpp_tokens_per_s"], ".1f"),
             "1.00",
-            _fmt(s["speedup_vs_llamacpp"], ".2f", "x"),
+            fmt_value(s["speedup_vs_llamacpp"], ".2f", "x"),
         )
     console.print(table)
     if doc.get("context_lookup") and s.get("context_lookup_share") is not None:
@@ -149,11 +149,11 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
         for r in doc["tree_sizes"]:
             t.add_row(
                 str(r["size"]),
-                _fmt(r["tokens_per_step"]),
-                _fmt(r["tokens_per_s"], ".1f"),
-                _fmt(r["speedup_vs_hf_generate"], ".2f", "x"),
-                _fmt(r["speedup_vs_plain_loop"], ".2f", "x"),
-                _fmt(
+                fmt_value(r["tokens_per_step"]),
+                fmt_value(r["tokens_per_s"], ".1f"),
+                fmt_value(r["speedup_vs_hf_generate"], ".2f", "x"),
+                fmt_value(r["speedup_vs_plain_loop"], ".2f", "x"),
+                fmt_value(
                     r["identical_fraction"] * 100 if r["identical_fraction"] is not None else None, ".0f", "%"
                 ),
             )
@@ -167,10 +167,10 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             t.add_row(
                 f"{r['method']} ({r['drafter']})",
                 str(r["tree_size"]),
-                _fmt(r["tokens_per_step"]),
+                fmt_value(r["tokens_per_step"]),
                 " / ".join(f"{a:.2f}" for a in depths[:3]) or "-",
-                _fmt(r["tokens_per_s"], ".1f"),
-                _fmt(r["speedup_vs_plain_loop"], ".2f", "x"),
+                fmt_value(r["tokens_per_s"], ".1f"),
+                fmt_value(r["speedup_vs_plain_loop"], ".2f", "x"),
             )
         console.print(t)
     if s.get("speedup_vs_hf_generate_median") is not None:

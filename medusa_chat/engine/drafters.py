@@ -1,25 +1,200 @@
-"""Where a step's tree tokens come from: the heads' guesses (Medusa: one lm_head call with the bonus row, or on
-the CPU block path MedusaDrafter, only the heads the tree reaches; Hydra: depth by depth from the root,
-HydraDrafter), laid out by the tree (`propose`), or a tree shaped per step by the
-draft's confidence (`confident_paths`)."""
+"""Drafters: where a step's tree tokens come from. One interface (`Drafter`), one implementation per kind:
+
+    MedusaGuesses   Medusa heads' guesses from the step's own lm_head call (the bonus row's), laid out by the tree
+    MedusaDrafter   Medusa-1 / Medusa-2 heads on the CPU block kernel, after the root is known, only the heads the
+                    tree reaches (in C where the kernel runs)
+    HydraDrafter    Hydra heads, depth by depth from the root
+    EagleDrafter    an EAGLE-1/2/3 draft with its own KV cache, fed the backbone's features (eagle_drafter.py)
+    LookupDrafter   context lookup alone (a model without heads), and every root-only tree: nothing of its own;
+                    the engine puts the lookup's guesses (lookup.py) on the tree's main chain, as it does for
+                    every drafter
+
+`make_drafter` picks the implementation for a model; the engine calls it without asking which it has. Trees
+shaped per step by a draft's confidence: `confident_paths`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from medusa_chat.engine.eagle_drafter import EagleDrafter
+from medusa_chat.engine.trees import SHAPED_NOTE, StepTree
 from medusa_chat.errors import HeadsError
 from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
 from medusa_chat.model.block_heads import drafter_name
 from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
-from medusa_chat.tree import TreeBuffers
+from medusa_chat.tree import Tree, TreeBuffers
+
+if TYPE_CHECKING:
+    from medusa_chat.model.runner import BackboneRunner
+
+LmHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Drafter(Protocol):
+    """What the engine asks of a drafter. A step's "draft" is whatever the drafter kept from the last accepted
+    node for the next step's `propose`: the heads' guesses (MedusaGuesses), that node's hidden state (the
+    drafters that draft after the root is known), or None."""
+
+    name: str  # what `info`, `ask` and `bench` call it ("medusa-1", "hydra", "eagle3", "none", ...)
+    # it reads every backbone forward's features and keeps state of its own (`saw`, `record`, `commit`): no CUDA
+    # graphs, no cache copied from another engine
+    reads_features: bool
+    needs_logits: bool  # its next draft comes out of the lm_head call with the bonus row (`logits_and_draft`)
+    fills_tree: bool  # False: it drafts nothing, so a step verifies only the context lookup's guesses
+    shapes_trees: bool  # it can draft a tree shaped by its confidence (`draft_shaped`)
+
+    def logits_and_draft(
+        self, lm_head: LmHead, hidden: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """From the last accepted node's hidden state [1, H]: the next-token logits [V] (fp32) and the draft."""
+        ...
+
+    def draft_from(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The draft from the last accepted node's hidden state [1, H], for drafters with `needs_logits` False."""
+        ...
+
+    def propose(self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
+        """The tree's tokens [N], root [1] first."""
+        ...
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A tree of `size` nodes on the top-1 spine of depth x top-k (`confident_paths`): (codes d * k + r, tokens)."""
+        ...
+
+    def dynamic(self, tree: Tree) -> bool:
+        """Does it draft a tree of its own per step (`dynamic_tree`) in place of `tree`?"""
+        ...
+
+    def dynamic_tree(
+        self, root: torch.Tensor, tree: Tree, step_state: Callable[[Tree], StepTree]
+    ) -> StepTree:
+        """This step's tree with `tree`'s node count and depth, its tokens set (`step_state`: a tree's buffers)."""
+        ...
+
+    def saw(self, hidden: torch.Tensor) -> None:
+        """After every backbone forward: its last hidden states [T, H]."""
+        ...
+
+    def record(self, start: int, ids: torch.Tensor) -> None:
+        """After a prefill: positions start .. start + len(ids) - 1 hold `ids` [T], their features the forward's."""
+        ...
+
+    def commit(self, start: int, nodes: list[int], tokens: list[int]) -> None:
+        """After a step: its accepted `nodes` (rows of its forward, root first) now sit at positions start ..,
+        `tokens` the step's tree tokens by node."""
+        ...
+
+    def tree_note(self, draft_shaped: bool, dynamic: bool) -> str:
+        """What `info`, `ask` and `bench` add to the tree's source."""
+        ...
+
+
+class DrafterBase:
+    """The defaults of the interface: a drafter whose next draft is the last accepted node's hidden state, that
+    reads no features and shapes no trees."""
+
+    name = "none"
+    reads_features = False
+    needs_logits = False
+    fills_tree = True
+    shapes_trees = False
+
+    def logits_and_draft(
+        self, lm_head: LmHead, hidden: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return lm_head(hidden)[0].float(), self.draft_from(hidden)
+
+    def draft_from(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return hidden
+
+    def propose(self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        raise ValueError(f"the {self.name} drafter shapes no trees")
+
+    def dynamic(self, tree: Tree) -> bool:
+        return False
+
+    def dynamic_tree(
+        self, root: torch.Tensor, tree: Tree, step_state: Callable[[Tree], StepTree]
+    ) -> StepTree:
+        raise ValueError(f"the {self.name} drafter drafts no dynamic trees")
+
+    def saw(self, hidden: torch.Tensor) -> None:
+        pass
+
+    def record(self, start: int, ids: torch.Tensor) -> None:
+        pass
+
+    def commit(self, start: int, nodes: list[int], tokens: list[int]) -> None:
+        pass
+
+    def tree_note(self, draft_shaped: bool, dynamic: bool) -> str:
+        return SHAPED_NOTE if draft_shaped else ""
+
+
+def laid_out(root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
+    """The tree's tokens [N] from the heads' flat top-k guesses (head-major), laid out by the tree."""
+    if draft is None and buf.tree.size > 1:
+        # No heads (lookup_only.py) and no lookup guess: only a timed trial step (calibration) gets here, as
+        # replies verify just the nodes the lookup filled; any tokens time the same, the root's are at hand.
+        return root.expand(buf.tree.size).clone()
+    flat = torch.cat([root, draft]) if draft is not None else root
+    return flat[buf.candidate_index]
+
+
+class LookupDrafter(DrafterBase):
+    """Context lookup alone: a model without heads (model/lookup_only.py), and any root-only tree. It drafts no
+    node: the engine puts the lookup's guesses on the tree's chain, and a step verifies only those."""
+
+    fills_tree = False
+
+    def __init__(self, name: str = "none") -> None:
+        self.name = name
+
+    def draft_from(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def propose(self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
+        return laid_out(root, None, buf)
+
+
+ROOT_ONLY = LookupDrafter()  # the drafter of a root-only tree (the plain loop): no draft
+
+
+class MedusaGuesses(DrafterBase):
+    """Medusa heads (float, any device) guessing from the hidden state of the last accepted node, in the same
+    lm_head call as the bonus row where the heads share the lm_head (v2); the tree lays the guesses out."""
+
+    needs_logits = True
+
+    def __init__(self, heads: MedusaHeads, name: str) -> None:
+        self.heads, self.name = heads, name
+
+    def logits_and_draft(
+        self, lm_head: LmHead, hidden: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return next_logits_and_guesses(lm_head, self.heads, hidden, top_k)
+
+    def draft_from(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None  # (the guesses need the lm_head: `logits_and_draft`)
+
+    def propose(self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
+        return laid_out(root, draft, buf)
 
 
 def next_logits_and_guesses(
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    lm_head: LmHead,
     heads: MedusaHeads | None,
     hidden: torch.Tensor,
     top_k: int,
@@ -42,7 +217,7 @@ def next_logits_and_guesses(
     return logits, head_logits.topk(top_k, dim=-1).indices.flatten()
 
 
-class HydraDrafter:
+class HydraDrafter(DrafterBase):
     """Fills a tree depth by depth with Hydra heads (heads.py): a node's children are the top-k of head d on
     the state that folded in every token on the node's path, starting from the root (the bonus token).
 
@@ -89,6 +264,16 @@ class HydraDrafter:
     native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel
     native_draft = None  # the same drafting loop as `propose`, all depths in one C call (NativeHydra.draft)
 
+    @property
+    def shapes_trees(self) -> bool:  # type: ignore[override]
+        return self.native_draft is not None
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        assert self.native is not None and draft is not None
+        return self.native.draft_shaped(root, draft, depth, k, size)
+
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
         if self.native_draft is not None:
@@ -108,7 +293,7 @@ class HydraDrafter:
         return tokens
 
 
-class MedusaDrafter:
+class MedusaDrafter(DrafterBase):
     """Medusa-1 / Medusa-2 heads on the block kernel (model/block_heads.py) drafting a step's tree after the root
     is known, like HydraDrafter, from the last accepted node's hidden state: only the heads the tree reaches (depth
     d needs heads 0 .. d - 1), only their top-k, in one C call where the kernel runs (`native_draft`), and for
@@ -139,6 +324,16 @@ class MedusaDrafter:
         self.native = native_medusa_for(heads, projections, draft_vocab)
         self.native_draft = self.native.draft if self.native is not None else None
 
+    @property
+    def shapes_trees(self) -> bool:  # type: ignore[override]
+        return self.native_draft is not None
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        assert self.native is not None and draft is not None
+        return self.native.draft_shaped(root, draft, depth, k, size)
+
     def top(self, hidden: torch.Tensor, depth: int, k: int) -> torch.Tensor:
         """Heads 0 .. depth - 1 on hidden [1, H]: their top-k token ids [depth * k], head-major (module calls)."""
         out = []
@@ -158,27 +353,20 @@ class MedusaDrafter:
         return torch.cat([root.view(1), tokens.to(root.dtype)])[buf.candidate_index]
 
 
-def make_drafter(heads: MedusaHeads | None, backbone: torch.nn.Module, source: str = "") -> Any:
-    """The engine's drafter: HydraDrafter for Hydra heads, MedusaDrafter for block-quantized Medusa heads (the CPU
-    block path), else None (Medusa heads guess from the step's own lm_head call, next_logits_and_guesses)."""
+def make_drafter(heads: Any, backbone: torch.nn.Module, runner: BackboneRunner, source: str = "") -> Drafter:
+    """The drafter for a model's heads: EagleDrafter for an EAGLE draft, HydraDrafter for Hydra heads,
+    MedusaDrafter for block-quantized Medusa heads (the CPU block path), MedusaGuesses for other Medusa heads,
+    LookupDrafter without heads."""
+    if isinstance(heads, EagleDraft):
+        return EagleDrafter(heads, backbone, runner)
+    name = drafter_name(heads, source)
+    if heads is None:
+        return LookupDrafter(name)
     if isinstance(heads, HydraHeads):
         return HydraDrafter(heads, backbone)
-    if heads is not None and getattr(heads, "block_kind", ""):
-        return MedusaDrafter(heads, backbone, drafter_name(heads, source), heads.draft_vocab_ids)
-    return None
-
-
-def propose(root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, drafter: Any) -> torch.Tensor:
-    """The tree's tokens [N]. `draft` is the Medusa heads' flat top-k guesses, or for Hydra heads the last
-    accepted node's hidden state (their guesses depend on the root, known only now)."""
-    if drafter is not None and draft is not None:
-        return drafter.propose(root, draft, buf)
-    if draft is None and buf.tree.size > 1:
-        # No heads (lookup_only.py) and no lookup guess: only a timed trial step (calibration) gets here, as
-        # replies verify just the nodes the lookup filled; any tokens time the same, the root's are at hand.
-        return root.expand(buf.tree.size).clone()
-    flat = torch.cat([root, draft]) if draft is not None else root
-    return flat[buf.candidate_index]
+    if getattr(heads, "block_kind", ""):
+        return MedusaDrafter(heads, backbone, name, heads.draft_vocab_ids)
+    return MedusaGuesses(heads, name)
 
 
 def confident_paths(probs: list[list[float]], size: int) -> tuple[tuple[int, ...], ...]:

@@ -18,18 +18,18 @@ Static trees (`propose`) use the tree's own layout (TreeBuffers.levels, as Hydra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.errors import HeadsError
-from medusa_chat.model.eagle import EagleDraft, eagle_taps
+from medusa_chat.engine.trees import EAGLE_NATIVE_NOTE, EAGLE_NOTE, StepTree
+from medusa_chat.model.eagle import EagleDraft, tap_features
 from medusa_chat.model.native_eagle import NativeEagle, native_eagle_for
-from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.engine import MedusaEngine
+    from medusa_chat.model.runner import BackboneRunner
 
 # EAGLE-2's expansion width, capped by the tree's size (EAGLE-2 uses 10 for 60-node trees); the dynamic tree
 # drafts `depth` levels of this many frontier nodes and keeps the N - 1 most probable of all their children.
@@ -40,27 +40,24 @@ _DEPTH_TIE = 1e-4
 
 
 class EagleDrafter:
-    """Drafts a step's tree with an EAGLE draft; state: the context's features and token ids, and the draft's
-    KV cache over pairs 0 .. `seen` - 1 (`seen` <= context length - 1)."""
+    """Drafts a step's tree with an EAGLE draft (the `Drafter` interface of drafters.py); state: the context's
+    features and token ids, and the draft's KV cache over pairs 0 .. `seen` - 1 (`seen` <= context length - 1)."""
 
-    def __init__(self, engine: MedusaEngine) -> None:
-        draft = engine.heads
-        assert isinstance(draft, EagleDraft)
+    reads_features = True  # (every backbone forward's: `saw`, `record`)
+    needs_logits = False
+    fills_tree = True
+
+    def __init__(self, draft: EagleDraft, backbone: Any, runner: BackboneRunner) -> None:
         self.draft = draft
-        self.engine = engine
-        backbone = engine.backbone
+        self.name = draft.format
         self.embed = backbone.get_input_embeddings()
-        self.full_head = engine.lm_head  # EAGLE-1/2 project with the backbone's lm_head
+        self.dtype = self.embed.weight.dtype  # the backbone's activations
+        self.full_head = runner.lm_head  # EAGLE-1/2 project with the backbone's lm_head
         self.vocab = draft.vocab_map()  # EAGLE-3: draft index -> token id
-        # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py);
-        # `native_draft` set tells the engine's tree logic (trees.py) that draft-shaped trees are available
+        # where the backbone runs the native C step, the whole draft of a step is one C call (native_eagle.py)
         self.native: NativeEagle | None = None
-        self.native_draft = None
-        if getattr(engine.runner.lean, "lib", None) is not None:
+        if runner.native:
             self.native = native_eagle_for(draft, self.embed, self.full_head)
-            if self.native is not None:
-                self.native.state = self
-                self.native_draft = self.native.draft
         if self.native is None and draft.fc.weight.device.type == "cpu" and draft.fc.weight.dtype != torch.float32:
             draft.float()  # the PyTorch drafter on a CPU: fp32 (a draft is loaded in its file's 16 bits)
         self.cache = draft.new_cache()
@@ -72,52 +69,57 @@ class EagleDrafter:
         self.known = 0  # positions whose feature and token are recorded
         self.seen = 0  # pairs in the draft's cache
         self._last: torch.Tensor | None = None  # the last backbone forward's features [T, F]
-        self.tapped: list[torch.Tensor] = []
+        self.tapped = tap_features(backbone, runner.lean) if draft.version == 3 else []
         self.min = torch.finfo(draft.fc.weight.dtype).min
         self._mbuf = torch.zeros(0, 0, dtype=draft.fc.weight.dtype, device=dev)  # `_mask`'s reused buffer
         self._dirty = (0, 0)  # its columns holding the last tree block (the rest are 0: visible context)
-        self._shapes: dict[tuple[tuple[int, ...], ...], tuple[Tree, TreeBuffers, TreePlan | None]] = {}
-        if draft.version == 3:
-            self._tap(backbone, engine.runner)
+        self._shapes: dict[tuple[tuple[int, ...], ...], StepTree] = {}
 
     @property
-    def dynamic(self) -> bool:
-        """Does each step draft EAGLE-2's dynamic tree (else the engine's static tree)? For trees of 3 nodes or
-        more that the expansion can fill."""
+    def shapes_trees(self) -> bool:
+        """The C drafter shapes trees on its spine (trees.py, draft_shaped)."""
+        return self.native is not None
+
+    def dynamic(self, tree: Tree) -> bool:
+        """Does each step draft EAGLE-2's dynamic tree in place of `tree`? For trees of 3 nodes or more that the
+        expansion can fill."""
         if self.native is not None:  # the C drafter shapes trees on its spine (trees.py, draft_shaped)
             return False
-        tree = self.engine.tree
         k = min(tree.size - 1, DYNAMIC_TOP_K)
         fits = tree.size - 1 <= k + (tree.depth - 1) * k * k
         return tree.size > 2 and fits
 
-    # ---- features from the backbone -----------------------------------------------------------------------
-    def _tap(self, backbone: Any, runner: Any) -> None:
-        """Have every backbone forward leave the inputs of EAGLE-3's three layers in a list the model keeps (one
-        per model, shared by every engine on it: only the last forward's three are kept)."""
-        layers = backbone.base_model.layers
-        taps = eagle_taps(len(layers))
-        if runner.lean is None:
-            if getattr(backbone, "_medusa_eagle_taps", None) is None:
-                tapped: list[torch.Tensor] = []
-                for i in taps:
-                    layers[i].register_forward_pre_hook(_tap_hook(tapped, i == taps[0]), with_kwargs=True)
-                backbone._medusa_eagle_taps = tapped
-            self.tapped = backbone._medusa_eagle_taps
-        elif hasattr(runner.lean, "tapped"):
-            runner.lean.taps = taps
-            self.tapped = runner.lean.tapped
-        else:
-            raise HeadsError(
-                "EAGLE-3 drafts read the backbone's layers 2, N/2 and N-3; the native C step (--quant int8/int4 "
-                "on a CPU) does not give them yet: load the backbone with --quant none"
-            )
+    def tree_note(self, draft_shaped: bool, dynamic: bool) -> str:
+        if draft_shaped:  # the C drafter's trees, on the draft's top-1 spine (native_eagle.py)
+            return EAGLE_NATIVE_NOTE
+        return EAGLE_NOTE if dynamic else ", drafted by the EAGLE draft"
 
+    def logits_and_draft(
+        self, lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return lm_head(hidden)[0].float(), hidden
+
+    def draft_from(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return hidden
+
+    # ---- features from the backbone -----------------------------------------------------------------------
     def saw(self, hidden: torch.Tensor) -> None:
         """After each backbone forward: stash its features [T, F] (the next `record` keeps some rows)."""
         self._last = torch.cat(self.tapped, dim=-1) if self.draft.version == 3 else hidden
 
-    def record(self, start: int, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def record(self, start: int, ids: torch.Tensor) -> None:
+        """After a prefill: positions start .. start + len(ids) - 1 now hold `ids` [T], their features the stashed
+        rows."""
+        self._keep(start, ids, None)
+
+    def commit(self, start: int, nodes: list[int], tokens: list[int]) -> None:
+        """After a step: the accepted nodes' features and tokens, for the next draft."""
+        assert self._last is not None
+        rows = torch.tensor(nodes, device=self._last.device)
+        ids = torch.tensor([tokens[n] for n in nodes], device=self._last.device)
+        self._keep(start, ids, rows)
+
+    def _keep(self, start: int, ids: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Positions start .. start + len(ids) - 1 now hold `ids` [T] (committed), their features the stashed rows
         (`rows` of them, else all). Pairs from start - 1 on read tokens that may have changed: dropped."""
         assert self._last is not None
@@ -134,6 +136,23 @@ class EagleDrafter:
         self.ids[start:end] = ids
         self.known = end
         self.seen = min(self.seen, max(start - 1, 0))
+
+    def pairs(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The pairs the draft has not seen yet, the root's last, as the C drafter reads them: (features [n, F]
+        fp32, next tokens [n] int64, the first one's position)."""
+        first, p = self.seen, self.known
+        feats = self.feats[first:p].float().contiguous()
+        nxt = torch.cat([self.ids[first + 1 : p], root.view(1).to(self.ids.dtype)]).to(torch.int64).contiguous()
+        return feats, nxt, first
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """A tree of `size` nodes shaped by the C draft's confidence (NativeEagle.draft_shaped): (codes, tokens)."""
+        assert self.native is not None
+        shaped = self.native.draft_shaped(*self.pairs(root), depth, k, size)
+        self.seen = self.known - 1  # the root's pair is recomputed next step, with a committed token
+        return shaped
 
     # ---- the draft ----------------------------------------------------------------------------------------
     def _extend(self, root: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -167,7 +186,7 @@ class EagleDrafter:
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.draft.version == 3:
             return self.draft.lm_head(self.draft.norm(out))
-        return self.full_head(out.to(self.engine.dtype)).float()
+        return self.full_head(out.to(self.dtype)).float()
 
     def _tokens(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.vocab is None else self.vocab[index]
@@ -181,8 +200,10 @@ class EagleDrafter:
     def propose(self, root: torch.Tensor, hidden: torch.Tensor | None, buf: TreeBuffers) -> torch.Tensor:
         """root [1] -> the tree's tokens [N] for the engine's (static) tree: node j's pair sits at draft slot
         P - 1 + j (the root's pair is the context's last), masked by the tree's own attention bias."""
-        if self.native_draft is not None:
-            return self.native_draft(root, None, buf)
+        if self.native is not None and buf.tree.size > 1:
+            tokens = self.native.draft(*self.pairs(root), root, buf)
+            self.seen = self.known - 1  # the root's pair is recomputed next step, with a committed token
+            return tokens
         p, state = self._extend(root)
         n = buf.tree.size
         tokens = root.new_zeros(n)
@@ -199,12 +220,15 @@ class EagleDrafter:
                                    p - 1 + level.child_nodes, rows)
         return tokens
 
-    def dynamic_tree(self, root: torch.Tensor) -> tuple[Tree, TreeBuffers, TreePlan | None, torch.Tensor]:
-        """EAGLE-2's dynamic tree with the engine tree's node count N and depth D: depth 1 is the root's top-k;
-        each further depth runs the draft on the k most probable frontier nodes (joint probability) and scores
-        their top-k children; the tree is the N - 1 most probable candidates. One host sync (the kept ids)."""
-        engine = self.engine
-        n, depth = engine.tree.size, engine.tree.depth
+    def dynamic_tree(
+        self, root: torch.Tensor, tree: Tree, step_state: Callable[[Tree], StepTree]
+    ) -> StepTree:
+        """EAGLE-2's dynamic tree with `tree`'s node count N and depth D: depth 1 is the root's top-k; each further
+        depth runs the draft on the k most probable frontier nodes (joint probability) and scores their top-k
+        children; the tree is the N - 1 most probable candidates. One host sync (the kept ids). `step_state`: a
+        tree's buffers and plan for the engine's step (built once per shape)."""
+        base = tree
+        n, depth = base.size, base.depth
         k = min(n - 1, DYNAMIC_TOP_K)
         p, out = self._extend(root)
         dev = root.device
@@ -255,25 +279,8 @@ class EagleDrafter:
         key = tuple(sorted(by_path, key=lambda q: (len(q), q)))
         state = self._shapes.get(key)
         if state is None:
-            tree = Tree.from_paths(list(key), name=f"{engine.tree.name} (EAGLE-2 dynamic)")
-            if engine._exact:
-                state = engine._exact_step_state(tree)
-            else:
-                state = (tree, tree.buffers(engine.device, engine.dtype), None)
-            self._shapes[key] = state
-        tree = state[0]
-        tokens = torch.tensor([0] + [by_path[q] for q in tree.paths], dtype=root.dtype, device=dev)
+            state = self._shapes[key] = step_state(Tree.from_paths(list(key), name=f"{base.name} (EAGLE-2 dynamic)"))
+        tokens = torch.tensor([0] + [by_path[q] for q in state.tree.paths], dtype=root.dtype, device=dev)
         tokens[:1] = root
-        return (*state, tokens)
+        return state.with_tokens(tokens)
 
-
-def _tap_hook(tapped: list[torch.Tensor], first: bool) -> Any:
-    """A forward pre-hook keeping a decoder layer's input hidden state (the first tap starts a new forward)."""
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if first:
-            tapped.clear()
-        tapped.append(hidden[0])
-
-    return hook

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
-from medusa_chat.engine.drafters import HydraDrafter, make_drafter, next_logits_and_guesses, propose  # noqa: F401
-from medusa_chat.engine.eagle_drafter import EagleDrafter
+from medusa_chat.engine.drafters import ROOT_ONLY, make_drafter
 from medusa_chat.engine.graphs import GraphSteps, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
@@ -46,11 +45,9 @@ from medusa_chat.engine.text import (
     stop_string_cut,
 )
 from medusa_chat.engine.threads import ThreadGovernor, adapts
-from medusa_chat.engine.trees import StepTrees
+from medusa_chat.engine.trees import StepTree, StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
-from medusa_chat.model.block_heads import drafter_name
-from medusa_chat.model.eagle import EagleDraft
 from medusa_chat.model.graph_step import GraphStep
 from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.runner import BackboneRunner
@@ -113,15 +110,13 @@ class MedusaEngine(StepTrees, GraphSteps):
         self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
         self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
         self._token_text: dict[int, str] = {}
-        # Hydra heads draft each tree depth by depth after the root is known (built once: a projection copy);
-        # block-quantized Medusa heads draft after it too, only the heads the tree reaches (drafters.py)
-        self._drafter = make_drafter(self.heads, self.backbone, getattr(model, "heads_source", ""))
-        self.drafter_name = drafter_name(self.heads, getattr(model, "heads_source", ""))
-        # an EAGLE draft: feature-level, its own KV cache, fed the backbone's features (eagle_drafter.py)
-        self._eagle = EagleDrafter(self) if isinstance(self.heads, EagleDraft) else None
-        if self._eagle is not None:
-            self._drafter, self.drafter_name = self._eagle, self.heads.format
-        graphs = graphs and self._eagle is None  # (the drafter reads every backbone forward's features)
+        # where each step's tree tokens come from (drafters.py, one interface): Medusa heads' guesses, Hydra or
+        # block-quantized Medusa heads drafting after the root is known, an EAGLE draft with its own KV cache fed
+        # the backbone's features, or context lookup alone; a root-only tree drafts nothing (`set_tree`)
+        self._drafter = make_drafter(self.heads, self.backbone, self.runner, getattr(model, "heads_source", ""))
+        self._root_only = ROOT_ONLY
+        self.drafter_name = self._drafter.name
+        graphs = graphs and not self._drafter.reads_features  # (a drafter reading every forward's features)
         # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
         # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
         self._graph: GraphStep | None = None
@@ -150,8 +145,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor | TreePlan
     ) -> torch.Tensor:
         hidden = self.runner.forward(ids, positions, attend, self.cache)
-        if self._eagle is not None:
-            self._eagle.saw(hidden)
+        self._drafter.saw(hidden)
         return hidden
 
     def prefill(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -162,14 +156,13 @@ class MedusaEngine(StepTrees, GraphSteps):
         block's own keys one at a time and the cached ones 8 at a time (csrc/attention.c), and a token's bits do
         not depend on the blocks (decoder.c), so blocks are the same result, sooner (a 2,048-token prompt on 2
         cores: 3.9 s in one block, 2.1 s in blocks of 256)."""
-        if len(ids) > PREFILL_BLOCK and getattr(self.runner.lean, "lib", None) is not None:
+        if len(ids) > PREFILL_BLOCK and self.runner.native:
             return torch.cat(
                 [self.prefill(ids[i : i + PREFILL_BLOCK], start + i) for i in range(0, len(ids), PREFILL_BLOCK)]
             )
         positions = torch.arange(start, start + len(ids), device=self.device)
         hidden = self._forward(ids, positions, self.causal_mask(start, len(ids)))
-        if self._eagle is not None:
-            self._eagle.record(start, ids)
+        self._drafter.record(start, ids)
         return hidden
 
     def _greedy_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -180,10 +173,9 @@ class MedusaEngine(StepTrees, GraphSteps):
         return top if top is not None else greedy_tokens(self.lm_head(hidden))
 
     def next_logits_and_guesses(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(next-token logits [V], draft): Medusa guesses, or for Hydra heads the hidden state they start from."""
-        heads = self.heads if self.tree.size > 1 and self.drafter is None else None
-        logits, guesses = next_logits_and_guesses(self.lm_head, heads, hidden, self.buffers.top_k)
-        return logits, (hidden if self.drafter is not None else guesses)
+        """(next-token logits [V], draft) from the last accepted node's hidden state [1, H]: the draft is Medusa
+        heads' guesses, the hidden state itself for drafters that draft after the root, or None."""
+        return self.drafter.logits_and_draft(self.lm_head, hidden, self.buffers.top_k)
 
     def _text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -198,28 +190,24 @@ class MedusaEngine(StepTrees, GraphSteps):
         draft: torch.Tensor | None,
         start: int,
         acceptor: Any,
-        produced: int,
-        buf: TreeBuffers | None = None,
-        plan: TreePlan | None = None,
-        lookup_guess: list[int] | None = None,
-        tokens: torch.Tensor | None = None,
+        produced: int = 0,
+        at: StepTree | None = None,
     ) -> StepResult:
         """One decoding step: propose -> verify -> accept -> bonus, then the step's one host sync.
 
         Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
         commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
-        timed is what a reply pays. `buf` / `plan`: a prefix of the tree (near the end of the
-        context window, `tree_for_room`); by default the whole tree. `lookup_guess`: context-lookup guesses for
-        the tree's main chain (lookup.py), host ints; they replace the drafter's tokens there. `tokens`: the
-        tree's tokens when the caller drafted them already (a draft-shaped tree, `_confident_tree`).
+        timed is what a reply pays. `at`: the tree this step verifies (`_step_tree`: a prefix of the tree near
+        the end of the context window, a lookup chain, a draft-shaped tree), with the context lookup's guesses
+        for its main chain (lookup.py; they replace the drafter's tokens there) and its tokens where they are
+        drafted already; by default the whole tree, drafted here.
         """
-        if buf is None:
-            buf, plan = self.buffers, self.plan
+        at = at if at is not None else self.tree_for_room(self.tree.size)
+        buf, plan = at.buf, at.plan
         # one lm_head call for every node: small trees whose next draft needs no lm_head (Hydra, no heads, none)
-        logits_once = buf.tree.size <= 16 and (self.drafter is not None or self.heads is None or buf.tree.size == 1)
+        logits_once = buf.tree.size <= 16 and (not self.drafter.needs_logits or buf.tree.size == 1)
         # propose: node 0 is the root; node i is the guess of head depth-1 at the node's rank
-        if tokens is None:
-            tokens = self._propose(root, draft, buf, lookup_guess)
+        tokens = at.tokens if at.tokens is not None else self._propose(root, draft, buf, at.guess)
         # verify: one forward over the N tree tokens (on a GPU a replayed CUDA graph of it: graph_step.py)
         step_logits = None
         if self._graph is not None:
@@ -242,7 +230,7 @@ class MedusaEngine(StepTrees, GraphSteps):
             tree_tokens, tops = host[:n], host[n:]
             accepted = greedy_path(tree_tokens, tops, buf.tree.children)
             last = accepted[-1]
-            draft = hidden[last : last + 1] if self.drafter is not None else None
+            draft = self.drafter.draft_from(hidden[last : last + 1])
             return StepResult(tree_tokens, accepted, tops[last], top[last : last + 1], None, draft)
         if logits_once or step_logits is not None:
             logits = (self.lm_head(hidden) if step_logits is None else step_logits).float()
@@ -253,9 +241,9 @@ class MedusaEngine(StepTrees, GraphSteps):
         ok, logp = acceptor.judge(parent_logits, tokens, buf, produced)
         path, count = best_path(ok, buf.leaf_paths, logp)
         last = path.gather(0, count.view(1))
-        if logits_once or (step_logits is not None and self.drafter is not None):
+        if logits_once or (step_logits is not None and not self.drafter.needs_logits):
             last_logits = logits.index_select(0, last)[0]
-            draft = hidden.index_select(0, last) if self.drafter is not None else None
+            draft = self.drafter.draft_from(hidden.index_select(0, last))
         else:
             last_logits, draft = self.next_logits_and_guesses(hidden.index_select(0, last))
         bonus = acceptor.bonus(last_logits, last, count)
@@ -265,27 +253,25 @@ class MedusaEngine(StepTrees, GraphSteps):
         return StepResult(host[:n], accepted, host[-1], bonus, path, draft)
 
     def _propose(
-        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup_guess: list[int] | None
+        self, root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers, lookup_guess: list[int]
     ) -> torch.Tensor:
         """The tree's tokens [N]: the drafter's guesses, with the lookup's on the main chain where it has some."""
         chain = buf.chain[: len(lookup_guess)] if lookup_guess else []
         if not chain:
-            return propose(root, draft, buf, self.drafter)
+            return self.drafter.propose(root, draft, buf)
         guess = torch.tensor(lookup_guess[: len(chain)], dtype=root.dtype, device=root.device)
         if len(chain) == buf.tree.size - 1:  # the tree is that chain: the lookup fills it, nothing to draft
             return torch.cat([root, guess])
-        tokens = propose(root, draft, buf, self.drafter)
+        tokens = self.drafter.propose(root, draft, buf)
         return tokens.index_copy_(0, buf.chain_index[: len(chain)], guess)
 
     def trial_step(self, root: torch.Tensor, draft: torch.Tensor | None, acceptor: Any) -> StepResult:
         """One step at the cache's end with its host sync and commit, then the cache put back as it was: what
         the calibration times (every repetition sees the same context)."""
         start = self.cache.length
-        if self.draft_shaped and draft is not None:  # the tree a reply's step drafts and verifies
-            tree, buf, plan, tokens = self._confident_tree(root, draft, self.tree.size)
-            done = self.step(root, draft, start, acceptor, 0, buf, plan, None, tokens)
-        else:
-            done = self.step(root, draft, start, acceptor, 0)
+        # (a draft-shaped tree: the tree a reply's step drafts and verifies)
+        at = self.confident_tree(root, draft, self.tree.size) if self.draft_shaped and draft is not None else None
+        done = self.step(root, draft, start, acceptor, 0, at)
         self.cache.keep(start, done.accepted, done.path)
         self.cache.crop(start)
         return done
@@ -332,7 +318,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != TYPICAL
         lookup = ContextLookup([*prompt_ids, first]) if use_lookup else None
         # runs of lookup guesses longer than the tree's chain: where a step's tree is free (the exact CPU step)
-        runs = self.lookup_run if self._exact and self._graph is None else 0
+        runs = self.lookup_run if self.exact and self._graph is None else 0
         decode_t0 = time.perf_counter()
 
         # ---- decode: one tree verification per step ----
@@ -342,8 +328,8 @@ class MedusaEngine(StepTrees, GraphSteps):
                 break
             start = self.cache.length
             step_t0 = time.perf_counter()
-            tree, buf, plan, guess, tokens = self._step_tree(root, guesses, start, lookup, runs)
-            done = self.step(root, guesses, start, acceptor, len(reply), buf, plan, guess, tokens)
+            at = self._step_tree(root, guesses, start, lookup, runs)
+            done = self.step(root, guesses, start, acceptor, len(reply), at)
             new_tokens = self._commit(start, done)
             root, guesses = done.bonus_on_device, done.draft
             steps += 1
@@ -360,14 +346,14 @@ class MedusaEngine(StepTrees, GraphSteps):
             now = time.perf_counter()
             if self.threads is not None:
                 busy_steps += self.threads.threads != self.threads.full  # (the step that was just timed)
-                self.threads.observe(now - step_t0, tree.size)
+                self.threads.observe(now - step_t0, at.tree.size)
             decode_s = now - decode_t0
             yield StepEvent(
                 step=steps,
                 token_ids=new_tokens,
                 text=delta,
                 accepted_nodes=done.accepted,
-                tree=self._tree_view(tree, buf, done.tokens, guess),
+                tree=self._tree_view(at, done.tokens),
                 step_time_s=now - step_t0,
                 new_tokens_total=len(reply),
                 elapsed_s=now - t0,
@@ -454,9 +440,9 @@ class MedusaEngine(StepTrees, GraphSteps):
         start: int,
         lookup: ContextLookup | None,
         runs: int,
-    ) -> tuple[Tree, TreeBuffers, TreePlan | None, list[int], torch.Tensor | None]:
+    ) -> StepTree:
         """This step's tree, buffers and plan, the lookup's guesses for its main chain, and its tokens where
-        they are known already (a lookup run, a draft-shaped tree; else None: the step proposes them)."""
+        they are known already (a lookup run, a draft-shaped or dynamic tree; else None: the step proposes them)."""
         room = self.context_limit - start
         # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
         # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
@@ -464,48 +450,43 @@ class MedusaEngine(StepTrees, GraphSteps):
         if self._one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
             size = self._one_thread_size
         # near the end of the context window a prefix of the tree still fits: the reply runs to the end
-        tree, buf, plan = self.tree_for_room(min(room, size))
-        full = tree.size == size  # (not cut by the window's end)
-        guess: list[int] = []
-        tokens = None
-        if lookup is not None and buf.chain:
-            whole = full and runs > len(buf.chain)
-            guess = lookup.continuation(runs if whole else len(buf.chain))
-            if whole and lookup.matched == lookup.max_match and len(buf.chain) < len(guess) < room:
+        at = self.tree_for_room(min(room, size))
+        full = at.tree.size == size  # (not cut by the window's end)
+        if lookup is not None and at.buf.chain:
+            whole = full and runs > len(at.buf.chain)
+            guess = lookup.continuation(runs if whole else len(at.buf.chain))
+            if whole and lookup.matched == lookup.max_match and len(at.buf.chain) < len(guess) < room:
                 # a long match: the text is being copied, so the step verifies the lookup's whole run (a
                 # chain of its tokens, nothing drafted) instead of the tree's few chain nodes
-                tree, buf, plan = self._lookup_chain(len(guess))
                 tokens = torch.cat([root, torch.tensor(guess, dtype=root.dtype, device=root.device)])
-            guess = guess[: len(buf.chain)]
-        if self.heads is None and len(guess) + 1 < buf.tree.size:
+                at = self.lookup_chain(len(guess)).with_tokens(tokens)
+            at = at.with_tokens(at.tokens, guess[: len(at.buf.chain)])
+        if not self.drafter.fills_tree and len(at.guess) + 1 < at.buf.tree.size:
             # no heads (lookup_only.py): the step verifies the nodes the lookup filled, the root alone without a
             # guess (a plain step), never nodes nobody drafted
-            tree, buf, plan = self.tree_for_room(len(guess) + 1)
-        if self.draft_shaped and not guess and full and size > 2:
-            tree, buf, plan, tokens = self._confident_tree(root, guesses, size)
-        elif self._eagle is not None and self._eagle.dynamic and self.shaped and not guess and tree is self.tree:
-            tree, buf, plan, tokens = self._eagle.dynamic_tree(root)  # EAGLE-2's dynamic tree
-        return tree, buf, plan, guess, tokens
+            at = self.tree_for_room(len(at.guess) + 1).with_tokens(None, at.guess)
+        if self.draft_shaped and not at.guess and full and size > 2:
+            at = self.confident_tree(root, guesses, size)
+        elif not at.guess and at.tree is self.tree and self.dynamic_trees:
+            at = self.drafter.dynamic_tree(root, self.tree, self.step_state)  # EAGLE-2's dynamic tree
+        return at
 
     def _commit(self, start: int, done: StepResult) -> list[int]:
         """Root + accepted candidates enter the cache (the rest of the tree's entries are dropped); returns the
         step's new reply tokens (the accepted candidates, then the bonus, the next root)."""
         self.cache.keep(start, done.accepted, done.path)
         self.cached_ids.extend(done.tokens[n] for n in done.accepted)
-        if self._eagle is not None:  # the accepted nodes' features and tokens, for the next draft
-            rows = torch.tensor(done.accepted, device=self.device)
-            ids = torch.tensor([done.tokens[n] for n in done.accepted], device=self.device)
-            self._eagle.record(start, ids, rows)
+        self._drafter.commit(start, done.accepted, done.tokens)  # (an EAGLE draft keeps their features)
         return [done.tokens[n] for n in done.accepted[1:]] + [done.bonus]
 
-    def _tree_view(self, tree: Tree, buf: TreeBuffers, tokens: list[int], guess: list[int]) -> TreeView:
+    def _tree_view(self, at: StepTree, tokens: list[int]) -> TreeView:
         return TreeView(
             tokens=tokens,
             texts=[self._text(t) for t in tokens],
-            parents=tree.parents,
-            depths=tree.depths,
-            ranks=tree.ranks,
-            lookup_nodes=buf.chain[: len(guess)] if guess else [],
+            parents=at.tree.parents,
+            depths=at.tree.depths,
+            ranks=at.tree.ranks,
+            lookup_nodes=at.buf.chain[: len(at.guess)] if at.guess else [],
         )
 
     def _reply_text(self, text: str, stop_strings: tuple[str, ...], held: str) -> str:
@@ -520,7 +501,14 @@ class MedusaEngine(StepTrees, GraphSteps):
             text = text[: -len(held)]
         return text
 
-    # ---- helpers ------------------------------------------------------------------------------------------
+    # ---- what calibration asks ---------------------------------------------------------------------------
+    @property
+    def shares_cache(self) -> bool:
+        """Can another engine on the same model start from a copy of this one's cache (`cache`, `cached_ids`)? On
+        a CPU, where the cache is the engine's own and the drafter keeps no state of its own (an EAGLE draft's
+        KV cache); a GPU engine's cache may be its CUDA graphs' buffers."""
+        return self.device.type == "cpu" and self._graph is None and not self._drafter.reads_features
+
     def reset(self) -> None:
         """Forget the cached prefix (e.g. after a model-level change)."""
         self.cache.crop(0)

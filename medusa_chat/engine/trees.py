@@ -6,6 +6,7 @@ Everything here is built once per tree (or per shape) and reused every step; Med
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.drafters import HydraDrafter, MedusaDrafter
+    from medusa_chat.engine.drafters import Drafter
     from medusa_chat.model.heads import MedusaHeads
     from medusa_chat.model.runner import BackboneRunner
 
@@ -24,6 +25,22 @@ EAGLE_NOTE = ", shaped per step by the EAGLE draft (EAGLE-2 dynamic tree)"
 EAGLE_NATIVE_NOTE = ", shaped per step by the EAGLE draft (drafted in C)"
 
 
+@dataclass
+class StepTree:
+    """What one step verifies: a tree (the engine's, a prefix of it, a lookup chain, a shape the draft chose), its
+    buffers and exact-attention plan, the context lookup's guesses for its main chain, and its tokens where they
+    are known before the step (a lookup run, a draft-shaped tree; None: the step's drafter proposes them)."""
+
+    tree: Tree
+    buf: TreeBuffers
+    plan: TreePlan | None
+    guess: list[int] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+
+    def with_tokens(self, tokens: torch.Tensor | None, guess: list[int] | None = None) -> StepTree:
+        return replace(self, tokens=tokens, guess=self.guess if guess is None else guess)
+
+
 class StepTrees:
     """The tree part of MedusaEngine (its base class): which tree, prefix, chain or shape a step verifies."""
 
@@ -31,7 +48,9 @@ class StepTrees:
     dtype: torch.dtype
     heads: MedusaHeads | None
     runner: BackboneRunner
-    _drafter: HydraDrafter | MedusaDrafter | None
+    shaped: bool
+    _drafter: Drafter  # the model's drafter
+    _root_only: Drafter  # a root-only tree's
 
     def set_tree(self, tree: Tree) -> None:
         if tree.size > 1:
@@ -41,33 +60,31 @@ class StepTrees:
         # the prefix this tree's calibration found best while the native step runs on one thread (None: the same)
         one = getattr(self.model, "single_thread_trees", {}).get(tree.size)
         self._one_thread_size: int | None = one if one is not None and one < tree.size else None
-        self.drafter = self._drafter if tree.size > 1 else None
+        # this tree's drafter: the model's, or for a root-only tree (the plain loop) none (drafters.ROOT_ONLY)
+        self.drafter: Drafter = self._drafter if tree.size > 1 else self._root_only
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
-        self._exact = self.runner.lean is not None and self.device.type == "cpu"
-        self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self._exact else None
+        self.exact = self.runner.lean is not None and self.device.type == "cpu"
+        self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.exact else None
         # Smaller prefixes of the tree, used only near the end of the context window (`tree_for_room`); each
         # size is built once per tree, not per step.
-        self._prefixes: dict[int, tuple[Tree, TreeBuffers, TreePlan | None]] = {
-            tree.size: (tree, self.buffers, self.plan)
-        }
+        self._prefixes: dict[int, StepTree] = {tree.size: StepTree(tree, self.buffers, self.plan)}
         # Trees shaped per step by the draft's confidence (confident_paths), with this tree's node count and
         # depth: where the C drafter gives the spine's probabilities and the step attends exactly (a CPU). Each
         # shape's buffers are built once, on first use (a 3-node budget has two shapes, a 5-node one nine).
-        native = getattr(self.drafter, "native_draft", None) is not None
         # (a big published tree is wider than the spine's alternatives can make it, and stays as it is)
         k = min(tree.size - 1, 8)
-        shapes = native and self._exact and 2 < tree.size <= tree.depth * k + 1
+        shapes = self.drafter.shapes_trees and self.exact and 2 < tree.size <= tree.depth * k + 1
         self._shape_spine = (tree.depth, k) if shapes else None
-        self._shapes: dict[tuple[int, ...], tuple[Tree, TreeBuffers, TreePlan | None]] = {}  # by node codes
-        self._chains: dict[int, tuple[Tree, TreeBuffers, TreePlan | None]] = {}  # lookup runs, by length
+        self._shapes: dict[tuple[int, ...], StepTree] = {}  # by node codes
+        self._chains: dict[int, StepTree] = {}  # lookup runs, by length
         n = tree.size
         # Mask rows for the tree, as wide as the cache may get: prefix columns 0, tree block in place.
         self._mask = torch.full((1, 1, n, 0), 0.0, dtype=self.dtype, device=self.device)
         self._mask_prefix = 0  # columns [0, _mask_prefix) are known to be zero (visible prefix)
 
-    def tree_for_room(self, room: int) -> tuple[Tree, TreeBuffers, TreePlan | None]:
+    def tree_for_room(self, room: int) -> StepTree:
         """The tree to verify when only `room` positions are left in the context window: the whole tree, or its
         first `room` nodes (a node at depth d sits at position start + d, and d < room for the first `room`
         nodes, so no position reaches the window's end). The prefix keeps the full tree's top-k, because the
@@ -77,8 +94,8 @@ class StepTrees:
         if state is None:
             tree = self.tree.prefix(size)
             buf = tree.buffers(self.device, self.dtype, self.buffers.top_k)
-            plan = TreePlan.build(tree.parents, tree.depths, self.device) if self._exact else None
-            state = self._prefixes[size] = (tree, buf, plan)
+            plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.exact else None
+            state = self._prefixes[size] = StepTree(tree, buf, plan)
         return state
 
     @property
@@ -90,43 +107,39 @@ class StepTrees:
 
     @property
     def tree_note(self) -> str:
-        """What `info`, `ask` and `bench` add to the tree's source: SHAPED_NOTE for draft-shaped trees, else ""."""
-        eagle = getattr(self, "_eagle", None)
-        if eagle is not None:  # an EAGLE draft: EAGLE-2's dynamic tree, or the static tree (eagle_drafter.py)
-            if self.draft_shaped:  # the C drafter's trees, on the draft's top-1 spine (native_eagle.py)
-                return EAGLE_NATIVE_NOTE
-            return EAGLE_NOTE if eagle.dynamic and self.shaped else ", drafted by the EAGLE draft"
-        return SHAPED_NOTE if self.draft_shaped else ""
+        """What `info`, `ask` and `bench` add to the tree's source: SHAPED_NOTE for draft-shaped trees, an EAGLE
+        draft's own notes (eagle_drafter.py), else ""."""
+        return self._drafter.tree_note(self.draft_shaped, self.dynamic_trees)
 
-    def _lookup_chain(self, length: int) -> tuple[Tree, TreeBuffers, TreePlan | None]:
+    @property
+    def dynamic_trees(self) -> bool:
+        """Does the drafter draft a tree of its own each step (EAGLE-2's dynamic tree, eagle_drafter.py)?"""
+        return self.shaped and self._drafter.dynamic(self.tree)
+
+    def step_state(self, tree: Tree) -> StepTree:
+        """Buffers and plan of a per-step tree (lookup chains, draft-shaped trees), built once per tree by the
+        callers: the exact per-node plan on the exact CPU step."""
+        plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.exact else None
+        return StepTree(tree, tree.buffers(self.device, self.dtype), plan)
+
+    def lookup_chain(self, length: int) -> StepTree:
         """A chain of `length` nodes below the root, for a run of context-lookup guesses (built once per length)."""
         state = self._chains.get(length)
         if state is None:
-            state = self._chains[length] = self._exact_step_state(Tree.chain(length))
+            state = self._chains[length] = self.step_state(Tree.chain(length))
         return state
 
-    def _exact_step_state(self, tree: Tree) -> tuple[Tree, TreeBuffers, TreePlan]:
-        """Buffers and plan of a per-step tree on the exact CPU step (lookup chains, draft-shaped trees)."""
-        return (
-            tree,
-            tree.buffers(self.device, self.dtype),
-            TreePlan.build(tree.parents, tree.depths, self.device),
-        )
-
-    def _confident_tree(
-        self, root: torch.Tensor, hidden: torch.Tensor, size: int
-    ) -> tuple[Tree, TreeBuffers, TreePlan | None, torch.Tensor]:
-        """This step's tree of `size` nodes shaped by the draft's confidence (confident_paths, in C) and its
-        tokens [N]."""
-        assert self._shape_spine is not None and self.drafter is not None and self.drafter.native is not None
+    def confident_tree(self, root: torch.Tensor, draft: torch.Tensor | None, size: int) -> StepTree:
+        """This step's tree of `size` nodes shaped by the draft's confidence (confident_paths, in C), its tokens
+        set."""
+        assert self._shape_spine is not None
         depth, k = self._shape_spine
-        codes, tokens = self.drafter.native.draft_shaped(root, hidden, depth, k, size)
+        codes, tokens = self.drafter.draft_shaped(root, draft, depth, k, size)
         state = self._shapes.get(codes)
         if state is None:
             paths = [(0,) * (c // k) + (c % k,) for c in codes]
-            tree = Tree.from_paths(paths, name=f"{self.tree.name} (draft-shaped)")
-            state = self._shapes[codes] = self._exact_step_state(tree)
-        return (*state, tokens)
+            state = self._shapes[codes] = self.step_state(Tree.from_paths(paths, name=f"{self.tree.name} (draft-shaped)"))
+        return state.with_tokens(tokens)
 
     def _tree_mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
         """Additive mask [1, 1, n, start + n] for the tree of `buf` (default: the engine's tree, n = its size, or

@@ -448,11 +448,11 @@ def prepare_cpu_linears(
         check_row_invariant(new, sub.weight.dtype)
         _set_module(causal_lm, path, new)
         done += 1
-    causal_lm._medusa_tied_lm_head = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
+    tied = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
     if mode != "none" and hasattr(causal_lm.config, "tie_word_embeddings"):
         causal_lm.config.tie_word_embeddings = False  # the lm_head is its own (quantized) module now
-    if causal_lm._medusa_tied_lm_head and share_tied_embedding(causal_lm):
-        causal_lm._medusa_tied_lm_head = False  # the lm_head's blocks are the only copy: counted once, there
+    # (the lm_head's blocks are the only copy where they serve the embedding too: counted once, there)
+    set_tied_lm_head(causal_lm, tied and not share_tied_embedding(causal_lm))
     if progress:
         progress(
             f"  {done} projections as {mode if mode != 'none' else 'packed dense'} ({from_file} from the file)"
@@ -483,6 +483,12 @@ def share_tied_embedding(causal_lm: nn.Module) -> bool:
                 return False
     causal_lm.set_input_embeddings(lookup)
     return True
+
+
+def set_tied_lm_head(model: nn.Module, tied: bool) -> None:
+    """Record that `model`'s lm_head is a separate copy of its tied token embedding (True), which
+    `weight_accounting` counts once, as the embedding's weight."""
+    model._medusa_tied_lm_head = tied
 
 
 def weight_accounting(model: nn.Module) -> tuple[int, int]:

@@ -18,6 +18,7 @@ it is checked against the backbone's shape and then dropped, the backbone's own 
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +210,8 @@ class EagleDraft(nn.Module):
         q = attn.q_proj(h).view(1, t, -1, hd).transpose(1, 2)
         k = attn.k_proj(h).view(1, t, -1, hd).transpose(1, 2)
         v = attn.v_proj(h).view(1, t, -1, hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         cache.keys[i].index_copy_(2, slots, k)
         cache.values[i].index_copy_(2, slots, v)
         width = mask.shape[-1]
@@ -238,7 +239,7 @@ def rotary_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
     return _scaled_inv_freq(inv, cfg.get("rope_scaling"))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
 
@@ -296,7 +297,7 @@ def is_eagle_folder(folder: Path) -> bool:
     return "fc.weight" in keys and not any(k.startswith("model.") for k in keys)
 
 
-def _config(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def eagle_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
     try:
         h = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -328,7 +329,7 @@ def eagle_file(folder: Path) -> Path | None:
 def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> EagleDraft:
     """The draft of `folder`'s config.json and the tensors `state` read from `path`, shapes checked against the
     config; a clear HeadsError for unknown or missing keys or a shape the config does not give."""
-    cfg = _config(read_json(folder / "config.json"), str(folder / "config.json"))
+    cfg = eagle_config(read_json(folder / "config.json"), str(folder / "config.json"))
     state = dict(state)
     version = 3 if any(k.startswith("midlayer.") for k in state) else 1
     if "fc.weight" not in state or (version == 1 and not any(k.startswith("layers.0.") for k in state)):
@@ -377,6 +378,44 @@ def load_eagle(folder: Path, path: Path, state: dict[str, torch.Tensor]) -> Eagl
 def eagle_taps(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's feature layers of an N-layer backbone: the inputs of layers 2, N // 2 and N - 3."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def tap_features(backbone: Any, lean: Any) -> list[torch.Tensor]:
+    """Have every backbone forward leave the inputs of EAGLE-3's three layers (`eagle_taps`) in a list, and return
+    that list: the lean forward's or the native step's own (`lean.taps`), else forward pre-hooks on the
+    transformers model's layers (registered once per model and shared by every engine on it: only the last
+    forward's three are kept). HeadsError where the backbone's step cannot give them."""
+    layers = backbone.base_model.layers
+    taps = eagle_taps(len(layers))
+    if lean is None:
+        tapped = _HOOKED.get(backbone)
+        if tapped is None:
+            tapped = _HOOKED[backbone] = []
+            for i in taps:
+                layers[i].register_forward_pre_hook(_tap_hook(tapped, i == taps[0]), with_kwargs=True)
+        return tapped
+    if hasattr(lean, "tapped"):
+        lean.taps = taps
+        return lean.tapped
+    raise HeadsError(
+        "EAGLE-3 drafts read the backbone's layers 2, N/2 and N-3; the native C step (--quant int8/int4 "
+        "on a CPU) does not give them yet: load the backbone with --quant none"
+    )
+
+
+_HOOKED: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()  # hooked backbones' lists
+
+
+def _tap_hook(tapped: list[torch.Tensor], first: bool) -> Any:
+    """A forward pre-hook keeping a decoder layer's input hidden state (the first tap starts a new forward)."""
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if first:
+            tapped.clear()
+        tapped.append(hidden[0])
+
+    return hook
 
 
 def check_eagle_fits(draft: EagleDraft, config: dict[str, Any], where: str, backbone: str) -> None:

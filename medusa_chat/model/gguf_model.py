@@ -43,7 +43,7 @@ from torch import nn
 
 from medusa_chat.atomic import atomic_write_text, replace_folder
 from medusa_chat.errors import DeviceError, MedusaChatError, ModelNotFoundError
-from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS
+from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, set_tied_lm_head
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -503,7 +503,7 @@ def load_gguf_backbone(
         raise ModelNotFoundError(f"{gguf.name} lacks tensors for {', '.join(missing[:4])}: incomplete file?")
     model.eval().requires_grad_(False)
     config.tie_word_embeddings = False  # the lm_head is its own module now
-    model._medusa_tied_lm_head = tied and not shared  # weight_accounting: count a separate tied copy once
+    set_tied_lm_head(model, tied and not shared)  # weight_accounting: count a separate tied copy once
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     _notes(gguf, b, notes)

@@ -9,7 +9,8 @@ embedded model's draft: the same tokens per step as Q8_0, the draft 20% faster),
 of its own, and a step's extend + spine + tree choice is one call.
 
 The state the call reads (the context's features and tokens, how many pairs the draft has seen) stays with
-engine/eagle_drafter.py, which records it after every backbone forward. Drafts only choose what the backbone
+the engine's drafter (engine/eagle_drafter.py), which records it after every backbone forward and passes the
+pairs the draft has not seen yet to each call. Drafts only choose what the backbone
 verifies: replies are the plain loop's whatever this computes.
 """
 
@@ -21,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat import envvars
-from medusa_chat.model.block_forward import _BLin, _blin, _Embed, embed_struct, trim_heap
+from medusa_chat.model.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
-    from medusa_chat.engine.eagle_drafter import EagleDrafter
     from medusa_chat.model.eagle import EagleDraft
     from medusa_chat.tree import TreeBuffers
 
@@ -59,14 +59,14 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
         ("hidden_norm", _p),
         ("post_norm", _p),
         ("final_norm", _p),
-        ("fc", _BLin),
-        ("qkv", _BLin),
-        ("o", _BLin),
-        ("gate_up", _BLin),
-        ("down", _BLin),
-        ("head", _BLin),
+        ("fc", BLin),
+        ("qkv", BLin),
+        ("o", BLin),
+        ("gate_up", BLin),
+        ("down", BLin),
+        ("head", BLin),
         ("vocab", _p),
-        ("embed", _Embed),
+        ("embed", EmbedStruct),
         ("version", _i),
         ("fc_bias", _p),
         ("qkv_bias", _p),
@@ -154,9 +154,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeEagle:
-    """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
+    """The C drafter for one EAGLE draft and backbone embedding. Each call takes the pairs the draft's KV cache
+    (kept here) has not seen yet: (features [n, F] fp32, next tokens [n] int64, the first pair's position)."""
 
-    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[EmbedStruct, Any], lm_head: Any = None) -> None:
         """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
         the backbone's block lm_head, EAGLE-1's head."""
         self.lib = lib
@@ -170,7 +171,7 @@ class NativeEagle:
         self.model = _EDraft(
             self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter, self.V,
             *(float(n.eps) if n is not None else 0.0 for n in b.norms), *(_ptr(w) for w in b.norm_weights),
-            _blin(b.fc), _blin(b.qkv), _blin(b.o), _blin(b.gate_up), _blin(b.down), _blin(b.head),
+            blin_struct(b.fc), blin_struct(b.qkv), blin_struct(b.o), blin_struct(b.gate_up), blin_struct(b.down), blin_struct(b.head),
             _ptr(b.vocab), emb[0], draft.version, _ptr(b.fc_bias), _ptr(b.qkv_bias),
         )  # fmt: skip
         self._ref = ctypes.byref(self.model)
@@ -182,7 +183,6 @@ class NativeEagle:
         self._rows = 0
         self._codes = torch.empty(0, dtype=torch.int32)
         self._layouts: dict[int, tuple[Any, int, torch.Tensor]] = {}  # static trees' candidate index (`draft`)
-        self.state: EagleDrafter | None = None
 
     def _ensure(self, rows: int, width: int, depth: int, k: int) -> None:
         """Buffers for `rows` extend rows, `width` positions and depth x k candidates, grown by doubling."""
@@ -210,14 +210,14 @@ class NativeEagle:
         if self._codes.numel() < depth * k + 1:
             self._codes = torch.empty(depth * k + 1, dtype=torch.int32)
 
-    def _draft(self, root: torch.Tensor, depth: int, k: int, size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """One C call: (nodes chosen, node tokens [size], candidate tokens [depth * k])."""
-        st = self.state
-        assert st is not None
-        first, p = st.seen, st.known
-        feats = st.feats[first:p].float().contiguous()
-        nxt = torch.cat([st.ids[first + 1 : p], root.view(1).to(st.ids.dtype)]).to(torch.int64).contiguous()
-        n = p - first
+    def draft_pairs(
+        self, feats: torch.Tensor, nxt: torch.Tensor, first: int, depth: int, k: int, size: int
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """One C call over the unseen pairs (the last one's next token is the root): (nodes chosen, node tokens
+        [size], candidate tokens [depth * k]). The cache then holds pairs 0 .. first + n - 2 (the root's pair is
+        recomputed next step, with a committed token)."""
+        n = feats.shape[0]
+        p = first + n
         self._ensure(n, p + depth, depth, k)
         tokens = torch.empty(size, dtype=torch.int64)
         cands = torch.empty(depth * k, dtype=torch.int64)
@@ -227,19 +227,20 @@ class NativeEagle:
             tokens.data_ptr(), cands.data_ptr(), self._work.data_ptr(), self._qx.data_ptr(), self._dx[0].data_ptr(),
             self._dx[1].data_ptr(),
         )  # fmt: skip
-        st.seen = p - 1  # the root's pair is recomputed next step, with a committed token
         return chosen, tokens, cands
 
     def draft_shaped(
-        self, root: torch.Tensor, hidden: torch.Tensor, depth: int, k: int, size: int
+        self, feats: torch.Tensor, nxt: torch.Tensor, first: int, depth: int, k: int, size: int
     ) -> tuple[tuple[int, ...], torch.Tensor]:
         """A tree of `size` nodes shaped by the draft's confidence, as NativeHydra.draft_shaped: (codes, tokens)."""
         if not 1 <= k <= min(MAX_TOP_K, self.V) or depth * k > 8 * 64 or not 1 < size <= depth * k + 1:
             raise ValueError(f"draft_shaped: no {size}-node tree from depth {depth} x top-{k}")
-        n, tokens, _ = self._draft(root, depth, k, size)
+        n, tokens, _ = self.draft_pairs(feats, nxt, first, depth, k, size)
         return tuple(self._codes[:n].tolist()), tokens
 
-    def draft(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
+    def draft(
+        self, feats: torch.Tensor, nxt: torch.Tensor, first: int, root: torch.Tensor, buf: TreeBuffers
+    ) -> torch.Tensor:
         """A static tree's tokens [N], root first: the spine's candidates fill the nodes (0,) * d + (r,); a node
         off the spine (the draft did not run on its parent) gets the candidate of its depth and rank, a guess the
         verification may reject like any other."""
@@ -253,7 +254,7 @@ class NativeEagle:
             index = torch.tensor([(len(p) - 1) * k + min(p[-1], k - 1) for p in tree.paths])
             layout = self._layouts[id(buf)] = (buf, k, index)
         _, k, index = layout
-        cands = self._draft(root, tree.depth, k, 2)[2]
+        cands = self.draft_pairs(feats, nxt, first, tree.depth, k, 2)[2]
         return torch.cat([root.view(1).to(torch.int64), cands.index_select(0, index)])
 
 

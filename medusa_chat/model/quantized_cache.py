@@ -56,7 +56,7 @@ import torch
 from medusa_chat import envvars
 from medusa_chat.atomic import TMP_PREFIX, TMP_SUFFIX, atomic_write
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
-from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, GROUP
+from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, GROUP, set_tied_lm_head
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -581,7 +581,7 @@ def load_quantized_backbone(
             path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
         )
     # as the in-memory path counts it: a tied lm_head is the embedding's weight (its blocks still cost bytes)
-    model._medusa_tied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
+    set_tied_lm_head(model, bool(getattr(config, "tie_word_embeddings", False)))
     kinds = "Q4_1 projections, Q8_0 lm_head" if quant == "int4" else "Q8_0 projections and lm_head"
     notes.append(
         f"weights from the cached quantized file {path} ({kinds}; "

@@ -35,6 +35,11 @@ class BackboneRunner:
             "transformers" if self.lean is None else getattr(self.lean, "path", "lean, exact tree attention")
         )
 
+    @property
+    def native(self) -> bool:
+        """Does the backbone run the native C step (block_forward.NativeForward: the block kernel's library)?"""
+        return getattr(self.lean, "lib", None) is not None
+
     @staticmethod
     def unsupported(causal_lm: torch.nn.Module) -> str | None:
         """Why the transformers forward cannot verify trees on this backbone, or None.

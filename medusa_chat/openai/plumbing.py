@@ -59,9 +59,9 @@ class Ticket:
         if self.stream is not None and self.producer is None:
             self.stream.close()
         self.api.pending -= 1
-        if self.holds_turn and self.api._turn is not None:
+        if self.holds_turn:
             self.holds_turn = False
-            self.api._turn.release()
+            self.api.release_turn()
 
 
 class ReplyResponse(StreamingResponse):

@@ -153,6 +153,11 @@ class ChatAPI:
         self.pending += 1
         return Ticket(self)
 
+    def release_turn(self) -> None:
+        """Give the reply's turn to the next request in the queue (a ticket that held it, as it finishes)."""
+        if self._turn is not None:
+            self._turn.release()
+
     async def _start(self, ticket: Ticket, req: ChatRequest, gone: asyncio.Event) -> None:
         """Wait for this request's turn, then start its reply (ticket.stream). Raises ClientGone if the client
         leaves first, APIError for a bad prompt or a model that cannot load."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.eagle import EagleDraft, _rotate_half
+from medusa_chat.model.eagle import EagleDraft, rotate_half
 
 
 def draft_config(
@@ -71,10 +71,10 @@ def new_draft(
     """A fresh draft from its config.json dict (the loader's own parsing: what is trained is what loads). With
     `draft_vocab_size` an EAGLE-3 draft over the tokens `draft_ids`: its maps d2t/t2d, its lm_head started from
     the backbone's rows of those tokens (`lm_weight`); else EAGLE-1."""
-    from medusa_chat.model.eagle import _config
+    from medusa_chat.model.eagle import eagle_config
 
     torch.manual_seed(seed)
-    cfg = _config(config, "draft config")
+    cfg = eagle_config(config, "draft config")
     if "draft_vocab_size" not in cfg:
         return EagleDraft(cfg, 1, layers=1).float().train()
     if draft_ids is None or lm_weight is None or len(draft_ids) != cfg["draft_vocab_size"]:
@@ -139,8 +139,8 @@ def _attend(
     q = attn.q_proj(h).view(b, n, -1, hd).transpose(1, 2)
     k = attn.k_proj(h).view(b, n, -1, hd).transpose(1, 2)
     v = attn.v_proj(h).view(b, n, -1, hd).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
     keys = torch.cat([p[0] for p in past] + [k], dim=2)
     values = torch.cat([p[1] for p in past] + [v], dim=2)
     out = F.scaled_dot_product_attention(

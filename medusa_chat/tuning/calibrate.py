@@ -259,29 +259,40 @@ def calibrate(
         prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens)) if device.type == "cpu" else None
     )
     try:
-        return _timed_record(
-            loaded, base, sizes, tps, source, step_sizes, lookup_only, prefix_tokens, reps, progress, shared, cancel
-        )
+        accuracy = Accuracy(tps, source, step_sizes, lookup_only)
+        return _timed_record(loaded, base, sizes, accuracy, StepTiming(prefix_tokens, reps, progress, cancel), shared)
     finally:  # cancelled or not, the prefilled caches go
         for engine, _, _ in (shared or {}).values():
             engine.reset()
 
 
+@dataclass
+class Accuracy:
+    """calibrate's accuracy half: E[tokens/step] per size, where it came from, each counted step's verified node
+    count (a model without heads verifies only the lookup's guesses), and whether the lookup drafts alone."""
+
+    tps: dict[int, float]
+    source: str
+    step_sizes: list[int]
+    lookup_only: bool
+
+
+@dataclass
+class StepTiming:
+    """How calibrate times steps: the cached prefix's length, repetitions per size, progress lines, cancel flag."""
+
+    prefix_tokens: int
+    reps: int
+    progress: Callable[[str], None] | None
+    cancel: threading.Event | None
+
+
 def _timed_record(
-    loaded: Any,
-    base: Tree,
-    sizes: list[int],
-    tps: dict[int, float],
-    source: str,
-    step_sizes: list[int],
-    lookup_only: bool,
-    prefix_tokens: int,
-    reps: int,
-    progress: Callable[[str], None] | None,
-    shared: dict[int, Any] | None,
-    cancel: threading.Event | None,
+    loaded: Any, base: Tree, sizes: list[int], accuracy: Accuracy, timing: StepTiming, shared: dict[int, Any] | None
 ) -> dict[str, Any]:
     """calibrate's timing half: the step latencies (and on a CPU the one-thread ones) and the record."""
+    tps, source, step_sizes, lookup_only = accuracy.tps, accuracy.source, accuracy.step_sizes, accuracy.lookup_only
+    prefix_tokens, reps, progress, cancel = timing.prefix_tokens, timing.reps, timing.progress, timing.cancel
     model_name, device, quant, dtype = model_identity(loaded)
     lat = measure_step_latency(
         loaded,

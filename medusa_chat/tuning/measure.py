@@ -223,7 +223,7 @@ def prefilled_engines(
             hidden = first[1]
         else:
             hidden = engine.prefill(prefix)
-            if engine.device.type == "cpu" and engine._graph is None and engine._eagle is None:
+            if engine.shares_cache:
                 first = (engine, hidden)
         logits, draft = engine.next_logits_and_guesses(hidden[-1:])
         out[n] = (engine, logits.argmax(-1, keepdim=True), draft)
