@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import cthreads
 from medusa_chat.model.tree_plan import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 
 
-class _BLin(ctypes.Structure):
+class BLin(ctypes.Structure):
     _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("aux", _p)]
 
 
@@ -45,12 +45,12 @@ class _DLayer(ctypes.Structure):
         ("norm2", _p),
         ("eps1", _f),
         ("eps2", _f),
-        ("qkv", _BLin),
-        ("o", _BLin),
-        ("gate_up", _BLin),
-        ("down", _BLin),
-        ("v", _BLin),  # kind -1 when fused into qkv (decoder.h)
-        ("up", _BLin),  # kind -1 when fused into gate_up
+        ("qkv", BLin),
+        ("o", BLin),
+        ("gate_up", BLin),
+        ("down", BLin),
+        ("v", BLin),  # kind -1 when fused into qkv (decoder.h)
+        ("up", BLin),  # kind -1 when fused into gate_up
         ("qkv_bias", _p),  # fp32 [q | k | v] biases (Qwen2), NULL when the projections have none
     ]
 
@@ -70,15 +70,15 @@ class _DModel(ctypes.Structure):
     ]
 
 
-def _blin(module: Any) -> _BLin:
+def blin(module: Any) -> BLin:
     """The C description of a block linear (decoder.h BLin): its kind and buffers. Q4_1 / Q8_0 pass the codes,
     the fp16 scales and their third buffer (minimums / block sums); a K-quant passes its one stream (kquants.c)."""
     buffers = [getattr(module, name).data_ptr() for name in module.buffer_names]
     qs, d, aux = (buffers + [None, None])[:3]
-    return _BLin(module.c_kind, module.out_features, module.in_features, qs, d, aux)
+    return BLin(module.c_kind, module.out_features, module.in_features, qs, d, aux)
 
 
-_ABSENT = _BLin(-1, 0, 0, None, None, None)
+_ABSENT = BLin(-1, 0, 0, None, None, None)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -113,12 +113,12 @@ class NativeForward:
                 n2.data_ptr(),
                 float(layer.input_layernorm.variance_epsilon),
                 float(layer.post_attention_layernorm.variance_epsilon),
-                _blin(qkv),
-                _blin(layer.self_attn.o_proj),
-                _blin(gate_up),
-                _blin(layer.mlp.down_proj),
-                _blin(v) if v is not None else _ABSENT,
-                _blin(up) if up is not None else _ABSENT,
+                blin(qkv),
+                blin(layer.self_attn.o_proj),
+                blin(gate_up),
+                blin(layer.mlp.down_proj),
+                blin(v) if v is not None else _ABSENT,
+                blin(up) if up is not None else _ABSENT,
                 bias.data_ptr() if bias is not None else None,
             )
         final = _f32(body.norm.weight)
@@ -139,7 +139,7 @@ class NativeForward:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         # the duet mode's helper may still be in a stale chunk that reads these weights (csrc/duet.c): before
         # they go, wait until it is out (microseconds; it only lags when the scheduler has it parked)
-        weakref.finalize(self, qgemm.quiesce)
+        weakref.finalize(self, cthreads.quiesce)
         self._guarded_kv: weakref.ref[torch.Tensor] | None = None
         # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
         # than the rotary module's few ops per step, and a position's values never depend on the batch it
@@ -181,10 +181,10 @@ class NativeForward:
             stride, longest = 0, t
         need = self.lib.decoder_scratch_bytes(self._model_ref, t, start + longest)
         if self._scratch.numel() < need:
-            qgemm.quiesce()  # the duet's helper may still read the old scratch (its attention: csrc/decoder.c)
+            cthreads.quiesce()  # the duet's helper may still read the old scratch (its attention: csrc/decoder.c)
             self._scratch = torch.empty(need + need // 4, dtype=torch.uint8)
         if self._guarded_kv is None or self._guarded_kv() is not kv:  # ... and the KV cache's, before it is freed
-            weakref.finalize(kv, qgemm.quiesce)
+            weakref.finalize(kv, cthreads.quiesce)
             self._guarded_kv = weakref.ref(kv)
         taps = tap_out = None
         if self.taps:
@@ -219,7 +219,8 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     them after the projection."""
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
-    from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
+    from medusa_chat.kernels.block_linears import BlockLinear, fuse
+    from medusa_chat.kernels.cbind import load
 
     cfg = causal_lm.config
     body = causal_lm.model
@@ -289,30 +290,30 @@ def trim_heap() -> None:
         pass
 
 
-class _Q8Lin(ctypes.Structure):
+class Q8Lin(ctypes.Structure):
     _fields_ = [("qs", _p), ("d", _p), ("ws", _p), ("bias", _p)]
 
 
 _LOOKUP = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p)  # drafting.h Embed.lookup
 
 
-class _Embed(ctypes.Structure):  # drafting.h Embed: an fp32 table, Q8_0 blocks (table NULL) or a lookup callback
+class Embed(ctypes.Structure):  # drafting.h Embed: an fp32 table, Q8_0 blocks (table NULL) or a lookup callback
     _fields_ = [("table", _p), ("qs", _p), ("d", _p), ("group", _i), ("lookup", _LOOKUP)]
 
 
-def embed_struct(embed: Any, callback: bool = False) -> tuple[_Embed, Any] | None:
+def embed_struct(embed: Any, callback: bool = False) -> tuple[Embed, Any] | None:
     """The C description of a token embedding (drafting.h Embed) and the object that keeps its buffers alive: the
     lm_head's Q8_0 blocks (a BlockEmbedding) or an fp32 table; with `callback`, any other embedding module (a GGUF
     file's K-quant or F16 rows, kept as stored) through its own lookup called back from C, one row at a time
     (for a caller that looks up a few rows a step from the drafting thread: EAGLE's spine); else None."""
-    from medusa_chat.kernels.qgemm import BlockEmbedding
+    from medusa_chat.kernels.block_linears import BlockEmbedding
 
     if isinstance(embed, BlockEmbedding):
         t = embed.table
-        return _Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group, _LOOKUP()), t
+        return Embed(None, t.qs.data_ptr(), t.d.data_ptr(), t.group, _LOOKUP()), t
     if isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:  # a full table
         keep = embed.weight.detach().contiguous()
-        return _Embed(keep.data_ptr(), None, None, 0, _LOOKUP()), keep
+        return Embed(keep.data_ptr(), None, None, 0, _LOOKUP()), keep
     width = getattr(embed, "embedding_dim", None)
     if not callback or not isinstance(embed, torch.nn.Module) or not width:
         return None
@@ -329,7 +330,7 @@ def embed_struct(embed: Any, callback: bool = False) -> tuple[_Embed, Any] | Non
             ctypes.memset(out, 0, row_bytes)
 
     fn = _LOOKUP(lookup)
-    return _Embed(None, None, None, 0, fn), (embed, fn)  # (the callback object must outlive the C calls)
+    return Embed(None, None, None, 0, fn), (embed, fn)  # (the callback object must outlive the C calls)
 
 
 class NativeHydra:
@@ -340,13 +341,13 @@ class NativeHydra:
     def __init__(self, quantized_heads: Any, lib: ctypes.CDLL) -> None:
         from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 
-        def q8(module: Any) -> _Q8Lin:
+        def q8(module: Any) -> Q8Lin:
             if not isinstance(module, BlockLinearWithBias) or module.bias is None:
                 raise TypeError(
                     "NativeHydra needs the block-quantized heads (cpu_linears.block_quantized_copy)"
                 )
             b = module.block
-            return _Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), module.bias.data_ptr())
+            return Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), module.bias.data_ptr())
 
         self.lib, self._heads = lib, quantized_heads  # keeps the buffers alive
         self._plans: dict[int, tuple[Any, torch.Tensor, int, int]] = {}  # per tree: hydra_draft's index plan
@@ -355,12 +356,12 @@ class NativeHydra:
         self._blocks = []
         for k in range(int(quantized_heads.num_heads)):  # (iterating the ModuleList would include `draft`)
             head = quantized_heads[k]
-            arr = (_Q8Lin * len(head))(*(q8(block.linear) for block in head))
+            arr = (Q8Lin * len(head))(*(q8(block.linear) for block in head))
             self._blocks.append((len(head), arr))
         self._rows = 0
         self._grow(8)
-        self._head_ptrs = (ctypes.POINTER(_Q8Lin) * len(self._blocks))(
-            *(ctypes.cast(arr, ctypes.POINTER(_Q8Lin)) for _, arr in self._blocks)
+        self._head_ptrs = (ctypes.POINTER(Q8Lin) * len(self._blocks))(
+            *(ctypes.cast(arr, ctypes.POINTER(Q8Lin)) for _, arr in self._blocks)
         )
         self._head_counts = (_i * len(self._blocks))(*(n for n, _ in self._blocks))
         self._proj: tuple[Any, ...] | None = None
@@ -371,7 +372,7 @@ class NativeHydra:
         """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
         cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
         the lm_head's Q8_0 blocks), and `draft` stays unused."""
-        from medusa_chat.kernels.qgemm import BlockLinear
+        from medusa_chat.kernels.block_linears import BlockLinear
 
         bound = embed_struct(embed)
         if not isinstance(project, BlockLinear) or bound is None:
@@ -379,7 +380,7 @@ class NativeHydra:
         emb, keep = bound
         vocab = draft_vocab.to(torch.int64).contiguous()
         # the modules / tensors keep the buffers the C structs point to alive
-        self._proj = (project, _blin(project), vocab, emb, keep)
+        self._proj = (project, blin(project), vocab, emb, keep)
         return True
 
     def _plan(self, buf: Any) -> tuple[Any, torch.Tensor, int, int]:
@@ -487,7 +488,7 @@ def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
     """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
-    from medusa_chat.kernels.qgemm import load
+    from medusa_chat.kernels.cbind import load
 
     lib = load()
     if lib is None or int(quantized_heads.hidden_size) % 32:

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from medusa_chat.kernels.cpu_linears import BlockLinearWithBias, quantize_q4_1
-from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear, Q80Linear, load, quantize_q8_0
-from medusa_chat.model.block_forward import _BLin, _blin, _Q8Lin
+from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
+from medusa_chat.kernels.cbind import load
+from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
+from medusa_chat.kernels.quantizers import QK, quantize_q4_1, quantize_q8_0
+from medusa_chat.model.block_forward import BLin, Q8Lin, blin
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.mapped_weights import release
 
@@ -37,7 +39,7 @@ LM_HEAD_KINDS = ("q8_0", "q4_1")
 
 
 class _MHead(ctypes.Structure):  # medusa.c MHead
-    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(_Q8Lin)), ("proj", _BLin), ("vocab", _p)]
+    _fields_ = [("n_blocks", _i), ("blocks", ctypes.POINTER(Q8Lin)), ("proj", BLin), ("vocab", _p)]
 
 
 def can_block(heads: MedusaHeads | None, backbone: Any) -> bool:
@@ -153,13 +155,13 @@ class NativeMedusa:
         lib: ctypes.CDLL,
         draft_vocab: torch.Tensor | None = None,
     ) -> None:
-        def q8(module: Any) -> _Q8Lin:
+        def q8(module: Any) -> Q8Lin:
             if not isinstance(module, BlockLinearWithBias) or not isinstance(module.block, Q80Linear):
                 raise TypeError("NativeMedusa needs block-quantized heads (block_heads.block_medusa_heads)")
             b = module.block
             bias = module.bias if module.bias is not None else torch.zeros(b.out_features)
             self._keep.append(bias)
-            return _Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), bias.data_ptr())
+            return Q8Lin(b.qs.data_ptr(), b.d.data_ptr(), b.s.data_ptr(), bias.data_ptr())
 
         self.lib, self.hidden = lib, int(heads.hidden_size)
         self._keep: list[Any] = [heads, projections]
@@ -173,13 +175,13 @@ class NativeMedusa:
             if vocab is not None and proj.out_features != len(vocab):
                 raise ValueError("the draft vocabulary must list one token per projection row")
             blocks = heads[k][: heads.num_layers]
-            arr = (_Q8Lin * len(blocks))(*(q8(b.linear) for b in blocks))
+            arr = (Q8Lin * len(blocks))(*(q8(b.linear) for b in blocks))
             self._keep.append(arr)
             structs.append(
                 _MHead(
                     len(blocks),
-                    ctypes.cast(arr, ctypes.POINTER(_Q8Lin)),
-                    _blin(proj),
+                    ctypes.cast(arr, ctypes.POINTER(Q8Lin)),
+                    blin(proj),
                     vocab.data_ptr() if vocab is not None else None,
                 )
             )

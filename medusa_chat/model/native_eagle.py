@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.model.block_forward import _BLin, _blin, _Embed, embed_struct, trim_heap
+from medusa_chat.model.block_forward import BLin, Embed, blin, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
@@ -59,14 +59,14 @@ class _EDraft(ctypes.Structure):  # csrc/eagle.c EDraft
         ("hidden_norm", _p),
         ("post_norm", _p),
         ("final_norm", _p),
-        ("fc", _BLin),
-        ("qkv", _BLin),
-        ("o", _BLin),
-        ("gate_up", _BLin),
-        ("down", _BLin),
-        ("head", _BLin),
+        ("fc", BLin),
+        ("qkv", BLin),
+        ("o", BLin),
+        ("gate_up", BLin),
+        ("down", BLin),
+        ("head", BLin),
         ("vocab", _p),
-        ("embed", _Embed),
+        ("embed", Embed),
         ("version", _i),
         ("fc_bias", _p),
         ("qkv_bias", _p),
@@ -79,8 +79,8 @@ class _DraftBlocks:
     (`blocks_for`): every engine on the model (the calibration makes several) drafts from the same blocks."""
 
     def __init__(self, draft: EagleDraft, lm_head: Any, draft_vocab: int) -> None:
-        from medusa_chat.kernels.cpu_linears import quantize_q4_1
-        from medusa_chat.kernels.qgemm import Q41Linear
+        from medusa_chat.kernels.block_linears import Q41Linear
+        from medusa_chat.kernels.quantizers import quantize_q4_1
 
         layer = draft.midlayer if draft.version == 3 else draft.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
@@ -156,7 +156,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeEagle:
     """The C drafter for one EAGLE draft and backbone embedding; `state` is the engine's EagleDrafter."""
 
-    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[_Embed, Any], lm_head: Any = None) -> None:
+    def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[Embed, Any], lm_head: Any = None) -> None:
         """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
         the backbone's block lm_head, EAGLE-1's head."""
         self.lib = lib
@@ -170,7 +170,7 @@ class NativeEagle:
         self.model = _EDraft(
             self.hidden, self.feature_size, int(draft.q_heads), self.n_kv, self.head_dim, self.inter, self.V,
             *(float(n.eps) if n is not None else 0.0 for n in b.norms), *(_ptr(w) for w in b.norm_weights),
-            _blin(b.fc), _blin(b.qkv), _blin(b.o), _blin(b.gate_up), _blin(b.down), _blin(b.head),
+            blin(b.fc), blin(b.qkv), blin(b.o), blin(b.gate_up), blin(b.down), blin(b.head),
             _ptr(b.vocab), emb[0], draft.version, _ptr(b.fc_bias), _ptr(b.qkv_bias),
         )  # fmt: skip
         self._ref = ctypes.byref(self.model)
@@ -262,7 +262,8 @@ def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> Nati
     layer and the backbone's lm_head a block linear), and the embedding one the C code reads (a Q8_0
     BlockEmbedding, an fp32 table, or any other through its own lookup called back: a GGUF file's K-quant or F16
     rows); else None (the PyTorch drafter runs)."""
-    from medusa_chat.kernels.qgemm import BlockLinear, load
+    from medusa_chat.kernels.block_linears import BlockLinear
+    from medusa_chat.kernels.cbind import load
 
     if os.environ.get("MEDUSA_CHAT_NATIVE", "1") == "0":
         return None
