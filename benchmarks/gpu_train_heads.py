@@ -157,7 +157,7 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
         from safetensors.torch import save_file
         from transformers import AutoConfig
 
-        from medusa_chat.kernels.cpu_linears import gguf_state_dict
+        from medusa_chat.model.gguf_names import gguf_state_dict
 
         config = AutoConfig.from_pretrained(hf_files)
         tmp = work / "model.tmp"

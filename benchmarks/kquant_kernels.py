@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import cbind, cbuild, cthreads, prefetch
 from medusa_chat.kernels.gguf_file import BLOCK
 from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
 
@@ -86,15 +86,15 @@ def main() -> None:
     ap.add_argument("--prefetch", default="t0,t1", help="--stream: the prefetch hints (t0, t1, t2, off)")
     ap.add_argument("--rounds", type=int, default=7, help="--stream: rounds")
     args = ap.parse_args()
-    if not qgemm.available():
-        raise SystemExit(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
-    qgemm.set_threads(args.threads)
+    if not cbind.available():
+        raise SystemExit(f"the block kernel cannot run here: {cbind.unavailable_reason()}")
+    cthreads.set_threads(args.threads)
     if args.stream:
         stream(args)
         return
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"block kernel: {qgemm.best_isa()}, {qgemm.get_threads()} threads; ms per call (ratio to baseline)")
+    print(f"block kernel: {cbuild.best_isa()}, {cthreads.get_threads()} threads; ms per call (ratio to baseline)")
     header = "shape         rows " + " ".join(f"{k:>16}" for k in KINDS)
     print(header)
     bits: dict[str, float] = {}
@@ -137,8 +137,8 @@ def stream(args: argparse.Namespace) -> None:
     """Passes over --stream layers of the 1.17B's projections per kind, rows x prefetch hints interleaved."""
     rows = [int(r) for r in args.rows.split(",")]
     hints = args.prefetch.split(",")
-    before = qgemm.prefetch_choice().get("hints") or "t0"
-    print(f"block kernel: {qgemm.best_isa()}, {qgemm.get_threads()} threads; {args.stream} layers of the 1.17B")
+    before = prefetch.prefetch_choice().get("hints") or "t0"
+    print(f"block kernel: {cbuild.best_isa()}, {cthreads.get_threads()} threads; {args.stream} layers of the 1.17B")
     print(f"prefetch hints measured for this machine: {before}")
     try:
         for kind in args.kinds.split(","):
@@ -153,7 +153,7 @@ def stream(args: argparse.Namespace) -> None:
             with torch.inference_mode():
                 for rnd in range(args.rounds + 1):  # round 0 warms up
                     for hint in hints:
-                        qgemm.set_prefetch(hint)
+                        prefetch.set_prefetch(hint)
                         for r in rows:
                             t0 = time.perf_counter()
                             for m in mods:
@@ -171,7 +171,7 @@ def stream(args: argparse.Namespace) -> None:
                 print(f"  {hint:>4}  " + "   ".join(cells))
             del mods
     finally:
-        qgemm.set_prefetch(before)
+        prefetch.set_prefetch(before)
 
 
 if __name__ == "__main__":

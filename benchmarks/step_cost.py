@@ -13,7 +13,7 @@ of 1-8 nodes, as context lookup drafts. Every (threads, prefetch) variant and si
 so a shared machine's slow spells hit them alike: read the ratios, not the absolute times. The figures per size
 are the median over rounds of each round's median step; `ratio` is to the 1-node step of the same variant,
 `vs_t0` the t0 step over this one (> 1: faster than before). The JSON also holds the CPU, the block kernel's
-instruction set and the prefetch measurement (csrc/qblock.h, qgemm.measure_prefetch).
+instruction set and the prefetch measurement (csrc/qblock.h, prefetch.measure_prefetch).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def measure_model(
     import torch
 
     from medusa_chat.bench.runs import repo_path
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels.prefetch import prefetch_choice, set_prefetch
     from medusa_chat.model.loading import load_model
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency, prefilled_engines, timing_prefix
@@ -51,17 +51,17 @@ def measure_model(
     base = Tree.named("mc_sim_7b_63") if heads else Tree.named(f"chain-{max(sizes)}")
     with torch.inference_mode():
         engines = prefilled_engines(loaded, sizes, base, timing_prefix(loaded, 256, 0), True)
-    auto = qgemm.prefetch_choice().get("hints") or "t0"
+    auto = prefetch_choice().get("hints") or "t0"
     steps: dict[tuple[int, str, int], list[float]] = {}
     try:
         for _ in range(rounds):
             for t, p in _variants(threads, prefetch):
-                qgemm.set_prefetch(auto if p == "auto" else p)
+                set_prefetch(auto if p == "auto" else p)
                 lat = measure_step_latency(loaded, sizes, engines=engines, reps=reps, threads=t)
                 for n in sizes:
                     steps.setdefault((t, p, n), []).append(lat[n]["median_s"])
     finally:
-        qgemm.set_prefetch(auto)
+        set_prefetch(auto)
         for engine, _, _ in engines.values():
             engine.reset()
     out: dict[str, Any] = {
@@ -125,27 +125,28 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
 
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cbind, cbuild
+    from medusa_chat.kernels.prefetch import PREFETCH_HINTS, prefetch_choice
     from medusa_chat.machine import cpu_model, slug
 
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
     threads = [int(t) for t in args.threads.split(",")]
     prefetch = args.prefetch.split(",")
     for p in prefetch:
-        if p != "auto" and p not in qgemm.PREFETCH_HINTS:
-            ap.error(f"--prefetch: {p!r} is not auto or one of {', '.join(qgemm.PREFETCH_HINTS)}")
+        if p != "auto" and p not in PREFETCH_HINTS:
+            ap.error(f"--prefetch: {p!r} is not auto or one of {', '.join(PREFETCH_HINTS)}")
     models = ([] if args.no_embedded else ["smollm2-135m"]) + args.model
     if not models:
         ap.error("nothing to time: give --model or leave out --no-embedded")
-    if not qgemm.available():
-        raise SystemExit(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+    if not cbind.available():
+        raise SystemExit(f"the block kernel cannot run here: {cbind.unavailable_reason()}")
     doc: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "isa": qgemm.best_isa(),
+        "isa": cbuild.best_isa(),
         # (the cache file's path is the machine's own: kept out of a result file meant for the repository)
-        "prefetch": {k: v for k, v in qgemm.prefetch_choice().items() if k != "source"},
+        "prefetch": {k: v for k, v in prefetch_choice().items() if k != "source"},
         "command": "python benchmarks/step_cost.py " + " ".join(sys.argv[1:]),
         "models": [measure_model(m, sizes, threads, prefetch, args.rounds, args.reps) for m in models],
     }

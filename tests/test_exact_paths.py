@@ -15,9 +15,10 @@ import torch
 
 from medusa_chat.engine.engine import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.kernels import qgemm
-from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear, prepare_cpu_linears
+from medusa_chat.kernels import block_linears, cbind, quantizers
+from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear
 from medusa_chat.machine import cpu_flags
+from medusa_chat.model.cpu_blocks import prepare_cpu_linears
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
@@ -39,14 +40,14 @@ def _path_model(arch: str, path: str):
 
 
 def _kinds(model) -> set[str]:
-    kinds = (PackedLinear, Int8Linear, Int4Linear, qgemm.Q41Linear, qgemm.Q80Linear)
+    kinds = (PackedLinear, Int8Linear, Int4Linear, block_linears.Q41Linear, block_linears.Q80Linear)
     return {type(m).__name__ for m in model.backbone.modules() if isinstance(m, kinds)}
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_paths_use_their_kernels(path: str) -> None:
     kinds = _kinds(_path_model("llama", path))
-    if qgemm.available():  # the block kernels: GGUF Q4_1 projections, Q8_0 lm_head
+    if cbind.available():  # the block kernels: GGUF Q4_1 projections, Q8_0 lm_head
         expected = {"fp32": {"PackedLinear"}, "int8": {"Q80Linear"}, "int4": {"Q41Linear", "Q80Linear"}}
     else:  # torch's weight-only kernels
         expected = {"fp32": {"PackedLinear"}, "int8": {"Int8Linear"}, "int4": {"Int4Linear", "Int8Linear"}}
@@ -125,21 +126,21 @@ def test_second_turn_reuses_the_cache_and_stays_exact() -> None:
     assert _reply(plain, [7, 8, 9]) == _reply(tree, [7, 8, 9])  # unrelated prompt: cache cropped to 0
 
 
-@pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
+@pytest.mark.skipif(not cbind.available(), reason="block kernel not available here")
 def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     """The embedded GGUF has one Q8_0 token_embd for the embedding and the lm_head: the float table is then
     exactly the lm_head's blocks dequantized, and the embedding is looked up in those blocks instead of being
     kept a second time in fp32, with the same bits (the same replies, the same hidden states)."""
     from torch import nn
 
-    from medusa_chat.kernels.cpu_linears import share_tied_embedding
+    from medusa_chat.model.cpu_blocks import share_tied_embedding
 
     base = tiny_loaded("llama")
     backbone = copy.deepcopy(base.backbone)
     backbone.__dict__.pop("_medusa_lean_forward", None)
     head = backbone.get_output_embeddings()
     v, h = head.weight.shape
-    codes, d = qgemm.quantize_q8_0(head.weight)
+    codes, d = quantizers.quantize_q8_0(head.weight)
     table = (d[..., None] * codes.float().view(v, h // 32, 32)).view(v, h)  # what a Q8_0 file stores
     with torch.no_grad():
         backbone.get_input_embeddings().weight.copy_(table)
@@ -148,7 +149,7 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     float_twin = copy.deepcopy(backbone)
     prepare_cpu_linears(backbone, "int8")
     embed = backbone.get_input_embeddings()
-    assert isinstance(embed, qgemm.BlockEmbedding) and embed.table is backbone.get_output_embeddings()
+    assert isinstance(embed, block_linears.BlockEmbedding) and embed.table is backbone.get_output_embeddings()
     assert not any(p.shape == (v, h) for p in backbone.parameters())  # no fp32 table left
     ids = torch.arange(v)
     assert torch.equal(embed(ids), table) and embed(ids.view(2, -1)).shape == (2, v // 2, h)
@@ -180,8 +181,8 @@ def test_the_native_step_gives_the_same_bits_on_every_instruction_set(
     """The native int4 step (block GEMMs and attention: decoder.c) computes the same per-lane arithmetic in the
     AVX2 build and the 512-bit AVX-512 build (two keys a register for scores, 16 dims a register for the values):
     a prefill block and a tree step give the same hidden states, bit for bit, whichever build runs them."""
-    if not qgemm.available():
-        pytest.skip(f"no block kernel here: {qgemm.unavailable_reason()}")
+    if not cbind.available():
+        pytest.skip(f"no block kernel here: {cbind.unavailable_reason()}")
     flags = cpu_flags()
     isas = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     if len(isas) < 2:

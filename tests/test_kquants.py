@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from medusa_chat.errors import DeviceError
-from medusa_chat.kernels import known_answers, qgemm
+from medusa_chat.kernels import block_linears, cbind, known_answers, quantizers
 from medusa_chat.kernels.gguf_file import BLOCK, GGUFTensor, dequantize, unpack_k
 from medusa_chat.kernels.gguf_linears import (
     K_CLASSES,
@@ -30,7 +30,7 @@ from medusa_chat.kernels.gguf_linears import (
 )
 from medusa_chat.machine import cpu_flags
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason=f"qgemm kernel: {cbind.unavailable_reason()}")
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -121,13 +121,13 @@ def test_k_quant_blocks_round_trip_and_fuse() -> None:
         assert all(np.array_equal(m.blocks()[f], want[f]) for f in want)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
     separate = [m(x) for m in mods]
-    fused = qgemm.fuse(mods)
+    fused = block_linears.fuse(mods)
     assert fused is not None and fused.out_features == 64 and isinstance(fused, Q4KLinear)
     assert torch.equal(fused(x), torch.cat(separate, dim=-1))
     assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))
     assert mods[1].qs.data_ptr() == fused.qs[32:].data_ptr()
     q6 = block_linear_from_gguf("Q6_K", _random_blocks("Q6_K", 16, 256, seed=3), 16, 256)
-    assert qgemm.fuse([mods[0], q6]) is None  # kinds do not mix
+    assert block_linears.fuse([mods[0], q6]) is None  # kinds do not mix
 
 
 def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,7 +140,7 @@ def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPat
     outs: dict[str, list[torch.Tensor]] = {}
     for isa in isas:
         monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
-        assert qgemm.load() is not None, qgemm.unavailable_reason()
+        assert cbind.load() is not None, cbind.unavailable_reason()
         mods = [block_linear_from_gguf(t, raws[t], 200, 512) for t in K_TYPES]
         outs[isa] = [m(x) for m in mods] + [m(x[:3]) for m in mods] + [m(x[:1]) for m in mods]
     for isa in isas[1:]:
@@ -151,7 +151,7 @@ def test_legacy_types_are_the_files_weights() -> None:
     """Q4_0 (as Q4_1 with m = -8 d), Q4_1 and Q8_0 bytes written by gguf-py's own quantizer: the modules'
     weights are gguf-py's dequantization bit for bit; Q4_0 blocks whose -8 d overflows fp16 become Q8_0."""
     w = np.random.default_rng(4).standard_normal((24, 128)).astype(np.float32) * 0.05
-    for type_name, cls in (("Q4_0", qgemm.Q41Linear), ("Q4_1", qgemm.Q41Linear), ("Q8_0", qgemm.Q80Linear)):
+    for type_name, cls in (("Q4_0", block_linears.Q41Linear), ("Q4_1", block_linears.Q41Linear), ("Q8_0", block_linears.Q80Linear)):
         raw = _quantized_by_gguf(type_name, w)
         lin = block_linear_from_gguf(type_name, raw, 24, 128)
         assert type(lin) is cls, type_name
@@ -159,7 +159,7 @@ def test_legacy_types_are_the_files_weights() -> None:
     raw = _random_blocks("Q4_0", 16, 64, seed=5)
     raw[3, 0:2] = np.array([9000.0], np.float16).view(np.uint8)  # 8 d = 72000: not an fp16
     lin = block_linear_from_gguf("Q4_0", raw, 16, 64)
-    assert type(lin) is qgemm.Q80Linear
+    assert type(lin) is block_linears.Q80Linear
     assert torch.equal(lin.dequantized(), torch.from_numpy(_gguf_dequantize(raw, "Q4_0", 16, 64)))
     assert block_linear_from_gguf("F16", np.zeros((2, 64), np.uint8), 2, 32) is None
     assert SUPPORTED_TYPES == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
@@ -169,13 +169,13 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     known_answers.reset()
-    for cls in (qgemm.Q41Linear, qgemm.Q80Linear, Q4KLinear, Q5KLinear, Q6KLinear):
+    for cls in (block_linears.Q41Linear, block_linears.Q80Linear, Q4KLinear, Q5KLinear, Q6KLinear):
         assert known_answers.disagreement(cls) == "", cls.kind
         known_answers.check_known_answer(cls)
 
     # a kernel whose outputs are off by one part in 1000: refused, with one line naming the kind
     def off(self: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
-        return qgemm.BlockLinear.forward(self, x) * 1.001
+        return block_linears.BlockLinear.forward(self, x) * 1.001
 
     monkeypatch.setattr(Q6KLinear, "forward", off)
     known_answers.reset()
@@ -194,12 +194,13 @@ def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest
     it take torch's weight-only kernels instead, and say why in one line."""
     from torch import nn
 
-    from medusa_chat.kernels.cpu_linears import Int8Linear, check_row_invariant, prepare_cpu_linears
+    from medusa_chat.kernels.cpu_linears import Int8Linear, check_row_invariant
+    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
 
-    def off(self: qgemm.Q80Linear, x: torch.Tensor) -> torch.Tensor:
-        return qgemm.BlockLinear.forward(self, x) + 1e-3
+    def off(self: block_linears.Q80Linear, x: torch.Tensor) -> torch.Tensor:
+        return block_linears.BlockLinear.forward(self, x) + 1e-3
 
-    monkeypatch.setattr(qgemm.Q80Linear, "forward", off)
+    monkeypatch.setattr(block_linears.Q80Linear, "forward", off)
     known_answers.reset()
     model = nn.Module()
     model.model = nn.Module()
@@ -216,7 +217,7 @@ def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest
     )
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].proj, Int8Linear)
     with pytest.raises(DeviceError, match="q8_0"):  # and the row-invariance check refuses such a module too
-        check_row_invariant(qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(16, 64))), torch.float32)
+        check_row_invariant(block_linears.Q80Linear(*quantizers.quantize_q8_0(torch.randn(16, 64))), torch.float32)
     monkeypatch.undo()
     known_answers.reset()
 

@@ -196,8 +196,8 @@ def test_nf4_on_cpu_is_close_to_fp32(tiny_llama_dir: Path, v1_safetensors_heads_
 def test_int8_and_dtypes_on_cpu(tiny_llama_dir: Path, v2_heads_dir: Path) -> None:
     import bitsandbytes as bnb
 
+    from medusa_chat.kernels.block_linears import Q80Linear
     from medusa_chat.kernels.cpu_linears import Int8Linear
-    from medusa_chat.kernels.qgemm import Q80Linear
 
     # on a CPU --quant int8 is the row-invariant 8-bit path (Q8_0 blocks, or torch's int8 kernel), not bnb
     int8 = load_model(model=str(tiny_llama_dir), heads=str(v2_heads_dir), device="cpu", quant="int8")

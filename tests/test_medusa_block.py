@@ -15,7 +15,7 @@ from torch import nn
 
 from medusa_chat.engine.drafters import MedusaDrafter, confident_paths
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import cbind
 from medusa_chat.model.block_heads import block_medusa_heads
 from medusa_chat.model.heads import heads_from_state_dict
 from medusa_chat.model.loading import LoadedModel, load_model
@@ -23,7 +23,7 @@ from medusa_chat.tree import Tree
 from tests.test_decoding import run
 from tests.tinymodels import random_heads_state, write_heads
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason="the block kernel cannot run here")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason="the block kernel cannot run here")
 TREE = Tree.named("mc_sim_7b_63")
 
 
@@ -264,7 +264,8 @@ def test_16_bit_heads_become_the_blocks_of_their_exact_float_values(
 ) -> None:
     """Heads stored in 16 bits (as published) are quantized from the file's tensors one by one, never cast to fp32
     all at once: the blocks equal Q8_0 of the fp32 values, and the biases are fp32."""
-    from medusa_chat.kernels.qgemm import Q80Linear, quantize_q8_0
+    from medusa_chat.kernels.block_linears import Q80Linear
+    from medusa_chat.kernels.quantizers import quantize_q8_0
 
     state = random_heads_state(3, 1, own_lm_head=True, seed=11)
     folder = write_heads(tmp_path / "heads16", state, dtype=dtype, base_model=str(tiny_llama_dir))

@@ -36,13 +36,13 @@ _LOADED: dict[str, LoadedModel] = {}
 def no_heads(folder: Path, quant: str = "fast") -> LoadedModel:
     """The tiny planted backbone folder (no heads, no medusa_head.* keys) as load_model gives it; once per quant.
     "fast": int8 on the block kernel (the native C step a CPU runs, ~10x the fp32 step here) where it runs."""
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cbind
 
     if quant == "fast":
-        quant = "int8" if qgemm.available() else "none"
+        quant = "int8" if cbind.available() else "none"
     if quant not in _LOADED:
-        if quant != "none" and not qgemm.available():
-            pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
+        if quant != "none" and not cbind.available():
+            pytest.skip(f"block kernel: {cbind.unavailable_reason()}")
         _LOADED[quant] = load_model(model=str(folder), device="cpu", quant=quant)
     return _LOADED[quant]
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.kernels import qgemm
-from medusa_chat.kernels.cpu_linears import quantize_q4_1
+from medusa_chat.kernels import block_linears, cbind, cbuild, quantizers
+from medusa_chat.kernels.quantizers import quantize_q4_1
 from medusa_chat.machine import cpu_flags
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason=f"qgemm kernel: {qgemm.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason=f"qgemm kernel: {cbind.unavailable_reason()}")
 
 
 def _reference(
@@ -46,9 +46,9 @@ def test_kernels_compute_their_definition_and_are_row_invariant(n: int, k: int) 
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(19, k, generator=g)
     codes, d, m = quantize_q4_1(w)
-    q4 = qgemm.Q41Linear(codes, d, m)
-    c8, d8 = qgemm.quantize_q8_0(w)
-    q8 = qgemm.Q80Linear(c8, d8)
+    q4 = block_linears.Q41Linear(codes, d, m)
+    c8, d8 = quantizers.quantize_q8_0(w)
+    q8 = block_linears.Q80Linear(c8, d8)
     for lin, ref in ((q4, _reference(x, codes, d, m)), (q8, _reference(x, c8, d8, None))):
         y = lin(x)
         assert torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4)
@@ -74,9 +74,9 @@ def test_every_instruction_set_gives_the_same_bits(monkeypatch: pytest.MonkeyPat
     outs: dict[str, list[torch.Tensor]] = {}
     for isa in isas:
         monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
-        assert qgemm.load() is not None, qgemm.unavailable_reason()
-        q4 = qgemm.Q41Linear(*quantize_q4_1(w))
-        q8 = qgemm.Q80Linear(*qgemm.quantize_q8_0(w))
+        assert cbind.load() is not None, cbind.unavailable_reason()
+        q4 = block_linears.Q41Linear(*quantize_q4_1(w))
+        q8 = block_linears.Q80Linear(*quantizers.quantize_q8_0(w))
         outs[isa] = [q4(x), q8(x), q4(x[:3]), q8(x[:1])]
     for isa in isas[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[isa], outs["avx2"], strict=True)), isa
@@ -88,9 +88,9 @@ def test_odd_row_counts_are_padded_and_round_trip() -> None:
     g = torch.Generator().manual_seed(5)
     w = torch.randn(13, 64, generator=g)
     codes, d, m = quantize_q4_1(w)
-    q4 = qgemm.Q41Linear(codes, d, m)
-    c8, d8 = qgemm.quantize_q8_0(w)
-    q8 = qgemm.Q80Linear(c8, d8)
+    q4 = block_linears.Q41Linear(codes, d, m)
+    c8, d8 = quantizers.quantize_q8_0(w)
+    q8 = block_linears.Q80Linear(c8, d8)
     x = torch.randn(3, 64, generator=g)
     for lin, ref in ((q4, _reference(x, codes, d, m)), (q8, _reference(x, c8, d8, None))):
         y = lin(x)
@@ -100,24 +100,24 @@ def test_odd_row_counts_are_padded_and_round_trip() -> None:
     idx = torch.tensor([12, 0, 5])
     assert torch.equal(q4.rows(idx)(x), y := q4(x)[:, idx]) and y.shape == (3, 3)
     assert torch.equal(q8.rows(idx)(x), q8(x)[:, idx])
-    assert qgemm.fuse([q4, qgemm.Q41Linear(codes[:8], d[:8], m[:8])]) is None  # 13 rows: not whole groups
+    assert block_linears.fuse([q4, block_linears.Q41Linear(codes[:8], d[:8], m[:8])]) is None  # 13 rows: not whole groups
 
 
 def test_fused_projections_equal_the_separate_ones() -> None:
     g = torch.Generator().manual_seed(1)
-    mods = [qgemm.Q41Linear(*quantize_q4_1(torch.randn(n, 64, generator=g))) for n in (64, 32, 32)]
+    mods = [block_linears.Q41Linear(*quantize_q4_1(torch.randn(n, 64, generator=g))) for n in (64, 32, 32)]
     x = torch.randn(5, 64, generator=g)
     separate = [m(x) for m in mods]
-    fused = qgemm.fuse(mods)
+    fused = block_linears.fuse(mods)
     assert fused is not None and fused.out_features == 128
     assert torch.equal(fused(x), torch.cat(separate, dim=-1))
     assert all(torch.equal(m(x), s) for m, s in zip(mods, separate, strict=True))  # originals now views
     assert mods[1].qs.data_ptr() == fused.qs[64:].data_ptr()  # no second copy of the weights
-    q8 = [qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(n, 64, generator=g))) for n in (32, 16)]
+    q8 = [block_linears.Q80Linear(*quantizers.quantize_q8_0(torch.randn(n, 64, generator=g))) for n in (32, 16)]
     separate = [m(x) for m in q8]
-    fused8 = qgemm.fuse(q8)
+    fused8 = block_linears.fuse(q8)
     assert fused8 is not None and torch.equal(fused8(x), torch.cat(separate, dim=-1))
-    assert qgemm.fuse([mods[0], qgemm.Q80Linear(*qgemm.quantize_q8_0(torch.randn(16, 64)))]) is None
+    assert block_linears.fuse([mods[0], block_linears.Q80Linear(*quantizers.quantize_q8_0(torch.randn(16, 64)))]) is None
 
 
 @pytest.mark.slow
@@ -130,7 +130,8 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from medusa_chat.kernels.cpu_linears import gguf_blocks, gguf_tensor_types
+    from medusa_chat.kernels.gguf_file import gguf_tensor_types
+    from medusa_chat.model.gguf_names import gguf_blocks
 
     folder = embedded_model_dir()
     config = AutoConfig.from_pretrained(folder)
@@ -145,10 +146,10 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
     ):
         kind, codes, d, m = blocks[path]
         assert kind == "q4_1"
-        assert torch.equal(qgemm.Q41Linear(codes, d, m).dequantized(), state[f"{path}.weight"])
+        assert torch.equal(block_linears.Q41Linear(codes, d, m).dequantized(), state[f"{path}.weight"])
     kind, codes, d = blocks["lm_head"]
     assert kind == "q8_0"  # the tied token embedding, as stored
-    assert torch.equal(qgemm.Q80Linear(codes, d).dequantized(), state["model.embed_tokens.weight"])
+    assert torch.equal(block_linears.Q80Linear(codes, d).dequantized(), state["model.embed_tokens.weight"])
 
 
 @pytest.mark.slow
@@ -188,7 +189,7 @@ def test_the_fused_argmax_is_greedy_tokens_of_the_outputs(monkeypatch: pytest.Mo
     w[:, :32] = -w[:, :32].abs()  # with x's first block positive below, outputs lean negative
     for isa in isas:
         monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
-        lin = qgemm.Q80Linear(*qgemm.quantize_q8_0(w))
+        lin = block_linears.Q80Linear(*quantizers.quantize_q8_0(w))
         for rows in (1, 2, 3, 8, 64):
             x = torch.randn(rows, 96, generator=g)
             assert torch.equal(lin.argmax(x), greedy_tokens(lin(x))), (isa, rows)
@@ -212,17 +213,17 @@ def test_the_parallel_build_links_every_source_and_reports_a_failure(tmp_path: P
     a compiler error is reported with the compiler's own words and leaves no library behind."""
     import ctypes
 
-    flags = (*qgemm.CFLAGS, *qgemm.ISA_FLAGS["avx2"])
-    qgemm._build(tmp_path / "ok.so", flags)
+    flags = (*cbuild.CFLAGS, *cbuild.ISA_FLAGS["avx2"])
+    cbuild.build(tmp_path / "ok.so", flags)
     lib = ctypes.CDLL(str(tmp_path / "ok.so"))
     for symbol in ("q4_1_gemm", "q4_k_gemm", "decoder_forward", "qgemm_isa"):  # qgemm.c, kquants.c, decoder.c
         assert hasattr(lib, symbol), symbol
     with pytest.raises(RuntimeError, match="compiling the qgemm kernel failed: .*no-such-option"):
-        qgemm._build(tmp_path / "bad.so", (*flags, "-fno-such-option-here"))
+        cbuild.build(tmp_path / "bad.so", (*flags, "-fno-such-option-here"))
     assert not (tmp_path / "bad.so").exists()
 
 
-@pytest.mark.skipif(not qgemm.available(), reason="the kernel cannot run on this CPU")
+@pytest.mark.skipif(not cbind.available(), reason="the kernel cannot run on this CPU")
 def test_the_background_build_and_the_first_user_share_one_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,22 +232,22 @@ def test_the_background_build_and_the_first_user_share_one_build(
     import threading
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
-    monkeypatch.setattr(qgemm, "_LIBS", {})
+    monkeypatch.setattr(cbind, "_LIBS", {})
     builds: list[str] = []
     started = threading.Event()
-    real_build = qgemm._build
+    real_build = cbuild.build
 
     def counted_build(out: Path, flags: tuple[str, ...]) -> None:
         builds.append(threading.current_thread().name)
         started.set()
         real_build(out, flags)
 
-    monkeypatch.setattr(qgemm, "_build", counted_build)
-    qgemm.prebuild()
+    monkeypatch.setattr(cbuild, "build", counted_build)
+    cbind.prebuild()
     assert started.wait(60)
-    lib = qgemm.load()  # arrives while the background build runs (it takes seconds)
+    lib = cbind.load()  # arrives while the background build runs (it takes seconds)
     assert lib is not None and hasattr(lib, "decoder_forward")
     assert builds == ["medusa-chat-kernel-build"]
     assert len(list((tmp_path / "kernels").glob("qgemm-*.so"))) == 1
-    qgemm.prebuild()  # already loaded: nothing more to do
-    assert qgemm.load() is lib and len(builds) == 1
+    cbind.prebuild()  # already loaded: nothing more to do
+    assert cbind.load() is lib and len(builds) == 1

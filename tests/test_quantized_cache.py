@@ -17,7 +17,7 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import block_linears, cbind
 from medusa_chat.kernels.gguf_file import read_tensors
 from medusa_chat.model import quantized_cache
 from medusa_chat.model.loading import LoadedModel, load_model
@@ -25,7 +25,7 @@ from medusa_chat.model.mapped_weights import load_pickle, release
 from medusa_chat.tree import Tree
 from tests.tinymodels import write_pickled_checkpoint
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason="block kernel not available here")
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def _buffers(model: Any) -> dict[str, torch.Tensor]:
     """Every tensor that decides the model's numbers: the block linears' buffers, the embedding, the norms."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, qgemm.BlockLinear):
+        if isinstance(module, block_linears.BlockLinear):
             out.update({f"{name}.{b}": getattr(module, b) for b in module.buffer_names})
     embed = model.get_input_embeddings()
     out["embed"] = embed(torch.arange(embed.num_embeddings))  # every row as looked up
@@ -160,7 +160,7 @@ def test_a_failed_write_leaves_no_file(
     loaded = _load(tiny_llama_dir, "int4", True)
     assert list(cache.iterdir()) == []  # no half file, no temporary
     assert any("could not be written" in n for n in loaded.notes)  # loaded the old way instead
-    assert isinstance(loaded.backbone.model.layers[0].self_attn.q_proj, qgemm.Q41Linear)
+    assert isinstance(loaded.backbone.model.layers[0].self_attn.q_proj, block_linears.Q41Linear)
     # too little free disk is known before anything is written
     monkeypatch.setattr(quantized_cache, "tensor_bytes", real)
     monkeypatch.setattr(quantized_cache.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 10))
@@ -261,7 +261,7 @@ def test_quantizing_a_mapped_weight_gives_its_pages_back_as_it_goes(tmp_path: Pa
     passes mapped_weights.release): a published
     Medusa-1 head's 32,000 x 4,096 projection is never resident whole beside its blocks (7B + 5 heads: peak RSS
     6.85 -> 6.06 GB while loading). The codes are the same bits as from a copy in memory."""
-    from medusa_chat.kernels.qgemm import quantize_q8_0
+    from medusa_chat.kernels.quantizers import quantize_q8_0
 
     def file_kb() -> int:
         with open("/proc/self/status") as f:

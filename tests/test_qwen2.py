@@ -17,15 +17,16 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, TreeKVCache, plain_tree
 from medusa_chat.errors import ModelNotFoundError
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.kernels import qgemm
-from medusa_chat.kernels.cpu_linears import BlockLinearWithBias, gguf_state_dict
+from medusa_chat.kernels import cbind, cthreads
+from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 from medusa_chat.model.gguf_model import gguf_config
+from medusa_chat.model.gguf_names import gguf_state_dict
 from medusa_chat.model.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.tinygguf import QWEN2_SHAPE, tiny_qwen2, write_qwen2_gguf
 from tests.tinymodels import random_heads_state, write_heads
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason="block kernel not available here")
 
 # variant -> (tiny_qwen2 arguments, write_qwen2_gguf types): tied Q8_0 (as Qwen2.5-0.5B ties its table), and
 # untied Q4_1 projections with a Q8_0 output.weight
@@ -189,10 +190,10 @@ def test_the_thread_count_changes_no_bit() -> None:
     try:
         outs = []
         for n in (1, 3):
-            qgemm.set_threads(n)
+            cthreads.set_threads(n)
             outs.append(_logits(loaded))
     finally:
-        qgemm.set_threads(0)  # the runtime's default again
+        cthreads.set_threads(0)  # the runtime's default again
     assert torch.equal(outs[0], outs[1])
 
 

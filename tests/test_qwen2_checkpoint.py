@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
-from medusa_chat.kernels import qgemm
-from medusa_chat.kernels.cpu_linears import gguf_state_dict
+from medusa_chat.kernels import cbind
 from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 from medusa_chat.model import loading, quantized_cache
 from medusa_chat.model.gguf_model import read_metadata
+from medusa_chat.model.gguf_names import gguf_state_dict
 from medusa_chat.model.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.test_qwen2 import IDS, _close, _heads, _logits, _native, _reply
 from tests.tinygguf import tiny_qwen2, write_qwen2_folder
 
-pytestmark = pytest.mark.skipif(not qgemm.available(), reason="block kernel not available here")
+pytestmark = pytest.mark.skipif(not cbind.available(), reason="block kernel not available here")
 
 VARIANTS = {"tied": {"seed": 0, "tied": True}, "untied": {"seed": 3, "tied": False}}
 

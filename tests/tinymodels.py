@@ -686,11 +686,11 @@ def block_loaded(quant: str, arch: str = "llama", heads: str = "hydra") -> Any:
     run. The shared tiny model is untouched."""
     import pytest
 
-    from medusa_chat.kernels import qgemm
-    from medusa_chat.kernels.cpu_linears import prepare_cpu_linears
+    from medusa_chat.kernels import cbind
+    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
 
-    if not qgemm.available():
-        pytest.skip(f"block kernel: {qgemm.unavailable_reason()}")
+    if not cbind.available():
+        pytest.skip(f"block kernel: {cbind.unavailable_reason()}")
     base = tiny_loaded(arch, heads=heads)
     loaded = copy.copy(base)
     lean = base.backbone.__dict__.pop("_medusa_lean_forward", None)  # a native step's C structs do not copy

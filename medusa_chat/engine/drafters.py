@@ -247,7 +247,7 @@ class HydraDrafter(DrafterBase):
         self.proj_dtype = backbone.get_input_embeddings().weight.dtype
         self.draft_vocab = vocab
         self.dtype = next(heads.parameters()).dtype
-        from medusa_chat.kernels.qgemm import BlockLinear
+        from medusa_chat.kernels.block_linears import BlockLinear
 
         if isinstance(lm_head, BlockLinear) and self.dtype == torch.float32:
             # the backbone runs on the block kernel (int8/int4 on a CPU): so do the heads' linears (8 bits), and

@@ -77,11 +77,11 @@ def _apply_fixed() -> None:
         return
     import torch
 
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cbind, cthreads
 
     torch.set_num_threads(f[0])
-    if qgemm.available():
-        qgemm.set_threads(f[0])
+    if cbind.available():
+        cthreads.set_threads(f[0])
 
 
 def describe() -> str:
@@ -102,20 +102,20 @@ def adapts(runner) -> bool:
 
 
 def busy_mode() -> int:
-    """The count the governor sets on a busy machine: qgemm.DUET where the duet runtime runs (and
+    """The count the governor sets on a busy machine: cthreads.DUET where the duet runtime runs (and
     MEDUSA_CHAT_DUET is not 0), else 1."""
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cthreads
 
-    if not envvars.enabled("MEDUSA_CHAT_DUET") or not qgemm.duet_available():
+    if not envvars.enabled("MEDUSA_CHAT_DUET") or not cthreads.duet_available():
         return 1
-    return qgemm.DUET
+    return cthreads.DUET
 
 
 def _full_threads() -> int:
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cthreads
 
-    qgemm.set_threads(0)  # the runtime's default team (OMP_NUM_THREADS, torch's setting, the cores)
-    return max(1, qgemm.get_threads())
+    cthreads.set_threads(0)  # the runtime's default team (OMP_NUM_THREADS, torch's setting, the cores)
+    return max(1, cthreads.get_threads())
 
 
 class ThreadGovernor:
@@ -123,9 +123,9 @@ class ThreadGovernor:
     `threads` is the count in use. `set_threads` (the kernel's setter) is injectable for tests."""
 
     def __init__(self, full: int | None = None, set_threads=None) -> None:
-        from medusa_chat.kernels import qgemm
+        from medusa_chat.kernels import cthreads
 
-        self._set = set_threads or qgemm.set_threads
+        self._set = set_threads or cthreads.set_threads
         f = fixed()
         self.adaptive = f is None
         self.full = f[0] if f is not None else (full or _full_threads())

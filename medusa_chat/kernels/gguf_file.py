@@ -287,3 +287,8 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
     if t.type_name in ("Q4_K", "Q5_K", "Q6_K"):
         return dequantize_k(t.type_name, unpack_k(t.type_name, t.data, rows, cols)).reshape(t.shape).numpy()
     raise ValueError(f"tensor {t.name}: dequantizing GGML type {t.type_name} is not supported here")
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """{tensor name: its type name} of a GGUF file."""
+    return {t.name: t.type_name for t in read_tensors(path).values()}

@@ -3,7 +3,7 @@ Q8_0 (csrc/qgemm.c) and the K-quants Q4_K, Q5_K, Q6_K (csrc/kquants.c). No secon
 computes with the file's codes and factors, and `dequantized()` is bit for bit gguf-py's dequantization of the
 same bytes (tests/test_kquants.py).
 
-- Q4_1, Q8_0: the kernel's own formats (qgemm.Q41Linear / Q80Linear), whose layout is a byte permutation of
+- Q4_1, Q8_0: the kernel's own formats (block_linears.Q41Linear / Q80Linear), whose layout is a byte permutation of
   the file's blocks (a Q4_1 block's 16 code bytes hold elements j and j + 16, exactly the kernel's byte (j // 4,
   row, j % 4); Q8_0 codes are bytes already; the fp16 scales are the file's bits): the buffers are made by
   reordering bytes, without unpacking codes to integers (3x faster loads, a lower peak; tests check the
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from medusa_chat.errors import DeviceError
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear, RowLookupEmbedding
+from medusa_chat.kernels.cbind import available, load, unavailable_reason
 from medusa_chat.kernels.gguf_file import (
     QK_K,
     KBlocks,
@@ -30,6 +31,7 @@ from medusa_chat.kernels.gguf_file import (
     unpack_k,
     unpack_q4_0,
 )
+from medusa_chat.kernels.quantizers import QK
 
 SUPPORTED_TYPES: frozenset[str] = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 # kquants.c: stream bytes per superblock and output column; per sub-block of 32: code bytes per column
@@ -84,7 +86,7 @@ def _unpair_words(w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
 def interleave_k(type_name: str, k: KBlocks, group: int) -> np.ndarray:
     """A K-quant tensor's fields (gguf_file.unpack_k; rows a multiple of `group`) -> kquants.c's stream,
     [rows, cols / 256 * STREAM_BYTES] uint8: each group of rows holds its own bytes, so groups slice and
-    concatenate (qgemm.fuse)."""
+    concatenate (block_linears.fuse)."""
     codes = k["codes"]
     n, cols = codes.shape
     g, nb, nsb, G = n // group, cols // 32, cols // QK_K, group
@@ -155,7 +157,7 @@ def _pad_rows(k: KBlocks, rows: int) -> KBlocks:
     }
 
 
-class KQuantLinear(qgemm.BlockLinear):
+class KQuantLinear(BlockLinear):
     """A K-quant tensor on kquants.c: one uint8 buffer `qs` [N (padded to the group), K / 256 * stream bytes]."""
 
     type_name = ""
@@ -182,7 +184,7 @@ class KQuantLinear(qgemm.BlockLinear):
             need = rows * cols // QK_K * RAW_BYTES[self.type_name]
             if raw.size != need:
                 raise ValueError(f"{self.type_name} [{rows}, {cols}] is {need} bytes, got {raw.size}")
-            lib = qgemm.load()
+            lib = load()
             assert lib is not None  # BlockLinear.__init__ checked it
             code = list(RAW_BYTES).index(self.type_name)
             lib.kq_repack(code, raw.ctypes.data, rows, cols, G, stream.ctypes.data)
@@ -247,13 +249,13 @@ class Q6KLinear(KQuantLinear):
 K_CLASSES: dict[str, type[KQuantLinear]] = {"Q4_K": Q4KLinear, "Q5_K": Q5KLinear, "Q6_K": Q6KLinear}
 
 
-def q4_0_linear(raw: np.ndarray, rows: int, cols: int) -> qgemm.BlockLinear:
+def q4_0_linear(raw: np.ndarray, rows: int, cols: int) -> BlockLinear:
     """Q4_0 as Q4_1 (m = -8 d) when every 8 d is exact in fp16, else as Q8_0 (codes q - 8): both exact."""
     codes, d = unpack_q4_0(raw, rows, cols)
     m = -8 * d
     if bool(torch.isfinite(m.half()).all()) and torch.equal(m.half().float(), m):
-        return qgemm.Q41Linear(codes, d, m)
-    return qgemm.Q80Linear((codes - 8).to(torch.int8), d)
+        return Q41Linear(codes, d, m)
+    return Q80Linear((codes - 8).to(torch.int8), d)
 
 
 def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.nn.Module | None:
@@ -264,11 +266,11 @@ def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int
     use the float weights, gguf_file.dequantize)."""
     if type_name not in SUPPORTED_TYPES:
         return None
-    if not qgemm.available():
-        raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+    if not available():
+        raise DeviceError(f"the block kernel cannot run here: {unavailable_reason()}")
     raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
     if type_name in K_CLASSES:
-        lin: qgemm.BlockLinear = K_CLASSES[type_name](rows, cols, raw=raw)
+        lin: BlockLinear = K_CLASSES[type_name](rows, cols, raw=raw)
     elif type_name == "Q4_0":
         lin = q4_0_linear(raw, rows, cols)
     elif type_name == "Q4_1":
@@ -281,15 +283,15 @@ def block_linear_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int
     return lin
 
 
-class KQuantEmbedding(qgemm.RowLookupEmbedding):
+class KQuantEmbedding(RowLookupEmbedding):
     """A token embedding looked up in a K-quant linear's own blocks (kquants.c, kq_rows: each row dequantized
     as ggml does, bit for bit `table.dequantized()`'s rows), so a K-quant token_embd is never held in fp32
     (49152 x 2048: 400 MB). `table`: the tied lm_head, or a KQuantLinear made for the embedding alone."""
 
     def __init__(self, table: KQuantLinear, padding_idx: int | None = None) -> None:
-        lib = qgemm.load()
+        lib = load()
         if lib is None:
-            raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+            raise DeviceError(f"the block kernel cannot run here: {unavailable_reason()}")
         super().__init__(table, padding_idx)
         self._rows_fn = lib.kq_rows
         self._code = list(RAW_BYTES).index(table.type_name)
@@ -304,11 +306,11 @@ class KQuantEmbedding(qgemm.RowLookupEmbedding):
 
 def embedding_from_gguf(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.nn.Module | None:
     """A token embedding [rows tokens, cols] looked up in a GGUF tensor's own K-quant blocks (KQuantEmbedding);
-    None for other types (Q8_0: qgemm.BlockEmbedding over a Q80Linear; float tables: the caller's)."""
+    None for other types (Q8_0: block_linears.BlockEmbedding over a Q80Linear; float tables: the caller's)."""
     if type_name not in K_CLASSES:
         return None
-    if not qgemm.available():
-        raise DeviceError(f"the block kernel cannot run here: {qgemm.unavailable_reason()}")
+    if not available():
+        raise DeviceError(f"the block kernel cannot run here: {unavailable_reason()}")
     return KQuantEmbedding(K_CLASSES[type_name](rows, cols, raw=np.asarray(raw)))
 
 
@@ -328,8 +330,6 @@ def _scales(blocks: np.ndarray, at: int, group: int) -> torch.Tensor:
 
 
 def _q4_1(data: np.ndarray, rows: int, cols: int) -> nn.Module:
-    from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear
-
     module = Q41Linear.__new__(Q41Linear)
     BlockLinear.__init__(module, rows, cols)
     g = module.group
@@ -345,8 +345,6 @@ def _q4_1(data: np.ndarray, rows: int, cols: int) -> nn.Module:
 
 
 def _q8_0(data: np.ndarray, rows: int, cols: int) -> nn.Module:
-    from medusa_chat.kernels.qgemm import QK, BlockLinear, Q80Linear, load
-
     module = Q80Linear.__new__(Q80Linear)
     BlockLinear.__init__(module, rows, cols)
     g = module.group

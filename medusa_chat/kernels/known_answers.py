@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from medusa_chat.errors import DeviceError
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
+from medusa_chat.kernels.cbuild import best_isa
 
 ROWS, OUT, IN = 5, 40, 512  # 40 outputs: two and a half groups (padding); 512: two K-quant superblocks
 _RESULTS: dict[tuple[str, str], str] = {}  # (instruction set, kind) -> "" (agrees) or why not
@@ -39,7 +40,7 @@ def _random_k_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndar
     return raw.reshape(rows, -1)
 
 
-def known_case(cls: type[qgemm.BlockLinear]) -> tuple[qgemm.BlockLinear, torch.Tensor, torch.Tensor]:
+def known_case(cls: type[BlockLinear]) -> tuple[BlockLinear, torch.Tensor, torch.Tensor]:
     """A module of block-linear class `cls` with fixed weights; those weights in float64 from the format's
     definition; and the magnitudes of the kernel's terms per weight (|scale * q| + |minimum|: the
     accumulation error's scale). K-quant classes (gguf_linears) are built from the file's bytes."""
@@ -57,7 +58,7 @@ def known_case(cls: type[qgemm.BlockLinear]) -> tuple[qgemm.BlockLinear, torch.T
         m = (-torch.rand(OUT, IN // 32, generator=gen) * 0.1).half().float()
         scaled = per_weight(d, 32) * codes.double()
         return (
-            qgemm.Q41Linear(codes, d, m),
+            Q41Linear(codes, d, m),
             scaled + per_weight(m, 32),
             scaled.abs() + per_weight(m, 32).abs(),
         )
@@ -65,7 +66,7 @@ def known_case(cls: type[qgemm.BlockLinear]) -> tuple[qgemm.BlockLinear, torch.T
         codes = torch.randint(-127, 128, (OUT, IN), generator=gen).to(torch.int8)
         d = (torch.rand(OUT, IN // 32, generator=gen) * 0.001).half().float()
         w = per_weight(d, 32) * codes.double()
-        return qgemm.Q80Linear(codes, d), w, w.abs()
+        return Q80Linear(codes, d), w, w.abs()
     type_name = cls.type_name  # type: ignore[attr-defined]  # a gguf_linears.KQuantLinear
     raw = _random_k_blocks(type_name, OUT, IN, 1234)
     k = unpack_k(type_name, raw, OUT, IN)
@@ -98,7 +99,7 @@ def _activations_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).view_as(x)
 
 
-def disagreement(cls: type[qgemm.BlockLinear]) -> str:
+def disagreement(cls: type[BlockLinear]) -> str:
     """Empty when the kernel of block-linear class `cls` computes the known answer on this machine, else why not (one line)."""
     kind = cls.kind
     lin, w, magnitude = known_case(cls)
@@ -119,10 +120,10 @@ def disagreement(cls: type[qgemm.BlockLinear]) -> str:
     return ""
 
 
-def check_known_answer(cls: type[qgemm.BlockLinear]) -> None:
+def check_known_answer(cls: type[BlockLinear]) -> None:
     """Raise DeviceError (one line) unless the kernel of block-linear class `cls` (its kind) in this machine's
     build gives the known answer; checked once per process and build."""
-    key = (qgemm.best_isa(), cls.kind)
+    key = (best_isa(), cls.kind)
     if key not in _RESULTS:
         _RESULTS[key] = disagreement(cls)
     if _RESULTS[key]:
@@ -131,7 +132,7 @@ def check_known_answer(cls: type[qgemm.BlockLinear]) -> None:
         )
 
 
-def kernels_agree(classes: tuple[type[qgemm.BlockLinear], ...]) -> str:
+def kernels_agree(classes: tuple[type[BlockLinear], ...]) -> str:
     """Empty when every class's kernel gives its known answer here, else the first one's reason."""
     for cls in classes:
         try:

@@ -173,7 +173,8 @@ def prepare_cpu_blocks(
     """Row-invariant projections (exact tree decoding) on a CPU; the embedded model's blocks as stored."""
     # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
     # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
-    from medusa_chat.kernels.cpu_linears import gguf_blocks, prepare_cpu_linears
+    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
+    from medusa_chat.model.gguf_names import gguf_blocks
 
     prebuilt = None
     if q != "none" and spec.kind == "embedded":

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from medusa_chat import envvars
-from medusa_chat.kernels import qgemm
+from medusa_chat.kernels import cthreads
 from medusa_chat.model.tree_plan import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -139,7 +139,7 @@ class NativeForward:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         # the duet mode's helper may still be in a stale chunk that reads these weights (csrc/duet.c): before
         # they go, wait until it is out (microseconds; it only lags when the scheduler has it parked)
-        weakref.finalize(self, qgemm.quiesce)
+        weakref.finalize(self, cthreads.quiesce)
         self._guarded_kv: weakref.ref[torch.Tensor] | None = None
         # rotary cos/sin per position, computed once for a range of positions and looked up per step: cheaper
         # than the rotary module's few ops per step, and a position's values never depend on the batch it
@@ -181,10 +181,10 @@ class NativeForward:
             stride, longest = 0, t
         need = self.lib.decoder_scratch_bytes(self._model_ref, t, start + longest)
         if self._scratch.numel() < need:
-            qgemm.quiesce()  # the duet's helper may still read the old scratch (its attention: csrc/decoder.c)
+            cthreads.quiesce()  # the duet's helper may still read the old scratch (its attention: csrc/decoder.c)
             self._scratch = torch.empty(need + need // 4, dtype=torch.uint8)
         if self._guarded_kv is None or self._guarded_kv() is not kv:  # ... and the KV cache's, before it is freed
-            weakref.finalize(kv, qgemm.quiesce)
+            weakref.finalize(kv, cthreads.quiesce)
             self._guarded_kv = weakref.ref(kv)
         taps = tap_out = None
         if self.taps:
@@ -219,7 +219,8 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     them after the projection."""
     if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
-    from medusa_chat.kernels.qgemm import BlockLinear, fuse, load
+    from medusa_chat.kernels.block_linears import BlockLinear, fuse
+    from medusa_chat.kernels.cbind import load
 
     cfg = causal_lm.config
     body = causal_lm.model
@@ -305,7 +306,7 @@ def embed_struct(embed: Any, callback: bool = False) -> tuple[EmbedStruct, Any] 
     lm_head's Q8_0 blocks (a BlockEmbedding) or an fp32 table; with `callback`, any other embedding module (a GGUF
     file's K-quant or F16 rows, kept as stored) through its own lookup called back from C, one row at a time
     (for a caller that looks up a few rows a step from the drafting thread: EAGLE's spine); else None."""
-    from medusa_chat.kernels.qgemm import BlockEmbedding
+    from medusa_chat.kernels.block_linears import BlockEmbedding
 
     if isinstance(embed, BlockEmbedding):
         t = embed.table
@@ -371,7 +372,7 @@ class NativeHydra:
         """Set up `draft` (the whole draft in one C call) for this projection and token embedding; False when it
         cannot run them (the projection is not a block linear, or the embedding is neither an fp32 table nor
         the lm_head's Q8_0 blocks), and `draft` stays unused."""
-        from medusa_chat.kernels.qgemm import BlockLinear
+        from medusa_chat.kernels.block_linears import BlockLinear
 
         bound = embed_struct(embed)
         if not isinstance(project, BlockLinear) or bound is None:
@@ -487,7 +488,7 @@ def native_hydra_for(quantized_heads: Any) -> NativeHydra | None:
     """The C drafter pieces where the block kernel runs here and the heads have the expected shapes; else None."""
     if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None
-    from medusa_chat.kernels.qgemm import load
+    from medusa_chat.kernels.cbind import load
 
     lib = load()
     if lib is None or int(quantized_heads.hidden_size) % 32:

@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 from medusa_chat import envvars
-from medusa_chat.kernels.cpu_linears import BlockLinearWithBias, quantize_q4_1
-from medusa_chat.kernels.qgemm import QK, BlockLinear, Q41Linear, Q80Linear, load, quantize_q8_0
+from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
+from medusa_chat.kernels.cbind import load
+from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
+from medusa_chat.kernels.quantizers import QK, quantize_q4_1, quantize_q8_0
 from medusa_chat.model.block_forward import BLin, Q8Lin, blin_struct
 from medusa_chat.model.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.mapped_weights import release

@@ -17,7 +17,7 @@ Two parts:
 What `--quant` means for a GGUF file (what the file stores is never rounded a second time, except where no
 kernel of ours reads its type):
 - auto: every tensor as stored: quantized blocks on the block kernel, F32/F16/BF16 matrices as packed float.
-- int4 / int8: the same, and F32/F16/BF16 matrices quantized by the existing rules (cpu_linears.py: Q4_1
+- int4 / int8: the same, and F32/F16/BF16 matrices quantized by the existing rules (cpu_blocks.py: Q4_1
   projections for int4, Q8_0 for int8 and for the lm_head).
 - none: every matrix dequantized to a packed float (fp32 unless --dtype says otherwise): the float reference,
   several times the file's size (a note says how big).
@@ -43,7 +43,8 @@ from torch import nn
 
 from medusa_chat.atomic import atomic_write_text, replace_folder
 from medusa_chat.errors import DeviceError, MedusaChatError, ModelNotFoundError
-from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, set_tied_lm_head
+from medusa_chat.model.cpu_blocks import set_tied_lm_head
+from medusa_chat.model.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -273,7 +274,7 @@ def gguf_tokenizer(gguf: Path) -> Any:
 # ---- the backbone ----------------------------------------------------------------------------------------------
 class GGUFEmbedding(nn.Module):
     """A token embedding that keeps the file's blocks (uint8 [vocab, bytes per row]) and dequantizes only the
-    rows looked up. For types without the Q8_0 C lookup (qgemm.BlockEmbedding). `weight` is an empty buffer in
+    rows looked up. For types without the Q8_0 C lookup (block_linears.BlockEmbedding). `weight` is an empty buffer in
     the compute dtype: it answers the dtype/device questions code asks of an embedding."""
 
     def __init__(self, raw: np.ndarray, type_id: int, rows: int, cols: int, dtype: torch.dtype) -> None:
@@ -318,21 +319,14 @@ class _Build:
 
 def _float_linear(weight: torch.Tensor, mode: str, lm_head: bool, b: _Build) -> nn.Module:
     """A row-invariant CPU module for a float matrix, as prepare_cpu_linears makes them for `mode`."""
-    from medusa_chat.kernels.cpu_linears import (
-        GROUP,
-        Int4Linear,
-        Int8Linear,
-        PackedLinear,
-        _block_module,
-        can_pack,
-        quantize_int8,
-        quantize_q4_1,
-    )
-    from medusa_chat.kernels.qgemm import available
+    from medusa_chat.kernels.cbind import available
+    from medusa_chat.kernels.cpu_linears import GROUP, Int4Linear, Int8Linear, PackedLinear, can_pack
+    from medusa_chat.kernels.quantizers import quantize_int8, quantize_q4_1
+    from medusa_chat.model.cpu_blocks import block_module
 
     rows, cols = weight.shape
     if mode in ("int4", "int8") and cols % GROUP == 0 and available():
-        return _block_module(mode, weight, None, lm_head)
+        return block_module(mode, weight, None, lm_head)
     if mode in ("int4", "int8"):
         if lm_head or mode == "int8" or cols % GROUP:
             return Int8Linear(*quantize_int8(weight))
@@ -379,8 +373,8 @@ def _linear(entry: TensorEntry, raw: np.ndarray, lm_head: bool, b: _Build) -> nn
 
 
 def _embedding(entry: TensorEntry, raw: np.ndarray, padding_idx: int | None, b: _Build) -> nn.Module:
+    from medusa_chat.kernels.block_linears import BlockEmbedding, Q80Linear
     from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
-    from medusa_chat.kernels.qgemm import BlockEmbedding, Q80Linear
 
     rows, cols = entry.shape
     if b.half_embedding and b.mode != "none" and entry.type_name in ("F16", "BF16"):
@@ -418,7 +412,8 @@ def load_gguf_backbone(
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from medusa_chat.kernels.cpu_linears import _reverse_permute_rows, check_row_invariant
+    from medusa_chat.kernels.cpu_linears import check_row_invariant
+    from medusa_chat.model.gguf_names import reverse_permute_rows
 
     if device.type != "cpu":
         raise DeviceError(f"{gguf.name}: GGUF files run on the CPU here; pass --device cpu (or auto)")
@@ -470,7 +465,7 @@ def load_gguf_backbone(
                 # llama.cpp's rotary row order -> transformers'
                 if permuted and parts[2] in ("attn_q", "attn_k"):
                     raw2 = np.ascontiguousarray(
-                        _reverse_permute_rows(raw2, heads if parts[2] == "attn_q" else kv_heads)
+                        reverse_permute_rows(raw2, heads if parts[2] == "attn_q" else kv_heads)
                     )
                 _set_module(
                     model, f"model.layers.{parts[1]}.{LINEARS[parts[2]]}", _linear(entry, raw2, False, b)

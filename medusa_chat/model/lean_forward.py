@@ -59,7 +59,7 @@ class _Layer:
     gate: Linear
     up: Linear
     down: Linear
-    qkv: Linear | None = None  # q, k, v in one call (block-kernel linears, see qgemm.fuse)
+    qkv: Linear | None = None  # q, k, v in one call (block-kernel linears, see block_linears.fuse)
     gate_up: Linear | None = None
 
 
@@ -320,7 +320,7 @@ class LeanForward:
 
 
 def _fused(modules: list[Any]) -> Linear | None:
-    from medusa_chat.kernels.qgemm import fuse
+    from medusa_chat.kernels.block_linears import fuse
 
     fused = fuse(modules)
     return fused.forward if fused is not None else None

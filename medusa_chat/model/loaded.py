@@ -52,7 +52,7 @@ class LoadedModel:
 
     def info(self) -> dict[str, Any]:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
-        from medusa_chat.kernels.cpu_linears import weight_accounting
+        from medusa_chat.model.cpu_blocks import weight_accounting
 
         heads = heads_info(self.heads, self.heads_source, self.heads_file, self.spec.backbone or self.model_dir)
         if self.heads is not None:  # block heads: their real footprint (a shared lm_head once) and drafter

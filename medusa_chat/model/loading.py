@@ -173,8 +173,8 @@ class _Load:
 
 def _cpu_auto_quant(job: _Load, config: dict[str, Any]) -> str:
     """`--quant auto` on a CPU: the fastest exact path on this machine, measured once and cached."""
-    from medusa_chat.kernels.numeric_path import choose_cpu_quant
     from medusa_chat.model.fidelity import fidelity_probe
+    from medusa_chat.model.numeric_path import choose_cpu_quant
 
     # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they are
     # named (a heads repo naming its backbone, or the backbone with --heads).
@@ -212,7 +212,7 @@ def _read_backbone(
     cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
     fidelity = None
     if cpu_quant:
-        from medusa_chat.kernels.numeric_path import cached_fidelity
+        from medusa_chat.model.numeric_path import cached_fidelity
 
         fidelity = cached_fidelity(spec.backbone or spec.name, q)
     job.say(f"Loading {spec.name} on {dev} ({dtype_name(dtype)}, quantization {q})")
@@ -260,9 +260,9 @@ def load_model(
     compute_dtype = pick_dtype(dtype, dev)
     notes: list[str] = []
     if dev.type == "cpu":  # the C kernels compile (first start only) while the metadata is read below
-        from medusa_chat.kernels import qgemm
+        from medusa_chat.kernels import cbind
 
-        qgemm.prebuild()
+        cbind.prebuild()
     if spec.params_b and not spec.custom:
         _check_size(spec, spec.params_b * 1e9, device, dev)  # known size: refuse before any network access
 

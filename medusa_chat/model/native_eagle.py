@@ -79,8 +79,8 @@ class _DraftBlocks:
     (`blocks_for`): every engine on the model (the calibration makes several) drafts from the same blocks."""
 
     def __init__(self, draft: EagleDraft, lm_head: Any, draft_vocab: int) -> None:
-        from medusa_chat.kernels.cpu_linears import quantize_q4_1
-        from medusa_chat.kernels.qgemm import Q41Linear
+        from medusa_chat.kernels.block_linears import Q41Linear
+        from medusa_chat.kernels.quantizers import quantize_q4_1
 
         layer = draft.midlayer if draft.version == 3 else draft.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
@@ -263,7 +263,8 @@ def native_eagle_for(draft: EagleDraft, embed: Any, lm_head: Any = None) -> Nati
     layer and the backbone's lm_head a block linear), and the embedding one the C code reads (a Q8_0
     BlockEmbedding, an fp32 table, or any other through its own lookup called back: a GGUF file's K-quant or F16
     rows); else None (the PyTorch drafter runs)."""
-    from medusa_chat.kernels.qgemm import BlockLinear, load
+    from medusa_chat.kernels.block_linears import BlockLinear
+    from medusa_chat.kernels.cbind import load
 
     if not envvars.enabled("MEDUSA_CHAT_NATIVE"):
         return None

@@ -7,7 +7,7 @@ each tensor is read from the safetensors files with plain reads (no memory map, 
 resident) or, for a pickled checkpoint (`pytorch_model.bin`, or shards + `pytorch_model.bin.index.json`), taken
 from its shard opened with torch.load(mmap=True, weights_only=True) and its pages given back once written
 (mapped_weights.release); then converted to the compute dtype, quantized in row chunks by the very functions the
-in-memory path uses (cpu_linears.quantize_q4_1, qgemm.quantize_q8_0: the blocks are bit for bit the same) and
+in-memory path uses (quantizers.quantize_q4_1 and quantize_q8_0: the blocks are bit for bit the same) and
 written at once; the GGUF loader then keeps those blocks as stored (~1.0x the file's bytes). The greedy output is therefore the
 in-memory path's bit for bit. (A Qwen2 model differs there on purpose: the in-memory path keeps its biased q/k/v
 projections dense float, this one quantizes them like the others and adds the biases in fp32, as a llama.cpp Qwen2
@@ -56,7 +56,9 @@ import torch
 from medusa_chat import envvars
 from medusa_chat.atomic import TMP_PREFIX, TMP_SUFFIX, atomic_write
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
-from medusa_chat.kernels.cpu_linears import GGUF_LINEARS, GGUF_NORMS, GROUP, set_tied_lm_head
+from medusa_chat.kernels.cpu_linears import GROUP
+from medusa_chat.model.cpu_blocks import set_tied_lm_head
+from medusa_chat.model.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -282,12 +284,12 @@ def unsuitable(folder: Path, config: Any, quant: str, trust_remote_code: bool) -
         return f"quantization {quant}"
     if trust_remote_code and getattr(config, "auto_map", None):
         return "the model runs its own code"
-    from medusa_chat.kernels.qgemm import available
+    from medusa_chat.kernels.cbind import available
 
     if not available():
         return "no block kernel here"
+    from medusa_chat.kernels.block_linears import Q41Linear, Q80Linear
     from medusa_chat.kernels.known_answers import kernels_agree
-    from medusa_chat.kernels.qgemm import Q41Linear, Q80Linear
 
     refused = kernels_agree((Q41Linear, Q80Linear) if quant == "int4" else (Q80Linear,))
     return refused or plan(folder, config, quant)[1]
@@ -300,9 +302,9 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def q4_1_bytes(weight: torch.Tensor) -> np.ndarray:
-    """GGUF Q4_1 blocks [rows, cols / 32 * 20] of fp32 rows, by cpu_linears.quantize_q4_1 (the in-memory path's
+    """GGUF Q4_1 blocks [rows, cols / 32 * 20] of fp32 rows, by quantizers.quantize_q4_1 (the in-memory path's
     rule): per block d (fp16), m (fp16), 16 bytes holding element j in the low nibble and j + 16 in the high."""
-    from medusa_chat.kernels.cpu_linears import quantize_q4_1
+    from medusa_chat.kernels.quantizers import quantize_q4_1
 
     codes, d, m = quantize_q4_1(weight)
     n, k = codes.shape
@@ -314,8 +316,8 @@ def q4_1_bytes(weight: torch.Tensor) -> np.ndarray:
 
 
 def q8_0_bytes(weight: torch.Tensor) -> np.ndarray:
-    """GGUF Q8_0 blocks [rows, cols / 32 * 34] by qgemm.quantize_q8_0: per block d (fp16), 32 int8 codes."""
-    from medusa_chat.kernels.qgemm import quantize_q8_0
+    """GGUF Q8_0 blocks [rows, cols / 32 * 34] by quantizers.quantize_q8_0: per block d (fp16), 32 int8 codes."""
+    from medusa_chat.kernels.quantizers import quantize_q8_0
 
     codes, d = quantize_q8_0(weight)
     n, k = codes.shape

@@ -121,9 +121,9 @@ def measure_step_latency(
         return by_size
     step_args = engines or prefilled_engines(loaded, sizes, base, timing_prefix(loaded, prefix_tokens, seed), graphs)
     if threads is not None:  # the native step's team for this timing (each engine put its own in force)
-        from medusa_chat.kernels import qgemm
+        from medusa_chat.kernels import cthreads
 
-        qgemm.set_threads(threads)
+        cthreads.set_threads(threads)
     try:
         walls, events = _time_round_robin(step_args, acceptor, reps, warmup, cuda, device, cancel)
     finally:  # also when cancelled: the engines and the thread count go back as they were

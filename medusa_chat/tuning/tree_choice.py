@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from medusa_chat.kernels.numeric_path import device_name
 from medusa_chat.machine import slug
 from medusa_chat.model.lookup_only import LOOKUP_ONLY
+from medusa_chat.model.numeric_path import device_name
 from medusa_chat.tree import Tree
 
 CALIBRATION_VERSION = 17  # bumped whenever the timed step or acceptance changes (v17: one-thread sizes too)

@@ -27,6 +27,7 @@
 #include "decoder.h"
 #include "duet.h"
 #include "qgemm.h"
+#include "kquants.h"
 
 // LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32. Rows are shared among the team.
 static void rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
@@ -114,7 +115,7 @@ static inline void silu_mul_chunk(const float *g, const float *u, float *a, int 
 // Attention in the duet mode (duet.c): one chunk per KV head (its query heads' columns of `out`), the caller's
 // chunks with its scratch, the helper's with scratch of the runtime's own (duet_helper_scratch). The helper reads
 // the qkv rows (the step's scratch) and the KV cache; block_forward.py waits for it to be out of any chunk
-// before either is freed (qgemm.quiesce).
+// before either is freed (cthreads.quiesce).
 typedef struct {
     const DModel *m;
     const float *qkv;

@@ -31,5 +31,3 @@ typedef struct {
 // A block linear as team work (qgemm.c, *_team): inside decoder_forward's parallel region the threads share it,
 // called alone (the drafter) one thread runs it.
 void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx);
-// The same product in the duet mode (qgemm.c, duet.c): 1 when done, 0 when that mode cannot run it
-int duet_block_linear(const BLin *l, const float *x, int M, float *y);

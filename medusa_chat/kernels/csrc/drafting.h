@@ -1,6 +1,6 @@
-// The drafters' shared pieces (hydra.c): Q8_0 linears with a bias, token embeddings, ResBlocks, top-k, a softmax's
-// normaliser and the confident-tree selection; medusa.c (Medusa-1 / Medusa-2 heads) and eagle.c (EAGLE-1 and EAGLE-3 drafts)
-// draft with them.
+// The drafters' shared pieces (drafting.c): Q8_0 linears with a bias, token embeddings, ResBlocks, top-k, a softmax's
+// normaliser and the confident-tree selection; hydra.c, medusa.c (Medusa-1 / Medusa-2 heads) and eagle.c (EAGLE-1 and
+// EAGLE-3 drafts) draft with them.
 #pragma once
 #include <stdint.h>
 
@@ -23,6 +23,8 @@ typedef struct {
 } Embed;
 
 void embed_row(const Embed *e, int64_t tok, int H, float *out);
+// y = x + silu(t + b) for M rows of H, one row at a time in fixed order (a ResBlock's or the Hydra cell's output)
+void add_silu_bias(float *y, const float *x, const float *t, const float *b, int M, int H);
 void hydra_resblocks(int M, int H, int n, const Q8Lin *blocks, const float *x, float *y, float *tmp, int8_t *qx,
                      float *dx, float *sx);
 // the indices of the k (<= 64) largest of v[0 .. n), largest first; ties go to the lower index

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "qgemm.h"
+#include "kquants.h"
 #include "qblock.h"
 #include "decoder.h"
 #include "duet.h"

@@ -7,7 +7,7 @@
 
 #define QK 32
 #define GC 8    // output columns per 256-bit tile (one 8-lane vector)
-// Output columns per interleaved group (the layout, qgemm.py reads it from qgemm_group()): 16 where 512-bit
+// Output columns per interleaved group (the layout, block_linears.py reads it from qgemm_group()): 16 where 512-bit
 // tiles take a whole group per instruction; else 8, one 256-bit tile (a 16-wide layout read half by half
 // streamed worse from DRAM on AVX2: the second half's compute no longer overlapped the loads)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -31,7 +31,7 @@
 #endif
 //
 // Which cache level the prefetches fill is chosen by measuring, per kernel family and per tile of one row or of
-// more (mc_pf_hint, set by qgemm.py's choose_prefetch from a stream of weights larger than the L3, timed on this
+// more (mc_pf_hint, set by prefetch.py's choose_prefetch from a stream of weights larger than the L3, timed on this
 // machine once and cached): on the 2-vCPU AMD EPYC (Zen 4) a prefetch into L1 (prefetcht0) held a core to ~15 GB/s
 // on the Q4_K stream (the L1's few outstanding misses) where one into L2 (prefetcht1) let it stream at ~25 GB/s and
 // kept the extra rows' arithmetic under the stream (one thread, 8 layers of the 1.17B's Q4_K projections from

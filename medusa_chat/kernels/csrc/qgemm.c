@@ -1,5 +1,5 @@
 // Weight-only quantized GEMM for small batches (a decoding step: 1 to a few dozen rows), AVX2 + FMA, with
-// AVX-VNNI / AVX512-VNNI dot products where the CPU has them (the build passes -mavxvnni etc.: qgemm.py).
+// AVX-VNNI / AVX512-VNNI dot products where the CPU has them (the build passes -mavxvnni etc.: cbuild.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with w stored as GGUF blocks of 32 along k:
 //   Q4_1: w = d * q + mn, q in 0..15
@@ -7,7 +7,7 @@
 // The weights are the file's blocks; the activations are quantized to 8 bits per block of 32 (llama.cpp's own
 // scheme for these formats), and the block dot products are exact integer sums.
 //
-// Layout: output columns in groups of GW (16 in AVX512-VNNI builds, else 8; qgemm.py, interleave_*), each
+// Layout: output columns in groups of GW (16 in AVX512-VNNI builds, else 8; block_linears.py, interleave_*), each
 // group's blocks interleaved: per block, GW * 4-byte vectors where vector j holds for each column c of the group
 // the 4 codes of block elements 4j..4j+3 at bytes 4c..4c+3 (Q4_1: low nibbles; the high nibbles hold elements
 // 16+4j..16+4j+3). One multiply-add of such a vector with the row's 4 activation codes broadcast gives the
@@ -25,6 +25,7 @@
 #include <string.h>
 #include <omp.h>
 #include "qgemm.h"
+#include "kquants.h"
 #include "qblock.h"  // the layout sizes, ISA switches and vector helpers shared with kquants.c
 #include "duet.h"
 #include "decoder.h"
@@ -58,7 +59,7 @@ int mc_team_probe(void) {
     return n;
 }
 
-int mc_pf_hint[3][2];  // qblock.h: all PF_T0 until qgemm.py sets what it measured
+int mc_pf_hint[3][2];  // qblock.h: all PF_T0 until prefetch.py sets what it measured
 void mc_set_prefetch(int family, int many_rows, int hint) {
     if (family >= 0 && family < 3 && (many_rows == 0 || many_rows == 1) && hint >= PF_T0 && hint <= PF_OFF)
         mc_pf_hint[family][many_rows] = hint;
@@ -485,7 +486,7 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d
 
 // Rows of a Q8_0 block linear's weight, dequantized: out[i] = row ids[i] (K floats), w = d * q exactly as the
 // file defines it (the fp16 scale converted exactly, the product of an 11-bit and an 8-bit integer is exact in
-// fp32). The token embedding of a model whose lm_head is tied to it is looked up this way (qgemm.py,
+// fp32). The token embedding of a model whose lm_head is tied to it is looked up this way (block_linears.py,
 // BlockEmbedding), so the table is not also held in fp32. group: the layout's rows per interleaved group.
 void q8_0_rows(const int8_t *qs, const uint16_t *d, int K, int group, const int64_t *ids, int n, float *out) {
     const int nb = K / QK;

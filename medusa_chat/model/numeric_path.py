@@ -1,7 +1,7 @@
 """Which numeric path a CPU decodes in by default (`--quant auto`): measured on this machine, then cached.
 
-The candidates are the CPU paths whose tree steps reproduce their own plain loop bit for bit (cpu_linears.py):
-packed dense in the model's dtype ("none"), weight-only int8 and int4. Which is fastest depends on the CPU:
+The candidates are the CPU paths whose tree steps reproduce their own plain loop bit for bit
+(kernels/cpu_linears.py): packed dense in the model's dtype ("none"), weight-only int8 and int4. Which is fastest depends on the CPU:
 on AVX512-BF16 machines int4 reads the fewest bytes and wins; on AVX2-only CPUs the int4 kernel spends more
 time unpacking than it saves and int8 wins; a CPU whose kernels are not row-invariant loses the candidate.
 So each candidate's decoding-step projections (one layer's shapes x layers, plus the lm_head) are timed on
@@ -36,9 +36,8 @@ from medusa_chat.kernels.cpu_linears import (
     PackedLinear,
     can_pack,
     check_row_invariant,
-    quantize_int8,
-    quantize_q4_1,
 )
+from medusa_chat.kernels.quantizers import quantize_int8, quantize_q4_1
 from medusa_chat.machine import cpu_model, slug
 
 CANDIDATES = ("none", "int8", "int4")
@@ -56,7 +55,7 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from medusa_chat.kernels.qgemm import best_isa
+    from medusa_chat.kernels.cbuild import best_isa
 
     return f"{cpu_model()} ({torch.get_num_threads()} threads, {best_isa()})"
 
@@ -72,8 +71,8 @@ def _module(
     mode: str, out_f: int, in_f: int, gen: torch.Generator, lm_head: bool = False
 ) -> nn.Module | None:
     """The module prepare_cpu_linears would build for this mode and shape (random weights)."""
-    from medusa_chat.kernels.cpu_linears import _block_module
-    from medusa_chat.kernels.qgemm import available
+    from medusa_chat.kernels.cbind import available
+    from medusa_chat.model.cpu_blocks import block_module
 
     weight = torch.randn(out_f, in_f, generator=gen) * 0.02
     if mode == "none":
@@ -83,7 +82,7 @@ def _module(
     if in_f % 32:
         return None
     if available():
-        return _block_module(mode, weight, None, lm_head)
+        return block_module(mode, weight, None, lm_head)
     if mode == "int8" or lm_head:
         return Int8Linear(*quantize_int8(weight))
     return Int4Linear(*quantize_q4_1(weight))
