@@ -39,6 +39,8 @@ class MedusaHeads(nn.ModuleList):
     `forward`).
     """
 
+    block_kind = ""  # the CPU block kernel's format of the heads' projections once quantized (block_heads.py)
+
     def __init__(
         self,
         hidden_size: int,
