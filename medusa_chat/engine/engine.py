@@ -91,7 +91,8 @@ class MedusaEngine(StepTrees, GraphSteps):
 
     Public calls besides `generate`: `prefill` (tokens into the cache), `next_logits_and_guesses`, `step` and
     `trial_step` (one verification step, as the calibration times it), `causal_mask`, `tree_for_room`,
-    `use_graphs` / `graph`, `fresh_cache` and `reset`.
+    `step_state`, `lookup_chain`, `confident_tree`, `use_graphs` / `graph`, `shares_cache`, `fresh_cache` and
+    `reset`. The drafter (`drafter`, drafters.py) is called only through its interface, whatever its kind.
     """
 
     def __init__(
