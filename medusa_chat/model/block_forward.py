@@ -35,7 +35,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 
 
-class BLin(ctypes.Structure):
+class BLin(ctypes.Structure):  # decoder.h BLin: a block linear's kind, shape and buffers
     _fields_ = [("kind", _i), ("N", _i), ("K", _i), ("qs", _p), ("d", _p), ("aux", _p)]
 
 
@@ -290,7 +290,7 @@ def trim_heap() -> None:
         pass
 
 
-class Q8Lin(ctypes.Structure):
+class Q8Lin(ctypes.Structure):  # drafting.h Q8Lin: a Q8_0 block linear's buffers and an fp32 bias
     _fields_ = [("qs", _p), ("d", _p), ("ws", _p), ("bias", _p)]
 
 
