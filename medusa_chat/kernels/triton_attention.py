@@ -88,10 +88,8 @@ if triton is not None:
             else:
                 s = tl.zeros((NODES * GROUPS_PAD, BLOCK), tl.float32)
                 for i in range(NODES):
-                    slot, ok = _node_slots(path_ptr, depth_ptr, n_nodes, stride_pn, tile * NODES + i, j, start,
-                                           lo + CHUNK)  # fmt: skip
-                    k = tl.load(k_ptr + kv_head + slot[:, None] * stride_ks + d[None, :], mask=ok[:, None],
-                                other=0.0)  # fmt: skip
+                    k = _node_keys(k_ptr + kv_head, path_ptr, depth_ptr, n_nodes, stride_pn, stride_ks,
+                                   tile * NODES + i, j, d, start, lo + CHUNK)  # fmt: skip
                     s_i = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
                     s = tl.where((which == i)[:, None], s_i, s)
             s = tl.where(valid, s * scale, float("-inf"))
@@ -106,10 +104,8 @@ if triton is not None:
             else:
                 pv = tl.zeros((NODES * GROUPS_PAD, HEAD_DIM), tl.float32)
                 for i in range(NODES):
-                    slot, ok = _node_slots(path_ptr, depth_ptr, n_nodes, stride_pn, tile * NODES + i, j, start,
-                                           lo + CHUNK)  # fmt: skip
-                    v = tl.load(v_ptr + kv_head + slot[:, None] * stride_ks + d[None, :], mask=ok[:, None],
-                                other=0.0)  # fmt: skip
+                    v = _node_keys(v_ptr + kv_head, path_ptr, depth_ptr, n_nodes, stride_pn, stride_ks,
+                                   tile * NODES + i, j, d, start, lo + CHUNK)  # fmt: skip
                     pv_i = tl.dot(p, v, input_precision=DOT_PRECISION)
                     pv = tl.where((which == i)[:, None], pv_i, pv)
             acc = acc * alpha[:, None] + pv
@@ -120,14 +116,16 @@ if triton is not None:
         tl.store(ml_ptr + out * 2 + 1, l_i, mask=live)
 
     @triton.jit
-    def _node_slots(path_ptr, depth_ptr, n_nodes, stride_pn, node, j, start, chunk_end):
-        """Cache slots of logical keys `j` for `node` (its path's tree slots from `start` on) and which are its."""
-        depth = tl.load(depth_ptr + tl.minimum(node, n_nodes - 1))  # a node past the last: no keys (ok below)
+    def _node_keys(ptr, path_ptr, depth_ptr, n_nodes, stride_pn, stride_ks, node, j, d, start, chunk_end):
+        """`node`'s keys (or values) at logical positions `j` [BLOCK, D] from one KV head's cache at `ptr`: slot j
+        before `start`, its path's tree slots from there; zeros past its length."""
+        depth = tl.load(depth_ptr + tl.minimum(node, n_nodes - 1))  # a node past the last: no keys (end 0)
         end = tl.where(node < n_nodes, tl.minimum(chunk_end, start + depth + 1), 0)
         ok = j < end
         in_path = ok & (j >= start)
         step = tl.load(path_ptr + node * stride_pn + (j - start), mask=in_path, other=0)
-        return tl.where(in_path, start + step, j), ok
+        slot = tl.where(in_path, start + step, j)
+        return tl.load(ptr + slot[:, None] * stride_ks + d[None, :], mask=ok[:, None], other=0.0)
 
     @triton.jit
     def _merge_chunks(acc_ptr, ml_ptr, out_ptr, chunks, stride_on, stride_oh,
