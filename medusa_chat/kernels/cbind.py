@@ -9,10 +9,10 @@ CPU paths then fall back to torch's weight-only kernels). It runs on the OpenMP 
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import threading
 
+from medusa_chat import envvars
 from medusa_chat.kernels import cbuild, prefetch
 from medusa_chat.machine import cpu_flags
 
@@ -79,7 +79,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library for `isa` (default: this CPU's best), building it on first use; None where it
     cannot run here."""
     global _ERROR
-    if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0":
+    if not envvars.enabled("MEDUSA_CHAT_QGEMM"):
         _ERROR = "disabled by MEDUSA_CHAT_QGEMM=0"
         return None
     cpu = cpu_flags()
@@ -112,7 +112,7 @@ def prebuild() -> None:
     """Start building (or opening) this CPU's kernel library in a background thread, so that a first start's
     compile (~8 s on 2 slow cores) overlaps the model's metadata reading instead of following it; the first
     user of the kernels then waits only for what is left of it (`load` holds the build lock)."""
-    if os.environ.get("MEDUSA_CHAT_QGEMM", "1") == "0" or _LIBS:
+    if not envvars.enabled("MEDUSA_CHAT_QGEMM") or _LIBS:
         return
     threading.Thread(target=load, name="medusa-chat-kernel-build", daemon=True).start()
 

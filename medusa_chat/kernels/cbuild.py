@@ -16,6 +16,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from medusa_chat import envvars
 from medusa_chat.machine import cpu_flags
 
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
@@ -34,7 +35,7 @@ CSRC = "medusa_chat.kernels.csrc"
 def best_isa(flags: set[str] | None = None) -> str:
     """The widest integer-dot instruction set of this CPU the kernel has a path for (MEDUSA_CHAT_QGEMM_ISA
     overrides it, e.g. `avx2` to measure the plain AVX2 path on a VNNI machine)."""
-    forced = os.environ.get("MEDUSA_CHAT_QGEMM_ISA")
+    forced = envvars.value("MEDUSA_CHAT_QGEMM_ISA")
     if forced:
         if forced not in ISA_FLAGS:
             raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(ISA_FLAGS)} (got {forced!r})")

@@ -11,12 +11,12 @@ prefetch is only a hint: the arithmetic, so every output bit, is the same whiche
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from medusa_chat import envvars
 from medusa_chat.kernels.cbuild import best_isa
 from medusa_chat.kernels.quantizers import QK
 
@@ -149,7 +149,7 @@ def apply_prefetch(lib: ctypes.CDLL, isa: str, lib_name: str) -> None:
 
     _HINTED[id(lib)] = (isa, lib)
 
-    forced = os.environ.get("MEDUSA_CHAT_PREFETCH", "")
+    forced = envvars.value("MEDUSA_CHAT_PREFETCH") or ""
     if forced and forced != "measure":
         if forced not in PREFETCH_HINTS:
             raise ValueError(f"MEDUSA_CHAT_PREFETCH must be one of {', '.join(PREFETCH_HINTS)} or measure")
