@@ -50,12 +50,12 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile)(const int8_
                 const size_t xb = (size_t)(r0 + r) * nb + (size_t)s * 8 + j;
                 const int8_t *q = qx + xb * QK;
 #if KV_VNNI
-                KV_I s0 = KV_DP(KV_ZERO_I(), lo[0], KV_BCAST4(q));
-                KV_I s1 = KV_DP(KV_ZERO_I(), hi[0], KV_BCAST4(q + 16));
+                KV_I s0 = KV_DPB(KV_ZERO_I(), lo[0], q);
+                KV_I s1 = KV_DPB(KV_ZERO_I(), hi[0], q + 16);
 #pragma GCC unroll 3
                 for (int jj = 1; jj < 4; jj++) {
-                    s0 = KV_DP(s0, lo[jj], KV_BCAST4(q + 4 * jj));
-                    s1 = KV_DP(s1, hi[jj], KV_BCAST4(q + 16 + 4 * jj));
+                    s0 = KV_DPB(s0, lo[jj], q + 4 * jj);
+                    s1 = KV_DPB(s1, hi[jj], q + 16 + 4 * jj);
                 }
                 const KV_F dot = KV_CVT_PS(KV_ADD32(s0, s1));
 #else
@@ -119,12 +119,12 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
                 const size_t xb = (size_t)(r0 + r) * nb + (size_t)s * 8 + j;
                 const int8_t *q = qx + xb * QK;
 #if KV_VNNI
-                KV_I s0 = KV_DP(KV_ZERO_I(), lo[0], KV_BCAST4(q));
-                KV_I s1 = KV_DP(KV_ZERO_I(), hi[0], KV_BCAST4(q + 16));
+                KV_I s0 = KV_DPB(KV_ZERO_I(), lo[0], q);
+                KV_I s1 = KV_DPB(KV_ZERO_I(), hi[0], q + 16);
 #pragma GCC unroll 3
                 for (int jj = 1; jj < 4; jj++) {
-                    s0 = KV_DP(s0, lo[jj], KV_BCAST4(q + 4 * jj));
-                    s1 = KV_DP(s1, hi[jj], KV_BCAST4(q + 16 + 4 * jj));
+                    s0 = KV_DPB(s0, lo[jj], q + 4 * jj);
+                    s1 = KV_DPB(s1, hi[jj], q + 16 + 4 * jj);
                 }
 #else
                 // pairs up to 2 * 63 * 127: two of them still fit 16 bits, then 32-bit sums

@@ -64,6 +64,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #define KV_MADDUBS _mm256_maddubs_epi16
 #define KV_MADD16 _mm256_madd_epi16
 #define KV_DP(acc, u, s) DPBUSD(acc, u, s)
+#define KV_DPB(acc, u, p) KV_DP(acc, u, KV_BCAST4(p))
 #define KV_BCAST4 bcast4
 #define KV_CVT_PS _mm256_cvtepi32_ps
 #define KV_MUL_PS _mm256_mul_ps
@@ -98,6 +99,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #undef KV_MADDUBS
 #undef KV_MADD16
 #undef KV_DP
+#undef KV_DPB
 #undef KV_BCAST4
 #undef KV_CVT_PS
 #undef KV_MUL_PS
@@ -136,6 +138,7 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define KV_ADD32 _mm512_add_epi32
 #define KV_SUB32 _mm512_sub_epi32
 #define KV_DP(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define KV_DPB(acc, u, p) dpbusd_bcast512(acc, u, p)  // (qblock.h: the broadcast in the instruction)
 #define KV_BCAST4 bcast4_512
 #define KV_CVT_PS _mm512_cvtepi32_ps
 #define KV_MUL_PS _mm512_mul_ps

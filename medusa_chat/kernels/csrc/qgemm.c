@@ -286,11 +286,11 @@ static inline __attribute__((always_inline)) void q4_1_tile16(const int8_t *qx, 
             // block than two chains, and the rows' and blocks' chains in flight hide the latency. Measured with
             // benchmarks/step_gemms.c at commit 4e8dc55 (30 layers, 2-vCPU Xeon, three alternating runs): 1 / 3 / 8 rows 1.50-1.63
             // / 1.65-1.80 / 3.17-3.39 ms -> 1.43-1.47 / 1.61-1.65 / 3.07-3.15 ms
-            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4_512(q));
+            __m512i s = dpbusd_bcast512(_mm512_setzero_si512(), lo[0], q);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                if (j) s = _mm512_dpbusd_epi32(s, lo[j], bcast4_512(q + 4 * j));
-                s = _mm512_dpbusd_epi32(s, hi[j], bcast4_512(q + 16 + 4 * j));
+                if (j) s = dpbusd_bcast512(s, lo[j], q + 4 * j);
+                s = dpbusd_bcast512(s, hi[j], q + 16 + 4 * j);
             }
             const __m512 dot = _mm512_cvtepi32_ps(s);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_set1_ps(dx[xb])), dot, acc[r]);
