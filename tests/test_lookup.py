@@ -14,6 +14,8 @@ from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, Tree
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
+
 
 def _naive(seq: list[int], count: int, lo: int = 2, hi: int = 4) -> list[int]:
     """The definition, by scanning: the latest earlier occurrence of the longest suffix of lo..hi tokens."""

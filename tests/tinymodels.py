@@ -560,9 +560,14 @@ def _load_backbone(arch: str, quant: str) -> Any:
     return model
 
 
-@functools.cache
 def _distilled_heads(arch: str, num_heads: int = 4) -> MedusaHeads:
-    """Train v2 heads on the fp32 backbone's own greedy continuations (Medusa-1 self-distillation, tiny)."""
+    """Train v2 heads on the fp32 backbone's own greedy continuations (Medusa-1 self-distillation, tiny); once per
+    (arch, num_heads) however it is called (functools.cache keys `f(a)` and `f(a, 4)` apart)."""
+    return _distilled_heads_once(arch, num_heads)
+
+
+@functools.cache
+def _distilled_heads_once(arch: str, num_heads: int) -> MedusaHeads:
     model = _load_backbone(arch, "none")
     # The GPT-2 / GPT-NeoX tests only need steps that accept some tokens: a smaller, quicker distillation.
     small = arch in ("gpt2", "gpt_neox")
