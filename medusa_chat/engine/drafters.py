@@ -217,7 +217,25 @@ def next_logits_and_guesses(
     return logits, head_logits.topk(top_k, dim=-1).indices.flatten()
 
 
-class HydraDrafter(DrafterBase):
+class NativeDrafter(DrafterBase):
+    """A drafter with a C twin on the block kernel where it runs: the whole draft in one C call (`native_draft`),
+    and trees shaped by the draft's confidence (`native.draft_shaped`)."""
+
+    native: Any = None  # NativeHydra / the Medusa heads' C drafter (model/block_forward.py, block_heads.py)
+    native_draft: Any = None  # the same drafting loop as `propose`, all depths in one C call
+
+    @property
+    def shapes_trees(self) -> bool:  # type: ignore[override]
+        return self.native_draft is not None
+
+    def draft_shaped(
+        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        assert self.native is not None and draft is not None
+        return self.native.draft_shaped(root, draft, depth, k, size)
+
+
+class HydraDrafter(NativeDrafter):
     """Fills a tree depth by depth with Hydra heads (heads.py): a node's children are the top-k of head d on
     the state that folded in every token on the node's path, starting from the root (the bonus token).
 
@@ -261,19 +279,6 @@ class HydraDrafter(DrafterBase):
             if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):
                 self.native_draft = self.native.draft
 
-    native = None  # NativeHydra (block_forward.py): the cell and ResBlocks in C, on the block kernel
-    native_draft = None  # the same drafting loop as `propose`, all depths in one C call (NativeHydra.draft)
-
-    @property
-    def shapes_trees(self) -> bool:  # type: ignore[override]
-        return self.native_draft is not None
-
-    def draft_shaped(
-        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
-    ) -> tuple[tuple[int, ...], torch.Tensor]:
-        assert self.native is not None and draft is not None
-        return self.native.draft_shaped(root, draft, depth, k, size)
-
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """root [1] (token id), hidden [1, H] (last accepted node) -> the tree's tokens [N], root first."""
         if self.native_draft is not None:
@@ -293,7 +298,7 @@ class HydraDrafter(DrafterBase):
         return tokens
 
 
-class MedusaDrafter(DrafterBase):
+class MedusaDrafter(NativeDrafter):
     """Medusa-1 / Medusa-2 heads on the block kernel (model/block_heads.py) drafting a step's tree after the root
     is known, like HydraDrafter, from the last accepted node's hidden state: only the heads the tree reaches (depth
     d needs heads 0 .. d - 1), only their top-k, in one C call where the kernel runs (`native_draft`), and for
@@ -323,16 +328,6 @@ class MedusaDrafter(DrafterBase):
         self.projections, self.draft_vocab = projections, draft_vocab
         self.native = native_medusa_for(heads, projections, draft_vocab)
         self.native_draft = self.native.draft if self.native is not None else None
-
-    @property
-    def shapes_trees(self) -> bool:  # type: ignore[override]
-        return self.native_draft is not None
-
-    def draft_shaped(
-        self, root: torch.Tensor, draft: torch.Tensor | None, depth: int, k: int, size: int
-    ) -> tuple[tuple[int, ...], torch.Tensor]:
-        assert self.native is not None and draft is not None
-        return self.native.draft_shaped(root, draft, depth, k, size)
 
     def top(self, hidden: torch.Tensor, depth: int, k: int) -> torch.Tensor:
         """Heads 0 .. depth - 1 on hidden [1, H]: their top-k token ids [depth * k], head-major (module calls)."""

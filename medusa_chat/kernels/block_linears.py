@@ -37,7 +37,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def _call(self, x: int, m: int, y: int) -> None:
-        raise NotImplementedError
+        self._fn(x, m, *self._args, y, *self._scratch)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as contiguous fp32 rows [M, K], with activation scratch for M rows."""
@@ -63,12 +63,15 @@ class BlockLinear(nn.Module):
 
     _scratch_rows = 0
 
-    def _bind(self) -> None:
-        raise NotImplementedError
+    def bind_buffers(self) -> None:
+        # (K, the buffers' addresses, N) as plain ints in __dict__: the kernels take them in this order, and
+        # reading buffers through nn.Module.__getattr__ costs microseconds per call
+        buffers = (getattr(self, name).data_ptr() for name in self.buffer_names)
+        self._args = (self.in_features, *buffers, self.out_features)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         out = super()._apply(fn, recurse)
-        self._bind()  # buffers may have moved: refresh the raw pointers
+        self.bind_buffers()  # buffers may have moved: refresh the raw pointers
         return out
 
     def _grow_scratch(self, rows: int) -> None:
@@ -112,21 +115,7 @@ class Q41Linear(BlockLinear):
         self.register_buffer("qs", qs)
         self.register_buffer("d", d8)
         self.register_buffer("m", m8)
-        self._bind()
-
-    def _bind(self) -> None:
-        # plain ints in __dict__: reading buffers through nn.Module.__getattr__ costs microseconds per call
-        self._args = (
-            self.in_features,
-            self.qs.data_ptr(),
-            self.d.data_ptr(),
-            self.m.data_ptr(),
-            self.out_features,
-        )
-
-    def _call(self, x: int, m: int, y: int) -> None:
-        k, qs, d, mn, n = self._args
-        self._fn(x, m, k, qs, d, mn, n, y, *self._scratch)
+        self.bind_buffers()
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K], d, m [N, K / 32]) in the plain layout."""
@@ -195,20 +184,7 @@ class Q80Linear(BlockLinear):
         self.register_buffer("d", d8)
         self.register_buffer("s", s8)
         self._argmax = load().q8_0_gemm_argmax  # type: ignore[union-attr]  # BlockLinear checked the kernel
-        self._bind()
-
-    def _bind(self) -> None:
-        self._args = (
-            self.in_features,
-            self.qs.data_ptr(),
-            self.d.data_ptr(),
-            self.s.data_ptr(),
-            self.out_features,
-        )
-
-    def _call(self, x: int, m: int, y: int) -> None:
-        k, qs, d, ws, n = self._args
-        self._fn(x, m, k, qs, d, ws, n, y, *self._scratch)
+        self.bind_buffers()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """greedy_tokens(self(x)) [rows] without the outputs ever being written (qgemm.c, q8_0_gemm_argmax: the
@@ -343,5 +319,5 @@ def fuse(modules: list[nn.Module]) -> BlockLinear | None:
             m._buffers[name] = whole[offset : offset + m.out_features]
             offset += m.out_features
     for m in (*modules, fused):
-        m._bind()
+        m.bind_buffers()
     return fused

@@ -199,14 +199,7 @@ class KQuantLinear(BlockLinear):
                 k = _pad_rows(k, padded - r if e == rows else e - r)
                 stream[r : r + k["codes"].shape[0]] = interleave_k(self.type_name, k, G)
         self.register_buffer("qs", torch.from_numpy(stream))
-        self._bind()
-
-    def _bind(self) -> None:
-        self._args = (self.in_features, self.qs.data_ptr(), self.out_features)
-
-    def _call(self, x: int, m: int, y: int) -> None:
-        k, qs, n = self._args
-        self._fn(x, m, k, qs, n, y, *self._scratch)
+        self.bind_buffers()
 
     def blocks(self) -> KBlocks:
         """The fields (as gguf_file.unpack_k gives them) of the true rows."""
@@ -340,7 +333,7 @@ def _q4_1(data: np.ndarray, rows: int, cols: int) -> nn.Module:
     module.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(qs).reshape(n, cols // 2)))
     module.register_buffer("d", _scales(blocks, 0, g))
     module.register_buffer("m", _scales(blocks, 2, g))
-    module._bind()
+    module.bind_buffers()
     return module
 
 
@@ -358,5 +351,5 @@ def _q8_0(data: np.ndarray, rows: int, cols: int) -> nn.Module:
     sums = qs.sum(axis=(2, 4), dtype=np.int16)  # |sum| <= 32 * 127
     module.register_buffer("s", torch.from_numpy(sums.reshape(n, nb)))
     module._argmax = load().q8_0_gemm_argmax  # type: ignore[union-attr]  # BlockLinear checked the kernel
-    module._bind()
+    module.bind_buffers()
     return module
