@@ -1,4 +1,4 @@
-"""Two builds of the block kernels side by side in one process: this checkout's library (`qgemm.load()`) against
+"""Two builds of the block kernels side by side in one process: this checkout's library (`cbind.load()`) against
 another build of csrc/ (`--old`, e.g. the cached library of an earlier commit), on one thread.
 
     python benchmarks/lib_ab.py --old ~/.cache/medusa-chat/kernels/qgemm-avx512vnni-<hash>.so --json out.json
@@ -157,12 +157,12 @@ def main() -> None:
     import torch
 
     from medusa_chat.engine import threads
-    from medusa_chat.kernels import qgemm
+    from medusa_chat.kernels import cbind, cbuild
     from medusa_chat.machine import cpu_model
     from medusa_chat.model.loading import load_model
 
     threads.fix(1)
-    new = qgemm.load()
+    new = cbind.load()
     old = ctypes.CDLL(str(Path(args.old).expanduser()))
     _same_settings(old, new)
     rows = [int(r) for r in args.rows.split(",")]
@@ -172,7 +172,7 @@ def main() -> None:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
-            "isa": qgemm.best_isa(),
+            "isa": cbuild.best_isa(),
             "threads": 1,
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "command": "python benchmarks/lib_ab.py " + " ".join(sys.argv[1:]),

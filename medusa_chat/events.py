@@ -106,6 +106,8 @@ class ReplySummary:
     message: str = ""  # human-readable note (e.g. why the context limit stopped the reply)
     accepted_lengths: list[int] = field(default_factory=list)  # per step, candidates accepted
     threads: str = ""  # what ran the steps on a CPU (engine/threads.py), "" elsewhere
+    # {tree prefix size: steps} where the tree's size was chosen as the reply ran (engine/tree_sizer.py), else {}
+    sized_steps: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -524,3 +524,75 @@ def test_the_first_start_chooses_among_the_shipped_drafts(tmp_path: Path, monkey
     asked = load_model("smollm2-135m", heads="hydra", device="cpu")
     choose_tree(asked)
     assert asked.heads.format == "hydra" and tree_choice.shipped_draft(asked) is None
+
+
+# ---- a small model on a CPU: the sizes' own replies are timed ----------------------------------------------------
+def test_reply_timing_replies_alike_at_every_size_and_rates_them_by_decode_time(make_loaded_model: Any) -> None:
+    """calibrate_on_replies runs the engine's real replies at each size: the same greedy tokens everywhere (so
+    the decode times compare like for like), one token per plain step, and the record's rates are the replies'."""
+    from medusa_chat.tuning.measure import measure_reply_rates
+
+    loaded = make_loaded_model()
+    prompts = [loaded.build_prompt([{"role": "user", "content": p}]) for p in ("hello there", "list three fruits")]
+    measured = measure_reply_rates(loaded, loaded.default_tree, [1, 2, 4], prompts, max_new_tokens=20)
+    assert all(m["identical"] for m in measured.values())
+    assert measured[1]["steps"] == measured[1]["tokens"] > 0  # the plain loop: one token a step
+    assert len({m["tokens"] for m in measured.values()}) == 1  # the same replies at every size
+    assert all(m["decode_s"] > 0 and m["steps"] <= measured[1]["steps"] for m in measured.values())
+
+    record = cal.calibrate_on_replies(
+        loaded, sizes=[1, 2, 4], replies=2, reply_tokens=16, timing=cal.StepTiming(16, 1, None, None)
+    )
+    assert record["timing"] == "replies" and record["replies_identical"] is True
+    rows = {r["size"]: r for r in record["sizes"]}
+    assert set(rows) == {1, 2, 4} and rows[1]["tokens_per_step"] == 1.0
+    assert record["tree_size"] in rows and record.get("tree_size_1_thread", 1) <= record["tree_size"]
+
+
+def test_the_reply_timing_decides_the_size_not_the_trial_step(
+    make_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The choice follows the replies' decode rates (tokens over decode seconds): here 4 nodes decode fastest,
+    whatever a trial step of 4 nodes costs."""
+    replies = {  # {size: decode seconds, tokens, steps} of the same 100 tokens
+        1: (1.00, 100, 100),
+        2: (0.80, 100, 64),
+        4: (0.70, 100, 52),
+    }
+    fake = {n: {"decode_s": s, "tokens": t, "steps": k, "identical": True} for n, (s, t, k) in replies.items()}
+    monkeypatch.setattr(cal, "measure_reply_rates", lambda *a, **k: fake)
+    loaded = make_loaded_model()
+    record = cal.calibrate_on_replies(loaded, sizes=[1, 2, 4], timing=cal.StepTiming(16, 1, None, None))
+    rows = {r["size"]: r for r in record["sizes"]}
+    assert record["tree_size"] == 4
+    assert record["speedup_est"] == pytest.approx(1 / 0.70, abs=1e-3)
+    assert rows[2]["tokens_per_step"] == pytest.approx(100 / 64, abs=1e-4)
+    assert rows[2]["latency_s"] == pytest.approx(0.80 / 64, abs=1e-6)
+
+
+def test_a_small_cpu_models_first_start_times_replies(
+    cache_dir: Path, make_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start of a model of the embedded one's size on a CPU uses reply timing; a bigger one's (a smaller
+    budget) the trial steps."""
+    seen: list[str] = []
+    real_replies, real_steps = cal.calibrate_on_replies, cal.calibrate
+
+    def replies(*a: Any, **k: Any) -> dict[str, Any]:
+        seen.append("replies")
+        return real_replies(*a, **(k | {"replies": 1, "reply_tokens": 12}))
+
+    def steps(*a: Any, **k: Any) -> dict[str, Any]:
+        seen.append("steps")
+        return real_steps(*a, **(k | {"measure_replies": 1, "measure_tokens": 12, "reps": 1}))
+
+    monkeypatch.setattr(cal, "calibrate_on_replies", replies)
+    monkeypatch.setattr(cal, "calibrate", steps)
+    loaded = make_loaded_model()
+    monkeypatch.setattr(cal, "first_start_budget", lambda m: cal.FirstStartBudget(12, 1, 16))
+    tree, _ = cal.calibrate_first_start(loaded, loaded.default_tree)
+    saved = load_calibration(*tree_choice.model_identity(loaded))
+    assert seen == ["replies"] and saved["timing"] == "replies" and tree.size == saved["tree_size"]
+    monkeypatch.setattr(cal, "first_start_budget", lambda m: cal.FirstStartBudget(2, 1, 16))
+    cal.calibrate_first_start(loaded, loaded.default_tree)
+    assert seen == ["replies", "steps"] and load_calibration(*tree_choice.model_identity(loaded))["timing"] == "steps"

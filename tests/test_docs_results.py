@@ -156,7 +156,8 @@ def _int8_over_int4_kl(doc: dict[str, Any]) -> float:
 README_FIGURES = [
     ("bench_2026-12-04_xeon_amx_1b_q4km.json", _plain_vs_llamacpp, "{:.2f}x on an Intel Xeon"),
     ("bench_2026-12-03_epyc_zen1_1b_q4km.json", _plain_vs_llamacpp, "{:.2f}x on an AMD EPYC Zen 1"),
-    ("bench_2026-12-03_epyc_7b_q4km.json", _plain_vs_llamacpp, "and {:.2f}x on the same three"),
+    ("bench_2026-12-03_epyc_7b_q4km.json", _plain_vs_llamacpp, "and {:.2f}x on the Xeon, the Zen 1 and the Zen 5"),
+    ("bench_2026-12-05_epyc_zen4_1b_q4km.json", _plain_vs_llamacpp, "{:.2f}-0.97x on a Zen 4"),
     ("bench_2026-12-04_xeon_amx_7b_q4km.json", _plain_vs_llamacpp, "(4.18 GB) {:.2f}x"),
     ("bench_2026-12-03_epyc_zen1_7b_q4km.json", _plain_vs_llamacpp, "(4.18 GB) 1.20x, {:.2f}x"),
     ("gguf_memory_2026-12-03_epyc_7b_q4km.json", lambda d: d["after_decode"]["VmHWM"] / 1e9, "peak RSS {:.2f} GB"),

@@ -605,19 +605,24 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
     loaded = make_loaded_model()
     tree = loaded.default_tree
     calls = []
-    real = cal.calibrate
+    real, real_replies = cal.calibrate, cal.calibrate_on_replies
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cal, "calibrate_on_replies", lambda *a, **k: calls.append(1) or real_replies(*a, **k))
 
     s = SessionManager(loaded=loaded, data_dir=tmp_path)
     s.load()
     record = tree_choice.load_calibration(*tree_choice.model_identity(loaded))
     assert calls == [1] and record is not None and record["accuracy_source"].startswith("measured")
-    assert "calibrated" in s.info["tree_source"] and s.engine.tree.size == record["tree_size"]
-    assert s.engine.tree.paths == tree.paths[: record["tree_size"] - 1]
+    # the engine's tree: the pick, or with a sizer the largest size near it, its steps starting at the pick
+    choices = tree_choice.adaptive_choices(record, tree.size)
+    size = choices.sizes[-1] if choices else record["tree_size"]
+    assert "calibrated" in s.info["tree_source"] and s.engine.tree.size == size
+    assert s.engine.tree.paths == tree.paths[: size - 1]
+    assert (s.engine.sizer.current if s.engine.sizer else size) == (record["tree_size"] if choices else size)
 
     again = SessionManager(loaded=loaded, data_dir=tmp_path)
     again.load()
-    assert calls == [1] and again.engine.tree.size == record["tree_size"]  # read from the cache
+    assert calls == [1] and again.engine.tree.size == size  # read from the cache
 
     off = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=4)
     off.load()

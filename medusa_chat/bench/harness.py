@@ -196,7 +196,7 @@ class _Methods:
         whole = default if list(default.paths[: tree.size - 1]) == list(tree.paths) else tree
         self.sizes = sorted({min(n, whole.size) for n in config.tree_sizes}) if config.tree_sizes else []
         for n in self.sizes:
-            self.engines[f"medusa@{n}"] = MedusaEngine(loaded, whole.prefix(n))
+            self.engines[f"medusa@{n}"] = MedusaEngine(loaded, whole.prefix(n), adaptive=False)
         # Other drafters on the same backbone (heads folders, EAGLE drafts), each with its own tree cut to the
         # run's node budget: the same verification cost, so tokens per step and speed compare the drafts.
         self.drafts: dict[str, str] = {}  # method -> heads file
@@ -295,6 +295,7 @@ def _prompt_row(
         "identical": None,
         "new_tokens": len(med.token_ids),
         "steps": med.steps,
+        **({"sized_steps": {str(k): v for k, v in med.sized_steps.items()}} if med.sized_steps else {}),
         "tokens_per_step": _r(med.tokens_per_step),
         "medusa_s": _r(med.decode_s, 5),
         "baseline_s": _r(runs["hf"].decode_s, 5) if "hf" in runs else None,
@@ -360,6 +361,14 @@ def _prompt_row(
     return row
 
 
+def _sized_total(rows: list[dict[str, Any]]) -> dict[str, int] | None:
+    total: dict[int, int] = {}
+    for r in rows:
+        for k, v in r.get("sized_steps", {}).items():
+            total[int(k)] = total.get(int(k), 0) + v
+    return {str(k): v for k, v in sorted(total.items())} or None
+
+
 def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greedy: bool) -> dict[str, Any]:
     """The document's summary: totals over all prompts (harmonic: total tokens / total time) and medians."""
     t = tally.totals
@@ -382,6 +391,8 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
         "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,
         "tokens_per_step": _r(t["medusa"].tokens_per_step),
+        # Medusa's steps per tree prefix size, where the size was chosen as replies ran (engine/tree_sizer.py)
+        "sized_steps": _sized_total(rows),
         "acceptance_by_depth": t["medusa"].acceptance_by_depth(),
         # of the draft tokens Medusa's steps accepted, the share that context lookup guessed
         "context_lookup_share": _r(

@@ -124,6 +124,11 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             f"context lookup guessed {s['context_lookup_share'] * 100:.0f}% of the draft tokens Medusa accepted "
             "(--no-context-lookup: heads only)"
         )
+    if s.get("sized_steps"):
+        steps = s["sized_steps"]
+        total = sum(steps.values()) or 1
+        shares = ", ".join(f"{n} nodes {v / total * 100:.0f}%" for n, v in steps.items())
+        console.print(f"Medusa's steps by tree size, chosen as the replies ran: {shares}")
     if s.get("llamacpp_note"):
         console.print(f"[yellow]{s['llamacpp_note']}[/yellow]")
     if s.get("identical_to_plain_loop_fraction") is not None:

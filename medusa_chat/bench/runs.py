@@ -59,6 +59,7 @@ class Run:
     stop_reason: str = ""
     lookup_accepted: int = 0  # accepted tree nodes whose token came from context lookup
     accepted_lengths: list[int] = field(default_factory=list)  # per step, draft tokens accepted (engine runs)
+    sized_steps: dict[int, int] = field(default_factory=dict)  # {tree prefix size: steps} (engine/tree_sizer.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,6 +94,7 @@ def run_engine(engine: MedusaEngine, method: str, prompt_ids: list[int], setting
         stop_reason=summary.stop_reason,
         lookup_accepted=lookup_accepted,
         accepted_lengths=list(summary.accepted_lengths),
+        sized_steps=dict(summary.sized_steps),
     )
 
 

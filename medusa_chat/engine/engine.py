@@ -96,10 +96,16 @@ class MedusaEngine(StepTrees, GraphSteps):
     """
 
     def __init__(
-        self, model: LoadedModel, tree: Tree | None = None, graphs: bool = True, shaped: bool = True
+        self,
+        model: LoadedModel,
+        tree: Tree | None = None,
+        graphs: bool = True,
+        shaped: bool = True,
+        adaptive: bool = True,
     ) -> None:
         self.model = model
         self.shaped = shaped
+        self.adaptive = adaptive  # False: every step verifies the whole tree, even a calibrated one (tree_sizer.py)
         self.lookup_run = LOOKUP_RUN  # 0: lookup guesses only on the tree's own chain
         self.backbone = model.backbone
         self.runner = BackboneRunner(model.backbone)
@@ -313,6 +319,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths, busy_steps = 0, [], 0
+        sized_steps: dict[int, int] = {}
         # the context's n-gram index for lookup guesses (prompt + reply so far; the root is the last token).
         # Not under typical acceptance: that rule keeps any plausible guess, so lookup guesses would make
         # sampled replies repeat earlier text more often than the model does (greedy and exact: no such effect).
@@ -348,6 +355,9 @@ class MedusaEngine(StepTrees, GraphSteps):
             if self.threads is not None:
                 busy_steps += self.threads.threads != self.threads.full  # (the step that was just timed)
                 self.threads.observe(now - step_t0, at.tree.size)
+            if self._sized is not None and self.sizer is not None:
+                self.sizer.observe(self._sized, now - step_t0)
+                sized_steps[self._sized] = sized_steps.get(self._sized, 0) + 1
             decode_s = now - decode_t0
             yield StepEvent(
                 step=steps,
@@ -385,6 +395,7 @@ class MedusaEngine(StepTrees, GraphSteps):
             message=message,
             accepted_lengths=accepted_lengths,
             threads=self._threads_line(steps, busy_steps),
+            sized_steps=dict(sorted(sized_steps.items())),
         )
 
     def _threads_line(self, steps: int, busy_steps: int) -> str:
@@ -448,8 +459,11 @@ class MedusaEngine(StepTrees, GraphSteps):
         # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
         # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
         size = self.tree.size
+        self._sized = None  # the size the sizer chose for this step (None: not the sizer's step to time)
         if self._one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
             size = self._one_thread_size
+        elif self.sizer is not None:  # the prefix with the most tokens per second as measured now (tree_sizer.py)
+            size = self._sized = self.sizer.size()
         # near the end of the context window a prefix of the tree still fits: the reply runs to the end
         at = self.tree_for_room(min(room, size))
         full = at.tree.size == size  # (not cut by the window's end)

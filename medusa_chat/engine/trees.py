@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from medusa_chat.engine.tree_sizer import SizeChoices, TreeSizer
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
@@ -49,6 +50,7 @@ class StepTrees:
     heads: MedusaHeads | None
     runner: BackboneRunner
     shaped: bool
+    adaptive: bool
     _drafter: Drafter  # the model's drafter
     _root_only: Drafter  # a root-only tree's
 
@@ -60,12 +62,19 @@ class StepTrees:
         # the prefix this tree's calibration found best while the native step runs on one thread (None: the same)
         one = getattr(self.model, "single_thread_trees", {}).get(tree.size)
         self._one_thread_size: int | None = one if one is not None and one < tree.size else None
-        # this tree's drafter: the model's, or for a root-only tree (the plain loop) none (drafters.ROOT_ONLY)
-        self.drafter: Drafter = self._drafter if tree.size > 1 else self._root_only
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
         self.exact = self.runner.lean is not None and self.device.type == "cpu"
+        # the prefix size each step verifies, measured as replies run (tree_sizer.py), where this tree came from a
+        # CPU calibration that timed its prefixes (None: every step verifies the whole tree)
+        choices = getattr(self.model, "adaptive_trees", {}).get(tree.size) if self.adaptive else None
+        self.sizer: TreeSizer | None = None
+        self._sized: int | None = None  # the size the sizer gave the step being run
+        if choices is not None and self.exact and tree.size > 1:
+            self.sizer = TreeSizer(SizeChoices(list(choices.sizes), choices.start, dict(choices.tokens_per_step)))
+        # this tree's drafter: the model's, or for a root-only tree (the plain loop) none (drafters.ROOT_ONLY)
+        self.drafter: Drafter = self._drafter if tree.size > 1 else self._root_only
         self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.exact else None
         # Smaller prefixes of the tree, used only near the end of the context window (`tree_for_room`); each
         # size is built once per tree, not per step.

@@ -35,6 +35,7 @@ from medusa_chat.tuning.measure import (
     DEFAULT_PREFIX_TOKENS,
     CalibrationCancelled,
     check_cancel,
+    measure_reply_rates,
     measure_step_latency,
     measure_tokens_per_step,
     prefilled_engines,
@@ -44,6 +45,7 @@ from medusa_chat.tuning.measure import (
 from medusa_chat.tuning.tree_choice import (
     CALIBRATION_VERSION,
     calibrated_source,
+    calibrated_tree,
     choose_tree,
     device_name,
     heads_stamp,
@@ -240,7 +242,7 @@ def calibrate(
                 f"measuring tokens/step with {measure_replies} greedy replies on built-in prompts ({base.name}, {base.size} nodes)"
             )
         # the static tree: accepted_per_size reads every step's tokens in its node layout
-        engine = MedusaEngine(loaded, base, shaped=False)
+        engine = MedusaEngine(loaded, base, shaped=False, adaptive=False)
         engine.lookup_run = 0
         prompts = [
             loaded.build_prompt([{"role": "user", "content": p}])
@@ -264,6 +266,52 @@ def calibrate(
     finally:  # cancelled or not, the prefilled caches go
         for engine, _, _ in (shared or {}).values():
             engine.reset()
+
+
+def calibrate_on_replies(
+    loaded: Any,
+    base: Tree | None = None,
+    sizes: Iterable[int] = (1, 2, 3, 4, 6, 8),
+    replies: int = len(CALIBRATION_PROMPTS),
+    reply_tokens: int = 48,
+    timing: StepTiming | None = None,
+) -> dict[str, Any]:
+    """Pick the size whose real greedy replies decode fastest: every size replies to the same built-in prompts
+    (measure_reply_rates), and a size's rate is its decode tokens over its decode time. Returns the same record
+    as `calibrate`, with `timing` "replies"; `prefix_tokens` / `reps` of `timing` are for the one-thread trial
+    steps (the busy-machine choice, which never exceeds this one).
+
+    This is the CPU's first-start calibration for a model of the embedded one's size: there the replies' own
+    steps cost much less than the trial steps (lookup runs, the per-step host work), and the trial-step estimate
+    kept 2 nodes where 4 decoded 9% faster (80 Vicuna-bench prompts on a 2-core Zen 4, benchmarks/RESULTS.md).
+    A bigger model's replies take too long to time every size, so it keeps the trial-step calibration."""
+    base = base or loaded.default_tree
+    timing = timing or StepTiming(DEFAULT_PREFIX_TOKENS, 8, None, None)
+    sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {1})
+    lookup_only = getattr(loaded, "heads", None) is None and base.size > 1
+    prompts = [loaded.build_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS[:replies]]
+    if timing.progress:
+        timing.progress(f"timing greedy replies to {len(prompts)} built-in prompts at {sizes} nodes ({base.name})")
+    measured = measure_reply_rates(loaded, base, sizes, prompts, reply_tokens, timing.progress, timing.cancel)
+    latency = {n: m["decode_s"] / m["steps"] for n, m in measured.items() if m["steps"] and m["decode_s"] > 0}
+    if 1 not in latency:
+        raise ValueError("calibration replies made no decode steps: a longer reply_tokens is needed")
+    tps = {n: measured[n]["tokens"] / measured[n]["steps"] for n in latency} | {1: 1.0}
+    source = f"measured: {len(prompts)} greedy replies x {reply_tokens} tokens on built-in prompts, timed per size"
+    device = torch.device(loaded.device)
+    shared = None
+    if device.type == "cpu":  # the one-thread trial steps (busy-machine mode) time these prefilled engines
+        check_cancel(timing.cancel)
+        shared = prefilled_engines(loaded, list(latency), base, timing_prefix(loaded, timing.prefix_tokens))
+    try:
+        record = _record(loaded, base, list(latency), Accuracy(tps, source, [], lookup_only), timing, shared,
+                         latency, latency, {})
+    finally:
+        for engine, _, _ in (shared or {}).values():
+            engine.reset()
+    record["timing"] = "replies"
+    record["replies_identical"] = all(m["identical"] for m in measured.values())
+    return record
 
 
 @dataclass
@@ -291,9 +339,9 @@ def _timed_record(
     loaded: Any, base: Tree, sizes: list[int], accuracy: Accuracy, timing: StepTiming, shared: dict[int, Any] | None
 ) -> dict[str, Any]:
     """calibrate's timing half: the step latencies (and on a CPU the one-thread ones) and the record."""
-    tps, source, step_sizes, lookup_only = accuracy.tps, accuracy.source, accuracy.step_sizes, accuracy.lookup_only
+    step_sizes, lookup_only = accuracy.step_sizes, accuracy.lookup_only
     prefix_tokens, reps, progress, cancel = timing.prefix_tokens, timing.reps, timing.progress, timing.cancel
-    model_name, device, quant, dtype = model_identity(loaded)
+    device = torch.device(loaded.device)
     lat = measure_step_latency(
         loaded,
         sizes,
@@ -318,6 +366,25 @@ def _timed_record(
                 loaded, sizes, tree=base, prefix_tokens=prefix_tokens, reps=reps, graphs=False
             ).items()
         }
+    return _record(loaded, base, sizes, accuracy, timing, shared, latency, step_latency, eager)
+
+
+def _record(
+    loaded: Any,
+    base: Tree,
+    sizes: list[int],
+    accuracy: Accuracy,
+    timing: StepTiming,
+    shared: dict[int, Any] | None,
+    latency: dict[int, float],
+    step_latency: dict[int, float],
+    eager: dict[int, float],
+) -> dict[str, Any]:
+    """The choice and its record, from each size's latency (a trial step's, or a reply's mean step) and tokens per
+    step; on a CPU the one-thread trial steps are timed here for the busy-machine choice."""
+    tps, source, step_sizes, lookup_only = accuracy.tps, accuracy.source, accuracy.step_sizes, accuracy.lookup_only
+    prefix_tokens, reps, progress, cancel = timing.prefix_tokens, timing.reps, timing.progress, timing.cancel
+    model_name, device, quant, dtype = model_identity(loaded)
     best = _best_size(latency, tps, lookup_only)
     rates = expected_tokens_per_s(latency, tps)
     # The same steps on one thread, where the thread governor goes on a busy machine (engine/threads.py): a tree
@@ -352,6 +419,7 @@ def _timed_record(
         "dtype": dtype,
         "tree": base.name,
         "forward": BackboneRunner(loaded.backbone).path,
+        "timing": "steps",  # trial steps (calibrate), or real replies per size (calibrate_on_replies)
         "tree_size": best,
         # on a GPU: were the CUDA-graph steps faster than the eager ones at the chosen size (graph_step.py)?
         **({"graph_step": latency[best] < eager[best]} if best in eager else {}),
@@ -370,7 +438,7 @@ def _timed_record(
                 "tokens_per_s_est": round(rates[n], 2),
                 "speedup_est": round(estimated_speedup(latency, tps, n), 3),
                 **({"eager_latency_s": round(eager[n], 6)} if n in eager else {}),
-                **({"step_latency_s": round(step_latency[n], 6)} if lookup_only else {}),
+                **({"step_latency_s": round(step_latency[n], 6)} if lookup_only and step_sizes else {}),
                 **({"latency_1_thread_s": round(one[n], 6)} if n in one else {}),
             }
             for n in sorted(rates)
@@ -460,6 +528,15 @@ def calibrate_first_start(
     budget = first_start_budget(loaded)
 
     def measure(model: Any, tree: Tree) -> dict[str, Any]:
+        if cpu and budget.replies == len(CALIBRATION_PROMPTS):  # a small model: time its real replies
+            record = calibrate_on_replies(
+                model,
+                tree.prefix(min(tree.size, CPU_MAX_TREE)),
+                sizes=CPU_SIZES,
+                timing=StepTiming(budget.prefix_tokens, budget.reps, progress, cancel),
+            )
+            record["tree"] = tree.name
+            return record
         record = calibrate(
             model,
             base=tree.prefix(min(tree.size, CPU_MAX_TREE)) if cpu else tree,
@@ -478,7 +555,7 @@ def calibrate_first_start(
     record, tree = _choose_draft(loaded, measure(loaded, tree), tree, measure, progress)
     model_name, device, quant, dtype = model_identity(loaded)
     save_calibration(record, model_name, device, quant, dtype)
-    return tree.prefix(record["tree_size"]), calibrated_source(record)
+    return calibrated_tree(loaded, record, tree), calibrated_source(record)
 
 
 def _choose_draft(
@@ -523,4 +600,4 @@ def _choose_draft(
     return best, best_tree
 
 
-__all__ = ["CalibrationCancelled", "calibrate", "calibrate_first_start", "resolve_tree"]
+__all__ = ["CalibrationCancelled", "calibrate", "calibrate_first_start", "calibrate_on_replies", "resolve_tree"]

@@ -12,8 +12,15 @@ from typing import TYPE_CHECKING
 from medusa_chat.cliargs import int_list
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.tree import Tree
-from medusa_chat.tuning.calibrate import DEFAULT_SIZES, calibrate
-from medusa_chat.tuning.measure import DEFAULT_PREFIX_TOKENS
+from medusa_chat.tuning.calibrate import (
+    CPU_SIZES,
+    DEFAULT_SIZES,
+    StepTiming,
+    calibrate,
+    calibrate_on_replies,
+    calibration_is_long,
+)
+from medusa_chat.tuning.measure import CALIBRATION_PROMPTS, DEFAULT_PREFIX_TOKENS
 from medusa_chat.tuning.tree_choice import (  # the runtime half (what the session needs), re-exported here
     describe_calibration,
     save_calibration,
@@ -48,10 +55,19 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
         help="tree.json with expected_tokens_per_step (default: the heads folder's tree.json)",
     )
     parser.add_argument(
+        "--timing",
+        choices=("auto", "steps", "replies"),
+        default="auto",
+        help="what is timed per size: trial steps with a cached prefix, or real greedy replies to built-in prompts "
+        "(slower, but a reply's own steps: its lookup runs, its host work); auto: replies on a CPU for a model "
+        "of the embedded one's size, as the first start does (default: %(default)s)",
+    )
+    parser.add_argument(
         "--measure-replies",
         type=int,
-        default=4,
-        help="greedy replies used to measure tokens/step when no tree.json has it (default: %(default)s)",
+        default=None,
+        help="greedy replies: to measure tokens/step when no tree.json has it (steps, default 4), or timed per "
+        "size (replies, default all 12 built-in prompts)",
     )
     parser.add_argument(
         "--measure-tokens", type=int, default=64, help="tokens per measuring reply (default: %(default)s)"
@@ -78,18 +94,33 @@ def calibrate_main(args: argparse.Namespace) -> int:
         base = Tree.named(args.tree) if getattr(args, "tree", None) else loaded.default_tree
         if getattr(args, "tree_size", None):
             base = base.prefix(min(args.tree_size, base.size))
-        result = calibrate(
-            loaded,
-            base,
-            sizes=args.sizes,
-            prefix_tokens=args.prefix_tokens,
-            reps=args.reps,
-            accuracy_file=args.accuracy,
-            measure_replies=args.measure_replies,
-            measure_tokens=args.measure_tokens,
-            progress=lambda m: err.print(f"[dim]{m}[/dim]"),
-            measure_accuracy=args.measure_accuracy,
-        )
+        progress = lambda m: err.print(f"[dim]{m}[/dim]")  # noqa: E731
+        timing = args.timing
+        if timing == "auto":
+            small = not calibration_is_long(loaded)
+            timing = "replies" if loaded.device.type == "cpu" and small else "steps"
+        if timing == "replies":
+            result = calibrate_on_replies(
+                loaded,
+                base,
+                sizes=args.sizes if args.sizes != list(DEFAULT_SIZES) else CPU_SIZES,
+                replies=args.measure_replies or len(CALIBRATION_PROMPTS),
+                reply_tokens=args.measure_tokens,
+                timing=StepTiming(args.prefix_tokens, args.reps, progress, None),
+            )
+        else:
+            result = calibrate(
+                loaded,
+                base,
+                sizes=args.sizes,
+                prefix_tokens=args.prefix_tokens,
+                reps=args.reps,
+                accuracy_file=args.accuracy,
+                measure_replies=args.measure_replies or 4,
+                measure_tokens=args.measure_tokens,
+                progress=progress,
+                measure_accuracy=args.measure_accuracy,
+            )
     except MedusaChatError as e:
         err.print(f"[red]error:[/red] {e}")
         return 1
@@ -101,7 +132,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
         return 0
     table = Table(
         title=f"{result['model']} on {result['device_name']} ({result['quant']}, {result['dtype']}), "
-        f"{result['prefix_tokens']}-token context"
+        + (
+            "greedy replies to built-in prompts"
+            if result.get("timing") == "replies"
+            else f"{result['prefix_tokens']}-token context"
+        )
     )
     for col in ("nodes", "step ms", "tokens/step", "est. tokens/s", "est. speedup"):
         table.add_column(col, justify="right")
@@ -116,6 +151,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
         )
     out.print(table)
     out.print(f"tokens/step from {result['accuracy_source']}")
+    if result.get("replies_identical") is False:
+        out.print("[red]the sizes' greedy replies differ: a tree step is not exact on this path[/red]")
     out.print(
         f"chosen: {describe_calibration(result)} - first {result['tree_size']} nodes of {result['tree']}"
     )

@@ -145,6 +145,68 @@ def measure_step_latency(
     return results
 
 
+@torch.inference_mode()
+def measure_reply_rates(
+    loaded: Any,
+    base: Tree,
+    sizes: Iterable[int],
+    prompts: list[list[int]],
+    max_new_tokens: int = 48,
+    progress: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Each size's real greedy replies, timed: the engine's own `generate` on the first n nodes of `base` (the
+    draft-shaped trees and context-lookup runs a reply has), every size on every prompt.
+
+    Why not the trial step: a reply's step is not the calibration's trial step. On a 2-core Zen 4 the trial steps
+    put 4 nodes at 1.61-1.70x a plain step, while the replies' own 4-node steps came to ~1.23x the plain loop's
+    per-token time: 41% of the accepted tokens came from lookup runs, and a reply's per-step host work is in both
+    (benchmarks/RESULTS.md). Greedy replies are the same tokens whatever the size, so the sizes' decode times
+    compare like for like. The sizes take turns per prompt, in forward then reverse order, so a shared machine's
+    slow spells hit them alike. Prefill time is left out (the same for every size). Returns {n: {"decode_s",
+    "tokens", "steps", "identical"}}: decode tokens after each reply's first, its steps, and whether every reply
+    equalled the first size's.
+    """
+    from medusa_chat.engine.engine import MedusaEngine
+
+    sizes = list(dict.fromkeys(sizes))
+    engines = {n: MedusaEngine(loaded, base.prefix(n), adaptive=False) for n in sizes}
+    out: dict[int, dict[str, Any]] = {n: {"decode_s": 0.0, "tokens": 0, "steps": 0, "identical": True} for n in sizes}
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+    try:
+        for i, prompt in enumerate(prompts):
+            first: list[int] | None = None
+            for n in sizes if i % 2 == 0 else sizes[::-1]:
+                summary = _one_reply(engines[n], prompt, settings, cancel)
+                first = first if first is not None else summary.token_ids
+                row = out[n]
+                row["decode_s"] += summary.decode_s
+                row["tokens"] += max(summary.new_tokens - 1, 0)
+                row["steps"] += summary.steps
+                row["identical"] = row["identical"] and summary.token_ids == first
+            if progress:
+                progress(f"  prompt {i + 1}/{len(prompts)}: every size replied")
+    finally:
+        for engine in engines.values():
+            engine.reset()
+    return out
+
+
+def _one_reply(
+    engine: Any, prompt: list[int], settings: GenerationSettings, cancel: threading.Event | None
+) -> ReplySummary:
+    summary: ReplySummary | None = None
+    replying = engine.generate(prompt, settings)
+    for item in replying:
+        if cancel is not None and cancel.is_set():
+            replying.close()  # the engine's own cleanup, then out
+            check_cancel(cancel)
+        if isinstance(item, ReplySummary):
+            summary = item
+    assert summary is not None
+    return summary
+
+
 class CalibrationCancelled(Exception):
     """A calibration stopped part-way because its `cancel` event was set (nothing was saved)."""
 
@@ -216,7 +278,7 @@ def prefilled_engines(
         t = latency_tree(base, n)
         if n > 1:
             t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
-        engine = MedusaEngine(loaded, t, graphs=graphs)
+        engine = MedusaEngine(loaded, t, graphs=graphs, adaptive=False)
         if first is not None:
             engine.cache = copy.deepcopy(first[0].cache)
             engine.cached_ids = list(first[0].cached_ids)

@@ -12,12 +12,17 @@ from typing import Any
 
 import torch
 
+from medusa_chat.engine.tree_sizer import SizeChoices
 from medusa_chat.machine import slug
 from medusa_chat.model.lookup_only import LOOKUP_ONLY
 from medusa_chat.model.numeric_path import device_name
 from medusa_chat.tree import Tree
 
-CALIBRATION_VERSION = 17  # bumped whenever the timed step or acceptance changes (v17: one-thread sizes too)
+# A size whose calibrated rate is this share of the pick's or more stays in reach of the replies' own choice: on
+# the 2-core Zen 4 the 4-node tree estimated at 0.89x the 2-node pick was the faster one minutes later
+# (engine/tree_sizer.py).
+ADAPTIVE_FLOOR = 0.85
+CALIBRATION_VERSION = 18  # bumped whenever the timed step or acceptance changes (v18: small CPU models time replies)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -65,18 +70,22 @@ def load_calibration(
 
 def calibrated_source(cal: dict[str, Any]) -> str:
     """Why this tree, for the UIs' tree line: "calibrated (1.8x est.)" or the plain-decoding verdict."""
+    choices = adaptive_choices(cal, 1 << 30)
+    sizes = f"; {choices.sizes[0]}-{choices.sizes[-1]} nodes as measured while replying" if choices else ""
     if cal["tree_size"] == 1:
-        return "calibrated: plain decoding is fastest on this device"
-    return f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.)"
+        return f"calibrated: plain decoding is fastest on this device{sizes}"
+    return f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.{sizes})"
 
 
 def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -> str:
     """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
     if cal is None:
         return f"tree: {tree.size} nodes (default)" if tree is not None else "tree: default"
+    choices = adaptive_choices(cal, 1 << 30)
+    sizes = f"; {choices.sizes[0]}-{choices.sizes[-1]} nodes as measured while replying" if choices else ""
     if cal["tree_size"] == 1:
-        return "tree: root only (calibrated: plain decoding is fastest on this device)"
-    return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.)"
+        return f"tree: root only (calibrated: plain decoding is fastest on this device{sizes})"
+    return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.{sizes})"
 
 
 def model_identity(loaded: Any) -> tuple[str, torch.device, str, str]:
@@ -117,6 +126,43 @@ def shipped_draft(loaded: Any) -> str | None:
     return next((n for n in DRAFT_CHOICES if SHIPPED_HEADS[n].resolve() == folder), None)
 
 
+def adaptive_choices(cal: dict[str, Any], base_size: int) -> SizeChoices | None:
+    """The prefix sizes a CPU calibration lets replies choose among as they run (engine/tree_sizer.py): its pick and
+    every size it timed up to the largest whose estimated rate came within ADAPTIVE_FLOOR of the pick's, each with
+    its tokens per step. None where the record does not say (a GPU's, an older one's, a model without heads: its
+    lookup chain verifies only what the lookup guessed, a cost the sizer would not see), where the steps ran in
+    transformers (no exact per-node step, so no sizer) or where it leaves one size only."""
+    if cal.get("device") != "cpu" or cal.get("timing") != "replies" or cal.get("lookup_only"):
+        return None
+    if cal.get("forward", "transformers") == "transformers":  # no exact per-node step: no sizer (trees.py)
+        return None
+    rows = [r for r in cal.get("sizes", []) if isinstance(r, dict) and 1 <= r.get("size", 0) <= base_size]
+    rates = {int(r["size"]): float(r.get("tokens_per_s_est", 0.0)) for r in rows}
+    pick = int(cal["tree_size"])
+    if pick not in rates or rates[pick] <= 0:
+        return None
+    top = max(n for n, v in rates.items() if v >= ADAPTIVE_FLOOR * rates[pick] or n <= pick)
+    sizes = sorted(n for n in rates if n <= top)
+    if len(sizes) < 2:
+        return None
+    tps = {int(r["size"]): float(r["tokens_per_step"]) for r in rows if int(r["size"]) in sizes}
+    return SizeChoices(sizes, pick, tps)
+
+
+def calibrated_tree(loaded: Any, cal: dict[str, Any], base: Tree) -> Tree:
+    """The prefix of `base` a calibration gives the engine, with what it tells `loaded` for the engine's steps: the
+    sizes replies may choose among (adaptive_trees; the tree is then the largest of them, the steps start at the
+    pick) and the one-thread size (single_thread_trees)."""
+    size = cal["tree_size"]
+    choices = adaptive_choices(cal, base.size)
+    if choices is not None:
+        size = choices.sizes[-1]
+        loaded.adaptive_trees[size] = choices
+    if cal.get("tree_size_1_thread"):  # a CPU calibration that timed one-thread steps too
+        loaded.single_thread_trees[size] = min(int(cal["tree_size_1_thread"]), cal["tree_size"])
+    return base.prefix(size)
+
+
 def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
     """The tree chat, `info`, `ask`, `bench` and the API use, and why: (tree, source). The one place this is
     decided, so every command reports and runs the same tree.
@@ -128,6 +174,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     calibration chose (`switch_heads`: `loaded` drafts with it from then on).
     """
     if tree_name or tree_size is not None:
+        loaded.adaptive_trees.clear()  # a tree the user names is verified whole, every step
         chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
         if tree_size is not None:
             chosen = chosen.prefix(tree_size)
@@ -150,9 +197,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     ):
         if "graph_step" in cal:  # a GPU calibration that timed CUDA-graph steps against eager ones
             loaded.graph_step = bool(cal["graph_step"])
-        if cal.get("tree_size_1_thread"):  # a CPU calibration that timed one-thread steps too
-            loaded.single_thread_trees[cal["tree_size"]] = int(cal["tree_size_1_thread"])
-        return base.prefix(cal["tree_size"]), calibrated_source(cal)
+        return calibrated_tree(loaded, cal, base), calibrated_source(cal)
     return base, "default"
 
 
