@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from medusa_chat.kernels import cbind, cbuild, cthreads, prefetch
+from medusa_chat.kernels import cbind, cthreads, isa_choice, prefetch
 from medusa_chat.kernels.gguf_file import BLOCK
 from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
 
@@ -94,7 +94,7 @@ def main() -> None:
         return
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"block kernel: {cbuild.best_isa()}, {cthreads.get_threads()} threads; ms per call (ratio to baseline)")
+    print(f"block kernel: {isa_choice.best_isa()}, {cthreads.get_threads()} threads; ms per call (ratio to baseline)")
     header = "shape         rows " + " ".join(f"{k:>16}" for k in KINDS)
     print(header)
     bits: dict[str, float] = {}
@@ -138,7 +138,7 @@ def stream(args: argparse.Namespace) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     hints = args.prefetch.split(",")
     before = prefetch.prefetch_choice().get("hints") or "t0"
-    print(f"block kernel: {cbuild.best_isa()}, {cthreads.get_threads()} threads; {args.stream} layers of the 1.17B")
+    print(f"block kernel: {isa_choice.best_isa()}, {cthreads.get_threads()} threads; {args.stream} layers of the 1.17B")
     print(f"prefetch hints measured for this machine: {before}")
     try:
         for kind in args.kinds.split(","):

@@ -157,7 +157,7 @@ def main() -> None:
     import torch
 
     from medusa_chat.engine import threads
-    from medusa_chat.kernels import cbind, cbuild
+    from medusa_chat.kernels import cbind, isa_choice
     from medusa_chat.machine import cpu_model
     from medusa_chat.model.loading import load_model
 
@@ -172,7 +172,7 @@ def main() -> None:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
-            "isa": cbuild.best_isa(),
+            "isa": isa_choice.best_isa(),
             "threads": 1,
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "command": "python benchmarks/lib_ab.py " + " ".join(sys.argv[1:]),

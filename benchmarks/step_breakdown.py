@@ -109,7 +109,7 @@ def main() -> None:
 
     from medusa_chat.engine.engine import MedusaEngine, plain_tree
     from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
-    from medusa_chat.kernels import cbuild
+    from medusa_chat.kernels import isa_choice
     from medusa_chat.machine import cpu_model
     from medusa_chat.model.loading import load_model
 
@@ -195,7 +195,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "isa": cbuild.best_isa(),
+        "isa": isa_choice.best_isa(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "command": "python benchmarks/step_breakdown.py " + " ".join(sys.argv[1:]),
         "model": args.model,

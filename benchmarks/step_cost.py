@@ -125,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
 
-    from medusa_chat.kernels import cbind, cbuild
+    from medusa_chat.kernels import cbind, isa_choice
     from medusa_chat.kernels.prefetch import PREFETCH_HINTS, prefetch_choice
     from medusa_chat.machine import cpu_model, slug
 
@@ -144,7 +144,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "isa": cbuild.best_isa(),
+        "isa": isa_choice.best_isa(),
         # (the cache file's path is the machine's own: kept out of a result file meant for the repository)
         "prefetch": {k: v for k, v in prefetch_choice().items() if k != "source"},
         "command": "python benchmarks/step_cost.py " + " ".join(sys.argv[1:]),

@@ -37,7 +37,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MEDUSA_CHAT_UI_HZ", CONFIG, "chat/updates"),
         EnvVar("MEDUSA_CHAT_UI_PANEL_HZ", CONFIG, "chat/updates"),
         EnvVar("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", CONFIG, "model/native_eagle"),
-        EnvVar("MEDUSA_CHAT_QGEMM_ISA", CONFIG, "kernels/cbuild"),
+        EnvVar("MEDUSA_CHAT_QGEMM_ISA", CONFIG, "kernels/isa_choice"),
         EnvVar("MEDUSA_CHAT_PREFETCH", CONFIG, "kernels/prefetch"),
         EnvVar("MEDUSA_CHAT_NATIVE", COMPARISON, "model/block_forward, model/block_heads, model/native_eagle"),
         EnvVar("MEDUSA_CHAT_LEAN", COMPARISON, "model/lean_forward"),

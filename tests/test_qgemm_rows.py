@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_chat.kernels import cbind, cbuild, prefetch
+from medusa_chat.kernels import cbind, isa_choice, prefetch
 from medusa_chat.kernels.gguf_file import BLOCK
 from medusa_chat.kernels.gguf_linears import block_linear_from_gguf
 
@@ -104,7 +104,7 @@ def test_the_hints_are_measured_once_cached_and_overridden(
         return {f: {"1 t0": 2.0, "1 t1": 1.0, "2 t0": 1.0, "2 t1": 2.0} for f in prefetch.PREFETCH_FAMILIES}
 
     monkeypatch.setattr(prefetch, "measure_prefetch", fake_measure)
-    isa = cbuild.best_isa()
+    isa = isa_choice.best_isa()
     prefetch.apply_prefetch(lib, isa, "test-lib")
     assert calls == [1] and prefetch.prefetch_choice()["hints"] == {f: ["t1", "t0"] for f in prefetch.PREFETCH_FAMILIES}
     assert [lib.mc_get_prefetch(f, c) for f in range(3) for c in (0, 1)] == [1, 0] * 3

@@ -13,7 +13,7 @@ import subprocess
 import threading
 
 from medusa_chat import envvars
-from medusa_chat.kernels import cbuild, prefetch
+from medusa_chat.kernels import cbuild, isa_choice, prefetch
 from medusa_chat.machine import cpu_flags
 
 _LIBS: dict[str, ctypes.CDLL | None] = {}
@@ -86,12 +86,14 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     if not {"avx2", "fma"} <= cpu:
         _ERROR = "this CPU lacks AVX2/FMA"
         return None
-    isa = isa or cbuild.best_isa(cpu)
-    if isa in _LIBS:
-        return _LIBS[isa]
-    with _LOAD_LOCK:
-        if isa not in _LIBS:
-            _LIBS[isa] = _open(isa)
+    default = isa is None
+    isa = isa or isa_choice.best_isa()  # this CPU's fastest path, measured once
+    if isa not in _LIBS:
+        with _LOAD_LOCK:
+            if isa not in _LIBS:
+                _LIBS[isa] = _open(isa)
+    if default:
+        prefetch.mark_default(isa)
     return _LIBS[isa]
 
 

@@ -1,5 +1,5 @@
 """The C compiler driver: every `.c` file in csrc/ built into one shared library per instruction set, with
-AVX-VNNI / AVX512-VNNI dot products where this CPU has them (`best_isa`; the results are the same bits).
+AVX-VNNI / AVX512-VNNI dot products where this CPU has them (which one runs: isa_choice.py; the same bits).
 
 The library is compiled once per instruction set with the system C compiler the first time it is needed (a few
 seconds) and kept in the user cache dir under a hash of every source and header, the flags and the instruction
@@ -16,9 +16,6 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from medusa_chat import envvars
-from medusa_chat.machine import cpu_flags
-
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
 # its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -32,26 +29,15 @@ ISA_FLAGS = {
 CSRC = "medusa_chat.kernels.csrc"
 
 
-def best_isa(flags: set[str] | None = None) -> str:
-    """The widest integer-dot instruction set of this CPU the kernel has a path for (MEDUSA_CHAT_QGEMM_ISA
-    overrides it, e.g. `avx2` to measure the plain AVX2 path on a VNNI machine)."""
-    forced = envvars.value("MEDUSA_CHAT_QGEMM_ISA")
-    if forced:
-        if forced not in ISA_FLAGS:
-            raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(ISA_FLAGS)} (got {forced!r})")
-        return forced
-    flags = cpu_flags() if flags is None else flags
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        return "avx512vnni"
-    if "avx_vnni" in flags:
-        return "avxvnni"
-    return "avx2"
-
-
 def sources() -> tuple[list[str], list[str]]:
     """The C sources and headers in csrc/ (sorted): every one is compiled or included, and hashed."""
     names = sorted(f.name for f in resources.files(CSRC).iterdir() if f.is_file())
     return [n for n in names if n.endswith(".c")], [n for n in names if n.endswith(".h")]
+
+
+def source_bytes(name: str) -> bytes:
+    """One file of csrc/, as hashed into the library's name."""
+    return resources.files(CSRC).joinpath(name).read_bytes()
 
 
 def compile_all(cc: str, flags: tuple[str, ...], c_files: list[str]) -> str:
@@ -111,7 +97,7 @@ def library_file(isa: str) -> Path:
     h = hashlib.sha256(" ".join(flags).encode())
     for name in (n for group in sources() for n in group):
         h.update(name.encode())
-        h.update(resources.files(CSRC).joinpath(name).read_bytes())
+        h.update(source_bytes(name))
     path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
     if not path.is_file():
         build(path, flags)

@@ -18,7 +18,7 @@ import torch
 
 from medusa_chat.errors import DeviceError
 from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
-from medusa_chat.kernels.cbuild import best_isa
+from medusa_chat.kernels.isa_choice import best_isa
 
 ROWS, OUT, IN = 5, 40, 512  # 40 outputs: two and a half groups (padding); 512: two K-quant superblocks
 _RESULTS: dict[tuple[str, str], str] = {}  # (instruction set, kind) -> "" (agrees) or why not

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from medusa_chat import envvars
-from medusa_chat.kernels.cbuild import best_isa
 from medusa_chat.kernels.quantizers import QK
 
 PREFETCH_HINTS = ("t0", "t1", "t2", "off")  # csrc/qblock.h PF_T0 .. PF_OFF
@@ -28,9 +27,10 @@ PREFETCH_KEEP_MARGIN = 0.05  # another hint replaces t0 (the tuned default) only
 _PREFETCH: dict[str, dict[str, object]] = {}
 # every library hints were put in force in ({id: (isa, library)}): `set_prefetch` reaches them all
 _HINTED: dict[int, tuple[str, ctypes.CDLL]] = {}
+_DEFAULT_ISA = [""]  # the instruction set of the library this CPU runs (mark_default)
 
 
-def _l3_bytes() -> int:
+def l3_bytes() -> int:
     """This CPU's last-level cache as one core sees it (sysfs), 32 MiB where unknown."""
     base = Path("/sys/devices/system/cpu/cpu0/cache")
     best = 0
@@ -45,19 +45,20 @@ def _l3_bytes() -> int:
     return best or 32 << 20
 
 
-def _prefetch_stream(lib: ctypes.CDLL, family: str, total_bytes: int) -> Callable[[int], None]:
+def weight_stream(lib: ctypes.CDLL, family: str, total_bytes: int, max_rows: int = 2) -> Callable[[int], None]:
     """A call that runs one `family` product over ~total_bytes of weights (so they come from DRAM) for a given
-    number of activation rows, on the calling thread alone (a *_team function outside a parallel region). The
-    weights are random codes with small fp16 factors: the timing, not the values, matters."""
+    number of activation rows (up to `max_rows`), on the calling thread alone (a *_team function outside a
+    parallel region), in `lib`'s own weight layout. The weights are random codes with small fp16 factors: the
+    timing, not the values, matters (also isa_choice.py's)."""
     group, k = int(lib.qgemm_group()), 2048
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, k, generator=gen)
-    qx = torch.empty(2 * 2 * k, dtype=torch.int8)
-    dx = torch.empty(2, 2 * k // QK)
+    x = torch.randn(max_rows, k, generator=gen)
+    qx = torch.empty(2 * max_rows * k, dtype=torch.int8)
+    dx = torch.empty(2, max_rows * k // QK)
     scratch = (qx.data_ptr(), dx[0].data_ptr(), dx[1].data_ptr())  # qx, dx: kept alive by `run.keep` below
     per_weight = {"q4_1": 20 / 32, "q8_0": 34 / 32, "kquant": 148 / 256}[family]
     n = max(group, int(total_bytes / (k * per_weight)) // group * group)
-    y = torch.empty(2, n)
+    y = torch.empty(max_rows, n)
     if family == "q4_1":
         q = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=gen)
         f = torch.full((2, n * k // QK), 1e-3, dtype=torch.float16)
@@ -93,12 +94,12 @@ def measure_prefetch(
     one family's weights at a time. The hints in force before are restored."""
     import time
 
-    total = total_bytes or min(max(2 * _l3_bytes(), 48 << 20), 256 << 20)
+    total = total_bytes or min(max(2 * l3_bytes(), 48 << 20), 256 << 20)
     before = {(f, c): int(lib.mc_get_prefetch(f, c)) for f in range(len(PREFETCH_FAMILIES)) for c in (0, 1)}
     out: dict[str, dict[str, float]] = {}
     try:
         for fi, family in enumerate(PREFETCH_FAMILIES):
-            run = _prefetch_stream(lib, family, total)
+            run = weight_stream(lib, family, total)
             times: dict[str, list[float]] = {}
             for r in range(rounds + 1):  # the first round warms up (page faults, clocks) and is not counted
                 for rows in (1, 2):
@@ -181,10 +182,15 @@ def apply_prefetch(lib: ctypes.CDLL, isa: str, lib_name: str) -> None:
     _PREFETCH[isa] = {"hints": record["hints"], "source": str(path), "seconds": record.get("seconds")}
 
 
+def mark_default(isa: str) -> None:
+    """`isa`'s library is the one this CPU runs (cbind.load): `prefetch_choice()` describes it."""
+    _DEFAULT_ISA[0] = isa
+
+
 def prefetch_choice(isa: str | None = None) -> dict[str, object]:
     """The prefetch hints in force for this CPU's (or `isa`'s) library and where they came from ({} before the
     library is loaded)."""
-    return dict(_PREFETCH.get(isa or best_isa(), {}))
+    return dict(_PREFETCH.get(isa or _DEFAULT_ISA[0], {}))
 
 
 def set_prefetch(hints: dict[str, list[str]] | str) -> None:

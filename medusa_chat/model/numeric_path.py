@@ -55,7 +55,7 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from medusa_chat.kernels.cbuild import best_isa
+    from medusa_chat.kernels.isa_choice import best_isa
 
     return f"{cpu_model()} ({torch.get_num_threads()} threads, {best_isa()})"
 
