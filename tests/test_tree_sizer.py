@@ -98,8 +98,10 @@ def test_a_reply_timed_cpu_calibration_gives_the_sizes_near_its_pick() -> None:
     assert "1-4 nodes" in calibrated_source(_record(rates, 2))
     # the engine's tree cannot exceed the model's: sizes above it are left out
     assert adaptive_choices(_record(rates, 2), 3).sizes == [1, 2, 3]
-    # trial-step calibrations, GPUs and models without heads keep the one calibrated size
-    assert adaptive_choices(_record(rates, 2, timing="steps"), 64) is None
+    # a trial-step calibration (a bigger model's) gives them too; older records, GPUs and models without heads
+    # keep the one calibrated size
+    assert adaptive_choices(_record(rates, 2, timing="steps"), 64).sizes == [1, 2, 3, 4]
+    assert adaptive_choices(_record(rates, 2, timing=None), 64) is None
     assert adaptive_choices(_record(rates, 2, device="cuda"), 64) is None
     assert adaptive_choices(_record(rates, 2, lookup_only=True), 64) is None
     assert adaptive_choices(_record(rates, 2, forward="transformers"), 64) is None

@@ -281,10 +281,10 @@ def calibrate_on_replies(
     as `calibrate`, with `timing` "replies"; `prefix_tokens` / `reps` of `timing` are for the one-thread trial
     steps (the busy-machine choice, which never exceeds this one).
 
-    This is the CPU's first-start calibration for a model of the embedded one's size: there the replies' own
-    steps cost much less than the trial steps (lookup runs, the per-step host work), and the trial-step estimate
-    kept 2 nodes where 4 decoded 9% faster (80 Vicuna-bench prompts on a 2-core Zen 4, benchmarks/RESULTS.md).
-    A bigger model's replies take too long to time every size, so it keeps the trial-step calibration."""
+    This is the CPU's first-start calibration for a model of the embedded one's size with a draft: a reply's steps
+    are not the trial step (lookup runs, shaped trees, the per-step host work), and which size decodes fastest
+    moved with the machine's state on a 2-core Zen 4 (benchmarks/RESULTS.md). A bigger model's replies take too
+    long to time every size, so it keeps the trial-step calibration, as does a model without a draft."""
     base = base or loaded.default_tree
     timing = timing or StepTiming(DEFAULT_PREFIX_TOKENS, 8, None, None)
     sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {1})
@@ -528,7 +528,9 @@ def calibrate_first_start(
     budget = first_start_budget(loaded)
 
     def measure(model: Any, tree: Tree) -> dict[str, Any]:
-        if cpu and budget.replies == len(CALIBRATION_PROMPTS):  # a small model: time its real replies
+        if cpu and budget.replies == len(CALIBRATION_PROMPTS) and model.heads is not None:
+            # a small model with a draft: time its real replies (without one, the lookup's chain is kept unless
+            # plain steps were clearly faster, as a few short replies undersell it: `_best_size`)
             record = calibrate_on_replies(
                 model,
                 tree.prefix(min(tree.size, CPU_MAX_TREE)),

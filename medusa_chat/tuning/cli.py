@@ -98,7 +98,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
         timing = args.timing
         if timing == "auto":
             small = not calibration_is_long(loaded)
-            timing = "replies" if loaded.device.type == "cpu" and small else "steps"
+            drafted = loaded.heads is not None
+            timing = "replies" if loaded.device.type == "cpu" and small and drafted else "steps"
         if timing == "replies":
             result = calibrate_on_replies(
                 loaded,

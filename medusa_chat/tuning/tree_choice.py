@@ -129,10 +129,11 @@ def shipped_draft(loaded: Any) -> str | None:
 def adaptive_choices(cal: dict[str, Any], base_size: int) -> SizeChoices | None:
     """The prefix sizes a CPU calibration lets replies choose among as they run (engine/tree_sizer.py): its pick and
     every size it timed up to the largest whose estimated rate came within ADAPTIVE_FLOOR of the pick's, each with
-    its tokens per step. None where the record does not say (a GPU's, an older one's, a model without heads: its
+    its tokens per step (only their ratios matter to the sizer: a trial-step calibration's, from replies without
+    lookup runs, do as well). None where the record does not say (a GPU's, an older one's, a model without heads: its
     lookup chain verifies only what the lookup guessed, a cost the sizer would not see), where the steps ran in
     transformers (no exact per-node step, so no sizer) or where it leaves one size only."""
-    if cal.get("device") != "cpu" or cal.get("timing") != "replies" or cal.get("lookup_only"):
+    if cal.get("device") != "cpu" or cal.get("timing") not in ("replies", "steps") or cal.get("lookup_only"):
         return None
     if cal.get("forward", "transformers") == "transformers":  # no exact per-node step: no sizer (trees.py)
         return None
