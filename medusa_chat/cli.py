@@ -33,6 +33,11 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
     "calibrate": ("medusa_chat.tuning.cli", "calibrate_main", "pick the fastest tree size on this machine"),
+    "step-cost": (
+        "medusa_chat.bench.step_cost",
+        "step_cost_main",
+        "time a tree step at 1/2/4/8 nodes on this CPU (embedded model, GGUF files; llama.cpp beside)",
+    ),
 }
 LOCAL = {
     "models": "list the known models and what is already downloaded",
