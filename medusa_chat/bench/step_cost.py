@@ -139,7 +139,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Time, print the table, write the JSON; the exit status."""
-    os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
     from medusa_chat.bench.runs import repo_path
     from medusa_chat.kernels import cbind, isa_choice
     from medusa_chat.kernels.prefetch import PREFETCH_HINTS, prefetch_choice
