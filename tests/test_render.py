@@ -292,7 +292,10 @@ def test_meter_numbers_while_streaming_and_after() -> None:
         "ttft": 0.25,
         "new_tokens": 42,
     }
-    assert "measured" in done and "greedy" in done
+    assert "measured" in done and "greedy" in done and 'data-key="sizes"' not in done
+    summary.sized_steps = {1: 2, 2: 11, 4: 4}  # a CPU reply whose tree size was chosen as it ran
+    sized = render.meter_html(events, summary, speedup=1.7, speedup_kind="measured")
+    assert '<span class="mc-badge" data-key="sizes">1-4 nodes, mostly 2</span>' in sized
 
 
 def test_meter_before_any_reply_has_no_numbers() -> None:

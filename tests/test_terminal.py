@@ -86,7 +86,7 @@ def test_status_line_says_measured_or_estimated_and_stopped() -> None:
 
 def test_stats_info_help_render() -> None:
     s = ReplySummary("x", [1, 2], 2, 1, 1.0, 10.0, 0.1, 0.1, 0.1, 5, 0, "greedy", "eos", 4,
-                     accepted_lengths=[0, 2, 2])  # fmt: skip
+                     accepted_lengths=[0, 2, 2], sized_steps={2: 2, 4: 1})  # fmt: skip
     s.prompt_tokens, s.reused_prefix_tokens, s.message = 37, 30, "limit near"
     out = _record(stats_table(s, (1.75, "measured"), ["dropped the 2 oldest messages"]))
     rows = dict(
@@ -105,6 +105,7 @@ def test_stats_info_help_render() -> None:
         "acceptance": "greedy",
         "tree size": "4",
         "ended by": "eos (limit near)",
+        "steps by tree size": "2: 2, 4: 1",
         "accepted per step": "0: 1, 2: 2",
         "note": "dropped the 2 oldest messages",
     }

@@ -268,6 +268,12 @@ def meter_html(
     if accept_mode:
         badges.append(f'<span class="mc-badge" data-key="mode">{esc(accept_mode)}</span>')
     badges.append(f'<span class="mc-badge" data-key="steps">{steps} steps</span>')
+    if summary is not None and len(summary.sized_steps) > 1:  # the tree sizes chosen as the reply ran
+        sizes = summary.sized_steps
+        most = max(sizes, key=sizes.__getitem__)
+        badges.append(
+            f'<span class="mc-badge" data-key="sizes">{min(sizes)}-{max(sizes)} nodes, mostly {most}</span>'
+        )
     if status:
         badges.append(f'<span class="mc-badge mc-status" data-key="status">{esc(status)}</span>')
     return (

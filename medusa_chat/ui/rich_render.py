@@ -232,6 +232,8 @@ def stats_table(summary: ReplySummary, speedup: tuple[float, str], notices: list
     ]
     if summary.threads:
         rows.append(("threads", summary.threads))
+    if summary.sized_steps:  # the sizes the steps chose as the reply ran (engine/tree_sizer.py)
+        rows.append(("steps by tree size", ", ".join(f"{n}: {k}" for n, k in summary.sized_steps.items())))
     if summary.accepted_lengths:
         counts: dict[int, int] = {}
         for n in summary.accepted_lengths:
