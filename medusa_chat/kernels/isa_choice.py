@@ -6,7 +6,8 @@ flags: a CPU may run 512-bit instructions at half rate (Zen 4 splits them in two
 the first start times every path the CPU can run on the same work (the block products of a plain step and of a
 4-row tree step, over weights larger than the L3, each path in its own weight layout, the paths taking turns
 within each round), keeps the fastest, and caches the choice per CPU model and kernel sources. The widest path is
-kept unless another is ISA_KEEP_MARGIN faster. One extra library is compiled for it, once (~10 s on 2 cores).
+kept unless another is ISA_KEEP_MARGIN faster. One extra library is compiled for it, once: on the 2-vCPU Zen 4
+a first `ask` with a fresh cache (no calibration) took 15.4 s instead of 10.1 s with the path forced; the next 5.4 s.
 
 Measured on the 2-vCPU Zen 4 this project's figures come from (`MEDUSA_CHAT_QGEMM_ISA` forcing each path in turn,
 the embedded model's whole step at 1 / 2 / 4 / 8 rows, two rounds): AVX512-VNNI 3.49-3.82 / 3.78-3.98 / 4.19-4.60 /
