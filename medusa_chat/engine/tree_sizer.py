@@ -20,7 +20,7 @@ prefix of the tree is exact), so switching sizes changes speed only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -53,14 +53,10 @@ class TreeSizer:
     _upward: bool = True  # the next trial's direction (kept after a win, turned after a loss)
 
     def __post_init__(self) -> None:
-        self.choices.sizes = sorted(set(self.choices.sizes))
+        self.choices = replace(self.choices, sizes=sorted(set(self.choices.sizes)))  # (the caller's stays as it is)
         if self.current not in self.choices.sizes:
             start = self.choices.start
             self.current = start if start in self.choices.sizes else self.choices.sizes[-1]
-
-    @property
-    def largest(self) -> int:
-        return self.choices.sizes[-1]
 
     def size(self) -> int:
         """The size the next step verifies."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa_chat.engine.tree_sizer import SizeChoices, TreeSizer
+from medusa_chat.engine.tree_sizer import TreeSizer
 from medusa_chat.model.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
@@ -72,7 +72,7 @@ class StepTrees:
         self.sizer: TreeSizer | None = None
         self._sized: int | None = None  # the size the sizer gave the step being run
         if choices is not None and self.exact and tree.size > 1:
-            self.sizer = TreeSizer(SizeChoices(list(choices.sizes), choices.start, dict(choices.tokens_per_step)))
+            self.sizer = TreeSizer(choices)
         # this tree's drafter: the model's, or for a root-only tree (the plain loop) none (drafters.ROOT_ONLY)
         self.drafter: Drafter = self._drafter if tree.size > 1 else self._root_only
         self.plan = TreePlan.build(tree.parents, tree.depths, self.device) if self.exact else None

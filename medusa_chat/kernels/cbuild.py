@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 # -ffp-contract=off: no implicit a*b+c -> fma fusion, whose use could differ between a loop's vector body and
 # its scalar remainder; every FMA in the kernels is an explicit intrinsic, so each element is computed alike.
@@ -35,9 +36,13 @@ def sources() -> tuple[list[str], list[str]]:
     return [n for n in names if n.endswith(".c")], [n for n in names if n.endswith(".h")]
 
 
-def source_bytes(name: str) -> bytes:
-    """One file of csrc/, as hashed into the library's name."""
-    return resources.files(CSRC).joinpath(name).read_bytes()
+def hash_sources(h: Any) -> Any:
+    """`h` (a hashlib object) updated with every source and header of csrc/, names and bytes: what a library's
+    name, and a choice made by timing libraries (isa_choice.py), depend on."""
+    for name in (n for group in sources() for n in group):
+        h.update(name.encode())
+        h.update(resources.files(CSRC).joinpath(name).read_bytes())
+    return h
 
 
 def compile_all(cc: str, flags: tuple[str, ...], c_files: list[str]) -> str:
@@ -94,10 +99,7 @@ def library_file(isa: str) -> Path:
     from medusa_chat.paths import cache_root
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
-    h = hashlib.sha256(" ".join(flags).encode())
-    for name in (n for group in sources() for n in group):
-        h.update(name.encode())
-        h.update(source_bytes(name))
+    h = hash_sources(hashlib.sha256(" ".join(flags).encode()))
     path = cache_root() / "kernels" / f"qgemm-{isa}-{h.hexdigest()[:16]}.so"
     if not path.is_file():
         build(path, flags)

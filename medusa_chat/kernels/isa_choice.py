@@ -25,12 +25,15 @@ from typing import Any
 
 from medusa_chat import envvars
 from medusa_chat.kernels import cbuild, prefetch
+from medusa_chat.kernels.cdecl import declare
 from medusa_chat.machine import cpu_flags
 
 ISA_KEEP_MARGIN = 0.03  # a narrower path replaces the widest only when this much faster
 FAMILIES = ("q4_1", "kquant")  # the embedded model's blocks, and the K-quant files'
 ROWS = (1, 4)  # a plain step's products and a 4-node tree step's, weighed alike
-_CHOSEN: dict[str, str] = {}  # {key: isa} decided in this process (a test's other cache root does not re-measure)
+# {candidate paths: isa} decided in this process: every later call (cbind.load, the known-answer checks) reads it
+# without hashing the sources again, and a test's other cache root does not re-measure
+_CHOSEN: dict[tuple[str, ...], str] = {}
 _LOCK = threading.Lock()  # one measurement at a time (cbind.prebuild's thread and the first kernel user)
 
 
@@ -85,22 +88,14 @@ def measure(isas: list[str], rounds: int = 5, total_bytes: int | None = None) ->
 
 
 def _library(isa: str) -> ctypes.CDLL | None:
-    """`isa`'s library for timing (built if needed; the same file cbind.load opens), the functions the weight
-    stream calls declared, its own prefetch hints in force; None where it cannot be built here."""
+    """`isa`'s library for timing (built if needed; the same file cbind.load opens), its functions declared, its
+    own prefetch hints in force; None where it cannot be built here."""
     try:
         path = cbuild.library_file(isa)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError):
         return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.q4_1_gemm_team.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
-    lib.q8_0_gemm_team.argtypes = [p, i, i, p, p, p, i, p, p, p, p]
-    lib.q4_k_gemm_team.argtypes = [p, i, i, p, i, p, p, p, p]
-    lib.q4_1_gemm_team.restype = lib.q8_0_gemm_team.restype = lib.q4_k_gemm_team.restype = None
-    lib.qgemm_group.restype = i
-    lib.mc_set_prefetch.argtypes = [i, i, i]
-    lib.mc_get_prefetch.argtypes = [i, i]
-    lib.mc_get_prefetch.restype = i
+    declare(lib)
     prefetch.apply_prefetch(lib, isa, path.stem)
     return lib
 
@@ -122,22 +117,23 @@ def measured_isa(flags: set[str]) -> str:
     isas = candidates(flags)
     if len(isas) == 1:
         return isas[0]
-    with _LOCK:
-        return _measured(isas)
+    chosen = _CHOSEN.get(tuple(isas))
+    if chosen is None:
+        with _LOCK:
+            chosen = _CHOSEN.get(tuple(isas)) or _measured(isas)
+            _CHOSEN[tuple(isas)] = chosen
+    return chosen
 
 
 def _measured(isas: list[str]) -> str:
+    """The cached choice for this CPU model and these kernel sources, else measured now and cached."""
     from medusa_chat.atomic import atomic_write_json, read_json
     from medusa_chat.errors import MedusaChatError
     from medusa_chat.machine import cpu_model, slug
     from medusa_chat.paths import cache_root
 
-    h = hashlib.sha256(" ".join(isas).encode())
-    for name in (n for group in cbuild.sources() for n in group):
-        h.update(cbuild.source_bytes(name))
+    h = cbuild.hash_sources(hashlib.sha256(" ".join(isas).encode()))
     key = f"{slug(cpu_model())}-{h.hexdigest()[:16]}"
-    if key in _CHOSEN:
-        return _CHOSEN[key]
     path = cache_root() / "kernels" / f"isa-{key}.json"
     record: dict[str, Any] | None = None
     try:
@@ -150,15 +146,13 @@ def _measured(isas: list[str]) -> str:
         try:
             seconds = measure(isas)
         except (RuntimeError, MemoryError, OSError):  # keep the widest rather than fail a load
-            _CHOSEN[key] = isas[0]
             return isas[0]
         record = {"cpu": cpu_model(), "candidates": isas, "isa": choose(seconds, isas), "seconds": seconds}
         try:
             atomic_write_json(path, record)
         except OSError:
             pass
-    _CHOSEN[key] = str(record["isa"])
-    return _CHOSEN[key]
+    return str(record["isa"])
 
 
 def forget() -> None:

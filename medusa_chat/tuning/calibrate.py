@@ -271,15 +271,15 @@ def calibrate(
 def calibrate_on_replies(
     loaded: Any,
     base: Tree | None = None,
-    sizes: Iterable[int] = (1, 2, 3, 4, 6, 8),
+    sizes: Iterable[int] | None = None,
     replies: int = len(CALIBRATION_PROMPTS),
     reply_tokens: int = 48,
     timing: StepTiming | None = None,
 ) -> dict[str, Any]:
     """Pick the size whose real greedy replies decode fastest: every size replies to the same built-in prompts
-    (measure_reply_rates), and a size's rate is its decode tokens over its decode time. Returns the same record
-    as `calibrate`, with `timing` "replies"; `prefix_tokens` / `reps` of `timing` are for the one-thread trial
-    steps (the busy-machine choice, which never exceeds this one).
+    (measure_reply_rates; `sizes`, default CPU_SIZES), and a size's rate is its decode tokens over its decode time.
+    Returns the same record as `calibrate`, with `timing` "replies"; `prefix_tokens` / `reps` of `timing` are for
+    the one-thread trial steps (the busy-machine choice, which never exceeds this one).
 
     This is the CPU's first-start calibration for a model of the embedded one's size with a draft: a reply's steps
     are not the trial step (lookup runs, shaped trees, the per-step host work), and which size decodes fastest
@@ -287,7 +287,7 @@ def calibrate_on_replies(
     long to time every size, so it keeps the trial-step calibration, as does a model without a draft."""
     base = base or loaded.default_tree
     timing = timing or StepTiming(DEFAULT_PREFIX_TOKENS, 8, None, None)
-    sizes = sorted({n for n in sizes if 1 <= n <= base.size} | {1})
+    sizes = sorted({n for n in (sizes or CPU_SIZES) if 1 <= n <= base.size} | {1})
     lookup_only = getattr(loaded, "heads", None) is None and base.size > 1
     prompts = [loaded.build_prompt([{"role": "user", "content": p}]) for p in CALIBRATION_PROMPTS[:replies]]
     if timing.progress:

@@ -35,8 +35,9 @@ def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes",
         type=int_list,
-        default=list(DEFAULT_SIZES),
-        help="tree sizes to time, capped at the tree's size (default: %(default)s)",
+        default=None,
+        help=f"tree sizes to time, capped at the tree's size (default: {list(DEFAULT_SIZES)} for trial steps, "
+        f"{list(CPU_SIZES)} for replies)",
     )
     parser.add_argument(
         "--prefix-tokens",
@@ -104,7 +105,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
             result = calibrate_on_replies(
                 loaded,
                 base,
-                sizes=args.sizes if args.sizes != list(DEFAULT_SIZES) else CPU_SIZES,
+                sizes=args.sizes,
                 replies=args.measure_replies or len(CALIBRATION_PROMPTS),
                 reply_tokens=args.measure_tokens,
                 timing=StepTiming(args.prefix_tokens, args.reps, progress, None),
@@ -113,7 +114,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
             result = calibrate(
                 loaded,
                 base,
-                sizes=args.sizes,
+                sizes=args.sizes or DEFAULT_SIZES,
                 prefix_tokens=args.prefix_tokens,
                 reps=args.reps,
                 accuracy_file=args.accuracy,

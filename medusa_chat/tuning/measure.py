@@ -158,9 +158,9 @@ def measure_reply_rates(
     """Each size's real greedy replies, timed: the engine's own `generate` on the first n nodes of `base` (the
     draft-shaped trees and context-lookup runs a reply has), every size on every prompt.
 
-    Why not the trial step: a reply's step is not the calibration's trial step. On a 2-core Zen 4 the trial steps
-    put 4 nodes at 1.61-1.70x a plain step, while the replies' own 4-node steps came to ~1.23x the plain loop's
-    per-token time: 41% of the accepted tokens came from lookup runs, and a reply's per-step host work is in both
+    Why not the trial step: a reply's step is not the calibration's trial step (lookup runs, draft-shaped trees, the
+    per-step host work), and on a 2-core Zen 4 the two disagreed both ways as the machine's state moved: a 4-node
+    trial step at 1.61-1.70x a plain one against ~1.23x in replies, and later 1.24x against 1.77x
     (benchmarks/RESULTS.md). Greedy replies are the same tokens whatever the size, so the sizes' decode times
     compare like for like. The sizes take turns per prompt, in forward then reverse order, so a shared machine's
     slow spells hit them alike. Prefill time is left out (the same for every size). Returns {n: {"decode_s",
@@ -193,8 +193,14 @@ def measure_reply_rates(
 
 
 def _one_reply(
-    engine: Any, prompt: list[int], settings: GenerationSettings, cancel: threading.Event | None
+    engine: Any,
+    prompt: list[int],
+    settings: GenerationSettings,
+    cancel: threading.Event | None,
+    events: list[StepEvent] | None = None,
 ) -> ReplySummary:
+    """One reply of `engine` to the end, its StepEvents appended to `events` where given; `cancel` (checked every
+    step) ends it with CalibrationCancelled."""
     summary: ReplySummary | None = None
     replying = engine.generate(prompt, settings)
     for item in replying:
@@ -203,6 +209,8 @@ def _one_reply(
             check_cancel(cancel)
         if isinstance(item, ReplySummary):
             summary = item
+        elif events is not None:
+            events.append(item)
     assert summary is not None
     return summary
 
@@ -372,17 +380,8 @@ def measure_tokens_per_step(
     steps = 0
     for i, prompt in enumerate(prompts):
         events: list[StepEvent] = []
-        summary: ReplySummary | None = None
-        replying = engine.generate(prompt, GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0))
-        for item in replying:
-            if cancel is not None and cancel.is_set():
-                replying.close()  # the engine's own cleanup, then out
-                check_cancel(cancel)
-            if isinstance(item, StepEvent):
-                events.append(item)
-            else:
-                summary = item
-        assert summary is not None
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+        summary = _one_reply(engine, prompt, settings, cancel, events)
         reply = summary.token_ids
         pos = 0  # index in the reply of the current step's root
         for ev in events:

@@ -70,19 +70,23 @@ def load_calibration(
 
 def calibrated_source(cal: dict[str, Any]) -> str:
     """Why this tree, for the UIs' tree line: "calibrated (1.8x est.)" or the plain-decoding verdict."""
-    choices = adaptive_choices(cal, 1 << 30)
-    sizes = f"; {choices.sizes[0]}-{choices.sizes[-1]} nodes as measured while replying" if choices else ""
+    sizes = _sizes_note(cal)
     if cal["tree_size"] == 1:
         return f"calibrated: plain decoding is fastest on this device{sizes}"
     return f"calibrated ({cal.get('speedup_est', 1.0):.1f}x est.{sizes})"
+
+
+def _sizes_note(cal: dict[str, Any]) -> str:
+    """"; 1-4 nodes as measured while replying" where the calibration leaves the steps a range of sizes, else ""."""
+    choices = adaptive_choices(cal, 1 << 30)
+    return f"; {choices.sizes[0]}-{choices.sizes[-1]} nodes as measured while replying" if choices else ""
 
 
 def describe_calibration(cal: dict[str, Any] | None, tree: Tree | None = None) -> str:
     """One line for the UIs, e.g. "tree: 16 nodes (calibrated: 1.8x est.)"."""
     if cal is None:
         return f"tree: {tree.size} nodes (default)" if tree is not None else "tree: default"
-    choices = adaptive_choices(cal, 1 << 30)
-    sizes = f"; {choices.sizes[0]}-{choices.sizes[-1]} nodes as measured while replying" if choices else ""
+    sizes = _sizes_note(cal)
     if cal["tree_size"] == 1:
         return f"tree: root only (calibrated: plain decoding is fastest on this device{sizes})"
     return f"tree: {cal['tree_size']} nodes (calibrated: {cal.get('speedup_est', 1.0):.1f}x est.{sizes})"
