@@ -39,6 +39,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", CONFIG, "model/native_eagle"),
         EnvVar("MEDUSA_CHAT_QGEMM_ISA", CONFIG, "kernels/isa_choice"),
         EnvVar("MEDUSA_CHAT_PREFETCH", CONFIG, "kernels/prefetch"),
+        EnvVar("MEDUSA_CHAT_KQUANT_ACTIVATIONS", CONFIG, "kernels/cbind"),
         EnvVar("MEDUSA_CHAT_NATIVE", COMPARISON, "model/block_forward, model/block_heads, model/native_eagle"),
         EnvVar("MEDUSA_CHAT_LEAN", COMPARISON, "model/lean_forward"),
         EnvVar("MEDUSA_CHAT_QUANT_CACHE", COMPARISON, "model/quantized_cache"),

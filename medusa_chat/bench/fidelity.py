@@ -133,7 +133,7 @@ def llama_teacher_forced(perplexity: Path, gguf: Path, text: str, threads: int) 
     for model, extra in ((f32, []), (gguf, ["--kl-divergence"])):
         done = subprocess.run(
             [*common, "-m", str(model), "--kl-divergence-base", str(base), *extra],
-            capture_output=True, text=True, timeout=1800,
+            capture_output=True, text=True, errors="replace", timeout=1800,
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"llama-perplexity failed: {(done.stderr or done.stdout).strip()[-200:]}")
@@ -148,7 +148,7 @@ def llama_greedy(completion: Path, gguf: Path, loaded: Any, prompts: list[str], 
         done = subprocess.run(
             [str(completion), "-m", str(gguf), "-p", text, "-n", str(max_new), "--temp", "0", "-no-cnv",
              "--no-display-prompt", "--no-escape", "-t", str(threads), "-c", "2048"],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, errors="replace", timeout=600,
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"llama-completion failed: {(done.stderr or done.stdout).strip()[-200:]}")

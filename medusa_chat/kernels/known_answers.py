@@ -5,8 +5,9 @@ Why: row invariance alone passes a kernel that is consistently wrong (a miscompi
 behaves differently on a new CPU, a layout bug): every row would be wrong in the same way. Here the weights
 come from fixed seeds and their float values from the format's definition, computed independently of the
 kernel's layout (gguf_file's unpackers and dequantizers, or the codes themselves). The reference takes the
-activations through the kernel's 8-bit rounding (per block of 32: d = max|x| / 127 and q = round(x / d),
-both in fp32 as quantize_rows does them), then sums exactly in float64; so the tolerance only covers the
+activations through the kernel's 8-bit rounding (per block of 32 for Q4_1 / Q8_0, of 256 for the K-quants:
+d = max|x| / 127 and q = round(x / d), both in fp32 as quantize_rows / quantize_k_rows do them), then sums
+exactly in float64; so the tolerance only covers the
 kernel's fp32 factors and accumulation (1e-5 of the sum of the terms' magnitudes), and an error of a part in
 a thousand in any output shows. A kernel that disagrees is refused with a one-line reason (DeviceError).
 """
@@ -17,11 +18,12 @@ import numpy as np
 import torch
 
 from medusa_chat.errors import DeviceError
+from medusa_chat.kernels import cbind
 from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
 from medusa_chat.kernels.isa_choice import best_isa
 
 ROWS, OUT, IN = 5, 40, 512  # 40 outputs: two and a half groups (padding); 512: two K-quant superblocks
-_RESULTS: dict[tuple[str, str], str] = {}  # (instruction set, kind) -> "" (agrees) or why not
+_RESULTS: dict[tuple[str, str, int], str] = {}  # (instruction set, kind, K-quant scheme) -> "" or why not
 
 
 def _random_k_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -89,14 +91,20 @@ def known_input() -> torch.Tensor:
     return x
 
 
-def _activations_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
-    """x with each block of 32 replaced by d * q (qgemm.c quantize_rows: fp32 d = max|x| / 127, q = x * (1 / d)
-    rounded half to even), in float64."""
-    xb = x.view(x.shape[0], -1, 32)
+def activations_as_the_kernel_rounds_them(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x with each block of `block` values (32: qgemm.c quantize_rows; 256: the K-quants' quantize_k_rows)
+    replaced by d * q (fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even), in float64."""
+    xb = x.view(x.shape[0], -1, block)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     q = (xb * inv).round().clamp(-127, 127)
     return (q.double() * d.double()).view_as(x)
+
+
+def kquant_block() -> int:
+    """The loaded library's K-quant activation scheme (32 or 256 values per scale: csrc/kquants.c)."""
+    lib = cbind.load()
+    return int(lib.mc_get_kq_block()) if lib is not None else 32
 
 
 def disagreement(cls: type[BlockLinear]) -> str:
@@ -106,7 +114,8 @@ def disagreement(cls: type[BlockLinear]) -> str:
     x = known_input()
     with torch.inference_mode():
         y = lin(x).double()
-    xq = _activations_as_the_kernel_rounds_them(x)
+    kquant = bool(getattr(cls, "type_name", ""))  # a gguf_linears.KQuantLinear: the library's K-quant scheme
+    xq = activations_as_the_kernel_rounds_them(x, kquant_block() if kquant else 32)
     exact = xq @ w.t()
     bound = 1e-5 * (xq.abs() @ magnitude.t()) + 1e-30
     if not bool(torch.isfinite(y).all()):
@@ -123,7 +132,7 @@ def disagreement(cls: type[BlockLinear]) -> str:
 def check_known_answer(cls: type[BlockLinear]) -> None:
     """Raise DeviceError (one line) unless the kernel of block-linear class `cls` (its kind) in this machine's
     build gives the known answer; checked once per process and build."""
-    key = (best_isa(), cls.kind)
+    key = (best_isa(), cls.kind, kquant_block())
     if key not in _RESULTS:
         _RESULTS[key] = disagreement(cls)
     if _RESULTS[key]:

@@ -4,11 +4,26 @@
 // (ggml-common.h; gguf_linears.py unpacks the file's bit layout):
 //   Q4_K / Q5_K: 8 sub-blocks of 32, w = (d * sc) * q - (dmin * m), sc and m 6-bit, q 0..15 / 0..31
 //   Q6_K: 16 sub-blocks of 16, w = (d * sc) * (q - 32), sc int8, q 0..63
-// d * sc and dmin * m are exact in fp32 (an 11-bit significand times at most 8 bits), not in fp16, so the kernel
-// keeps the compact codes (bytes) and fp16 d per superblock, as the file does, and forms the fp32 factors as it
-// reads them: the weights streamed per step stay near the file's size (a step is memory bound at batch 1).
-// The activations are qgemm.c's 8-bit blocks of 32 (quantize_rows); the dot product of a sub-block is an exact
-// integer sum, then fp32 FMAs in a fixed order (kq_tile.h), per row: row-invariant like qgemm.c's kernels.
+// The kernel keeps the compact codes (bytes) and fp16 d per superblock, as the file does: the weights streamed
+// per step stay near the file's size (a step is memory bound at batch 1).
+//
+// The activations are 8-bit, in one of two schemes (mc_kq_block, set when the library loads, before any product,
+// from MEDUSA_CHAT_KQUANT_ACTIVATIONS: cbind.kquant_block; the plain loop and the tree steps share it):
+// - 32 (the default): qgemm.c's blocks of 32 (quantize_rows). Each sub-block's dot product is an exact integer
+//   sum, then per row and sub-block the exact fp32 factors: acc = fma((d * sc) * dx, dot, acc), and the minimum.
+// - 256: one scale per superblock (quantize_k_rows below: llama.cpp's Q8_K, the scheme its K-quant dot products
+//   use), so a superblock's sum is one integer: the sub-blocks' dot products times their integer scales, summed
+//   in int32, and the minimum (or Q6_K's -32) term the same way from the activations' per-32 (per-16) code sums.
+//   The fp32 factors then apply once per superblock and row:
+//     Q4_K / Q5_K: acc = fma(d * dx, sum_j sc_j * dot_j, acc);  acc = fnmadd(dmin * dx, sum_j m_j * sum(qx_j), acc)
+//     Q6_K:        acc = fma(d * dx, sum_k sc_k * dot_k - 32 * sum_k sc_k * sum(qx_k), acc)
+// The trade, measured (benchmarks/RESULTS.md, 1.17B Q4_K_M): 256 spares each row a conversion and three fp32
+// operations per sub-block (AVX2 takes the scale in the multiply-add that widens its 16-bit sums): products in
+// cache 1.17-1.27x faster on AVX2 (Q4_K), 1.04-1.10x with VNNI; whole tree steps of 4-8 nodes 1.09-1.19x on AVX2,
+// 1.0-1.1x with VNNI, plain and 2-node steps no faster (the weight stream bounds them). Its coarser activations
+// double the KL to the float model (to llama.cpp's own figure on the same file), so 32 is the default. In both,
+// every integer sum is exact and the fp32 operations are in a fixed order per row: row-invariant, and every
+// build gives the same bits.
 //
 // Layout (gguf_linears.py writes it): output columns in interleaved groups of GW as in qgemm.c, and per group
 // one byte stream, superblock after superblock (so one stream to prefetch per group):
@@ -32,12 +47,9 @@
 #include "decoder.h"
 #include "duet.h"
 
-static inline __m256 u8_ps8(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline __m256 i8_ps8(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
+// 8 bytes (per-column scales) widened to 32-bit lanes, unsigned or signed
+static inline __m256i u8_32x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256i i8_32x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
 // 256-bit tiles (8 columns)
 #define KV_NAME(f) f##_8
@@ -63,6 +75,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #define KV_SUB32 _mm256_sub_epi32
 #define KV_MADDUBS _mm256_maddubs_epi16
 #define KV_MADD16 _mm256_madd_epi16
+#define KV_MULLO32 _mm256_mullo_epi32
 #define KV_DP(acc, u, s) DPBUSD(acc, u, s)
 #define KV_DPB(acc, u, p) KV_DP(acc, u, KV_BCAST4(p))
 #define KV_BCAST4 bcast4
@@ -71,8 +84,10 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #define KV_FMADD _mm256_fmadd_ps
 #define KV_FNMADD _mm256_fnmadd_ps
 #define KV_LOAD_F16 load_f16
-#define KV_U8_PS u8_ps8
-#define KV_I8_PS i8_ps8
+#define KV_U8_32 u8_32x8
+#define KV_I8_32 i8_32x8
+#define KV_U8_PS(p) KV_CVT_PS(KV_U8_32(p))
+#define KV_I8_PS(p) KV_CVT_PS(KV_I8_32(p))
 #define KV_STORE store_cols
 #include "kq_tile.h"
 #undef KV_NAME
@@ -98,6 +113,7 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #undef KV_SUB32
 #undef KV_MADDUBS
 #undef KV_MADD16
+#undef KV_MULLO32
 #undef KV_DP
 #undef KV_DPB
 #undef KV_BCAST4
@@ -106,18 +122,16 @@ static inline __m256 i8_ps8(const uint8_t *p) {
 #undef KV_FMADD
 #undef KV_FNMADD
 #undef KV_LOAD_F16
+#undef KV_U8_32
+#undef KV_I8_32
 #undef KV_U8_PS
 #undef KV_I8_PS
 #undef KV_STORE
 
 #if HAVE_512
 // 512-bit tiles: a whole group of 16 columns per register
-static inline __m512 u8_ps16(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline __m512 i8_ps16(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
+static inline __m512i u8_32x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i i8_32x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #define KV_NAME(f) f##_16
 #define KV_LANES 16
 #define KV_VNNI 1
@@ -137,6 +151,8 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define KV_SRLI32 _mm512_srli_epi32
 #define KV_ADD32 _mm512_add_epi32
 #define KV_SUB32 _mm512_sub_epi32
+#define KV_MADD16 _mm512_madd_epi16
+#define KV_MULLO32 _mm512_mullo_epi32
 #define KV_DP(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #define KV_DPB(acc, u, p) dpbusd_bcast512(acc, u, p)  // (qblock.h: the broadcast in the instruction)
 #define KV_BCAST4 bcast4_512
@@ -145,8 +161,10 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define KV_FMADD _mm512_fmadd_ps
 #define KV_FNMADD _mm512_fnmadd_ps
 #define KV_LOAD_F16 load_f16x16
-#define KV_U8_PS u8_ps16
-#define KV_I8_PS i8_ps16
+#define KV_U8_32 u8_32x16
+#define KV_I8_32 i8_32x16
+#define KV_U8_PS(p) KV_CVT_PS(KV_U8_32(p))
+#define KV_I8_PS(p) KV_CVT_PS(KV_I8_32(p))
 #define KV_STORE store_cols16
 #include "kq_tile.h"
 #endif
@@ -156,24 +174,90 @@ static inline __m512 i8_ps16(const uint8_t *p) {
 #define SB_Q5K 180
 #define SB_Q6K 210
 
+// The per-256 scheme's activation scratch (the callers' qx, dx, sx, sized as qgemm.c's: qx 2 * M * K bytes, dx
+// and sx M * K / 32 floats), as quantize_k_rows fills it: qx the codes [M, K]; dx the scales [M, K / 256]
+// (fp32), then the codes' sums per 32 [M, K / 32] (int16, Q4_K / Q5_K's minimum term); sx the sums per 16
+// [M, K / 16] (int16, Q6_K's).
+static inline int16_t *kq_sums32(const float *dx, int M, int K) { return (int16_t *)(dx + (size_t)M * (K / 256)); }
+
+// x [M, K] (K % 256 == 0) to 8-bit codes with one fp32 scale per row and superblock of 256 (llama.cpp's Q8_K):
+// d = max|x| / 127, q = round(x * (1 / d)) (the FPU's round-to-nearest-even, as quantize_rows), and the exact
+// integer sums of the codes per 16 (s16, optional) and per 32 (s32, optional). Per row, so row-invariant.
+// Superblocks are shared among the team that calls this (an orphaned worksharing loop, as quantize_rows).
+void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, int16_t *s32) {
+    const int nsb = K / 256;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
+#pragma omp for collapse(2) schedule(static)
+    for (int r = 0; r < M; r++) {
+        for (int s = 0; s < nsb; s++) {
+            const float *xs = x + (size_t)r * K + (size_t)s * 256;
+            __m256 mx = _mm256_setzero_ps();
+            for (int i = 0; i < 32; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + 8 * i)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            dk[(size_t)r * nsb + s] = d;
+            for (int b = 0; b < 8; b++) {
+                const float *xb = xs + 32 * b;
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
+                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
+                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), vid));
+                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), vid));
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+                _mm256_storeu_si256((__m256i *)(q + (size_t)r * K + (size_t)s * 256 + 32 * b),
+                                    _mm256_permutevar8x32_epi32(p, perm));
+                int32_t t0[8], t1[8], a0 = 0, a1 = 0;  // exact in any order
+                _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(i0, i1));
+                _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(i2, i3));
+                for (int i = 0; i < 8; i++) a0 += t0[i], a1 += t1[i];
+                const size_t blk = ((size_t)r * nsb + s) * 8 + b;
+                if (s16) s16[2 * blk] = (int16_t)a0, s16[2 * blk + 1] = (int16_t)a1;
+                if (s32) s32[blk] = (int16_t)(a0 + a1);
+            }
+        }
+    }
+}
+
+// The activation scheme: 32 or 256 (above). Set before any product, never between a plain and a tree step.
+static int mc_kq_block = 32;
+void mc_set_kq_block(int block) { mc_kq_block = block == 256 ? 256 : 32; }
+int mc_get_kq_block(void) { return mc_kq_block; }
+
+// The activations of a K-quant product of kind 2 (Q4_K), 3 (Q5_K) or 4 (Q6_K: decoder.h's BLin kinds) into the
+// scratch its groups read: per 32, qgemm.c's (dx the scales, sx the scaled sums, or Q6_K's per-16 code sums as
+// 2 int16 per float); per 256, the layout above
+void kq_quantize(int kind, const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
+    if (mc_kq_block == 256)
+        quantize_k_rows(x, M, K, qx, dx, kind == 4 ? (int16_t *)sx : NULL, kind == 4 ? NULL : kq_sums32(dx, M, K));
+    else
+        quantize_rows(x, M, K, qx, dx, kind == 4 ? NULL : sx, NULL, kind == 4 ? (int16_t *)sx : NULL);
+}
+
 // One column group g of a K-quant product, all M rows (HB: Q5_K's 5th bits; Q6: the Q6_K tile)
 static inline __attribute__((always_inline)) void kq_group(const int8_t *qx, const float *dx, const float *sx,
                                                             int M, int nsb, const uint8_t *w, int N, int g,
                                                             float *y, const int HB, const int Q6) {
     const size_t sb_bytes = Q6 ? SB_Q6K : HB ? SB_Q5K : SB_Q4K;
     const uint8_t *gw = w + (size_t)g * nsb * sb_bytes * GW;
-    const int16_t *s16 = (const int16_t *)sx;
+    const int16_t *s16 = (const int16_t *)sx, *s32 = kq_sums32(dx, M, 256 * nsb);
+    const int sb = mc_kq_block == 256;
 #if HAVE_512
-    (void)s16;
 #define KQ(MRc)                                                                            \
-    if (Q6) k6_tile_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);                     \
+    if (Q6 && sb) k6_tile_sb_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);            \
+    else if (Q6) k6_tile_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);                \
+    else if (sb) kmin_tile_sb_16(qx, dx, s32, nsb, r0, gw, 0, y, N, g * GW, MRc, HB);       \
     else kmin_tile_16(qx, dx, sx, nsb, r0, gw, 0, y, N, g * GW, MRc, HB)
     ROW_TILES(KQ)
 #undef KQ
 #else
     for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
 #define KQ(MRc)                                                                            \
-    if (Q6) k6_tile_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);             \
+    if (Q6 && sb) k6_tile_sb_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);    \
+    else if (Q6) k6_tile_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);        \
+    else if (sb) kmin_tile_sb_8(qx, dx, s32, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB); \
     else kmin_tile_8(qx, dx, sx, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB)
         ROW_TILES(KQ)
 #undef KQ
@@ -182,12 +266,11 @@ static inline __attribute__((always_inline)) void kq_group(const int8_t *qx, con
 }
 
 // The products as team work (as qgemm.c's *_team): x [M, K] fp32, K a multiple of 256; w: ceil(N / GW) groups
-// of K / 256 superblocks; y [M, N]; scratch as qgemm.c's (qx 2 * M * K bytes, dx and sx M * K / 32 floats).
-// Q6_K has no minimum term: its sx scratch holds the activations' per-16 code sums instead (2 int16 per float).
+// of K / 256 superblocks; y [M, N]; scratch as described above.
 static void kq_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
                          float *sx, const int HB, const int Q6) {
     const int nsb = K / 256, ng = (N + GW - 1) / GW;
-    quantize_rows(x, M, K, qx, dx, Q6 ? NULL : sx, NULL, Q6 ? (int16_t *)sx : NULL);
+    kq_quantize(Q6 ? 4 : HB ? 3 : 2, x, M, K, qx, dx, sx);
 #pragma omp for schedule(static)
     for (int g = 0; g < ng; g++) {
         if (Q6)

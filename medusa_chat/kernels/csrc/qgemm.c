@@ -546,7 +546,7 @@ static int duet_prepare(DuetGemm *a, int kind, const float *x, int M, int K, con
     float *dx = (float *)(((uintptr_t)(qxu + (size_t)M * K) + 63) & ~(uintptr_t)63), *sx = dx + nb;
     if (kind == 0) quantize_rows(x, M, K, qx, dx, NULL, HAVE_VNNI ? qxu : NULL, NULL);
     else if (kind == 1) quantize_rows(x, M, K, qx, dx, sx, NULL, NULL);
-    else quantize_rows(x, M, K, qx, dx, kind == 4 ? NULL : sx, NULL, kind == 4 ? (int16_t *)sx : NULL);
+    else kq_quantize(kind, x, M, K, qx, dx, sx);
     const int ng = (N + GW - 1) / GW;
     const int per_chunk = (ng + DUET_CHUNKS - 1) / DUET_CHUNKS;
     *a = (DuetGemm){kind, M, K, N, ng, per_chunk, (ng + per_chunk - 1) / per_chunk, qs, d, aux, qx, qxu, dx, sx};
