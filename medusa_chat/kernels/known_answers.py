@@ -5,11 +5,11 @@ Why: row invariance alone passes a kernel that is consistently wrong (a miscompi
 behaves differently on a new CPU, a layout bug): every row would be wrong in the same way. Here the weights
 come from fixed seeds and their float values from the format's definition, computed independently of the
 kernel's layout (gguf_file's unpackers and dequantizers, or the codes themselves). The reference takes the
-activations through the kernel's 8-bit rounding (per block of 32 for Q4_1 / Q8_0, of 256 for the K-quants:
-d = max|x| / 127 and q = round(x / d), both in fp32 as quantize_rows / quantize_k_rows do them), then sums
-exactly in float64; so the tolerance only covers the
-kernel's fp32 factors and accumulation (1e-5 of the sum of the terms' magnitudes), and an error of a part in
-a thousand in any output shows. A kernel that disagrees is refused with a one-line reason (DeviceError).
+activations through the kernel's 8-bit rounding (per block of 32, or for the K-quants per block of the
+library's scheme, 32 or 256: d = max|x| / 127 and q = round(x / d), both in fp32 as quantize_rows /
+quantize_k_rows do them), then sums exactly in float64; so the tolerance only covers the kernel's fp32 factors
+and accumulation (1e-5 of the sum of the terms' magnitudes), and an error of a part in a thousand in any output
+shows. A kernel that disagrees is refused with a one-line reason (DeviceError).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def known_input() -> torch.Tensor:
     return x
 
 
-def activations_as_the_kernel_rounds_them(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def _activations_as_the_kernel_rounds_them(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x with each block of `block` values (32: qgemm.c quantize_rows; 256: the K-quants' quantize_k_rows)
     replaced by d * q (fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even), in float64."""
     xb = x.view(x.shape[0], -1, block)
@@ -115,7 +115,7 @@ def disagreement(cls: type[BlockLinear]) -> str:
     with torch.inference_mode():
         y = lin(x).double()
     kquant = bool(getattr(cls, "type_name", ""))  # a gguf_linears.KQuantLinear: the library's K-quant scheme
-    xq = activations_as_the_kernel_rounds_them(x, kquant_block() if kquant else 32)
+    xq = _activations_as_the_kernel_rounds_them(x, kquant_block() if kquant else 32)
     exact = xq @ w.t()
     bound = 1e-5 * (xq.abs() @ magnitude.t()) + 1e-30
     if not bool(torch.isfinite(y).all()):

@@ -184,7 +184,7 @@ static inline int16_t *kq_sums32(const float *dx, int M, int K) { return (int16_
 // d = max|x| / 127, q = round(x * (1 / d)) (the FPU's round-to-nearest-even, as quantize_rows), and the exact
 // integer sums of the codes per 16 (s16, optional) and per 32 (s32, optional). Per row, so row-invariant.
 // Superblocks are shared among the team that calls this (an orphaned worksharing loop, as quantize_rows).
-void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, int16_t *s32) {
+static void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, int16_t *s32) {
     const int nsb = K / 256;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
