@@ -7,7 +7,6 @@ half-way; the replies on the embedded model's exact native step with a sizer tha
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
@@ -134,7 +133,7 @@ def test_greedy_replies_equal_the_plain_loop_while_the_sizer_switches(embedded_m
     from medusa_chat.events import GenerationSettings, ReplySummary
 
     loaded = embedded_model
-    choices = SizeChoices([1, 2, 3, 4], 2, dict.fromkeys([1, 2, 3, 4], 1.0))  # (a random walk over the sizes)
+    choices = SizeChoices([1, 2, 3, 4], 2, dict.fromkeys([1, 2, 3, 4], 1.0))  # (equal tokens per step: the step times decide)
     loaded.adaptive_trees[4] = choices
     try:
         engine = MedusaEngine(loaded, loaded.default_tree.prefix(4))
@@ -144,12 +143,14 @@ def test_greedy_replies_equal_the_plain_loop_while_the_sizer_switches(embedded_m
     engine.sizer.explore_every, engine.sizer.trial_steps = 3, 2
     plain = MedusaEngine(loaded, plain_tree())
     used: list[int] = []
-    observe = engine.sizer.observe
-    rng = random.Random(0)
+    sizer = engine.sizer
+    observe = sizer.observe
 
     def recording(size: int, seconds: float) -> None:
+        # every trial size steps twice as fast as the current one: each trial wins, so the current size climbs to
+        # one end and back, whatever the number of steps the replies take (their acceptance)
         used.append(size)
-        observe(size, rng.uniform(0.5, 2.0))  # step times that make the sizer switch back and forth
+        observe(size, 1.0 if size == sizer.current else 0.5)
 
     engine.sizer.observe = recording  # type: ignore[method-assign]
     settings = GenerationSettings(max_new_tokens=40, temperature=0.0)
