@@ -187,35 +187,20 @@ static inline int16_t *kq_sums32(const float *dx, int M, int K) { return (int16_
 static void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, int16_t *s32) {
     const int nsb = K / 256;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
 #pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < M; r++) {
         for (int s = 0; s < nsb; s++) {
             const float *xs = x + (size_t)r * K + (size_t)s * 256;
             __m256 mx = _mm256_setzero_ps();
             for (int i = 0; i < 32; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + 8 * i)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            const __m256 vid = _mm256_set1_ps(id);
+            const float d = hmax8(mx) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             dk[(size_t)r * nsb + s] = d;
             for (int b = 0; b < 8; b++) {
-                const float *xb = xs + 32 * b;
-                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
-                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
-                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), vid));
-                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), vid));
-                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-                _mm256_storeu_si256((__m256i *)(q + (size_t)r * K + (size_t)s * 256 + 32 * b),
-                                    _mm256_permutevar8x32_epi32(p, perm));
-                int32_t t0[8], t1[8], a0 = 0, a1 = 0;  // exact in any order
-                _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(i0, i1));
-                _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(i2, i3));
-                for (int i = 0; i < 8; i++) a0 += t0[i], a1 += t1[i];
+                int32_t h0, h1;
+                codes32(xs + 32 * b, _mm256_set1_ps(id), q + (size_t)r * K + (size_t)s * 256 + 32 * b, &h0, &h1);
                 const size_t blk = ((size_t)r * nsb + s) * 8 + b;
-                if (s16) s16[2 * blk] = (int16_t)a0, s16[2 * blk + 1] = (int16_t)a1;
-                if (s32) s32[blk] = (int16_t)(a0 + a1);
+                if (s16) s16[2 * blk] = (int16_t)h0, s16[2 * blk + 1] = (int16_t)h1;
+                if (s32) s32[blk] = (int16_t)(h0 + h1);
             }
         }
     }

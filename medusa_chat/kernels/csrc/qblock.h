@@ -62,6 +62,36 @@ static inline __attribute__((always_inline)) void prefetch_lines(const void *p, 
 #define HAVE_VNNI 0
 #endif
 
+// The activations' 8-bit quantization, shared by qgemm.c's quantize_rows (a scale per 32) and kquants.c's
+// quantize_k_rows (per 256): the largest |x| of 8 lanes (exact in any order), and one block of 32 values to codes
+// q = round(x * id) (the FPU's round-to-nearest-even; |x * id| <= 127 by the choice of id, so packs never
+// saturate), stored in element order, with the exact integer sums of its two halves of 16.
+static inline float hmax8(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+static inline __m256i codes32(const float *xb, __m256 vid, int8_t *q, int32_t *half0, int32_t *half1) {
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), vid));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), vid));
+    *half0 = hsum8_epi32(_mm256_add_epi32(i0, i1));
+    *half1 = hsum8_epi32(_mm256_add_epi32(i2, i3));
+    const __m256i codes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), perm);
+    _mm256_storeu_si256((__m256i *)q, codes);
+    return codes;
+}
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);

@@ -81,44 +81,21 @@ int qgemm_group(void) { return GW; }
 void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu, int16_t *s16) {
     const int nb = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleave
 #pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < M; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                         v3 = _mm256_loadu_ps(xb + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            const __m256 vid = _mm256_set1_ps(id);
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid)),
-                          i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
-            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            const __m256i codes = _mm256_permutevar8x32_epi32(p, perm);
-            _mm256_storeu_si256((__m256i *)(q + (size_t)r * K + (size_t)b * QK), codes);
+            __m256 mx = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+            for (int i = 1; i < 4; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
+            const float d = hmax8(mx) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t h0, h1;
+            const __m256i codes = codes32(xb, _mm256_set1_ps(id), q + (size_t)r * K + (size_t)b * QK, &h0, &h1);
             if (qu)
                 _mm256_storeu_si256((__m256i *)(qu + (size_t)r * K + (size_t)b * QK),
                                     _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)));
             dx[(size_t)r * nb + b] = d;
-            if (sx) sx[(size_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
-            if (s16) {
-                const __m256i h0 = _mm256_add_epi32(i0, i1), h1 = _mm256_add_epi32(i2, i3);
-                int32_t t0[8], t1[8], a0 = 0, a1 = 0;
-                _mm256_storeu_si256((__m256i *)t0, h0);
-                _mm256_storeu_si256((__m256i *)t1, h1);
-                for (int i = 0; i < 8; i++) a0 += t0[i], a1 += t1[i];
-                s16[((size_t)r * nb + b) * 2] = (int16_t)a0;
-                s16[((size_t)r * nb + b) * 2 + 1] = (int16_t)a1;
-            }
+            if (sx) sx[(size_t)r * nb + b] = d * (float)(h0 + h1);
+            if (s16) s16[((size_t)r * nb + b) * 2] = (int16_t)h0, s16[((size_t)r * nb + b) * 2 + 1] = (int16_t)h1;
         }
     }
 }
