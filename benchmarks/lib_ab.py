@@ -26,9 +26,17 @@ from pathlib import Path
 from typing import Any
 
 
-def _same_settings(old: Any, new: Any) -> None:
+def _same_settings(old: Any, new: Any, old_scheme: int | None = None) -> None:
     old.mc_set_threads(1)
     new.mc_set_threads(1)
+    # the K-quant activation scheme, the new build's unless --old-scheme (builds before it had only 32 and 256)
+    scheme = new.mc_get_kq_scheme() if old_scheme is None else old_scheme
+    if hasattr(old, "mc_set_kq_scheme"):
+        old.mc_set_kq_scheme(scheme)
+    elif scheme in (32, 256):
+        old.mc_set_kq_block(scheme)
+    else:
+        sys.exit(f"--old predates the K-quant activation scheme {scheme}")
     for family in range(3):
         for many in range(2):
             old.mc_set_prefetch(family, many, new.mc_get_prefetch(family, many))
@@ -150,6 +158,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,8")
     ap.add_argument("--reps", type=int, default=200, help="calls per product and build (the fastest is kept)")
     ap.add_argument("--rounds", type=int, default=31, help="rounds of the whole-step timing")
+    ap.add_argument(
+        "--old-scheme",
+        help="the K-quant activation scheme of --old (32, 256, nested; default: the new build's): with a copy of "
+        "this checkout's library as --old, two schemes side by side (their K-quant bits then differ)",
+    )
     ap.add_argument("--json", help="result file")
     args = ap.parse_args()
     os.environ.setdefault("MEDUSA_CHAT_AUTO_CALIBRATE", "0")
@@ -164,7 +177,7 @@ def main() -> None:
     threads.fix(1)
     new = cbind.load()
     old = ctypes.CDLL(str(Path(args.old).expanduser()))
-    _same_settings(old, new)
+    _same_settings(old, new, None if args.old_scheme is None else cbind.KQUANT_SCHEMES[args.old_scheme])
     rows = [int(r) for r in args.rows.split(",")]
     loaded = load_model(quant="auto", device="cpu")
     with torch.inference_mode():
@@ -177,6 +190,7 @@ def main() -> None:
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "command": "python benchmarks/lib_ab.py " + " ".join(sys.argv[1:]),
             "old": Path(args.old).name,
+            "kquant_schemes": {"old": args.old_scheme or cbind.kquant_scheme(), "new": cbind.kquant_scheme()},
             "new": Path(new._name).name,
             "products": products(old, new, loaded, args.reps, rows),
             "step": step(old, new, loaded, args.rounds, rows),

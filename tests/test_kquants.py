@@ -71,14 +71,11 @@ def test_dequantize_is_gguf_pys(type_name: str) -> None:
     assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-def _reference(x: torch.Tensor, type_name: str, k: dict, block: int = 32) -> torch.Tensor:
-    """The K-quant kernel's definition in float64: per block of `block` values (32, or a superblock of 256 as
-    llama.cpp's Q8_K), x quantized to 8 bits (dx, qx), the weight the fields define exactly ((d * sc) * q -
-    dmin * m, or (d * sc) * (q - 32)), summed in float64."""
-    rows, cols = x.shape
-    xb = x.view(rows, cols // block, block).double()
-    dx = xb.abs().amax(-1) / 127
-    qx = torch.where(dx[..., None] > 0, xb / dx[..., None], torch.zeros_like(xb)).round()
+def _reference(x: torch.Tensor, type_name: str, k: dict, scheme: str = "32") -> torch.Tensor:
+    """The K-quant kernel's definition in float64: x as the scheme's 8-bit activations stand for it (per 32, per
+    superblock of 256 as llama.cpp's Q8_K, or nested: known_answers.activations_as_the_kernel_rounds_them), the
+    weight the fields define exactly ((d * sc) * q - dmin * m, or (d * sc) * (q - 32)), summed in float64."""
+    xq = known_answers.activations_as_the_kernel_rounds_them(x, scheme)
     codes = torch.from_numpy(k["codes"].astype(np.float64))
     d = torch.from_numpy(k["d"].astype(np.float64))
     sc = torch.from_numpy(k["sc"].astype(np.float64))
@@ -88,26 +85,58 @@ def _reference(x: torch.Tensor, type_name: str, k: dict, block: int = 32) -> tor
         dmin, m = (torch.from_numpy(k[n].astype(np.float64)) for n in ("dmin", "m"))
         a, b = d.repeat_interleave(8, 1) * sc, dmin.repeat_interleave(8, 1) * m
         w = a.repeat_interleave(32, 1) * codes - b.repeat_interleave(32, 1)
-    return (qx * dx[..., None]).view(rows, cols) @ w.t()
+    return xq @ w.t()
 
 
-@pytest.fixture(params=[32, 256], ids=["act32", "act256"])
-def act_block(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Each K-quant activation scheme in turn (csrc/kquants.c: a scale per 32 or per superblock of 256), set on
-    the loaded libraries and put back after."""
+SCHEMES = tuple(cbind.KQUANT_SCHEMES)
+
+
+def _set_scheme(lib: object, scheme: str) -> None:
+    lib.mc_set_kq_scheme(cbind.KQUANT_SCHEMES[scheme])  # type: ignore[attr-defined]
+
+
+@pytest.fixture(params=SCHEMES, ids=[f"act{s}" for s in SCHEMES])
+def act_block(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each K-quant activation scheme in turn (csrc/kquants.c: a scale per 32, per superblock of 256, or nested),
+    set on the loaded libraries and put back after."""
     libs = [lib for lib in cbind.libraries().values() if lib is not None] or [cbind.load()]
     for lib in libs:
-        lib.mc_set_kq_block(request.param)
+        _set_scheme(lib, request.param)
     yield request.param
     for lib in cbind.libraries().values():
         if lib is not None:
-            lib.mc_set_kq_block(cbind.kquant_block())
+            _set_scheme(lib, cbind.kquant_scheme())
+
+
+def test_nested_activations_keep_a_small_sub_block_beside_an_outlier() -> None:
+    """What the nested scheme is for: a sub-block of small values beside an outlier in the same superblock keeps
+    most of its resolution (per 256 rounds it to a few levels), and sub-blocks of like magnitude are stepped
+    nearly as finely as per 32; every code stays within +-127 (the rounding of each scheme is what the kernels
+    compute: the definition tests above)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 512, generator=g)
+    x[:, 7] = 12.0  # an outlier in sub-block 0 of superblock 0 (~4x the others' largest)
+    x[:, 32:64] *= 0.1  # a sub-block of small values beside it
+    rounded = {s: known_answers.activations_as_the_kernel_rounds_them(x, s) for s in SCHEMES}
+    def rms(s: str, cols: slice) -> float:
+        return float((rounded[s] - x.double())[:, cols].pow(2).mean().sqrt())
+
+    small, beside, apart = slice(32, 64), slice(64, 256), slice(256, 512)  # superblock 1 has no outlier
+    assert rms("nested", small) < rms("256", small) / 6
+    assert rms("nested", beside) < 1.25 * rms("32", beside) and rms("256", beside) > 4 * rms("nested", beside)
+    assert rms("nested", apart) < 1.1 * rms("32", apart) and rms("256", apart) > 1.2 * rms("32", apart)
+    for s in ("256", "nested"):  # codes: the rounded values over their steps, integers within +-127
+        xb = x.view(4, 2, 8, 32).abs().amax(-1, keepdim=True)
+        dk = (xb.amax(-2, keepdim=True) / 2032).double()
+        m = 16 if s == "256" else torch.ceil(16 * xb / xb.amax(-2, keepdim=True)).clamp(1, 16).double()
+        codes = rounded[s].view(4, 2, 8, 32) / (dk * m)
+        assert float((codes - codes.round()).abs().max()) < 1e-6 and float(codes.abs().max()) <= 127
 
 
 @pytest.mark.parametrize("type_name", K_TYPES)
 @pytest.mark.parametrize(("n", "k"), [(40, 512), (96, 256)])
 def test_k_quants_compute_their_definition_and_are_row_invariant(
-    type_name: str, n: int, k: int, act_block: int
+    type_name: str, n: int, k: int, act_block: str
 ) -> None:
     raw = _random_blocks(type_name, n, k, seed=n + k)
     lin = block_linear_from_gguf(type_name, raw, n, k)
@@ -130,7 +159,7 @@ def test_k_quants_compute_their_definition_and_are_row_invariant(
 @pytest.mark.parametrize("type_name", K_TYPES)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_k_quants_at_their_integer_bounds(
-    type_name: str, sign: float, act_block: int, monkeypatch: pytest.MonkeyPatch
+    type_name: str, sign: float, act_block: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every code and scale at its largest magnitude against activations all at +-127: the kernel's 16-bit
     partial sums (AVX2) and 32-bit superblock sums (kq_tile.h's bounds) hold without saturating or wrapping,
@@ -151,7 +180,7 @@ def test_k_quants_at_their_integer_bounds(
         monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
         lib = cbind.load()
         assert lib is not None, cbind.unavailable_reason()
-        lib.mc_set_kq_block(act_block)
+        _set_scheme(lib, act_block)
         y = block_linear_from_gguf(type_name, raw, n, k)(x).double()
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), (isa, (y - ref).abs().max())
 
@@ -177,7 +206,7 @@ def test_k_quant_blocks_round_trip_and_fuse() -> None:
     assert block_linears.fuse([mods[0], q6]) is None  # kinds do not mix
 
 
-def test_every_instruction_set_gives_the_same_bits(act_block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_instruction_set_gives_the_same_bits(act_block: str, monkeypatch: pytest.MonkeyPatch) -> None:
     flags = cpu_flags()
     isas = ["avx2"] + (["avxvnni"] if "avx_vnni" in flags else [])
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
@@ -189,7 +218,7 @@ def test_every_instruction_set_gives_the_same_bits(act_block: int, monkeypatch: 
         monkeypatch.setenv("MEDUSA_CHAT_QGEMM_ISA", isa)
         lib = cbind.load()
         assert lib is not None, cbind.unavailable_reason()
-        lib.mc_set_kq_block(act_block)
+        _set_scheme(lib, act_block)
         mods = [block_linear_from_gguf(t, raws[t], 200, 512) for t in K_TYPES]
         outs[isa] = [m(x) for m in mods] + [m(x[:3]) for m in mods] + [m(x[:1]) for m in mods]
     for isa in isas[1:]:
@@ -238,30 +267,34 @@ def test_every_kernel_gives_the_known_answer_and_a_wrong_one_is_refused(
     assert known_answers.kernels_agree((Q4KLinear, Q6KLinear)) == ""
 
 
-def test_the_known_answer_follows_the_activation_scheme(act_block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each K-quant scheme passes its own known answer and fails the other's: the check tells them apart (a
-    per-32 kernel is not within the tolerance of the per-256 definition, nor the reverse)."""
+def test_the_known_answer_follows_the_activation_scheme(act_block: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each K-quant scheme passes its own known answer and fails the others': the check tells them apart (no
+    scheme's kernel is within the tolerance of another scheme's definition)."""
     known_answers.reset()
-    assert known_answers.kquant_block() == act_block
+    assert known_answers.kquant_scheme() == act_block
     for cls in (Q4KLinear, Q5KLinear, Q6KLinear):
         assert known_answers.disagreement(cls) == "", (cls.kind, act_block)
-    monkeypatch.setattr(known_answers, "kquant_block", lambda: 288 - act_block)  # the other scheme's reference
-    for cls in (Q4KLinear, Q5KLinear, Q6KLinear):
-        assert "disagrees" in known_answers.disagreement(cls), (cls.kind, act_block)
+    for other in SCHEMES:
+        if other != act_block:
+            monkeypatch.setattr(known_answers, "kquant_scheme", lambda other=other: other)  # another's reference
+            for cls in (Q4KLinear, Q5KLinear, Q6KLinear):
+                assert "disagrees" in known_answers.disagreement(cls), (cls.kind, act_block, other)
     known_answers.reset()
 
 
 def test_the_activation_scheme_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per 32 unless MEDUSA_CHAT_KQUANT_ACTIVATIONS says 256; the library loaded for this CPU carries it."""
+    """Per 32 unless MEDUSA_CHAT_KQUANT_ACTIVATIONS names another scheme; the library loaded for this CPU
+    carries it."""
     monkeypatch.delenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", raising=False)
-    assert cbind.kquant_block() == 32
+    assert cbind.kquant_scheme() == "32"
     lib = cbind.load()
-    assert lib is not None and lib.mc_get_kq_block() == 32
-    monkeypatch.setenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", "256")
-    assert cbind.kquant_block() == 256
+    assert lib is not None and lib.mc_get_kq_scheme() == 32
+    for name in ("256", "nested"):
+        monkeypatch.setenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", name)
+        assert cbind.kquant_scheme() == name
     monkeypatch.setenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", "64")
-    with pytest.raises(ValueError, match="32 or 256"):
-        cbind.kquant_block()
+    with pytest.raises(ValueError, match="one of 32, 256, nested"):
+        cbind.kquant_scheme()
 
 
 def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,7 +331,7 @@ def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_the_native_step_runs_k_quant_projections(mixed: bool, act_block: int) -> None:
+def test_the_native_step_runs_k_quant_projections(mixed: bool, act_block: str) -> None:
     """decoder.c calls the K-quant kinds (BLin.kind 2-4): a Llama whose projections are Q4_K / Q5_K / Q6_K
     blocks gives, through the native C step, the hidden states of the transformers forward over the same
     modules (up to the native step's fp16 KV cache), and a token decoded alone gets the bits it gets in a
@@ -344,11 +377,11 @@ def test_the_native_step_runs_k_quant_projections(mixed: bool, act_block: int) -
         cache2 = TreeKVCache(cfg.num_hidden_layers, capacity=64)
         native(ids[:11], torch.arange(11), torch.zeros(1), cache2)
         alone = native(ids[11:], torch.arange(11, 12), torch.zeros(1), cache2).clone()
-    if act_block == 32:
+    if act_block == "32":
         assert torch.allclose(block, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     else:
         # The paths differ only by the native step's fp16 KV cache: its rounding flips some 8-bit activation
-        # codes downstream, and this random-weight model amplifies that to ~3% with the coarser per-256 codes (an
+        # codes downstream, and this random-weight model amplifies that to ~3% with the superblock schemes' codes (an
         # embedding perturbed by 5e-4 moves the transformers forward's own output as much); a wrong kernel or
         # scratch layout is off by tens of percent.
         assert float((block - ref).norm() / ref.norm()) < 0.05

@@ -55,20 +55,25 @@ def _open(isa: str) -> ctypes.CDLL | None:
         return None
     declare(lib)
     prefetch.apply_prefetch(lib, isa, path.stem)
-    lib.mc_set_kq_block(kquant_block())
+    lib.mc_set_kq_scheme(KQUANT_SCHEMES[kquant_scheme()])
     return lib
 
 
-def kquant_block() -> int:
-    """How K-quant products quantize their activations (csrc/kquants.c): a scale per 32 values (the default) or
-    per superblock of 256 (llama.cpp's Q8_K), from MEDUSA_CHAT_KQUANT_ACTIVATIONS; anything else is a ValueError.
-    Per 256 sums the sub-blocks in integers: tree steps of 4-8 nodes measured 1.09-1.19x faster on the AVX2 path
-    and 1.0-1.1x with VNNI, 2 nodes and plain steps no faster, for twice the KL to the float model
-    (benchmarks/RESULTS.md); so 32 stays the default on every path."""
+# The K-quant activation schemes (csrc/kquants.c), by the names MEDUSA_CHAT_KQUANT_ACTIVATIONS takes, and the
+# library's codes for them (kquants.h)
+KQUANT_SCHEMES = {"32": 32, "256": 256, "nested": 1}
+
+
+def kquant_scheme() -> str:
+    """How K-quant products quantize their activations (csrc/kquants.c), from MEDUSA_CHAT_KQUANT_ACTIVATIONS
+    (anything but a KQUANT_SCHEMES name is a ValueError): `32`, a scale per 32 values (the default); `256`, one
+    per superblock (llama.cpp's Q8_K); `nested`, per 32 as integer multiples of a superblock step. The two
+    superblock schemes sum a superblock's sub-blocks in integers (benchmarks/RESULTS.md has what each costs and
+    its KL to the float model)."""
     text = envvars.value("MEDUSA_CHAT_KQUANT_ACTIVATIONS") or "32"
-    if text not in ("32", "256"):
-        raise ValueError(f"MEDUSA_CHAT_KQUANT_ACTIVATIONS must be 32 or 256 (got {text!r})")
-    return int(text)
+    if text not in KQUANT_SCHEMES:
+        raise ValueError(f"MEDUSA_CHAT_KQUANT_ACTIVATIONS must be one of {', '.join(KQUANT_SCHEMES)} (got {text!r})")
+    return text
 
 
 def prebuild() -> None:

@@ -48,9 +48,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.duet_quiesce.restype = lib.duet_set_test_delay.restype = None
     lib.duet_set_test_delay.argtypes = [i]
     lib.duet_stolen_chunks.restype = ctypes.c_long
-    lib.mc_set_kq_block.argtypes = [i]
-    lib.mc_set_kq_block.restype = None
-    lib.mc_get_kq_block.restype = i
+    lib.mc_set_kq_scheme.argtypes = [i]
+    lib.mc_set_kq_scheme.restype = None
+    lib.mc_get_kq_scheme.restype = i
     lib.mc_set_prefetch.argtypes = [i, i, i]
     lib.mc_set_prefetch.restype = None
     lib.mc_get_prefetch.argtypes = [i, i]

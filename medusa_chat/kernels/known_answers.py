@@ -91,20 +91,38 @@ def known_input() -> torch.Tensor:
     return x
 
 
-def _activations_as_the_kernel_rounds_them(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """x with each block of `block` values (32: qgemm.c quantize_rows; 256: the K-quants' quantize_k_rows)
-    replaced by d * q (fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even), in float64."""
-    xb = x.view(x.shape[0], -1, block)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+def activations_as_the_kernel_rounds_them(x: torch.Tensor, scheme: str = "32") -> torch.Tensor:
+    """x as the kernel's 8-bit activations stand for it, in float64 (csrc/kquants.c describes the schemes).
+    "32" (qgemm.c quantize_rows): per block of 32, fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even,
+    x -> d * q. "256" and "nested" (kquants.c quantize_k_rows): per superblock of 256, fp32 dk = max|x| / 2032
+    and per sub-block of 32 an integer m (16, or nested: ceil(16 * max|x_sub| / max|x|) in fp32, in 1..16), q = x
+    * (1 / (dk * m)) rounded half to even, x -> dk * m * q."""
+    if scheme == "32":
+        xb = x.view(x.shape[0], -1, 32)
+        d = xb.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (xb * inv).round().clamp(-127, 127)
+        return (q.double() * d.double()).view_as(x)
+    xb = x.float().view(x.shape[0], -1, 8, 32)
+    a = xb.abs().amax(-1, keepdim=True)
+    big = a.amax(-2, keepdim=True)
+    dk = big / 2032
+    m = torch.full_like(a, 16.0)
+    if scheme == "nested":
+        m = torch.where(big != 0, torch.ceil(16 * a / big).clamp(1, 16), m)
+    step = dk * m
+    inv = torch.where(step != 0, 1 / step, torch.zeros_like(step))
     q = (xb * inv).round().clamp(-127, 127)
-    return (q.double() * d.double()).view_as(x)
+    return (q.double() * dk.double() * m.double()).view_as(x)
 
 
-def kquant_block() -> int:
-    """The loaded library's K-quant activation scheme (32 or 256 values per scale: csrc/kquants.c)."""
+def kquant_scheme() -> str:
+    """The loaded library's K-quant activation scheme (a cbind.KQUANT_SCHEMES name: csrc/kquants.c)."""
     lib = cbind.load()
-    return int(lib.mc_get_kq_block()) if lib is not None else 32
+    if lib is None:
+        return "32"
+    code = int(lib.mc_get_kq_scheme())
+    return next(name for name, c in cbind.KQUANT_SCHEMES.items() if c == code)
 
 
 def disagreement(cls: type[BlockLinear]) -> str:
@@ -115,7 +133,7 @@ def disagreement(cls: type[BlockLinear]) -> str:
     with torch.inference_mode():
         y = lin(x).double()
     kquant = bool(getattr(cls, "type_name", ""))  # a gguf_linears.KQuantLinear: the library's K-quant scheme
-    xq = _activations_as_the_kernel_rounds_them(x, kquant_block() if kquant else 32)
+    xq = activations_as_the_kernel_rounds_them(x, kquant_scheme() if kquant else "32")
     exact = xq @ w.t()
     bound = 1e-5 * (xq.abs() @ magnitude.t()) + 1e-30
     if not bool(torch.isfinite(y).all()):
@@ -132,7 +150,7 @@ def disagreement(cls: type[BlockLinear]) -> str:
 def check_known_answer(cls: type[BlockLinear]) -> None:
     """Raise DeviceError (one line) unless the kernel of block-linear class `cls` (its kind) in this machine's
     build gives the known answer; checked once per process and build."""
-    key = (best_isa(), cls.kind, kquant_block())
+    key = (best_isa(), cls.kind, kquant_scheme())
     if key not in _RESULTS:
         _RESULTS[key] = disagreement(cls)
     if _RESULTS[key]:

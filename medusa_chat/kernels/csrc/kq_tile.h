@@ -169,24 +169,31 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
     for (int r = 0; r < MR_; r++) KV_STORE(y + (size_t)(r0 + r) * N + n0, acc[r], wdt);
 }
 
-// Activations per superblock of 256 (kquants.c, mc_kq_block 256: llama.cpp's Q8_K): a superblock's sum is one
-// integer per row and column, the fp32 factors apply once per superblock (kquants.c: the formulas). Scratch: qx
-// [M, K], one scale dk per row and superblock, the codes' sums per 32 (s32) or per 16 (s16), int16.
-// Integer bounds (activation codes |qx| <= 127):
-//   a sub-block's dot, Q4_K |.| <= 32 * 15 * 127 = 60960, Q5_K <= 32 * 31 * 127 = 125984; times sc <= 63 and
-//   summed over 8 sub-blocks: <= 63.5e6 < 2^31. The minimum term: 8 * 63 * 32 * 127 = 2.05e6.
-//   Q6_K, per half of 16: dot <= 16 * 63 * 127 = 128016, |sc| <= 128, 16 halves: 262e6; the -32 term 133e6.
+// Activations per superblock (kquants.c, the superblock schemes: nested, or llama.cpp's Q8_K where every m_j is
+// 16): a row's sub-block j stands for dk * m_j * q, so a superblock's sum is one integer per row and column, the
+// sub-blocks' dot products times their weight scale and their activation multiplier (sc_j * m_j, a 16-bit
+// product: <= 63 * 16 = 1008, Q6_K |.| <= 128 * 16 = 2048), and the fp32 factors apply once per superblock and
+// row (kquants.c: the formulas, with dk). Scratch: qx [M, K]; dk one scale per row and superblock; mm the
+// multipliers as (m, m) 16-bit pairs [M, K / 32]; s16 the codes' sums per 16 times m [M, K / 16].
+// Integer bounds (codes |qx| <= 127): every operation is exact modulo 2^32 (32-bit adds, subtracts, mullo, shifts;
+// madd16 never sees two -32768 pairs), so only the true values need to fit an int32:
+//   Q4_K / Q5_K: a sub-block's dot <= 32 * 15 * 127 = 60960 / 32 * 31 * 127 = 125984, times sc * m <= 1008, 8
+//   sub-blocks: <= 1.02e9; the minimum term 8 * 63 * 16 * 32 * 127 = 32.8e6.
+//   Q6_K: per half of 16, sum((q - 32) * qx) <= 16 * 32 * 127 = 65024, times |sc * m| <= 2048, 16 halves:
+//   <= 2130706432 < 2^31 (the tile sums sc * m * sum(q * qx) and the -32 term apart; their difference is that).
 // AVX2 (no VNNI) multiplies u8 x s8 pairs into 16-bit sums (maddubs), then widens them with madd16 against the
-// sub-block's scale as a (sc, sc) 16-bit pair: the scale multiply rides on the widening. Its 16-bit partials:
-// Q4_K all 8 maddubs of a sub-block, 16 products <= 16 * 15 * 127 = 30480; Q5_K 4 per half (<= 31496); Q6_K 2 at
-// a time (<= 4 * 63 * 127 = 32004), each < 32768. VNNI builds take the 32-bit dot products (dpbusd) times the
-// scale (mullo): the same integers. (tests/test_kquants.py holds every code and scale at its bound.)
+// (sc * m, sc * m) 16-bit pair: the scale multiply rides on the widening. Its 16-bit partials: Q4_K all 8
+// maddubs of a sub-block, 16 products <= 16 * 15 * 127 = 30480; Q5_K 4 per half (<= 31496); Q6_K 2 at a time
+// (<= 4 * 63 * 127 = 32004), each < 32768. VNNI builds take the 32-bit dot products (dpbusd) times sc * m
+// (mullo; sc * m from a madd16 of (sc, 0) against (m, m)): the same integers. (tests/test_kquants.py holds every
+// code and scale at its bound.)
 //
 // Q4_K (HB = 0) and Q5_K (HB = 1)
 static inline __attribute__((always_inline)) void KV_NAME(kmin_tile_sb)(const int8_t *qx, const float *dk,
-                                                                     const int16_t *s32, int nsb, int r0,
-                                                                     const uint8_t *w, int h, float *y, int N,
-                                                                     int n0, const int MR_, const int HB) {
+                                                                     const int16_t *s16, const int32_t *mm,
+                                                                     int nsb, int r0, const uint8_t *w, int h,
+                                                                     float *y, int N, int n0, const int MR_,
+                                                                     const int HB) {
     const int SUB = HB ? 20 * GW : 16 * GW, SB = 8 * SUB + 20 * GW, K = 256 * nsb;
     const int pf = mc_pf_hint[PF_FAM_KQ][MR_ > 1];
     KV_F acc[TR];
@@ -209,12 +216,15 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile_sb)(const in
 #endif
 #pragma GCC unroll 4
             for (int r = 0; r < MR_; r++) {
+                const size_t blk = ((size_t)(r0 + r) * nsb + s) * 8 + j;
                 const int8_t *q = qx + (size_t)(r0 + r) * K + (size_t)s * 256 + 32 * j;
+                const KV_I m2 = KV_SET1_32(mm[blk]);  // (m, m)
 #if KV_VNNI
                 KV_I s0, s1;
                 KV_NAME(half_dots)(lo, hi, q, &s0, &s1);
-                isum[r] = KV_ADD32(isum[r], KV_MULLO32(KV_ADD32(s0, s1), sc));
+                isum[r] = KV_ADD32(isum[r], KV_MULLO32(KV_ADD32(s0, s1), KV_MADD16(sc, m2)));
 #else
+                const KV_I scm = KV_MULLO16(sc2, m2);  // (sc * m, sc * m)
                 KV_I p0 = KV_MADDUBS(lo[0], KV_BCAST4(q)), p1 = KV_MADDUBS(hi[0], KV_BCAST4(q + 16));
 #pragma GCC unroll 3
                 for (int jj = 1; jj < 4; jj++) {
@@ -222,27 +232,29 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile_sb)(const in
                     p1 = KV_ADD16(p1, KV_MADDUBS(hi[jj], KV_BCAST4(q + 16 + 4 * jj)));
                 }
                 if (HB)
-                    isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_MADD16(p0, sc2), KV_MADD16(p1, sc2)));
+                    isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_MADD16(p0, scm), KV_MADD16(p1, scm)));
                 else
-                    isum[r] = KV_ADD32(isum[r], KV_MADD16(KV_ADD16(p0, p1), sc2));
+                    isum[r] = KV_ADD32(isum[r], KV_MADD16(KV_ADD16(p0, p1), scm));
 #endif
             }
         }
-        // sum_j m_j * sum(qx_j): the minima as 16-bit pairs (m_2i, m_2i+1) against the row's per-32 code sums
+        // sum_j mn_j * m_j * sum(qx_j): each minimum as a (mn_j, mn_j) 16-bit pair against the row's two per-16
+        // code sums of sub-block j (already times m_j)
         const uint8_t *mins = scales + 8 * GW;
-        KV_I mp[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-            mp[i] = KV_OR(KV_U8_32(mins + GW * (2 * i) + KV_LANES * h),
-                          KV_SLLI32(KV_U8_32(mins + GW * (2 * i + 1) + KV_LANES * h), 16));
+        KV_I mp[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const KV_I mn = KV_U8_32(mins + GW * j + KV_LANES * h);
+            mp[j] = KV_OR(mn, KV_SLLI32(mn, 16));
+        }
         const KV_F dv = KV_LOAD_F16((const uint16_t *)(scales + 16 * GW) + KV_LANES * h);
         const KV_F mv = KV_LOAD_F16((const uint16_t *)(scales + 18 * GW) + KV_LANES * h);
 #pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) {
-            const int8_t *bs = (const int8_t *)(s32 + ((size_t)(r0 + r) * nsb + s) * 8);
-            KV_I ms = KV_MADD16(mp[0], KV_BCAST4(bs));
-#pragma GCC unroll 3
-            for (int i = 1; i < 4; i++) ms = KV_ADD32(ms, KV_MADD16(mp[i], KV_BCAST4(bs + 4 * i)));
+            const int8_t *hs = (const int8_t *)(s16 + ((size_t)(r0 + r) * nsb + s) * 16);
+            KV_I ms = KV_MADD16(mp[0], KV_BCAST4(hs));
+#pragma GCC unroll 7
+            for (int j = 1; j < 8; j++) ms = KV_ADD32(ms, KV_MADD16(mp[j], KV_BCAST4(hs + 4 * j)));
             const KV_F x = KV_SET1_PS(dk[(size_t)(r0 + r) * nsb + s]);
             acc[r] = KV_FMADD(KV_MUL_PS(dv, x), KV_CVT_PS(isum[r]), acc[r]);
             acc[r] = KV_FNMADD(KV_MUL_PS(mv, x), KV_CVT_PS(ms), acc[r]);
@@ -254,12 +266,12 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile_sb)(const in
 }
 
 // Q6_K: per half-block k of 16 weights, w = (d * sc_k) * (q - 32), q in 0..63, sc_k an int8. Per row and
-// superblock: sum_k sc_k * sum(q * qx) - 32 * sum_k sc_k * sum(qx) (32-blocks j: halves k = 2j (elements 0..15,
-// vectors lo) and 2j + 1 (16..31, vectors hi)).
+// superblock: sum_k sc_k * m_k * sum(q * qx) - 32 * sum_k sc_k * (m_k * sum(qx)) (32-blocks j: halves k = 2j
+// (elements 0..15, vectors lo) and 2j + 1 (16..31, vectors hi), both with the sub-block's m_j).
 static inline __attribute__((always_inline)) void KV_NAME(k6_tile_sb)(const int8_t *qx, const float *dk,
-                                                                   const int16_t *s16, int nsb, int r0,
-                                                                   const uint8_t *w, int h, float *y, int N,
-                                                                   int n0, const int MR_) {
+                                                                   const int16_t *s16, const int32_t *mm,
+                                                                   int nsb, int r0, const uint8_t *w, int h,
+                                                                   float *y, int N, int n0, const int MR_) {
     const int SUB = 24 * GW, SB = 8 * SUB + 18 * GW, K = 256 * nsb;
     const int pf = mc_pf_hint[PF_FAM_KQ][MR_ > 1];
     KV_F acc[TR];
@@ -277,31 +289,35 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile_sb)(const int8
             prefetch_lines(wb + PF_AHEAD, SUB, pf);
             KV_I lo[4], hi[4];
             KV_NAME(k6_codes)(wb, h, lo, hi);
-            const KV_I sa = KV_I8_32(scales + GW * (2 * j) + KV_LANES * h);
-            const KV_I sb2 = KV_I8_32(scales + GW * (2 * j + 1) + KV_LANES * h);
+            // the halves' scales as (sc, 0) (VNNI) or (sc, sc) (AVX2) 16-bit pairs
+            const KV_I sa = KV_AND(KV_I8_32(scales + GW * (2 * j) + KV_LANES * h), low16);
+            const KV_I sb2 = KV_AND(KV_I8_32(scales + GW * (2 * j + 1) + KV_LANES * h), low16);
 #if !KV_VNNI
-            const KV_I sa2 = KV_OR(KV_AND(sa, low16), KV_SLLI32(sa, 16));
-            const KV_I sb22 = KV_OR(KV_AND(sb2, low16), KV_SLLI32(sb2, 16));
+            const KV_I sa2 = KV_OR(sa, KV_SLLI32(sa, 16)), sb22 = KV_OR(sb2, KV_SLLI32(sb2, 16));
 #endif
 #pragma GCC unroll 4
             for (int r = 0; r < MR_; r++) {
+                const size_t blk = ((size_t)(r0 + r) * nsb + s) * 8 + j;
                 const int8_t *q = qx + (size_t)(r0 + r) * K + (size_t)s * 256 + 32 * j;
+                const KV_I m2 = KV_SET1_32(mm[blk]);  // (m, m)
 #if KV_VNNI
                 KV_I s0, s1;
                 KV_NAME(half_dots)(lo, hi, q, &s0, &s1);
-                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_MULLO32(s0, sa), KV_MULLO32(s1, sb2)));
+                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_MULLO32(s0, KV_MADD16(sa, m2)),
+                                                     KV_MULLO32(s1, KV_MADD16(sb2, m2))));
 #else
+                const KV_I sam = KV_MULLO16(sa2, m2), sbm = KV_MULLO16(sb22, m2);  // (sc * m, sc * m)
                 const KV_I p0 = KV_ADD16(KV_MADDUBS(lo[0], KV_BCAST4(q)), KV_MADDUBS(lo[1], KV_BCAST4(q + 4)));
                 const KV_I p1 = KV_ADD16(KV_MADDUBS(lo[2], KV_BCAST4(q + 8)), KV_MADDUBS(lo[3], KV_BCAST4(q + 12)));
                 const KV_I p2 = KV_ADD16(KV_MADDUBS(hi[0], KV_BCAST4(q + 16)), KV_MADDUBS(hi[1], KV_BCAST4(q + 20)));
                 const KV_I p3 = KV_ADD16(KV_MADDUBS(hi[2], KV_BCAST4(q + 24)), KV_MADDUBS(hi[3], KV_BCAST4(q + 28)));
-                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_ADD32(KV_MADD16(p0, sa2), KV_MADD16(p1, sa2)),
-                                                     KV_ADD32(KV_MADD16(p2, sb22), KV_MADD16(p3, sb22))));
+                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_ADD32(KV_MADD16(p0, sam), KV_MADD16(p1, sam)),
+                                                     KV_ADD32(KV_MADD16(p2, sbm), KV_MADD16(p3, sbm))));
 #endif
             }
         }
-        // sum_k sc_k * sum(qx_k): per 32-block the scales of its halves as a 16-bit pair against the row's two
-        // per-16 code sums
+        // sum_k sc_k * (m_k * sum(qx_k)): per 32-block the scales of its halves as a 16-bit pair against the row's
+        // two per-16 code sums (already times m_j)
         KV_I off[TR];
 #pragma GCC unroll 4
         for (int r = 0; r < MR_; r++) off[r] = KV_ZERO_I();

@@ -7,23 +7,29 @@
 // The kernel keeps the compact codes (bytes) and fp16 d per superblock, as the file does: the weights streamed
 // per step stay near the file's size (a step is memory bound at batch 1).
 //
-// The activations are 8-bit, in one of two schemes (mc_kq_block, set when the library loads, before any product,
-// from MEDUSA_CHAT_KQUANT_ACTIVATIONS: cbind.kquant_block; the plain loop and the tree steps share it):
+// The activations are 8-bit, in one of three schemes (mc_kq_scheme, set when the library loads, before any
+// product, from MEDUSA_CHAT_KQUANT_ACTIVATIONS: cbind.kquant_scheme; the plain loop and the tree steps share it):
 // - 32 (the default): qgemm.c's blocks of 32 (quantize_rows). Each sub-block's dot product is an exact integer
 //   sum, then per row and sub-block the exact fp32 factors: acc = fma((d * sc) * dx, dot, acc), and the minimum.
-// - 256: one scale per superblock (quantize_k_rows below: llama.cpp's Q8_K, the scheme its K-quant dot products
-//   use), so a superblock's sum is one integer: the sub-blocks' dot products times their integer scales, summed
-//   in int32, and the minimum (or Q6_K's -32) term the same way from the activations' per-32 (per-16) code sums.
-//   The fp32 factors then apply once per superblock and row:
-//     Q4_K / Q5_K: acc = fma(d * dx, sum_j sc_j * dot_j, acc);  acc = fnmadd(dmin * dx, sum_j m_j * sum(qx_j), acc)
-//     Q6_K:        acc = fma(d * dx, sum_k sc_k * dot_k - 32 * sum_k sc_k * sum(qx_k), acc)
-// The trade, measured (benchmarks/RESULTS.md, 1.17B Q4_K_M): 256 spares each row a conversion and three fp32
-// operations per sub-block (AVX2 takes the scale in the multiply-add that widens its 16-bit sums): products in
-// cache 1.17-1.27x faster on AVX2 (Q4_K), 1.04-1.10x with VNNI; whole tree steps of 4-8 nodes 1.09-1.19x on AVX2,
-// 1.0-1.1x with VNNI, plain and 2-node steps no faster (the weight stream bounds them). Its coarser activations
-// double the KL to the float model (to llama.cpp's own figure on the same file), so 32 is the default. In both,
-// every integer sum is exact and the fp32 operations are in a fixed order per row: row-invariant, and every
-// build gives the same bits.
+// - the superblock schemes (quantize_k_rows below): per row and superblock one fp32 step dk, and per sub-block of
+//   32 an integer multiplier m_j (1..16), the codes standing for dk * m_j * q. A superblock's sum is then one
+//   integer: the sub-blocks' dot products times sc_j * m_j, summed in int32, and the minimum (or Q6_K's -32)
+//   term the same way from the activations' code sums per 16 (times m_j). The fp32 factors apply once per
+//   superblock and row:
+//     Q4_K / Q5_K: acc = fma(d * dk, sum_j sc_j m_j dot_j, acc);  acc = fnmadd(dmin * dk, sum_j mn_j m_j sum(qx_j), acc)
+//     Q6_K:        acc = fma(d * dk, sum_k sc_k m_k dot_k - 32 * sum_k sc_k m_k sum(qx_k), acc)
+//   256: every m_j = 16, one scale per superblock: llama.cpp's Q8_K, the scheme its K-quant dot products use.
+//   nested: m_j = ceil(16 * max|x_j| / max|x|): per 32 in 16ths of the superblock's step, so a sub-block of
+//   small values beside an outlier keeps most of its resolution.
+// The trade, measured (benchmarks/RESULTS.md, 1.17B Q4_K_M, a Zen 4): the superblock schemes spare each row a
+// conversion and three fp32 operations per sub-block for a 16-bit multiply (AVX2 takes sc_j * m_j in the
+// multiply-add that widens its 16-bit sums): products in cache 1.01-1.12x faster than per 32 on AVX2 (Q4_K), 2-7%
+// slower with VNNI (sc_j * m_j is one more multiply per row and sub-block; the 8 dot-product instructions per
+// row and sub-block are most of the work); whole tree steps of 1-8 nodes within the machine's noise of per 32
+// on AVX2 (0.91-1.09x), and per 32 up to 1.09x faster at 4-8 nodes with VNNI. KL to the float model: per 32
+// 0.00059, nested 0.00065, 256 0.00123 (llama.cpp's own figure on the same file). So 32 is the default.
+// In all, every integer sum is exact and the fp32 operations are in a fixed order per row: row-invariant, and
+// every build gives the same bits.
 //
 // Layout (gguf_linears.py writes it): output columns in interleaved groups of GW as in qgemm.c, and per group
 // one byte stream, superblock after superblock (so one stream to prefetch per group):
@@ -39,6 +45,7 @@
 // Bytes per weight: Q4_K 4.625 bits (the file: 4.5; its 12 packed scale bytes are 16 here), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (the same).
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "qgemm.h"
@@ -76,6 +83,7 @@ static inline __m256i i8_32x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_m
 #define KV_MADDUBS _mm256_maddubs_epi16
 #define KV_MADD16 _mm256_madd_epi16
 #define KV_MULLO32 _mm256_mullo_epi32
+#define KV_MULLO16 _mm256_mullo_epi16
 #define KV_DP(acc, u, s) DPBUSD(acc, u, s)
 #define KV_DPB(acc, u, p) KV_DP(acc, u, KV_BCAST4(p))
 #define KV_BCAST4 bcast4
@@ -114,6 +122,7 @@ static inline __m256i i8_32x8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_m
 #undef KV_MADDUBS
 #undef KV_MADD16
 #undef KV_MULLO32
+#undef KV_MULLO16
 #undef KV_DP
 #undef KV_DPB
 #undef KV_BCAST4
@@ -153,6 +162,7 @@ static inline __m512i i8_32x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_
 #define KV_SUB32 _mm512_sub_epi32
 #define KV_MADD16 _mm512_madd_epi16
 #define KV_MULLO32 _mm512_mullo_epi32
+#define KV_MULLO16 _mm512_mullo_epi16
 #define KV_DP(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #define KV_DPB(acc, u, p) dpbusd_bcast512(acc, u, p)  // (qblock.h: the broadcast in the instruction)
 #define KV_BCAST4 bcast4_512
@@ -174,49 +184,73 @@ static inline __m512i i8_32x16(const uint8_t *p) { return _mm512_cvtepi8_epi32(_
 #define SB_Q5K 180
 #define SB_Q6K 210
 
-// The per-256 scheme's activation scratch (the callers' qx, dx, sx, sized as qgemm.c's: qx 2 * M * K bytes, dx
-// and sx M * K / 32 floats), as quantize_k_rows fills it: qx the codes [M, K]; dx the scales [M, K / 256]
-// (fp32), then the codes' sums per 32 [M, K / 32] (int16, Q4_K / Q5_K's minimum term); sx the sums per 16
-// [M, K / 16] (int16, Q6_K's).
-static inline int16_t *kq_sums32(const float *dx, int M, int K) { return (int16_t *)(dx + (size_t)M * (K / 256)); }
+// The superblock schemes' activation scratch (the callers' qx, dx, sx, sized as qgemm.c's: qx 2 * M * K bytes,
+// dx and sx M * K / 32 floats), as quantize_k_rows fills it: qx the codes [M, K], then the sub-block multipliers
+// [M, K / 32] as int32 (m | m << 16: the 16-bit pair the tiles multiply the weights' scales by); dx the
+// superblock scales [M, K / 256] (fp32); sx the codes' sums per 16 times their sub-block's m [M, K / 16] (int16:
+// |sum| <= 16 * 127, times m <= 16: <= 32512).
+static inline const int32_t *kq_mults(const int8_t *qx, int M, int K) {
+    return (const int32_t *)(qx + (size_t)M * K);
+}
 
-// x [M, K] (K % 256 == 0) to 8-bit codes with one fp32 scale per row and superblock of 256 (llama.cpp's Q8_K):
-// d = max|x| / 127, q = round(x * (1 / d)) (the FPU's round-to-nearest-even, as quantize_rows), and the exact
-// integer sums of the codes per 16 (s16, optional) and per 32 (s32, optional). Per row, so row-invariant.
+// x [M, K] (K % 256 == 0) to 8-bit codes per row and superblock of 256 (both superblock schemes; per row, so
+// row-invariant). A = max|x| over the superblock, dk = A / 2032 (= A / 127 / 16), and per sub-block j of 32 an
+// integer multiplier m_j in 1..16: its codes are q = round(x * (1 / (dk * m_j))) (the FPU's round-to-nearest-even,
+// as quantize_rows), the activation it stands for dk * m_j * q.
+// - KQ_NESTED: m_j = ceil(16 * a_j / A), a_j = max|x| over the sub-block: the smallest step that keeps |q| <=
+//   127, so a sub-block of small values keeps most of its own resolution (a scale per 32 in 16ths of the
+//   superblock's) while every sub-block's sum stays an integer multiple of dk.
+// - KQ_PER256: m_j = 16, one scale A / 127 for the whole superblock: llama.cpp's Q8_K, bit for bit.
 // Superblocks are shared among the team that calls this (an orphaned worksharing loop, as quantize_rows).
-static void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, int16_t *s32) {
+static void quantize_k_rows(const float *x, int M, int K, int8_t *q, float *dk, int16_t *s16, const int nested) {
     const int nsb = K / 256;
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    int32_t *mults = (int32_t *)(q + (size_t)M * K);
 #pragma omp for collapse(2) schedule(static)
     for (int r = 0; r < M; r++) {
         for (int s = 0; s < nsb; s++) {
             const float *xs = x + (size_t)r * K + (size_t)s * 256;
-            __m256 mx = _mm256_setzero_ps();
-            for (int i = 0; i < 32; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + 8 * i)));
-            const float d = hmax8(mx) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            float a[8], A = 0.0f;
+            for (int b = 0; b < 8; b++) {
+                __m256 mx = _mm256_setzero_ps();
+                for (int i = 0; i < 4; i++)
+                    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + 32 * b + 8 * i)));
+                a[b] = hmax8(mx);
+                A = a[b] > A ? a[b] : A;
+            }
+            const float d = A / 2032.0f;
             dk[(size_t)r * nsb + s] = d;
             for (int b = 0; b < 8; b++) {
+                int m = 16;
+                if (nested && A != 0.0f) {
+                    m = (int)ceilf(16.0f * a[b] / A);
+                    m = m < 1 ? 1 : m > 16 ? 16 : m;
+                }
+                const float step = d * (float)m, id = step != 0.0f ? 1.0f / step : 0.0f;
                 int32_t h0, h1;
                 codes32(xs + 32 * b, _mm256_set1_ps(id), q + (size_t)r * K + (size_t)s * 256 + 32 * b, &h0, &h1);
                 const size_t blk = ((size_t)r * nsb + s) * 8 + b;
-                if (s16) s16[2 * blk] = (int16_t)h0, s16[2 * blk + 1] = (int16_t)h1;
-                if (s32) s32[blk] = (int16_t)(h0 + h1);
+                s16[2 * blk] = (int16_t)(h0 * m), s16[2 * blk + 1] = (int16_t)(h1 * m);
+                mults[blk] = m | m << 16;
             }
         }
     }
 }
 
-// The activation scheme: 32 or 256 (above). Set before any product, never between a plain and a tree step.
-static int mc_kq_block = 32;
-void mc_set_kq_block(int block) { mc_kq_block = block == 256 ? 256 : 32; }
-int mc_get_kq_block(void) { return mc_kq_block; }
+// The activation scheme (KQ_PER32, KQ_PER256 or KQ_NESTED: kquants.h). Set before any product, never between a
+// plain and a tree step.
+static int mc_kq_scheme = KQ_PER32;
+void mc_set_kq_scheme(int scheme) {
+    mc_kq_scheme = scheme == KQ_PER256 || scheme == KQ_NESTED ? scheme : KQ_PER32;
+}
+int mc_get_kq_scheme(void) { return mc_kq_scheme; }
 
 // The activations of a K-quant product of kind 2 (Q4_K), 3 (Q5_K) or 4 (Q6_K: decoder.h's BLin kinds) into the
 // scratch its groups read: per 32, qgemm.c's (dx the scales, sx the scaled sums, or Q6_K's per-16 code sums as
-// 2 int16 per float); per 256, the layout above
+// 2 int16 per float); per superblock, the layout above
 void kq_quantize(int kind, const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
-    if (mc_kq_block == 256)
-        quantize_k_rows(x, M, K, qx, dx, kind == 4 ? (int16_t *)sx : NULL, kind == 4 ? NULL : kq_sums32(dx, M, K));
+    if (mc_kq_scheme != KQ_PER32)
+        quantize_k_rows(x, M, K, qx, dx, (int16_t *)sx, mc_kq_scheme == KQ_NESTED);
     else
         quantize_rows(x, M, K, qx, dx, kind == 4 ? NULL : sx, NULL, kind == 4 ? (int16_t *)sx : NULL);
 }
@@ -227,22 +261,23 @@ static inline __attribute__((always_inline)) void kq_group(const int8_t *qx, con
                                                             float *y, const int HB, const int Q6) {
     const size_t sb_bytes = Q6 ? SB_Q6K : HB ? SB_Q5K : SB_Q4K;
     const uint8_t *gw = w + (size_t)g * nsb * sb_bytes * GW;
-    const int16_t *s16 = (const int16_t *)sx, *s32 = kq_sums32(dx, M, 256 * nsb);
-    const int sb = mc_kq_block == 256;
+    const int16_t *s16 = (const int16_t *)sx;
+    const int32_t *mm = kq_mults(qx, M, 256 * nsb);
+    const int sb = mc_kq_scheme != KQ_PER32;
 #if HAVE_512
 #define KQ(MRc)                                                                            \
-    if (Q6 && sb) k6_tile_sb_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);            \
+    if (Q6 && sb) k6_tile_sb_16(qx, dx, s16, mm, nsb, r0, gw, 0, y, N, g * GW, MRc);            \
     else if (Q6) k6_tile_16(qx, dx, s16, nsb, r0, gw, 0, y, N, g * GW, MRc);                \
-    else if (sb) kmin_tile_sb_16(qx, dx, s32, nsb, r0, gw, 0, y, N, g * GW, MRc, HB);       \
+    else if (sb) kmin_tile_sb_16(qx, dx, s16, mm, nsb, r0, gw, 0, y, N, g * GW, MRc, HB);       \
     else kmin_tile_16(qx, dx, sx, nsb, r0, gw, 0, y, N, g * GW, MRc, HB)
     ROW_TILES(KQ)
 #undef KQ
 #else
     for (int h = 0; h < GW / GC && g * GW + h * GC < N; h++) {
 #define KQ(MRc)                                                                            \
-    if (Q6 && sb) k6_tile_sb_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);    \
+    if (Q6 && sb) k6_tile_sb_8(qx, dx, s16, mm, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);    \
     else if (Q6) k6_tile_8(qx, dx, s16, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc);        \
-    else if (sb) kmin_tile_sb_8(qx, dx, s32, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB); \
+    else if (sb) kmin_tile_sb_8(qx, dx, s16, mm, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB); \
     else kmin_tile_8(qx, dx, sx, nsb, r0, gw, h, y, N, g * GW + GC * h, MRc, HB)
         ROW_TILES(KQ)
 #undef KQ

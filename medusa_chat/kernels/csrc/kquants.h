@@ -11,9 +11,11 @@ void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
 void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
-// the K-quants' activation scheme: scales per 32 (default) or per superblock of 256 (kquants.c)
-void mc_set_kq_block(int block);
-int mc_get_kq_block(void);
+// the K-quants' activation scheme (kquants.c): a scale per 32 (the default), one per superblock of 256 (llama.cpp's
+// Q8_K), or per 32 as integer multiples of a superblock step (nested); the codes are what cbind.py passes
+enum { KQ_NESTED = 1, KQ_PER32 = 32, KQ_PER256 = 256 };
+void mc_set_kq_scheme(int scheme);
+int mc_get_kq_scheme(void);
 // the activations of a K-quant product (kind 2 Q4_K, 3 Q5_K, 4 Q6_K) into the scratch its groups read (kquants.c)
 void kq_quantize(int kind, const float *x, int M, int K, int8_t *qx, float *dx, float *sx);
 // column group g of a K-quant product (kind 2 Q4_K, 3 Q5_K, 4 Q6_K), all rows, to y [M, N] (kquants.c)
