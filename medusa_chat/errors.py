@@ -31,5 +31,9 @@ class PromptError(MedusaChatError):
     """Empty prompt, or a prompt that does not fit the model's context window."""
 
 
+class SettingError(MedusaChatError, ValueError):
+    """An environment variable (envvars.py) with a value the app cannot use: named, with the values it takes."""
+
+
 class BusyError(MedusaChatError):
     """A reply is already being generated in this session."""

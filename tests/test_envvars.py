@@ -68,3 +68,27 @@ def test_readers(monkeypatch: pytest.MonkeyPatch) -> None:
             envvars.positive_rate("MEDUSA_CHAT_UI_HZ", 8.0)
     with pytest.raises(KeyError, match="not a declared"):
         envvars.value("MEDUSA_CHAT_NOT_A_SWITCH")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("MEDUSA_CHAT_KQUANT_ACTIVATIONS", "64", "must be one of 32, 256, nested (got '64')"),
+        ("MEDUSA_CHAT_QGEMM_ISA", "sse2", "must be one of avx2, avxvnni, avx512vnni (got 'sse2')"),
+        ("MEDUSA_CHAT_THREADS", "many", "must be a positive integer (got 'many')"),
+    ],
+)
+def test_a_bad_value_is_one_line_of_error_not_a_traceback(name: str, value: str, says: str) -> None:
+    """The app (`medusa-chat ask` on the embedded model) stops with the variable named and the values it takes,
+    as every user-facing error does (errors.SettingError): no stack trace, from the main thread or from the
+    kernel library's background build."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: value, "HF_HUB_OFFLINE": "1", "MEDUSA_CHAT_AUTO_CALIBRATE": "0"}
+    cmd = [sys.executable, "-m", "medusa_chat", "ask", "--max-new-tokens", "2", "hi"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode != 0
+    assert f"error: {name} {says}" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr + run.stdout

@@ -28,6 +28,7 @@ import statistics
 from collections import deque
 
 from medusa_chat import envvars
+from medusa_chat.errors import SettingError
 
 WINDOW = 8  # recent steps judged together (a median: one hiccup is not load)
 SLOW = 2.0  # "much slower than quiet"
@@ -65,7 +66,7 @@ def fixed() -> tuple[int, str] | None:
         try:
             n = int(env)
         except ValueError as err:
-            raise ValueError(f"MEDUSA_CHAT_THREADS must be a positive integer (got {env!r})") from err
+            raise SettingError(f"MEDUSA_CHAT_THREADS must be a positive integer (got {env!r})") from err
         if n >= 1:
             return n, "MEDUSA_CHAT_THREADS"
     return None

@@ -13,6 +13,7 @@ import subprocess
 import threading
 
 from medusa_chat import envvars
+from medusa_chat.errors import SettingError
 from medusa_chat.kernels import cbuild, isa_choice, prefetch
 from medusa_chat.kernels.cdecl import declare
 from medusa_chat.machine import cpu_flags
@@ -72,7 +73,7 @@ def kquant_scheme() -> str:
     its KL to the float model)."""
     text = envvars.value("MEDUSA_CHAT_KQUANT_ACTIVATIONS") or "32"
     if text not in KQUANT_SCHEMES:
-        raise ValueError(f"MEDUSA_CHAT_KQUANT_ACTIVATIONS must be one of {', '.join(KQUANT_SCHEMES)} (got {text!r})")
+        raise SettingError(f"MEDUSA_CHAT_KQUANT_ACTIVATIONS must be one of {', '.join(KQUANT_SCHEMES)} (got {text!r})")
     return text
 
 
@@ -82,7 +83,14 @@ def prebuild() -> None:
     user of the kernels then waits only for what is left of it (`load` holds the build lock)."""
     if not envvars.enabled("MEDUSA_CHAT_QGEMM") or _LIBS:
         return
-    threading.Thread(target=load, name="medusa-chat-kernel-build", daemon=True).start()
+    threading.Thread(target=_load_quietly, name="medusa-chat-kernel-build", daemon=True).start()
+
+
+def _load_quietly() -> None:
+    try:
+        load()
+    except SettingError:
+        pass  # a bad MEDUSA_CHAT_* value: the first user of the kernels gets it again, as the app's one-line error
 
 
 def libraries() -> dict[str, ctypes.CDLL | None]:

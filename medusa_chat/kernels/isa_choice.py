@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from medusa_chat import envvars
+from medusa_chat.errors import SettingError
 from medusa_chat.kernels import cbuild, prefetch
 from medusa_chat.kernels.cdecl import declare
 from medusa_chat.machine import cpu_flags
@@ -44,7 +45,7 @@ def best_isa(flags: set[str] | None = None) -> str:
     forced = envvars.value("MEDUSA_CHAT_QGEMM_ISA")
     if forced:
         if forced not in cbuild.ISA_FLAGS:
-            raise ValueError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(cbuild.ISA_FLAGS)} (got {forced!r})")
+            raise SettingError(f"MEDUSA_CHAT_QGEMM_ISA must be one of {', '.join(cbuild.ISA_FLAGS)} (got {forced!r})")
         return forced
     if flags is not None:
         return candidates(flags)[0]

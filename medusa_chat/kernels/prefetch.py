@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from medusa_chat import envvars
+from medusa_chat.errors import SettingError
 from medusa_chat.kernels.quantizers import QK
 
 PREFETCH_HINTS = ("t0", "t1", "t2", "off")  # csrc/qblock.h PF_T0 .. PF_OFF
@@ -153,7 +154,7 @@ def apply_prefetch(lib: ctypes.CDLL, isa: str, lib_name: str) -> None:
     forced = envvars.value("MEDUSA_CHAT_PREFETCH") or ""
     if forced and forced != "measure":
         if forced not in PREFETCH_HINTS:
-            raise ValueError(f"MEDUSA_CHAT_PREFETCH must be one of {', '.join(PREFETCH_HINTS)} or measure")
+            raise SettingError(f"MEDUSA_CHAT_PREFETCH must be one of {', '.join(PREFETCH_HINTS)} or measure")
         hints = {f: [forced, forced] for f in PREFETCH_FAMILIES}
         _set_hints(lib, hints)
         _PREFETCH[isa] = {"hints": hints, "source": "MEDUSA_CHAT_PREFETCH"}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat import envvars
+from medusa_chat.errors import SettingError
 from medusa_chat.model.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
@@ -145,7 +146,7 @@ def eagle1_draft_vocab(draft: EagleDraft) -> int:
     except ValueError:
         n = -1
     if n < 0:
-        raise ValueError(f"MEDUSA_CHAT_EAGLE_DRAFT_VOCAB must be a token count >= 0 (0: the whole vocabulary), not {raw!r}")
+        raise SettingError(f"MEDUSA_CHAT_EAGLE_DRAFT_VOCAB must be a token count >= 0 (0: the whole vocabulary), not {raw!r}")
     return n
 
 
