@@ -284,14 +284,20 @@ def test_the_known_answer_follows_the_activation_scheme(act_block: str, monkeypa
 
 def test_the_activation_scheme_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per 32 unless MEDUSA_CHAT_KQUANT_ACTIVATIONS names another scheme; the library loaded for this CPU
-    carries it."""
+    carries it, and the device name that keys cached timings says which (the default's name unchanged)."""
     monkeypatch.delenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", raising=False)
     assert cbind.kquant_scheme() == "32"
     lib = cbind.load()
     assert lib is not None and lib.mc_get_kq_scheme() == 32
+    from medusa_chat.model.numeric_path import device_name
+
+    default_name = device_name("cpu")
+    assert "K-quant" not in default_name
     for name in ("256", "nested"):
         monkeypatch.setenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", name)
         assert cbind.kquant_scheme() == name
+        # timings cached per device (calibrations, tree choices) are kept apart per scheme
+        assert device_name("cpu") == default_name[:-1] + f", K-quant activations {name})"
     monkeypatch.setenv("MEDUSA_CHAT_KQUANT_ACTIVATIONS", "64")
     with pytest.raises(ValueError, match="one of 32, 256, nested"):
         cbind.kquant_scheme()

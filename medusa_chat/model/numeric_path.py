@@ -51,13 +51,18 @@ FIDELITY_EPS = 1e-4
 def device_name(device: torch.device | str) -> str:
     """A name for the hardware that determines step latency: the GPU model, or the CPU model + thread count +
     the instruction set the block kernel uses (the same model name can come with or without AVX-512 on
-    virtual machines, and MEDUSA_CHAT_QGEMM_ISA can force a narrower one): each gets its own measurements."""
+    virtual machines, and MEDUSA_CHAT_QGEMM_ISA can force a narrower one), and a K-quant activation scheme other
+    than the default (MEDUSA_CHAT_KQUANT_ACTIVATIONS: its steps cost differently): each gets its own
+    measurements."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    from medusa_chat.kernels.cbind import kquant_scheme
     from medusa_chat.kernels.isa_choice import best_isa
 
-    return f"{cpu_model()} ({torch.get_num_threads()} threads, {best_isa()})"
+    scheme = kquant_scheme()
+    kquant = "" if scheme == "32" else f", K-quant activations {scheme}"
+    return f"{cpu_model()} ({torch.get_num_threads()} threads, {best_isa()}{kquant})"
 
 
 def _cache_file(model_name: str) -> Path:
