@@ -471,6 +471,9 @@ def _document(
         "baselines": [m for m in methods.methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        # how a GGUF's K-quant products quantize their activations on a CPU (csrc/kquants.c): a run's numbers and
+        # speed depend on it
+        "kquant_activations": _kquant_scheme() if loaded.device.type == "cpu" else None,
         "load_average": [load_before, _load_average()],  # 1-minute load before/after: > cpu_count = contended
         "torch": torch.__version__,
         "timing": TIMING_NOTE,
@@ -512,6 +515,12 @@ def _document(
             for m in methods.drafts
         ]
     return doc
+
+
+def _kquant_scheme() -> str:
+    from medusa_chat.kernels.cbind import kquant_scheme
+
+    return kquant_scheme()
 
 
 def _load_average() -> float | None:

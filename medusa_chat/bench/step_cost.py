@@ -162,6 +162,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "isa": isa_choice.best_isa(),
+        "kquant_activations": cbind.kquant_scheme(),
         # (the cache file's path is the machine's own: kept out of a result file meant for the repository)
         "prefetch": {k: v for k, v in prefetch_choice().items() if k != "source"},
         "command": command,
