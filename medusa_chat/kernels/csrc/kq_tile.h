@@ -53,6 +53,29 @@ static inline __attribute__((always_inline)) void KV_NAME(half_dots)(const KV_I 
     }
     *s0 = a, *s1 = b;
 }
+#else
+// AVX2 (no VNNI): u8 x s8 pairs into 16-bit sums (maddubs) against a row's 32 codes q, added while they still fit
+// 16 bits (the tiles' bounds). Q4_K / Q5_K: each half's 4 partials summed, p0 elements 0..15, p1 16..31 (|.| <= 4 *
+// 2 * 31 * 127 < 32768)
+static inline __attribute__((always_inline)) void KV_NAME(kmin_partials)(const KV_I lo[4], const KV_I hi[4],
+                                                                         const int8_t *q, KV_I *p0, KV_I *p1) {
+    KV_I a = KV_MADDUBS(lo[0], KV_BCAST4(q)), b = KV_MADDUBS(hi[0], KV_BCAST4(q + 16));
+#pragma GCC unroll 3
+    for (int jj = 1; jj < 4; jj++) {
+        a = KV_ADD16(a, KV_MADDUBS(lo[jj], KV_BCAST4(q + 4 * jj)));
+        b = KV_ADD16(b, KV_MADDUBS(hi[jj], KV_BCAST4(q + 16 + 4 * jj)));
+    }
+    *p0 = a, *p1 = b;
+}
+
+// Q6_K (codes 0..63): two maddubs at a time (<= 4 * 63 * 127 < 32768): p[0], p[1] elements 0..15, p[2], p[3] 16..31
+static inline __attribute__((always_inline)) void KV_NAME(k6_partials)(const KV_I lo[4], const KV_I hi[4],
+                                                                       const int8_t *q, KV_I p[4]) {
+    p[0] = KV_ADD16(KV_MADDUBS(lo[0], KV_BCAST4(q)), KV_MADDUBS(lo[1], KV_BCAST4(q + 4)));
+    p[1] = KV_ADD16(KV_MADDUBS(lo[2], KV_BCAST4(q + 8)), KV_MADDUBS(lo[3], KV_BCAST4(q + 12)));
+    p[2] = KV_ADD16(KV_MADDUBS(hi[0], KV_BCAST4(q + 16)), KV_MADDUBS(hi[1], KV_BCAST4(q + 20)));
+    p[3] = KV_ADD16(KV_MADDUBS(hi[2], KV_BCAST4(q + 24)), KV_MADDUBS(hi[3], KV_BCAST4(q + 28)));
+}
 #endif
 
 // Q4_K (HB = 0) and Q5_K (HB = 1): per sub-block j of 32 weights, w = (d * sc_j) * q - (dmin * m_j); both factors
@@ -91,13 +114,8 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile)(const int8_
                 KV_NAME(half_dots)(lo, hi, q, &s0, &s1);
                 const KV_F dot = KV_CVT_PS(KV_ADD32(s0, s1));
 #else
-                // 16-bit partial sums: 4 pairs of a half add up exactly (|sum| <= 4 * 2 * 31 * 127 < 32768)
-                KV_I p0 = KV_MADDUBS(lo[0], KV_BCAST4(q)), p1 = KV_MADDUBS(hi[0], KV_BCAST4(q + 16));
-#pragma GCC unroll 3
-                for (int jj = 1; jj < 4; jj++) {
-                    p0 = KV_ADD16(p0, KV_MADDUBS(lo[jj], KV_BCAST4(q + 4 * jj)));
-                    p1 = KV_ADD16(p1, KV_MADDUBS(hi[jj], KV_BCAST4(q + 16 + 4 * jj)));
-                }
+                KV_I p0, p1;
+                KV_NAME(kmin_partials)(lo, hi, q, &p0, &p1);
                 // Q4_K: both halves' partials add up in 16 bits too (16 products <= 16 * 15 * 127 = 30480), one
                 // widening instead of two: the same integer
                 const KV_F dot = KV_CVT_PS(HB ? KV_ADD32(KV_MADD16(p0, ones), KV_MADD16(p1, ones))
@@ -149,12 +167,10 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile)(const int8_t 
                 KV_NAME(half_dots)(lo, hi, q, &s0, &s1);
 #else
                 // pairs up to 2 * 63 * 127: two of them still fit 16 bits, then 32-bit sums
-                const KV_I p0 = KV_ADD16(KV_MADDUBS(lo[0], KV_BCAST4(q)), KV_MADDUBS(lo[1], KV_BCAST4(q + 4)));
-                const KV_I p1 = KV_ADD16(KV_MADDUBS(lo[2], KV_BCAST4(q + 8)), KV_MADDUBS(lo[3], KV_BCAST4(q + 12)));
-                const KV_I p2 = KV_ADD16(KV_MADDUBS(hi[0], KV_BCAST4(q + 16)), KV_MADDUBS(hi[1], KV_BCAST4(q + 20)));
-                const KV_I p3 = KV_ADD16(KV_MADDUBS(hi[2], KV_BCAST4(q + 24)), KV_MADDUBS(hi[3], KV_BCAST4(q + 28)));
-                KV_I s0 = KV_ADD32(KV_MADD16(p0, ones), KV_MADD16(p1, ones));
-                KV_I s1 = KV_ADD32(KV_MADD16(p2, ones), KV_MADD16(p3, ones));
+                KV_I p[4];
+                KV_NAME(k6_partials)(lo, hi, q, p);
+                KV_I s0 = KV_ADD32(KV_MADD16(p[0], ones), KV_MADD16(p[1], ones));
+                KV_I s1 = KV_ADD32(KV_MADD16(p[2], ones), KV_MADD16(p[3], ones));
 #endif
                 s0 = KV_SUB32(s0, KV_SET1_32(32 * (int)s16[2 * xb]));
                 s1 = KV_SUB32(s1, KV_SET1_32(32 * (int)s16[2 * xb + 1]));
@@ -225,12 +241,8 @@ static inline __attribute__((always_inline)) void KV_NAME(kmin_tile_sb)(const in
                 isum[r] = KV_ADD32(isum[r], KV_MULLO32(KV_ADD32(s0, s1), KV_MADD16(sc, m2)));
 #else
                 const KV_I scm = KV_MULLO16(sc2, m2);  // (sc * m, sc * m)
-                KV_I p0 = KV_MADDUBS(lo[0], KV_BCAST4(q)), p1 = KV_MADDUBS(hi[0], KV_BCAST4(q + 16));
-#pragma GCC unroll 3
-                for (int jj = 1; jj < 4; jj++) {
-                    p0 = KV_ADD16(p0, KV_MADDUBS(lo[jj], KV_BCAST4(q + 4 * jj)));
-                    p1 = KV_ADD16(p1, KV_MADDUBS(hi[jj], KV_BCAST4(q + 16 + 4 * jj)));
-                }
+                KV_I p0, p1;
+                KV_NAME(kmin_partials)(lo, hi, q, &p0, &p1);
                 if (HB)
                     isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_MADD16(p0, scm), KV_MADD16(p1, scm)));
                 else
@@ -307,12 +319,10 @@ static inline __attribute__((always_inline)) void KV_NAME(k6_tile_sb)(const int8
                                                      KV_MULLO32(s1, KV_MADD16(sb2, m2))));
 #else
                 const KV_I sam = KV_MULLO16(sa2, m2), sbm = KV_MULLO16(sb22, m2);  // (sc * m, sc * m)
-                const KV_I p0 = KV_ADD16(KV_MADDUBS(lo[0], KV_BCAST4(q)), KV_MADDUBS(lo[1], KV_BCAST4(q + 4)));
-                const KV_I p1 = KV_ADD16(KV_MADDUBS(lo[2], KV_BCAST4(q + 8)), KV_MADDUBS(lo[3], KV_BCAST4(q + 12)));
-                const KV_I p2 = KV_ADD16(KV_MADDUBS(hi[0], KV_BCAST4(q + 16)), KV_MADDUBS(hi[1], KV_BCAST4(q + 20)));
-                const KV_I p3 = KV_ADD16(KV_MADDUBS(hi[2], KV_BCAST4(q + 24)), KV_MADDUBS(hi[3], KV_BCAST4(q + 28)));
-                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_ADD32(KV_MADD16(p0, sam), KV_MADD16(p1, sam)),
-                                                     KV_ADD32(KV_MADD16(p2, sbm), KV_MADD16(p3, sbm))));
+                KV_I p[4];
+                KV_NAME(k6_partials)(lo, hi, q, p);
+                isum[r] = KV_ADD32(isum[r], KV_ADD32(KV_ADD32(KV_MADD16(p[0], sam), KV_MADD16(p[1], sam)),
+                                                     KV_ADD32(KV_MADD16(p[2], sbm), KV_MADD16(p[3], sbm))));
 #endif
             }
         }
