@@ -303,3 +303,22 @@ def test_the_cuda_kernels_compile_for_hopper_without_a_gpu() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     launched = 2 * len(triton_matmul.CANDIDATES) + 2 + 1 + 4 + 1  # int4 x tiles, dense, sum, attention, merge
     assert done.stdout.count("ok ") == launched, done.stdout
+
+
+def test_the_interpreters_dot_gives_a_row_the_same_bits_wherever_it_sits_in_the_tile() -> None:
+    """The interpreter's dot is the host BLAS unless replaced (kernels/triton_interpreter.py); some BLAS builds
+    (OpenBLAS with OPENBLAS_CORETYPE=Haswell) round a row differently by its place in the tile. The replacement
+    must be row-invariant by construction and still a matmul."""
+    import numpy as np
+
+    from medusa_chat.kernels.triton_interpreter import _row_invariant_dot
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((16, 64), dtype=np.float32)
+    b = rng.standard_normal((64, 48), dtype=np.float32)
+    full = _row_invariant_dot(a, b, np.dtype(np.float32))
+    np.testing.assert_allclose(full, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4, atol=1e-4)
+    for row in (0, 5, 15):
+        alone = np.zeros_like(a)
+        alone[15 - row] = a[row]  # the same row at another place, zeros around it (a masked tile)
+        assert np.array_equal(_row_invariant_dot(alone, b, np.dtype(np.float32))[15 - row], full[row])

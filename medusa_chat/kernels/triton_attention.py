@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import torch
 
+from medusa_chat.kernels import triton_interpreter
+
 try:
     import triton
     import triton.language as tl
+
+    if triton_interpreter.interpreting():
+        triton_interpreter.make_dots_row_invariant()
 except ImportError:  # pragma: no cover
     triton = None
     tl = None

@@ -27,11 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_chat.kernels import triton_interpreter
 from medusa_chat.kernels.int4_quant import PackedInt4
 
 try:
     import triton
     import triton.language as tl
+
+    if triton_interpreter.interpreting():
+        triton_interpreter.make_dots_row_invariant()
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
