@@ -23,7 +23,7 @@ from pathlib import Path
 from medusa_chat.bench.runs import read_prompts
 from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.sources.loading import load_model
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 

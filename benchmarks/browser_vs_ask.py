@@ -297,7 +297,7 @@ def main() -> None:
 
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tuning.calibrate import resolve_tree
 
     loaded = load_model()  # the embedded model, the default numeric path (as `ask` with no options)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.sources.loading import load_model
 from medusa_chat.training.distill import make_logger
 from medusa_chat.training.positions import cache_hidden_states, hidden_states_for
 from medusa_chat.training.store import DistillStore, atomic_torch_save

@@ -31,8 +31,8 @@ def measure(
     model: str, heads: str, quant: str, sizes: list[int], reps: int, native: bool, whole_head: bool = False
 ) -> dict[str, Any]:
     import medusa_chat.engine.eagle_drafter as eagle_drafter
-    from medusa_chat.model.loading import load_model
-    from medusa_chat.model.native_eagle import EAGLE1_DRAFT_VOCAB
+    from medusa_chat.model.forward.native_eagle import EAGLE1_DRAFT_VOCAB
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
 

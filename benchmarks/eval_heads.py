@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_chat.model.embedded import embedded_model_dir
-from medusa_chat.model.heads_files import load_heads_file
+from medusa_chat.model.sources.embedded import embedded_model_dir
+from medusa_chat.model.sources.heads_files import load_heads_file
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.positions import PositionData, heldout_mask, load_cache
 

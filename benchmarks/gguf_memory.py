@@ -58,8 +58,8 @@ def main() -> int:
 
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings, ReplySummary
-    from medusa_chat.model.gguf_model import read_metadata
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.gguf_model import read_metadata
+    from medusa_chat.model.sources.loading import load_model
 
     gguf = Path(args.model)
     doc: dict = {"model": str(gguf), "file_bytes": gguf.stat().st_size, "after_imports": proc_memory()}

@@ -16,13 +16,13 @@ call, row-wise scales); the Triton 16-bit kernel (the lm_head's). Per kernel and
 (CUDA events) and whether every row's result is bitwise the row computed alone.
 
 step7b: a random-weight Llama with Llama-2-7B's shape and 5 random Medusa-1 heads (weights do not change the
-cost), three ways: the CUDA int4 load (model/cuda_int4.py: quantized on the GPU one weight at a time, kernel
+cost), three ways: the CUDA int4 load (model/forward/cuda_int4.py: quantized on the GPU one weight at a time, kernel
 chosen by measuring), bitsandbytes NF4 and 16-bit. For each: the engine's plain-loop tokens/s (128 tokens, CUDA
 graphs, the app's path), the step time at 1 and 64 tree nodes (tuning.measure.measure_step_latency) and their
 ratio, and whether Medusa's greedy replies equal the plain loop's on a few prompts (random heads: few accepted,
 but every accepted token counts). Peak GPU memory of the int4 load is recorded beside the 4-bit bytes.
 
-fidelity: teacher-forced KL of each 4-bit path against the 16-bit model on the shipped text (model/fidelity.py),
+fidelity: teacher-forced KL of each 4-bit path against the 16-bit model on the shipped text (model/sources/fidelity.py),
 on a real checkpoint folder (the embedded SmolLM2 converted from its GGUF, gpu_checks.sh stages it): int4 (the
 Triton kernel), NF4, and int4 with group 128.
 
@@ -314,7 +314,7 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     from medusa_chat.engine.engine import MedusaEngine, plain_tree
     from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
+    from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
 
@@ -395,7 +395,7 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
 # ---- fidelity -------------------------------------------------------------------------------------------------
 class _Scored:
-    """What model.fidelity.scored_logprobs reads of a loaded model."""
+    """What model.sources.fidelity.scored_logprobs reads of a loaded model."""
 
     def __init__(self, backbone: Any, tokenizer: Any, device: torch.device) -> None:
         self.backbone, self.tokenizer, self.device = backbone, tokenizer, device
@@ -405,7 +405,7 @@ def _dequantized(backbone: Any, group: int) -> Any:
     """The int4 scheme's values in place of each decoder projection's weight (a CPU's view of the CUDA path:
     the quantization error itself; the kernel's 16-bit arithmetic aside)."""
     from medusa_chat.kernels.int4_quant import group_for
-    from medusa_chat.model.cuda_int4 import PROJECTIONS
+    from medusa_chat.model.forward.cuda_int4 import PROJECTIONS
 
     for layer in backbone.model.layers:
         for part, name in PROJECTIONS:
@@ -420,10 +420,10 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
     from transformers import AutoTokenizer
 
     from medusa_chat.bench.runs import repo_path
-    from medusa_chat.model.backbones import load_backbone
-    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
-    from medusa_chat.model.devices import pick_dtype
-    from medusa_chat.model.fidelity import measure
+    from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
+    from medusa_chat.model.sources.backbones import load_backbone
+    from medusa_chat.model.sources.devices import pick_dtype
+    from medusa_chat.model.sources.fidelity import measure
 
     folder = Path(args.model)
     cuda = device.type == "cuda"

@@ -35,7 +35,7 @@ find .whl/site/gemlite/configs -name '*.json' ! -name 'h100.json' -delete
 import shutil
 from pathlib import Path
 
-from medusa_chat.model.embedded import embedded_model_dir
+from medusa_chat.model.sources.embedded import embedded_model_dir
 
 src = embedded_model_dir()
 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):

@@ -18,8 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
-gguf=$("$py" -c "from medusa_chat.model.embedded import gguf_path; print(gguf_path() or '')")
-hf=$("$py" -c "from medusa_chat.model.embedded import embedded_model_dir; print(embedded_model_dir())")
+gguf=$("$py" -c "from medusa_chat.model.sources.embedded import gguf_path; print(gguf_path() or '')")
+hf=$("$py" -c "from medusa_chat.model.sources.embedded import embedded_model_dir; print(embedded_model_dir())")
 [ -n "$gguf" ] && [ -f "$hf/model.safetensors" ] || { echo "run medusa-chat once first (the converted model)"; exit 1; }
 tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 whl=$(du -sb .whl 2>/dev/null | cut -f1 || echo 0)

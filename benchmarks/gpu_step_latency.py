@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree  # noqa: E402
 from medusa_chat.events import GenerationSettings  # noqa: E402
-from medusa_chat.model.heads import MedusaHeads  # noqa: E402
+from medusa_chat.model.forward.heads import MedusaHeads  # noqa: E402
 from medusa_chat.tree import Tree  # noqa: E402
 from medusa_chat.tuning.measure import measure_step_latency  # noqa: E402
 

@@ -148,7 +148,7 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
         return out
     t = time.time()
     if hf_files is None:
-        from medusa_chat.model.embedded import (
+        from medusa_chat.model.sources.embedded import (
             _convert,  # converts config, tokenizer and weights from the GGUF
         )
 
@@ -157,7 +157,7 @@ def prepare_model(model: str, work: Path, hf_files: str | None, log) -> Path:
         from safetensors.torch import save_file
         from transformers import AutoConfig
 
-        from medusa_chat.model.gguf_names import gguf_state_dict
+        from medusa_chat.model.sources.gguf_names import gguf_state_dict
 
         config = AutoConfig.from_pretrained(hf_files)
         tmp = work / "model.tmp"
@@ -458,7 +458,7 @@ def train_eagle_config(
 ) -> dict:
     """An EAGLE-1 (`eagle`) or EAGLE-3 (`eagle3`) draft from the distilled data, as `train-heads --heads-format`
     does: the features cached in work/<fmt>-features, training to `deadline`, the Hub layout written to `out`."""
-    from medusa_chat.model.eagle import eagle_taps
+    from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
     from medusa_chat.training.eagle_pipeline import train_and_save_eagle
     from medusa_chat.training.train_eagle import EagleSettings
@@ -469,7 +469,7 @@ def train_eagle_config(
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
     init = None
     if args.eagle_init:
-        from medusa_chat.model.heads_files import load_heads_file
+        from medusa_chat.model.sources.heads_files import load_heads_file
 
         init = load_heads_file(Path(args.eagle_init))[0]
         if getattr(init, "format", None) != fmt:

@@ -170,7 +170,7 @@ def compare(
 def llama_teacher_forced(perplexity: Path, gguf: Path, f16: Path, text: str, chunks: int, threads: int) -> Any:
     """llama.cpp's top-1 agreement and KL divergence of `gguf` against the F16 file, on the same chunks."""
     from medusa_chat.bench.fidelity import _parse_kld
-    from medusa_chat.model.fidelity import CHUNK
+    from medusa_chat.model.sources.fidelity import CHUNK
 
     with tempfile.TemporaryDirectory() as tmp:
         text_file, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
@@ -187,8 +187,8 @@ def llama_teacher_forced(perplexity: Path, gguf: Path, f16: Path, text: str, chu
 
 
 def teacher_forced(args: argparse.Namespace, loaded: Any, extra: Any, float_model: Any) -> dict[str, Any]:
-    from medusa_chat.model.fidelity import compare as score
-    from medusa_chat.model.fidelity import fixed_text, scored_logprobs, text_chunks
+    from medusa_chat.model.sources.fidelity import compare as score
+    from medusa_chat.model.sources.fidelity import fixed_text, scored_logprobs, text_chunks
 
     chunks = text_chunks(loaded.tokenizer, fixed_text(), limit=args.chunks)
     with torch.inference_mode():
@@ -224,8 +224,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from medusa_chat.bench.fidelity import text_prompts
     from medusa_chat.bench.runs import repo_path
-    from medusa_chat.model.fidelity import fixed_text
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.fidelity import fixed_text
+    from medusa_chat.model.sources.loading import load_model
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ def main() -> None:
     from medusa_chat.bench.runs import repo_path
     from medusa_chat.kernels import cbind, isa_choice
     from medusa_chat.machine import cpu_model
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency, prefilled_engines, timing_prefix
 

@@ -172,7 +172,7 @@ def main() -> None:
     from medusa_chat.engine import threads
     from medusa_chat.kernels import cbind, isa_choice
     from medusa_chat.machine import cpu_model
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
 
     threads.fix(1)
     new = cbind.load()

@@ -1,5 +1,5 @@
 """What Medusa-1 heads cost a CPU step: the 1-, 2- and 4-node (and any other) step times side by side and their
-ratios to the plain (1-node) step, with the heads on the block kernel (model/block_heads.py: Q8_0 blocks, only the
+ratios to the plain (1-node) step, with the heads on the block kernel (model/forward/block_heads.py: Q8_0 blocks, only the
 heads the tree reaches, drafted in C) and, with --compare-fp32, the old fp32 PyTorch heads (every head, every step).
 
     python benchmarks/medusa1_step_cost.py --model ../models/llama-1b/hf --heads ../models/llama-1b/medusa1
@@ -27,7 +27,7 @@ def _tiny_model(root: Path, hidden: int, layers: int, vocab: int, num_heads: int
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from medusa_chat.model.embedded import embedded_model_dir
+    from medusa_chat.model.sources.embedded import embedded_model_dir
     from tests.tinymodels import random_heads_state, write_heads
 
     cfg = LlamaConfig(
@@ -46,7 +46,7 @@ def _tiny_model(root: Path, hidden: int, layers: int, vocab: int, num_heads: int
 
 
 def measure(model: str, heads: str, quant: str, sizes: list[int], reps: int) -> dict[str, Any]:
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
 

@@ -19,10 +19,10 @@ from importlib import resources
 import torch
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
-from medusa_chat.model.block_heads import block_medusa_heads
-from medusa_chat.model.heads import HydraHeads, heads_from_state_dict
-from medusa_chat.model.heads_files import load_heads_file
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.forward.block_heads import block_medusa_heads
+from medusa_chat.model.forward.heads import HydraHeads, heads_from_state_dict
+from medusa_chat.model.sources.heads_files import load_heads_file
+from medusa_chat.model.sources.loading import load_model
 
 
 def v1_from_hydra(hydra: HydraHeads, lm_weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from medusa_chat.engine import acceptance
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.sources.loading import load_model
 from medusa_chat.tuning.tree_choice import choose_tree
 
 

@@ -111,7 +111,7 @@ def main() -> None:
     from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
     from medusa_chat.kernels import isa_choice
     from medusa_chat.machine import cpu_model
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
 
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
     settings_t = args.threads.split(",")

@@ -50,7 +50,7 @@ SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The options every model-using sub-command takes (names match loading.load_from_args and
     calibrate.choose_tree)."""
-    from medusa_chat.model.registry import DEFAULT_MODEL, MODELS
+    from medusa_chat.model.sources.registry import DEFAULT_MODEL, MODELS
 
     g = parser.add_argument_group("model")
     g.add_argument(
@@ -151,9 +151,9 @@ def model_rows() -> list[dict[str, Any]]:
     """One row per registry entry with what is in the local cache (works offline: no network)."""
     from pathlib import Path
 
-    from medusa_chat.model import hub
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.registry import MODELS
+    from medusa_chat.model.sources import hub
+    from medusa_chat.model.sources.embedded import gguf_path
+    from medusa_chat.model.sources.registry import MODELS
     from medusa_chat.paths import cache_root
 
     cached = hub.cached_repos()
@@ -205,7 +205,7 @@ def model_rows() -> list[dict[str, Any]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from medusa_chat.model import hub
+    from medusa_chat.model.sources import hub
 
     rows = model_rows()
     if args.json:
@@ -240,9 +240,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from medusa_chat.model.loaded import summary_lines
-    from medusa_chat.model.loading import load_from_args
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.runner import BackboneRunner
+    from medusa_chat.model.sources.loaded import summary_lines
+    from medusa_chat.model.sources.loading import load_from_args
     from medusa_chat.tuning.tree_choice import choose_tree
 
     def say(text: str) -> None:

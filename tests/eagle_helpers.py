@@ -187,7 +187,7 @@ def write_random_eagle(folder: Path, cfg: dict[str, Any], version: int = 1, draf
 def c_draft_agreement(drafter: Any, roots: range, within: int = 0) -> int:
     """For how many roots the C drafter's depth-1 top-4 is the PyTorch draft's (same order; with `within`: its
     top-1 is among the PyTorch draft's top `within`), each run over the drafter's whole context from scratch
-    (native_eagle.py against model/eagle.py)."""
+    (native_eagle.py against model/forward/eagle.py)."""
     native, agree, p = drafter.native, 0, drafter.known
     with torch.inference_mode():
         for r in roots:

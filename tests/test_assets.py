@@ -8,7 +8,7 @@ import pytest
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
+from medusa_chat.model.sources.registry import EMBEDDED_HEADS_DIR
 from medusa_chat.tree import Tree
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,8 @@ def test_shipped_medusa1_heads_are_the_published_layout_with_a_draft_vocabulary(
     the heads file) and the draft vocabulary in a file of its own beside it."""
     from safetensors import safe_open
 
-    from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE, read_draft_vocab
-    from medusa_chat.model.registry import SHIPPED_HEADS, resolve
+    from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE, read_draft_vocab
+    from medusa_chat.model.sources.registry import SHIPPED_HEADS, resolve
 
     folder = SHIPPED_HEADS["medusa-1"]
     assert resolve(heads="medusa-1").heads == str(folder.resolve())
@@ -60,7 +60,7 @@ def test_shipped_medusa1_heads_are_the_published_layout_with_a_draft_vocabulary(
 
 def test_shipped_medusa1_heads_are_lossless_and_accept_tokens(embedded_model) -> None:
     from medusa_chat.engine.drafters import MedusaDrafter
-    from medusa_chat.model.loading import with_heads
+    from medusa_chat.model.sources.loading import with_heads
 
     loaded = with_heads(embedded_model, "medusa-1")  # the heads loaded and fitted as `--heads medusa-1` does
     info = loaded.info()["heads"]
@@ -92,8 +92,8 @@ def test_shipped_eagle3_draft_is_the_published_layout_and_drafts_in_c(request) -
     the plain loop's, and it accepts tokens (a random draft gives ~1.0)."""
     from safetensors import safe_open
 
-    from medusa_chat.model.loading import with_heads
-    from medusa_chat.model.registry import SHIPPED_HEADS, resolve
+    from medusa_chat.model.sources.loading import with_heads
+    from medusa_chat.model.sources.registry import SHIPPED_HEADS, resolve
 
     folder = SHIPPED_HEADS["eagle3"]
     assert resolve(heads="eagle3").heads == str(folder.resolve())

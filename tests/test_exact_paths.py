@@ -18,8 +18,8 @@ from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import block_linears, cbind, quantizers
 from medusa_chat.kernels.cpu_linears import Int4Linear, Int8Linear, PackedLinear
 from medusa_chat.machine import cpu_flags
-from medusa_chat.model.cpu_blocks import prepare_cpu_linears
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.cpu_blocks import prepare_cpu_linears
+from medusa_chat.model.forward.tree_plan import TreePlan
 from medusa_chat.tree import Tree
 from tests.tinymodels import tiny_loaded, training_prompts
 
@@ -133,7 +133,7 @@ def test_a_tied_q8_0_table_is_looked_up_in_the_lm_head_blocks() -> None:
     kept a second time in fp32, with the same bits (the same replies, the same hidden states)."""
     from torch import nn
 
-    from medusa_chat.model.cpu_blocks import share_tied_embedding
+    from medusa_chat.model.forward.cpu_blocks import share_tied_embedding
 
     base = tiny_loaded("llama")
     backbone = copy.deepcopy(base.backbone)

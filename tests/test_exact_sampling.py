@@ -41,7 +41,7 @@ from medusa_chat.engine.acceptance import (
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.heads import HydraHeads
+from medusa_chat.model.forward.heads import HydraHeads
 from medusa_chat.tree import Tree, TreeBuffers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)

@@ -1,4 +1,4 @@
-"""Fidelity to the float model (model/fidelity.py, bench/fidelity.py, the `--quant auto` floor): each CPU path's
+"""Fidelity to the float model (model/sources/fidelity.py, bench/fidelity.py, the `--quant auto` floor): each CPU path's
 next-token distributions stay within a floor of its float reference, and a path that drifts fails it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from medusa_chat.bench.fidelity import _parse_kld, agreement, text_prompts
-from medusa_chat.model.fidelity import (
+from medusa_chat.model.sources.fidelity import (
     Fidelity,
     agreement_chars,
     compare,
@@ -15,7 +15,7 @@ from medusa_chat.model.fidelity import (
     scored_logprobs,
     text_chunks,
 )
-from medusa_chat.model.numeric_path import faithful, pick
+from medusa_chat.model.sources.numeric_path import faithful, pick
 from tests.tinymodels import VOCAB, block_loaded, tiny_loaded
 
 # The floors each path must meet against its float reference on the tiny model, teacher-forced on random text of
@@ -113,8 +113,8 @@ def test_parse_llama_perplexity_summary() -> None:
 def test_embedded_default_path_is_as_faithful_as_llama_cpp() -> None:
     """The embedded model's int4 path (its GGUF's own Q4_1 blocks, native C step) against its float model on half
     the shipped text. llama.cpp's Q4_1 on the whole text through llama-perplexity: top-1 96.6%, KL 0.00265."""
-    from medusa_chat.model.fidelity import PROBE_CHUNKS, measure
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.fidelity import PROBE_CHUNKS, measure
+    from medusa_chat.model.sources.loading import load_model
 
     results = measure({"int4": lambda: load_model(quant="int4")}, lambda: load_model(quant="none"),
                              limit=PROBE_CHUNKS)  # fmt: skip

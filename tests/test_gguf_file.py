@@ -51,7 +51,7 @@ def test_reader_matches_the_gguf_package_on_the_embedded_model() -> None:
     from gguf import GGUFReader
     from gguf import dequantize as gguf_dequantize
 
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     path = gguf_path()
     if path is None:

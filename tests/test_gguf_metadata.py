@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from medusa_chat.kernels.gguf_file import read_metadata
-from medusa_chat.model import gguf_model
-from medusa_chat.model.embedded import gguf_path
+from medusa_chat.model.sources import gguf_model
+from medusa_chat.model.sources.embedded import gguf_path
 from medusa_chat.paths import cache_root
 from tests.tinygguf import write_tiny_gguf
 

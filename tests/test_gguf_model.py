@@ -1,4 +1,4 @@
-"""GGUF files as models (`--model PATH.gguf`, model/gguf_model.py), on tiny Llama GGUFs written here
+"""GGUF files as models (`--model PATH.gguf`, model/sources/gguf_model.py), on tiny Llama GGUFs written here
 (tests/tinygguf.py): loaded tensor by tensor onto the block kernel with the file's own blocks (bitwise the
 values the blocks define), no float copy of the projections, greedy Medusa output equal to the plain loop,
 clear errors for what cannot be loaded."""
@@ -20,11 +20,11 @@ from medusa_chat.errors import DeviceError, ModelNotFoundError
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import block_linears, cbind
 from medusa_chat.kernels.cpu_linears import PackedLinear
-from medusa_chat.model.cpu_blocks import weight_accounting
-from medusa_chat.model.embedded import gguf_path
-from medusa_chat.model.gguf_names import gguf_state_dict
-from medusa_chat.model.loading import LoadedModel, load_model
-from medusa_chat.model.registry import resolve
+from medusa_chat.model.forward.cpu_blocks import weight_accounting
+from medusa_chat.model.sources.embedded import gguf_path
+from medusa_chat.model.sources.gguf_names import gguf_state_dict
+from medusa_chat.model.sources.loading import LoadedModel, load_model
+from medusa_chat.model.sources.registry import resolve
 from medusa_chat.tree import Tree
 from tests.tinygguf import HIDDEN, write_tiny_gguf
 from tests.tinymodels import random_heads_state, write_heads
@@ -80,8 +80,8 @@ def _projections(model: Any) -> dict[str, Any]:
 def test_a_gguf_file_and_a_folder_holding_one_load(
     gguf_files: dict[str, Path], gguf_heads: Path, tmp_path: Path
 ) -> None:
-    from medusa_chat.model.block_forward import NativeForward
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.block_forward import NativeForward
+    from medusa_chat.model.forward.runner import BackboneRunner
 
     loaded = _loaded(str(gguf_files["q4_1"]), str(gguf_heads))
     assert loaded.spec.kind == "gguf" and loaded.quant == "gguf" and loaded.spec.chat_template == "tokenizer"
@@ -178,8 +178,8 @@ def test_a_k_quant_file_mixed_like_q4_k_m_runs_on_the_native_step(tmp_path: Path
     output and a Q4_K embedding), no heads: every tensor is used as stored (no second rounding: bitwise the
     file's dequantized values), the native C step runs it (v apart where its type differs), and greedy replies
     with context lookup are the plain loop's."""
-    from medusa_chat.model.block_forward import NativeForward
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.block_forward import NativeForward
+    from medusa_chat.model.forward.runner import BackboneRunner
 
     types = {"blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_up.weight": "Q5_K"}
     path = write_tiny_gguf(tmp_path / "small-Q4_K_M.gguf", "Q4_K", "Q4_K", "Q6_K", types=types, shape="small")

@@ -1,4 +1,4 @@
-"""The GPU step as a CUDA graph (medusa_chat/model/graph_step.py): what can be checked without a GPU, is, here.
+"""The GPU step as a CUDA graph (medusa_chat/model/forward/graph_step.py): what can be checked without a GPU, is, here.
 
 The graph records a static-shape body (whole-window KV buffer, device-side start slot, in-graph positions, cache
 slots and tree mask). That body runs eagerly on a CPU (`capture=False`) and must give what the engine gives
@@ -18,7 +18,7 @@ from medusa_chat.engine import graphs
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.engine.graphs import wants_graphs
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.model.graph_step import MIN_BUCKET, bucket_for
+from medusa_chat.model.forward.graph_step import MIN_BUCKET, bucket_for
 from medusa_chat.tree import Tree
 from tests.tinymodels import moved, tiny_loaded
 

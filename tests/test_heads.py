@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.heads import MedusaHeads, heads_from_state_dict, infer_layout
+from medusa_chat.model.forward.heads import MedusaHeads, heads_from_state_dict, infer_layout
 from tests.tinymodels import HIDDEN, VOCAB, random_heads_state
 
 

@@ -13,8 +13,8 @@ from medusa_chat.engine.drafters import HydraDrafter
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
-from medusa_chat.model.heads_files import load_heads_file
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.sources.heads_files import load_heads_file
 from medusa_chat.training.pipeline import HEADS_FILE, save_heads
 from medusa_chat.training.train_heads import warm_start_
 from medusa_chat.tree import Tree, tree_levels
@@ -225,7 +225,7 @@ def test_typical_acceptance_with_hydra_heads_is_seeded_and_stops() -> None:
 
 
 def test_hydra_heads_for_a_larger_vocabulary_are_refused() -> None:
-    from medusa_chat.model.heads_files import check_heads_fit
+    from medusa_chat.model.sources.heads_files import check_heads_fit
 
     heads = HydraHeads(32, 0, 2, 1, torch.tensor([3, 900]))
     check_heads_fit(heads, {"hidden_size": 32, "vocab_size": 1000}, "x", "tiny")

@@ -289,7 +289,7 @@ def test_the_activation_scheme_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cbind.kquant_scheme() == "32"
     lib = cbind.load()
     assert lib is not None and lib.mc_get_kq_scheme() == 32
-    from medusa_chat.model.numeric_path import device_name
+    from medusa_chat.model.sources.numeric_path import device_name
 
     default_name = device_name("cpu")
     assert "K-quant" not in default_name
@@ -309,7 +309,7 @@ def test_a_block_kernel_missing_its_known_answer_is_not_used(monkeypatch: pytest
     from torch import nn
 
     from medusa_chat.kernels.cpu_linears import Int8Linear, check_row_invariant
-    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
+    from medusa_chat.model.forward.cpu_blocks import prepare_cpu_linears
 
     def off(self: block_linears.Q80Linear, x: torch.Tensor) -> torch.Tensor:
         return block_linears.BlockLinear.forward(self, x) + 1e-3
@@ -346,7 +346,7 @@ def test_the_native_step_runs_k_quant_projections(mixed: bool, act_block: str) -
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from medusa_chat.engine.engine import TreeKVCache
-    from medusa_chat.model.block_forward import native_forward_for
+    from medusa_chat.model.forward.block_forward import native_forward_for
 
     cfg = LlamaConfig(
         hidden_size=256,

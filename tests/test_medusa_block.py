@@ -1,4 +1,4 @@
-"""Medusa-1 / Medusa-2 heads on the CPU block kernel (model/block_heads.py, csrc/medusa.c, drafters.MedusaDrafter):
+"""Medusa-1 / Medusa-2 heads on the CPU block kernel (model/forward/block_heads.py, csrc/medusa.c, drafters.MedusaDrafter):
 loaded as Q8_0 blocks without an fp32 copy, the backbone's lm_head shared where a head's equals it, drafted in one
 C call that evaluates only the heads the tree reaches, and greedy output still the plain loop's."""
 
@@ -16,9 +16,9 @@ from torch import nn
 from medusa_chat.engine.drafters import MedusaDrafter, confident_paths
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.kernels import cbind
-from medusa_chat.model.block_heads import block_medusa_heads
-from medusa_chat.model.heads import heads_from_state_dict
-from medusa_chat.model.loading import LoadedModel, load_model
+from medusa_chat.model.forward.block_heads import block_medusa_heads
+from medusa_chat.model.forward.heads import heads_from_state_dict
+from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.test_decoding import run
 from tests.tinymodels import random_heads_state, write_heads
@@ -215,7 +215,7 @@ def _with_draft_vocab(loaded: LoadedModel, tmp_path: Path, ids: list[int]) -> Lo
 
     from safetensors.torch import save_file
 
-    from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE
+    from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
 
     folder = tmp_path / "heads"
     shutil.copytree(Path(loaded.heads_file).parent, folder)
@@ -284,8 +284,9 @@ def test_a_pt_heads_file_is_read_through_its_map_into_the_safetensors_files_bloc
 ) -> None:
     """A pickled heads file (bf16, as published) is memory-mapped: its tensors are views of the file, not copies,
     each one's pages are given back as it becomes blocks, and the blocks are the safetensors file's."""
-    from medusa_chat.model import block_heads, mapped_weights
-    from medusa_chat.model.heads_files import read_state_file
+    from medusa_chat.model import mapped_weights
+    from medusa_chat.model.forward import block_heads
+    from medusa_chat.model.sources.heads_files import read_state_file
 
     state = random_heads_state(3, 1, own_lm_head=True, seed=13)
     folders = {

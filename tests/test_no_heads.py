@@ -1,4 +1,4 @@
-"""A model without Medusa heads is still a chat: context lookup is its only drafter (model/lookup_only.py).
+"""A model without Medusa heads is still a chat: context lookup is its only drafter (model/sources/lookup_only.py).
 
 A saved tiny backbone folder without heads loads; its greedy replies are bitwise the plain loop's while lookup
 guesses are verified and accepted; exact sampling keeps the plain loop's law; trees, calibration, `info`, the
@@ -22,9 +22,9 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError, ModelNotFoundError, TreeError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
-from medusa_chat.model.loaded import LoadedModel, summary_lines
-from medusa_chat.model.loading import load_model
-from medusa_chat.model.lookup_only import LOOKUP_ONLY
+from medusa_chat.model.sources.loaded import LoadedModel, summary_lines
+from medusa_chat.model.sources.loading import load_model
+from medusa_chat.model.sources.lookup_only import LOOKUP_ONLY
 from medusa_chat.tree import Tree
 from medusa_chat.tuning.calibrate import lookup_only_latency
 from medusa_chat.tuning.tree_choice import choose_tree, heads_stamp
@@ -223,7 +223,7 @@ def test_info_says_lookup_only_and_names_train_heads(tiny_llama_dir: Path, capsy
     assert info["heads"]["source"] == LOOKUP_ONLY and "medusa-chat train-heads --model" in info["heads"]["note"]
     # the command named is one the CLI takes, for this model (and a path with a space stays one argument)
     from medusa_chat.cli import build_parser
-    from medusa_chat.model.lookup_only import train_heads_command
+    from medusa_chat.model.sources.lookup_only import train_heads_command
 
     for model in (str(tiny_llama_dir), "/models/my model", "org/name"):
         argv = shlex.split(train_heads_command(model))

@@ -78,7 +78,7 @@ def test_without_a_binary_an_installed_llama_cpp_python_is_the_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from medusa_chat.bench import peer
-    from medusa_chat.model.registry import DEFAULT_MODEL, MODELS
+    from medusa_chat.model.sources.registry import DEFAULT_MODEL, MODELS
 
     monkeypatch.setenv("MEDUSA_CHAT_LLAMA_BENCH", str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -102,7 +102,7 @@ def test_llama_cpp_python_decodes_the_same_prompt_greedily() -> None:
     """Runs only where llama-cpp-python is installed (CI does not build it): the real library on the real
     GGUF, the bench's own prompt, greedy."""
     from medusa_chat.bench.peer import LlamaCppPython
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     runner = LlamaCppPython(gguf_path(), threads=2, context=256)
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]

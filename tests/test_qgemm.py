@@ -122,7 +122,7 @@ def test_fused_projections_equal_the_separate_ones() -> None:
 
 @pytest.mark.slow
 def test_embedded_gguf_blocks_are_the_files_weights() -> None:
-    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.sources.embedded import embedded_model_dir, gguf_path
 
     gguf = gguf_path()
     if gguf is None:
@@ -131,7 +131,7 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
     from transformers import AutoConfig
 
     from medusa_chat.kernels.gguf_file import gguf_tensor_types
-    from medusa_chat.model.gguf_names import gguf_blocks
+    from medusa_chat.model.sources.gguf_names import gguf_blocks
 
     folder = embedded_model_dir()
     config = AutoConfig.from_pretrained(folder)
@@ -156,7 +156,7 @@ def test_embedded_gguf_blocks_are_the_files_weights() -> None:
 def test_embedded_conversion_equals_transformers_gguf_loader() -> None:
     """The float folder (our own dequantizer, gguf_file.py) holds bit for bit the weights transformers' own GGUF
     loader produces from the same file, under the same names (q/k rows in transformers' rotary order)."""
-    from medusa_chat.model.embedded import embedded_model_dir, gguf_path
+    from medusa_chat.model.sources.embedded import embedded_model_dir, gguf_path
 
     gguf = gguf_path()
     if gguf is None:

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint on a CPU block path (int4 / int8) is quantized tensor by tensor into a cached GGUF and
-loaded from it (model/quantized_cache.py): the same blocks, bit for bit, as quantizing the whole float model in
+loaded from it (model/sources/quantized_cache.py): the same blocks, bit for bit, as quantizing the whole float model in
 memory, hence the same greedy output (and the plain loop's); the second start reads the file; a damaged file is
 made again; a failed write leaves nothing behind. Pickled checkpoints (.bin) take the same path through their
 memory map."""
@@ -19,9 +19,9 @@ from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import block_linears, cbind
 from medusa_chat.kernels.gguf_file import read_tensors
-from medusa_chat.model import quantized_cache
-from medusa_chat.model.loading import LoadedModel, load_model
 from medusa_chat.model.mapped_weights import load_pickle, release
+from medusa_chat.model.sources import quantized_cache
+from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.tinymodels import write_pickled_checkpoint
 

@@ -19,9 +19,9 @@ from medusa_chat.errors import ModelNotFoundError
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import cbind, cthreads
 from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
-from medusa_chat.model.gguf_model import gguf_config
-from medusa_chat.model.gguf_names import gguf_state_dict
-from medusa_chat.model.loading import LoadedModel, load_model
+from medusa_chat.model.sources.gguf_model import gguf_config
+from medusa_chat.model.sources.gguf_names import gguf_state_dict
+from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.tinygguf import QWEN2_SHAPE, tiny_qwen2, write_qwen2_gguf
 from tests.tinymodels import random_heads_state, write_heads
@@ -108,7 +108,7 @@ def _reply(engine: MedusaEngine, prompt: list[int], n: int = 24) -> list[int]:
 
 
 def _native(loaded: LoadedModel) -> Any:
-    from medusa_chat.model.block_forward import NativeForward
+    from medusa_chat.model.forward.block_forward import NativeForward
 
     lean = MedusaEngine(loaded, plain_tree()).runner.lean
     assert isinstance(lean, NativeForward), "the native C step must run a Qwen2 GGUF"
@@ -224,7 +224,7 @@ def test_the_pytorch_fallback_adds_the_biases(monkeypatch: pytest.MonkeyPatch) -
     """With the native step off, the lean PyTorch forward runs the same modules (bias added after each block
     linear): bitwise the transformers forward over them, its logits within the tolerance of the float model,
     and its tree decoding the plain loop's."""
-    from medusa_chat.model.lean_forward import LeanForward
+    from medusa_chat.model.forward.lean_forward import LeanForward
     from tests.test_lean_forward import _assert_bitwise
 
     monkeypatch.setenv("MEDUSA_CHAT_NATIVE", "0")

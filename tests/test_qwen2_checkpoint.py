@@ -1,5 +1,5 @@
 """A Qwen2 / Qwen2.5 Hugging Face checkpoint (safetensors, q/k/v biases) on a CPU block path is quantized tensor by
-tensor into the cached GGUF (model/quantized_cache.py) as llama.cpp's converter lays out a Qwen2 file: architecture
+tensor into the cached GGUF (model/sources/quantized_cache.py) as llama.cpp's converter lays out a Qwen2 file: architecture
 qwen2, the q/k/v biases F32, the q/k rows in Hugging Face's order. Then the native C step runs it: its greedy tree
 decoding is the plain loop's, its logits agree with the transformers float model (and would not without the
 biases), a later start maps the file, and no whole float model is ever built. Other bias layouts keep the old path,
@@ -19,10 +19,10 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.kernels import cbind
 from medusa_chat.kernels.gguf_file import dequantize, read_tensors
-from medusa_chat.model import loading, quantized_cache
-from medusa_chat.model.gguf_model import read_metadata
-from medusa_chat.model.gguf_names import gguf_state_dict
-from medusa_chat.model.loading import LoadedModel, load_model
+from medusa_chat.model.sources import loading, quantized_cache
+from medusa_chat.model.sources.gguf_model import read_metadata
+from medusa_chat.model.sources.gguf_names import gguf_state_dict
+from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.test_qwen2 import IDS, _close, _heads, _logits, _native, _reply
 from tests.tinygguf import tiny_qwen2, write_qwen2_folder

@@ -19,8 +19,8 @@ from benchmarks import make_real_size_models as rs
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.errors import HeadsError
 from medusa_chat.events import GenerationSettings, ReplySummary
-from medusa_chat.model.heads_files import load_heads_file
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.sources.heads_files import load_heads_file
+from medusa_chat.model.sources.loading import load_model
 from medusa_chat.tree import Tree
 
 pytestmark = pytest.mark.slow

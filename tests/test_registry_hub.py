@@ -17,9 +17,9 @@ import torch
 
 from medusa_chat import cli
 from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError, OfflineError
-from medusa_chat.model import hub
-from medusa_chat.model.loading import load_model
-from medusa_chat.model.registry import EMBEDDED_HEADS_DIR, MODELS, resolve
+from medusa_chat.model.sources import hub
+from medusa_chat.model.sources.loading import load_model
+from medusa_chat.model.sources.registry import EMBEDDED_HEADS_DIR, MODELS, resolve
 from tests.conftest import HubCache
 from tests.tinymodels import folder_files
 

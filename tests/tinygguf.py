@@ -66,7 +66,7 @@ def tokenizer_fields() -> tuple[tuple[str, Any, Any], ...]:
     GGUFReader takes seconds on a 49152-token vocabulary)."""
     from gguf import GGUFReader, GGUFValueType
 
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     path = gguf_path()
     if path is None:

@@ -71,9 +71,9 @@ from typing import Any
 
 import torch
 
-from medusa_chat.model.heads import HydraHeads, MedusaHeads
-from medusa_chat.model.loading import LoadedModel
-from medusa_chat.model.registry import ModelSpec
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.sources.loading import LoadedModel
+from medusa_chat.model.sources.registry import ModelSpec
 from medusa_chat.tree import Tree
 
 HIDDEN = 64
@@ -308,7 +308,7 @@ def write_heads(
 
 def heads_state(folder: Path) -> dict[str, torch.Tensor]:
     """The tensors a heads folder (or a Medusa-2 checkpoint) holds, as float32, with published head keys."""
-    from medusa_chat.model.heads_files import checkpoint_medusa_keys, find_heads_file, read_state_file
+    from medusa_chat.model.sources.heads_files import checkpoint_medusa_keys, find_heads_file, read_state_file
 
     folder = Path(folder)
     if any((folder / f).is_file() for f in ("medusa_lm_head.pt", "medusa_lm_head.safetensors")):
@@ -469,7 +469,7 @@ def load_planted(
 ) -> LoadedModel:
     """A real `loading.load_model` result on CPU for a planted backbone (see the module docstring for the
     arguments); cached per arguments unless `fresh`."""
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
 
     key = (arch, heads, num_heads, num_layers, accuracy, quant, dtype)
     if key in _LOADED and not fresh:
@@ -692,7 +692,7 @@ def block_loaded(quant: str, arch: str = "llama", heads: str = "hydra") -> Any:
     import pytest
 
     from medusa_chat.kernels import cbind
-    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
+    from medusa_chat.model.forward.cpu_blocks import prepare_cpu_linears
 
     if not cbind.available():
         pytest.skip(f"block kernel: {cbind.unavailable_reason()}")

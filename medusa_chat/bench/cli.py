@@ -16,7 +16,7 @@ from medusa_chat.cliargs import add_generation_args, int_list, settings_from_arg
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from medusa_chat.model.loading import LoadedModel
+    from medusa_chat.model.sources.loading import LoadedModel
 
 
 def _baselines(text: str) -> list[str]:
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_from_args(args: argparse.Namespace, console: Console | None = None) -> LoadedModel:
-    from medusa_chat.model.loading import load_from_args as _load
+    from medusa_chat.model.sources.loading import load_from_args as _load
 
     return _load(args, progress=(lambda m: console.print(f"[dim]{m}[/dim]")) if console is not None else None)
 
@@ -138,7 +138,7 @@ def bench_main(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     settings = settings_from_args(args)  # validated before the (slow) load
     for heads in getattr(args, "compare_heads", None) or []:
-        from medusa_chat.model.registry import heads_location
+        from medusa_chat.model.sources.registry import heads_location
 
         heads_location(heads)  # an unknown name or a missing folder: said before the load
     loaded = load_from_args(args, err)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from medusa_chat.model.fidelity import (
+from medusa_chat.model.sources.fidelity import (
     CHUNK,
     agreement_chars,
     compare,
@@ -159,7 +159,7 @@ def llama_greedy(completion: Path, gguf: Path, loaded: Any, prompts: list[str], 
 # ---- the command ------------------------------------------------------------------------------------------------------
 def run_fidelity(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     from medusa_chat.bench.peer import model_gguf
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
 
     text = fixed_text()
     prompts = text_prompts(text)[: args.limit] if args.limit else text_prompts(text)

@@ -201,7 +201,7 @@ class _Methods:
         # run's node budget: the same verification cost, so tokens per step and speed compare the drafts.
         self.drafts: dict[str, str] = {}  # method -> heads file
         for location in config.compare_heads or []:
-            from medusa_chat.model.loading import with_heads
+            from medusa_chat.model.sources.loading import with_heads
 
             other = with_heads(loaded, location)
             method = f"draft:{Path(location.rstrip('/')).name or location}"

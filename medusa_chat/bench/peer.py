@@ -145,7 +145,7 @@ def model_gguf(loaded: Any) -> Path | None:
     if getattr(spec, "kind", None) == "gguf":
         return Path(spec.backbone)
     if getattr(spec, "kind", None) == "embedded":
-        from medusa_chat.model.embedded import gguf_path
+        from medusa_chat.model.sources.embedded import gguf_path
 
         return gguf_path()
     return None

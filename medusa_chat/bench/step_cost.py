@@ -43,7 +43,7 @@ def measure_model(
 
     from medusa_chat.bench.runs import repo_path
     from medusa_chat.kernels.prefetch import prefetch_choice, set_prefetch
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency, prefilled_engines, timing_prefix
 

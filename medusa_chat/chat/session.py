@@ -28,7 +28,7 @@ from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.model.loading import LoadedModel
+    from medusa_chat.model.sources.loading import LoadedModel
 
 
 class SessionManager(ReplyTurns):
@@ -104,7 +104,7 @@ class SessionManager(ReplyTurns):
             if self.engine is not None:
                 return
             if self.loaded is None:
-                from medusa_chat.model.loading import load_model
+                from medusa_chat.model.sources.loading import load_model
 
                 self.loaded = load_model(
                     model=self.model_name,

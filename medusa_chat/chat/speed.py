@@ -12,7 +12,7 @@ from medusa_chat.tree import Tree
 
 if TYPE_CHECKING:
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.model.loading import LoadedModel
+    from medusa_chat.model.sources.loading import LoadedModel
 
 # The fixed prompt of `measure_baseline`: asks for a long answer so the measurement is not cut short by EOS.
 BASELINE_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."

@@ -28,7 +28,7 @@ from medusa_chat.events import GenerationSettings, ReplySummary
 
 if TYPE_CHECKING:
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.model.loading import LoadedModel
+    from medusa_chat.model.sources.loading import LoadedModel
 
 
 _OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, the package's floor)

@@ -24,13 +24,13 @@ from medusa_chat.engine.eagle_drafter import EagleDrafter
 from medusa_chat.engine.trees import SHAPED_NOTE, StepTree
 from medusa_chat.errors import HeadsError
 from medusa_chat.kernels.cpu_linears import block_q4_rows, block_quantized_copy, linear_rows
-from medusa_chat.model.block_heads import drafter_name
-from medusa_chat.model.eagle import EagleDraft
-from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.forward.block_heads import drafter_name
+from medusa_chat.model.forward.eagle import EagleDraft
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.runner import BackboneRunner
 
 LmHead = Callable[[torch.Tensor], torch.Tensor]
 
@@ -154,7 +154,7 @@ def laid_out(root: torch.Tensor, draft: torch.Tensor | None, buf: TreeBuffers) -
 
 
 class LookupDrafter(DrafterBase):
-    """Context lookup alone: a model without heads (model/lookup_only.py), and any root-only tree. It drafts no
+    """Context lookup alone: a model without heads (model/sources/lookup_only.py), and any root-only tree. It drafts no
     node: the engine puts the lookup's guesses on the tree's chain, and a step verifies only those."""
 
     fills_tree = False
@@ -221,7 +221,7 @@ class NativeDrafter(DrafterBase):
     """A drafter with a C twin on the block kernel where it runs: the whole draft in one C call (`native_draft`),
     and trees shaped by the draft's confidence (`native.draft_shaped`)."""
 
-    native: Any = None  # NativeHydra / the Medusa heads' C drafter (model/block_forward.py, block_heads.py)
+    native: Any = None  # NativeHydra / the Medusa heads' C drafter (model/forward/block_forward.py, block_heads.py)
     native_draft: Any = None  # the same drafting loop as `propose`, all depths in one C call
 
     @property
@@ -273,7 +273,7 @@ class HydraDrafter(NativeDrafter):
             # depth, from DRAM after the backbone's weights went through the caches (5 MB in Q8_0, 2.9 in Q4_1)
             self.heads = block_quantized_copy(heads)
             self.project = block_q4_rows(self.project)
-            from medusa_chat.model.block_forward import native_hydra_for
+            from medusa_chat.model.forward.block_forward import native_hydra_for
 
             self.native = native_hydra_for(self.heads)
             if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):
@@ -299,7 +299,7 @@ class HydraDrafter(NativeDrafter):
 
 
 class MedusaDrafter(NativeDrafter):
-    """Medusa-1 / Medusa-2 heads on the block kernel (model/block_heads.py) drafting a step's tree after the root
+    """Medusa-1 / Medusa-2 heads on the block kernel (model/forward/block_heads.py) drafting a step's tree after the root
     is known, like HydraDrafter, from the last accepted node's hidden state: only the heads the tree reaches (depth
     d needs heads 0 .. d - 1), only their top-k, in one C call where the kernel runs (`native_draft`), and for
     trees shaped by the draft (`native.draft_shaped`) with the heads' probabilities.
@@ -317,7 +317,7 @@ class MedusaDrafter(NativeDrafter):
         name: str,
         draft_vocab: torch.Tensor | None = None,
     ) -> None:
-        from medusa_chat.model.block_heads import head_projection, native_medusa_for
+        from medusa_chat.model.forward.block_heads import head_projection, native_medusa_for
 
         self.heads, self.name = heads, name
         lm_head = backbone.get_output_embeddings()

@@ -1,4 +1,4 @@
-"""EagleDrafter: a step's tree from an EAGLE draft (model/eagle.py), depth by depth, with the draft's own KV cache.
+"""EagleDrafter: a step's tree from an EAGLE draft (model/forward/eagle.py), depth by depth, with the draft's own KV cache.
 
 The draft reads pairs (feature of position i, embedding of token i + 1). Position i's feature is the backbone's
 (EAGLE-1/2: its last hidden state after the final norm; EAGLE-3: the inputs of layers 2, N/2, N-3), so the draft's
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.engine.trees import EAGLE_NATIVE_NOTE, EAGLE_NOTE, StepTree
-from medusa_chat.model.eagle import EagleDraft, tap_features
-from medusa_chat.model.native_eagle import NativeEagle, native_eagle_for
+from medusa_chat.model.forward.eagle import EagleDraft, tap_features
+from medusa_chat.model.forward.native_eagle import NativeEagle, native_eagle_for
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.runner import BackboneRunner
 
 # EAGLE-2's expansion width, capped by the tree's size (EAGLE-2 uses 10 for 60-node trees); the dynamic tree
 # drafts `depth` levels of this many frontier nodes and keeps the N - 1 most probable of all their children.

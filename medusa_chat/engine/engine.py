@@ -12,7 +12,7 @@
         lookup    where the context's last 2-4 tokens occurred before, what followed them then goes on the
                   tree's main chain instead of the heads' guesses (lookup.py; host side, O(1) per step);
                   after a 4-token match the step verifies a chain of up to LOOKUP_RUN lookup tokens instead;
-                  a model without heads drafts with the lookup alone (model/lookup_only.py): its tree is a
+                  a model without heads drafts with the lookup alone (model/sources/lookup_only.py): its tree is a
                   chain, and each step verifies the root plus the lookup's guesses, or the root alone
         shape     on a CPU with the C drafter, the tree's N nodes are the N - 1 the draft is most confident
                   in (drafters.confident_paths: EAGLE-2's dynamic tree on the Hydra spine), not a fixed layout
@@ -48,15 +48,15 @@ from medusa_chat.engine.threads import ThreadGovernor, adapts
 from medusa_chat.engine.trees import StepTree, StepTrees
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
-from medusa_chat.model.graph_step import GraphStep
-from medusa_chat.model.kv_cache import TreeKVCache
-from medusa_chat.model.runner import BackboneRunner
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.graph_step import GraphStep
+from medusa_chat.model.forward.kv_cache import TreeKVCache
+from medusa_chat.model.forward.runner import BackboneRunner
+from medusa_chat.model.forward.tree_plan import TreePlan
 from medusa_chat.settings import GREEDY, TYPICAL
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.model.loading import LoadedModel
+    from medusa_chat.model.sources.loading import LoadedModel
 
 
 # The longest run of context-lookup guesses one step verifies, where the context's last `max_match` (4) tokens

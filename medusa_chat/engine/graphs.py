@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from medusa_chat.engine.acceptance import greedy_tokens
-from medusa_chat.model.graph_step import GraphStep, allocate_cache, graphs_enabled
-from medusa_chat.model.lean_forward import LeanForward
-from medusa_chat.model.runner import BackboneRunner
+from medusa_chat.model.forward.graph_step import GraphStep, allocate_cache, graphs_enabled
+from medusa_chat.model.forward.lean_forward import LeanForward
+from medusa_chat.model.forward.runner import BackboneRunner
 from medusa_chat.tree import TreeBuffers
 
 if TYPE_CHECKING:
-    from medusa_chat.model.kv_cache import TreeKVCache
+    from medusa_chat.model.forward.kv_cache import TreeKVCache
 
 # The graphs' cache is allocated whole for the context window, up to this many tokens (Llama-2-7B in fp16: 0.5 GB
 # per 1k tokens); a longer conversation continues on the eager step, whose cache grows as needed.

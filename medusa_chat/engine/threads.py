@@ -97,7 +97,7 @@ def describe() -> str:
 def adapts(runner) -> bool:
     """Does a ThreadGovernor change the thread count for this BackboneRunner? Only the native C step's (the
     kernels' count, not torch's), and only while no count is fixed and the machine has more than one core."""
-    from medusa_chat.model.block_forward import NativeForward
+    from medusa_chat.model.forward.block_forward import NativeForward
 
     return fixed() is None and isinstance(runner.lean, NativeForward) and _full_threads() > 1
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa_chat.engine.tree_sizer import TreeSizer
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.tree_plan import TreePlan
 from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
     from medusa_chat.engine.drafters import Drafter
-    from medusa_chat.model.heads import MedusaHeads
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.heads import MedusaHeads
+    from medusa_chat.model.forward.runner import BackboneRunner
 
 # How `info`, `ask` and `bench` say that the tree's shape follows the draft (MedusaEngine.draft_shaped)
 SHAPED_NOTE = ", shaped per step by the draft"

@@ -245,7 +245,7 @@ class RowLookupEmbedding(nn.Module):
 class BlockEmbedding(RowLookupEmbedding):
     """A token embedding looked up in a Q8_0 block linear's own blocks: the lm_head's, when the model ties the
     two and the float table is exactly those blocks dequantized (the embedded GGUF stores one Q8_0 token_embd
-    for both; `model.cpu_blocks.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
+    for both; `model.forward.cpu_blocks.share_tied_embedding` checks the equality before swapping). A row is dequantized as it
     is looked up (csrc/qgemm.c, q8_0_rows: d * q, exact in fp32), so the table is not held a second time in fp32
     (49152 x 576: 113 MB for the embedded model)."""
 

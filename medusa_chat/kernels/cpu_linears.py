@@ -5,7 +5,7 @@ Exactness first: a tree step computes many rows at once, the plain loop one. Tre
 loop bit for bit only if every projection gives a row the same bits whether it is computed alone or among
 others. PyTorch's default fp32 GEMM does not (MKL takes another kernel for 1-3 rows); oneDNN's packed GEMM and
 the weight-only int kernels do. Which of a model's linears become which of these modules is the model layer's
-choice (model/cpu_blocks.py: `prepare_cpu_linears`).
+choice (model/forward/cpu_blocks.py: `prepare_cpu_linears`).
 
 Speed: at batch 1 a decoding step reads every weight once, so bytes per weight set the speed on a CPU. torch
 ships weight-only kernels for this (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): the weight stays

@@ -171,7 +171,7 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     if "/" in model and not model.startswith((".", "/", "~")):  # a Hub id: transformers finds it in the cache
         from transformers import AutoTokenizer
 
-        from medusa_chat.model.backbones import load_backbone
+        from medusa_chat.model.sources.backbones import load_backbone
 
         try:
             tok = AutoTokenizer.from_pretrained(model)
@@ -181,7 +181,7 @@ def _load(model: str, device: torch.device) -> tuple[Any, Any]:
     if "/" in model:
         raise ModelNotFoundError(f"model folder {model} does not exist")
     try:  # a registry alias such as "vicuna-7b": let the loader resolve and fetch it
-        from medusa_chat.model.loading import load_model
+        from medusa_chat.model.sources.loading import load_model
     except ImportError as err:
         raise ModelNotFoundError(
             f"unknown model {model!r}: give a folder, a Hub id, or 'smollm2-135m'"
@@ -239,7 +239,7 @@ def train_main(args: argparse.Namespace) -> int:
 def _training_device(args: argparse.Namespace) -> torch.device:
     """The device (`--device`), with `--threads` and, on CUDA, no TF32 (the fp32 replies and hidden states must
     match what the backbone computes at decode time)."""
-    from medusa_chat.model.devices import pick_device
+    from medusa_chat.model.sources.devices import pick_device
 
     device = pick_device(args.device)
     if args.threads:
@@ -274,7 +274,7 @@ def _init_from(args: argparse.Namespace, eagle: bool) -> Any:
     format that cannot start this run is refused."""
     if not args.init_from:
         return None
-    from medusa_chat.model.heads_files import load_heads_file
+    from medusa_chat.model.sources.heads_files import load_heads_file
 
     init_from = load_heads_file(Path(args.init_from).expanduser())[0]
     given = getattr(init_from, "format", "heads")
@@ -390,7 +390,7 @@ def _train_eagle(
     """The EAGLE draft after the data: every position's feature cached in `work`/eagle-features (EAGLE-3's three
     taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
     then the Hub layout, accuracy.json and tree.json in `out`."""
-    from medusa_chat.model.eagle import eagle_taps
+    from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
     from medusa_chat.training.eagle_pipeline import train_and_save_eagle
 
@@ -406,7 +406,7 @@ def _train_eagle(
         draft_vocab = min(args.draft_vocab, int(model.config.vocab_size))
     if init_from is not None:  # (before the feature cache: a draft for another model fails now)
         from medusa_chat.errors import HeadsError
-        from medusa_chat.model.eagle import check_eagle_fits
+        from medusa_chat.model.forward.eagle import check_eagle_fits
 
         try:
             check_eagle_fits(init_from, model.config.to_dict(), args.init_from, str(args.model))

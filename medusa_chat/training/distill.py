@@ -56,7 +56,7 @@ def make_logger(prefix: str = "", stream: Any = None, file: Path | None = None) 
 def resolve_model_path(model: str | Path) -> Path:
     """A model folder for `model`: a local path, or an alias of the embedded model."""
     if str(model).lower() in EMBEDDED_ALIASES:
-        from medusa_chat.model.embedded import embedded_model_dir
+        from medusa_chat.model.sources.embedded import embedded_model_dir
 
         return Path(embedded_model_dir())
     path = Path(model).expanduser()
@@ -78,7 +78,7 @@ def load_for_training(
     """(model, tokenizer) for training: the app's own loader (frozen, eval mode, sdpa attention), unquantized."""
     from transformers import AutoTokenizer
 
-    from medusa_chat.model.backbones import load_backbone
+    from medusa_chat.model.sources.backbones import load_backbone
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)

@@ -1,7 +1,7 @@
 """The EAGLE draft as it is trained: built from its config.json (EAGLE-1, or EAGLE-3 with its own draft
 vocabulary), warm-started from a trained one, and its forward unrolled over training-time-test steps.
 
-The draft is model/eagle.py's `EagleDraft` (version 1): `fc` Linear(2h -> h) over cat(embedding of token t + 1,
+The draft is model/forward/eagle.py's `EagleDraft` (version 1): `fc` Linear(2h -> h) over cat(embedding of token t + 1,
 feature t), one Llama decoder layer without input_layernorm, the backbone's lm_head (frozen, shared, not saved).
 The feature is the backbone's last hidden state after its final norm: what the engine's drafter reads.
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.eagle import EagleDraft, rotate_half
+from medusa_chat.model.forward.eagle import EagleDraft, rotate_half
 
 
 def draft_config(
@@ -71,7 +71,7 @@ def new_draft(
     """A fresh draft from its config.json dict (the loader's own parsing: what is trained is what loads). With
     `draft_vocab_size` an EAGLE-3 draft over the tokens `draft_ids`: its maps d2t/t2d, its lm_head started from
     the backbone's rows of those tokens (`lm_weight`); else EAGLE-1."""
-    from medusa_chat.model.eagle import eagle_config
+    from medusa_chat.model.forward.eagle import eagle_config
 
     torch.manual_seed(seed)
     cfg = eagle_config(config, "draft config")

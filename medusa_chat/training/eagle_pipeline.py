@@ -18,8 +18,8 @@ import torch
 from torch.nn import functional as F
 
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
-from medusa_chat.model.eagle import EagleDraft
-from medusa_chat.model.native_eagle import EAGLE1_DRAFT_VOCAB
+from medusa_chat.model.forward.eagle import EagleDraft
+from medusa_chat.model.forward.native_eagle import EAGLE1_DRAFT_VOCAB
 from medusa_chat.training.eagle_data import EagleData
 from medusa_chat.training.eagle_model import (
     draft_config,
@@ -188,7 +188,7 @@ def train_and_save_eagle(
         # (native_eagle.py), so they are the reply tokens this draft was trained on, most frequent first
         from safetensors.torch import save
 
-        from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE
+        from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
         from medusa_chat.training.train_heads import draft_vocabulary
 
         ids = draft_vocabulary(train, eagle1_draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]

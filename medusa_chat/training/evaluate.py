@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.heads import MedusaHeads
+from medusa_chat.model.forward.heads import MedusaHeads
 from medusa_chat.training.positions import PositionData
 from medusa_chat.training.train_heads import head_logits, head_projection, head_targets, hydra_inputs
 

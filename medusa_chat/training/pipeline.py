@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from medusa_chat.atomic import atomic_write_bytes, atomic_write_json
-from medusa_chat.model.heads import MedusaHeads
+from medusa_chat.model.forward.heads import MedusaHeads
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.positions import PositionData
 from medusa_chat.training.store import Log

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.eagle import EagleDraft
+from medusa_chat.model.forward.eagle import EagleDraft
 from medusa_chat.training.eagle_data import EagleData
 from medusa_chat.training.eagle_model import draft_index, draft_logits, step_rows, unrolled_outputs
 from medusa_chat.training.loop import (

@@ -10,7 +10,7 @@ Pipeline pieces (the CLI and benchmarks/gpu_train_heads.py both use them):
 3. `evaluate_heads`: held-out per-head top-1/top-5, rank-r accuracy (r < 10, what fit-tree needs), chain
    (conditional) accuracies, and the joint distribution of rank tuples so trees can be fitted to correlated hits.
 4. `save_heads`: the published Hub layout (`config.json` + `medusa_lm_head.safetensors`, published key names,
-   fp16), which `medusa_chat.model.heads.heads_from_state_dict` reloads bit-exactly.
+   fp16), which `medusa_chat.model.forward.heads.heads_from_state_dict` reloads bit-exactly.
 
 Hydra heads (`--heads-format hydra`) train the same way with teacher forcing: head k also sees the true tokens
 x_{t+1} .. x_{t+1+k} (already in the cached targets), which is exactly what it sees on a tree path whose
@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medusa_chat.machine import cpu_native_bf16
-from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.training.loop import (
     Checkpoint,
     DeadlineFit,

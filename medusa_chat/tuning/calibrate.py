@@ -28,7 +28,7 @@ import torch
 
 from medusa_chat import envvars
 from medusa_chat.engine.threads import adapts
-from medusa_chat.model.runner import BackboneRunner
+from medusa_chat.model.forward.runner import BackboneRunner
 from medusa_chat.tree import Tree
 from medusa_chat.tuning.measure import (
     CALIBRATION_PROMPTS,
@@ -133,7 +133,7 @@ def first_start_budget(loaded: Any) -> FirstStartBudget:
     A 1.17B Q4_K_M GGUF without heads, one thread on a busy 2-core VM: the former fixed budget (3 replies, 30
     steps per size, a 256-token prefix prefilled per size) calibrated in 97.9 s, this one in 25.9 s
     (docs/gguf_models.md, "First start")."""
-    from medusa_chat.model.loading import estimate_params
+    from medusa_chat.model.sources.loading import estimate_params
 
     if getattr(getattr(loaded, "device", None), "type", "cpu") == "cuda":
         # a GPU decodes even a 7B model at 100+ steps a second: the full measurement takes seconds there
@@ -574,7 +574,7 @@ def _choose_draft(
     starts load it (tree_choice.choose_tree). Where trees stay small (a 2-core CPU: 3-4 nodes) the drafts
     accept about alike at depth 1 and the stronger deep draft only costs more (docs/EAGLE.md): nothing more is
     measured, and the first start stays as short."""
-    from medusa_chat.model.loading import switch_heads, with_heads
+    from medusa_chat.model.sources.loading import switch_heads, with_heads
     from medusa_chat.tuning.tree_choice import DRAFT_CHOICES, shipped_draft
 
     current = shipped_draft(loaded)

@@ -86,7 +86,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from medusa_chat.model.loading import load_from_args
+    from medusa_chat.model.sources.loading import load_from_args
 
     err = Console(stderr=True)
     out = Console()

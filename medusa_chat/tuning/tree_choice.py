@@ -14,8 +14,8 @@ import torch
 
 from medusa_chat.engine.tree_sizer import SizeChoices
 from medusa_chat.machine import slug
-from medusa_chat.model.lookup_only import LOOKUP_ONLY
-from medusa_chat.model.numeric_path import device_name
+from medusa_chat.model.sources.lookup_only import LOOKUP_ONLY
+from medusa_chat.model.sources.numeric_path import device_name
 from medusa_chat.tree import Tree
 
 # A size whose calibrated rate is this share of the pick's or more stays in reach of the replies' own choice: on
@@ -121,7 +121,7 @@ DRAFT_CHOICES = ("hydra", "eagle3")
 def shipped_draft(loaded: Any) -> str | None:
     """The shipped name of the embedded model's draft when it is the model's default (no --heads given) and
     one of DRAFT_CHOICES; else None (another model, or heads the user asked for)."""
-    from medusa_chat.model.registry import SHIPPED_HEADS
+    from medusa_chat.model.sources.registry import SHIPPED_HEADS
 
     spec = getattr(loaded, "spec", None)
     if getattr(spec, "kind", "") != "embedded" or getattr(loaded, "heads_asked", "") or not loaded.heads_file:
@@ -189,7 +189,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     current = shipped_draft(loaded)
     if cal and current and cal.get("draft") in DRAFT_CHOICES and cal["draft"] != current:
         # this machine's calibration found another shipped draft faster: it drafts from now on
-        from medusa_chat.model.loading import switch_heads
+        from medusa_chat.model.sources.loading import switch_heads
 
         switch_heads(loaded, cal["draft"])
     base = loaded.default_tree

@@ -98,7 +98,7 @@ def info_panel(info: dict[str, Any]) -> Panel:
     grid.add_column(style="bold")
     grid.add_column()
     try:
-        from medusa_chat.model.loaded import summary_lines
+        from medusa_chat.model.sources.loaded import summary_lines
 
         lines = summary_lines(info)
     except (KeyError, TypeError, ImportError):

@@ -1,4 +1,4 @@
-// An EAGLE draft (model/eagle.py: EAGLE-3, or EAGLE-1/2 with one layer) drafting a step's tree in one C call,
+// An EAGLE draft (model/forward/eagle.py: EAGLE-3, or EAGLE-1/2 with one layer) drafting a step's tree in one C call,
 // on block weights.
 //
 // The draft is one Llama decoder layer over (the backbone's features, the next token's embedding) with its own

@@ -7,7 +7,7 @@ row the same bits whether it is computed alone or among others. `prepare_cpu_lin
 projections (and the lm_head) for such modules in the model itself, so the transformers forward, HF generate
 and the lean forward all run the same kernels, and the original float weight is dropped (no second copy stays
 resident). For the embedded model (SmolLM2-135M-Instruct.Q4_1.gguf) the file's own Q4_1 codes are taken as
-they are (model/gguf_names.py, `gguf_blocks`), not re-quantized.
+they are (model/sources/gguf_names.py, `gguf_blocks`), not re-quantized.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from medusa_chat.kernels.cpu_linears import (
 )
 from medusa_chat.kernels.known_answers import kernels_agree
 from medusa_chat.kernels.quantizers import quantize_int8, quantize_q4_1, quantize_q8_0
-from medusa_chat.model.gguf_names import GGUFBlocks
+from medusa_chat.model.sources.gguf_names import GGUFBlocks
 
 
 def block_module(mode: str, weight: torch.Tensor | None, blocks: tuple | None, lm_head: bool) -> nn.Module:

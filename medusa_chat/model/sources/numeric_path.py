@@ -9,7 +9,7 @@ random weights of the model's shapes, one row (the plain step) and a few rows (a
 fastest is kept among those faithful enough to the float model.
 
 Speed alone is not the choice: a path counts only if its replies are the model's. Where the float model fits in
-memory, each candidate is also scored teacher-forced against it on a fixed text (model/fidelity.py: top-1 agreement and
+memory, each candidate is also scored teacher-forced against it on a fixed text (model/sources/fidelity.py: top-1 agreement and
 KL per token, llama-perplexity's method), and a candidate whose KL exceeds the most faithful quantized
 candidate's by more than FIDELITY_SLACK is out (e.g. the embedded GGUF's Q4_1 blocks re-quantized as Q8_0:
 two roundings, 1.4x the KL of the file's own blocks). The measurements take a few seconds at the first start;
@@ -77,7 +77,7 @@ def _module(
 ) -> nn.Module | None:
     """The module prepare_cpu_linears would build for this mode and shape (random weights)."""
     from medusa_chat.kernels.cbind import available
-    from medusa_chat.model.cpu_blocks import block_module
+    from medusa_chat.model.forward.cpu_blocks import block_module
 
     weight = torch.randn(out_f, in_f, generator=gen) * 0.02
     if mode == "none":
@@ -183,7 +183,7 @@ def choose_cpu_quant(
     fidelity_probe: Callable[[list[str]], dict[str, Any]] | None = None,
 ) -> str:
     """The CPU numeric path for `--quant auto`: cached, else measured now (and cached). `fidelity_probe(modes)`
-    scores the runnable candidates against the float model (see model/fidelity.py); None: speed alone."""
+    scores the runnable candidates against the float model (see model/sources/fidelity.py); None: speed alone."""
     path = _cache_file(model_name)
     try:
         cached = json.loads(path.read_text())

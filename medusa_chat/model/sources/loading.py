@@ -26,8 +26,9 @@ import torch
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
 from medusa_chat.machine import cpu_native_bf16
-from medusa_chat.model import hub
-from medusa_chat.model.backbones import (
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.sources import hub
+from medusa_chat.model.sources.backbones import (
     context_limit,
     eos_ids,
     fit_heads,
@@ -36,25 +37,24 @@ from medusa_chat.model.backbones import (
     load_from_quantized_file,
     prepare_cpu_blocks,
 )
-from medusa_chat.model.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11
-from medusa_chat.model.devices import (
+from medusa_chat.model.sources.chat_template import TOKENIZER, VICUNA_STOP_STRINGS, VICUNA_V11
+from medusa_chat.model.sources.devices import (
     CPU_QUANTS,
     NF4_TREES_NOTE,
     pick_device,
     pick_dtype,
     pick_quant,
 )
-from medusa_chat.model.heads import HydraHeads, MedusaHeads
-from medusa_chat.model.heads_files import (
+from medusa_chat.model.sources.heads_files import (
     check_heads_fit,
     checkpoint_medusa_keys,
     heads_kind,
     load_checkpoint_heads,
     load_heads_file,
 )
-from medusa_chat.model.loaded import LoadedModel, dtype_name
-from medusa_chat.model.lookup_only import LOOKUP_ONLY, lookup_only_tree
-from medusa_chat.model.registry import MODELS, ModelSpec, heads_location, is_repo_id, resolve
+from medusa_chat.model.sources.loaded import LoadedModel, dtype_name
+from medusa_chat.model.sources.lookup_only import LOOKUP_ONLY, lookup_only_tree
+from medusa_chat.model.sources.registry import MODELS, ModelSpec, heads_location, is_repo_id, resolve
 from medusa_chat.tree import Tree
 
 Progress = Callable[[str], None]
@@ -173,8 +173,8 @@ class _Load:
 
 def _cpu_auto_quant(job: _Load, config: dict[str, Any]) -> str:
     """`--quant auto` on a CPU: the fastest exact path on this machine, measured once and cached."""
-    from medusa_chat.model.fidelity import fidelity_probe
-    from medusa_chat.model.numeric_path import choose_cpu_quant
+    from medusa_chat.model.sources.fidelity import fidelity_probe
+    from medusa_chat.model.sources.numeric_path import choose_cpu_quant
 
     # Keyed by the backbone, not the alias: the same weights must get the same numeric path however they are
     # named (a heads repo naming its backbone, or the backbone with --heads).
@@ -202,7 +202,7 @@ def _read_backbone(
     the path the device and quantization call for. Sets job.q to the quantization actually used."""
     spec, dev, dtype, notes = job.spec, job.dev, job.dtype, job.notes
     if spec.kind == "gguf":
-        from medusa_chat.model.gguf_model import load_gguf_backbone
+        from medusa_chat.model.sources.gguf_model import load_gguf_backbone
 
         backbone, job.q = load_gguf_backbone(Path(spec.backbone), model_dir, dev, job.q, dtype, notes, job.progress)
         return backbone, False, None
@@ -212,7 +212,7 @@ def _read_backbone(
     cpu_quant = dev.type == "cpu" and q in CPU_QUANTS
     fidelity = None
     if cpu_quant:
-        from medusa_chat.model.numeric_path import cached_fidelity
+        from medusa_chat.model.sources.numeric_path import cached_fidelity
 
         fidelity = cached_fidelity(spec.backbone or spec.name, q)
     job.say(f"Loading {spec.name} on {dev} ({dtype_name(dtype)}, quantization {q})")
@@ -287,7 +287,7 @@ def load_model(
     job = _Load(model, heads, trust_remote_code, quantized_cache, spec, dev, q, compute_dtype, notes, say, progress)
     backbone, cpu_quant, fidelity = _read_backbone(job, config, model_dir, heads_mod, bool(medusa_keys))
     q = job.q
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.runner import BackboneRunner
 
     problem = BackboneRunner.unsupported(backbone)
     if problem is not None:  # refused here, not at the first reply
@@ -378,11 +378,11 @@ def _read_config(
 ) -> tuple[ModelSpec, str, dict[str, Any]]:
     """The backbone's location and config.json; a `--model` that names a heads repo leads to its base model."""
     if spec.kind == "embedded":
-        from medusa_chat.model.embedded import embedded_model_dir
+        from medusa_chat.model.sources.embedded import embedded_model_dir
 
         backbone_loc = str(embedded_model_dir(progress=progress))
     elif spec.kind == "gguf":  # the file's config and tokenizer, read once into a weightless folder
-        from medusa_chat.model.gguf_model import gguf_model_dir
+        from medusa_chat.model.sources.gguf_model import gguf_model_dir
 
         backbone_loc = str(gguf_model_dir(Path(spec.backbone), progress=progress))
     else:

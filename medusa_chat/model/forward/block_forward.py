@@ -29,7 +29,7 @@ import torch
 
 from medusa_chat import envvars
 from medusa_chat.kernels import cthreads
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.tree_plan import TreePlan
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length

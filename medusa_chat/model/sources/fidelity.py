@@ -76,8 +76,8 @@ def _causal_mask(count: int, dtype: torch.dtype, device: torch.device) -> torch.
 def scored_logprobs(loaded: Any, chunks: Sequence[list[int]]) -> Iterator[torch.Tensor]:
     """Per chunk, the path's log-probabilities [chunk // 2 - 1, vocab] for the scored positions, computed by
     the forward the engine decodes with (the native C step, the lean forward or transformers')."""
-    from medusa_chat.model.kv_cache import TreeKVCache
-    from medusa_chat.model.runner import BackboneRunner
+    from medusa_chat.model.forward.kv_cache import TreeKVCache
+    from medusa_chat.model.forward.runner import BackboneRunner
 
     runner = BackboneRunner(loaded.backbone)
     layers = loaded.backbone.config.num_hidden_layers
@@ -129,7 +129,7 @@ def fidelity_probe(
     params: int,
     say: Callable[[str], None],
 ) -> Callable[[list[str]], dict[str, Any]] | None:
-    """For `--quant auto`: a probe that scores the candidate paths against the float model (model/fidelity.py), or
+    """For `--quant auto`: a probe that scores the candidate paths against the float model (model/sources/fidelity.py), or
     None where it cannot run: first-start measurements are off (MEDUSA_CHAT_AUTO_CALIBRATE=0), or the float
     model and a quantized copy would not fit in memory beside each other. `load(quant)` loads the model with
     that numeric path on the CPU (loading.load_model; passed in, as loading imports this module)."""

@@ -74,7 +74,7 @@ class _Static:
 
 class GraphStep:
     """`run(tokens, start, buf) -> (hidden [N, H], logits [N, V])` for a verification step whose cache is
-    `cache` (an model.kv_cache.TreeKVCache whose buffer was allocated at `capacity` slots).
+    `cache` (an model.forward.kv_cache.TreeKVCache whose buffer was allocated at `capacity` slots).
 
     capture=False runs the very same static-shape body eagerly (what tests exercise on a CPU)."""
 
@@ -161,7 +161,7 @@ class GraphStep:
 def allocate_cache(
     cache: Any, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: Any, device: Any
 ) -> None:
-    """Give `cache` (model.kv_cache.TreeKVCache) its whole buffer now, `capacity` slots: graphs hold its address."""
+    """Give `cache` (model.forward.kv_cache.TreeKVCache) its whole buffer now, `capacity` slots: graphs hold its address."""
     cache.capacity = capacity
     cache.buffer = torch.zeros((layers, 2, 1, kv_heads, capacity, head_dim), dtype=dtype, device=device)
     cache.rows = None

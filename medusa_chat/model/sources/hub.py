@@ -144,7 +144,7 @@ def select_files(names: Iterable[str], want: str) -> list[str]:
         heads = next((f for f in HEADS_FILES if f in present), None)
         # beside the weights: the fitted tree and the draft vocabulary (train-heads writes both)
         beside = [n for n in ("config.json", "tree.json", "draft_vocab.safetensors") if n in present]
-        if heads is None:  # an EAGLE draft (model/eagle.py): config.json and one weight file, no tokenizer
+        if heads is None:  # an EAGLE draft (model/forward/eagle.py): config.json and one weight file, no tokenizer
             eagle = next((f for f in ("model.safetensors", "pytorch_model.bin") if f in present), None)
             draft = eagle and "config.json" in present and not present & set(TOKENIZER_FILES)
             return [*beside, eagle] if draft else []

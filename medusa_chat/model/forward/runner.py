@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa_chat.model.lean_forward import lean_forward_for
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.lean_forward import lean_forward_for
+from medusa_chat.model.forward.tree_plan import TreePlan
 
 if TYPE_CHECKING:
-    from medusa_chat.model.kv_cache import TreeKVCache
+    from medusa_chat.model.forward.kv_cache import TreeKVCache
 
 
 class BackboneRunner:

@@ -30,8 +30,8 @@ from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
 from medusa_chat.kernels.cbind import load
 from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 from medusa_chat.kernels.quantizers import QK, quantize_q4_1, quantize_q8_0
-from medusa_chat.model.block_forward import BLin, Q8Lin, blin_struct
-from medusa_chat.model.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.forward.block_forward import BLin, Q8Lin, blin_struct
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.mapped_weights import release
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
@@ -111,7 +111,7 @@ def drafter_name(heads: MedusaHeads | None, source: str = "") -> str:
     v1 or v2 layout), or "none"."""
     if heads is None:
         return "none"
-    if not isinstance(heads, MedusaHeads):  # an EAGLE draft (model/eagle.py): "eagle" | "eagle3"
+    if not isinstance(heads, MedusaHeads):  # an EAGLE draft (model/forward/eagle.py): "eagle" | "eagle3"
         return str(getattr(heads, "format", "draft"))
     if isinstance(heads, HydraHeads):
         return "hydra"

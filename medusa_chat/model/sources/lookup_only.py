@@ -84,7 +84,7 @@ def heads_line(h: dict[str, Any]) -> str:
     """summary_lines' heads line (after the "heads      " label)."""
     if not h["count"]:
         return str(h.get("note") or LOOKUP_ONLY)
-    eagle = {"eagle": "EAGLE-1/2 draft", "eagle3": "EAGLE-3 draft"}.get(h["format"])  # model/eagle.py
+    eagle = {"eagle": "EAGLE-1/2 draft", "eagle3": "EAGLE-3 draft"}.get(h["format"])  # model/forward/eagle.py
     what = f"{eagle}, {h['layers']} decoder layer(s)" if eagle else f"{h['count']} Medusa heads x {h['layers']} layer(s)"
     return (
         f"{what}, format {h['format']} "

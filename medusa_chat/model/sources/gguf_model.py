@@ -43,8 +43,8 @@ from torch import nn
 
 from medusa_chat.atomic import atomic_write_text, replace_folder
 from medusa_chat.errors import DeviceError, MedusaChatError, ModelNotFoundError
-from medusa_chat.model.cpu_blocks import set_tied_lm_head
-from medusa_chat.model.gguf_names import GGUF_LINEARS, GGUF_NORMS
+from medusa_chat.model.forward.cpu_blocks import set_tied_lm_head
+from medusa_chat.model.sources.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -322,7 +322,7 @@ def _float_linear(weight: torch.Tensor, mode: str, lm_head: bool, b: _Build) -> 
     from medusa_chat.kernels.cbind import available
     from medusa_chat.kernels.cpu_linears import GROUP, Int4Linear, Int8Linear, PackedLinear, can_pack
     from medusa_chat.kernels.quantizers import quantize_int8, quantize_q4_1
-    from medusa_chat.model.cpu_blocks import block_module
+    from medusa_chat.model.forward.cpu_blocks import block_module
 
     rows, cols = weight.shape
     if mode in ("int4", "int8") and cols % GROUP == 0 and available():
@@ -413,7 +413,7 @@ def load_gguf_backbone(
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from medusa_chat.kernels.cpu_linears import check_row_invariant
-    from medusa_chat.model.gguf_names import reverse_permute_rows
+    from medusa_chat.model.sources.gguf_names import reverse_permute_rows
 
     if device.type != "cpu":
         raise DeviceError(f"{gguf.name}: GGUF files run on the CPU here; pass --device cpu (or auto)")
@@ -554,7 +554,7 @@ def _notes(gguf: Path, b: _Build, notes: list[str]) -> None:
 
 def _release_memory() -> None:
     """Hand the freed load buffers back to the OS (glibc keeps freed heap memory otherwise)."""
-    from medusa_chat.model.block_forward import trim_heap
+    from medusa_chat.model.forward.block_forward import trim_heap
 
     gc.collect()
     trim_heap()

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint on a CPU block path (int4 / int8): quantized tensor by tensor into a cached GGUF file
-once, then loaded through the GGUF path (model/gguf_model.py) at this start and every later one.
+once, then loaded through the GGUF path (model/sources/gguf_model.py) at this start and every later one.
 
 Why: transformers loads a checkpoint as a whole float model; quantizing it only afterwards peaks at several times
 the quantized size (a 1.1B fp16 model: 7.8 GB; a 7B one does not fit in 24 GB). Here no float model ever exists:
@@ -57,8 +57,8 @@ from medusa_chat import envvars
 from medusa_chat.atomic import TMP_PREFIX, TMP_SUFFIX, atomic_write
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 from medusa_chat.kernels.cpu_linears import GROUP
-from medusa_chat.model.cpu_blocks import set_tied_lm_head
-from medusa_chat.model.gguf_names import GGUF_LINEARS, GGUF_NORMS
+from medusa_chat.model.forward.cpu_blocks import set_tied_lm_head
+from medusa_chat.model.sources.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
 
 Progress = Callable[[str], None]
@@ -473,7 +473,7 @@ def cache_path(folder: Path, source: dict[str, Any]) -> Path:
 
 def is_complete(path: Path, source: dict[str, Any]) -> bool:
     """The file exists, was made from `source` by this format, and has the size its header records."""
-    from medusa_chat.model.gguf_model import read_metadata
+    from medusa_chat.model.sources.gguf_model import read_metadata
 
     try:
         meta = read_metadata(path, (KEY_SOURCE, KEY_SIZE))
@@ -544,7 +544,7 @@ def human(n: float) -> str:
 
 
 def _release_memory() -> None:
-    from medusa_chat.model.block_forward import trim_heap
+    from medusa_chat.model.forward.block_forward import trim_heap
 
     trim_heap()
 
@@ -564,7 +564,7 @@ def load_quantized_backbone(
     there is none yet). A cached file the GGUF loader refuses (damaged after its check) is made again once.
     `half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the same
     values as an fp32 table, half the bytes); False for Hydra heads, whose C drafter reads an fp32 table."""
-    from medusa_chat.model.gguf_model import load_gguf_backbone
+    from medusa_chat.model.sources.gguf_model import load_gguf_backbone
 
     path, made = quantized_file(folder, name, config, quant, dtype, progress)
     scratch: list[str] = []

@@ -1,6 +1,6 @@
 """An EAGLE draft on the block kernel: each step's tree drafted in one C call (csrc/eagle.c).
 
-The draft (model/eagle.py) is one decoder layer plus a head: EAGLE-3's own draft-vocabulary head (the shipped
+The draft (model/forward/eagle.py) is one decoder layer plus a head: EAGLE-3's own draft-vocabulary head (the shipped
 draft: about 10 M parameters), or for EAGLE-1/2 the backbone's lm_head, read in the block form the native step
 already holds. In PyTorch a tree depth cost ~40 small ops, more than a whole backbone step of the embedded model
 takes on two cores, and a published EAGLE-1 draft for a 7B model is ~0.25 B parameters in fp32, read again at
@@ -23,11 +23,11 @@ import torch
 
 from medusa_chat import envvars
 from medusa_chat.errors import SettingError
-from medusa_chat.model.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
+from medusa_chat.model.forward.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
 from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
-    from medusa_chat.model.eagle import EagleDraft
+    from medusa_chat.model.forward.eagle import EagleDraft
     from medusa_chat.tree import TreeBuffers
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

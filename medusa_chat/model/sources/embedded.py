@@ -73,8 +73,8 @@ def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    from medusa_chat.model.gguf_model import gguf_config, gguf_tokenizer
-    from medusa_chat.model.gguf_names import gguf_state_dict
+    from medusa_chat.model.sources.gguf_model import gguf_config, gguf_tokenizer
+    from medusa_chat.model.sources.gguf_names import gguf_state_dict
 
     config = gguf_config(gguf)
     if hasattr(config, "quantization_config"):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from medusa_chat import envvars
 from medusa_chat.kernels.triton_attention import path_attention
 from medusa_chat.kernels.triton_linears import RowInvariantLinear
-from medusa_chat.model.tree_plan import TreePlan
+from medusa_chat.model.forward.tree_plan import TreePlan
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -153,7 +153,7 @@ class LeanForward:
         self.batch_nodes = sdpa_batch_invariant(
             self._act_dtype(causal_lm), weight.device, self.kv_heads, self.groups, self.head_dim
         )
-        # Row-invariant projections (the CUDA int4 load, model/cuda_int4.py): attention follows suit with the
+        # Row-invariant projections (the CUDA int4 load, model/forward/cuda_int4.py): attention follows suit with the
         # Triton path attention, which gives each tree node the plain step's bits, eager or in a CUDA graph.
         self.path_attention = isinstance(causal_lm.get_output_embeddings(), RowInvariantLinear)
         self._plan_paths: dict[int, tuple[TreePlan, torch.Tensor, torch.Tensor]] = {}
@@ -337,7 +337,7 @@ def lean_forward_for(causal_lm: Any) -> Any:
         return None
     built = getattr(causal_lm, "_medusa_lean_forward", None)
     if built is None:
-        from medusa_chat.model.block_forward import native_forward_for
+        from medusa_chat.model.forward.block_forward import native_forward_for
 
         built = native_forward_for(causal_lm) or LeanForward(causal_lm)
         causal_lm._medusa_lean_forward = built

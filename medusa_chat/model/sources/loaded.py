@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.model.chat_template import build_prompt_ids
-from medusa_chat.model.heads import MedusaHeads
-from medusa_chat.model.lookup_only import heads_info, heads_line
-from medusa_chat.model.registry import ModelSpec
+from medusa_chat.model.forward.heads import MedusaHeads
+from medusa_chat.model.sources.chat_template import build_prompt_ids
+from medusa_chat.model.sources.lookup_only import heads_info, heads_line
+from medusa_chat.model.sources.registry import ModelSpec
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
 
@@ -58,11 +58,11 @@ class LoadedModel:
 
     def info(self) -> dict[str, Any]:
         """Startup summary: model, heads, quantization, device, dtype, parameters and memory."""
-        from medusa_chat.model.cpu_blocks import weight_accounting
+        from medusa_chat.model.forward.cpu_blocks import weight_accounting
 
         heads = heads_info(self.heads, self.heads_source, self.heads_file, self.spec.backbone or self.model_dir)
         if self.heads is not None:  # block heads: their real footprint (a shared lm_head once) and drafter
-            from medusa_chat.model.block_heads import drafter_name, heads_footprint
+            from medusa_chat.model.forward.block_heads import drafter_name, heads_footprint
 
             params, nbytes, dtype = heads_footprint(self.heads, self.backbone)
             drafter = drafter_name(self.heads, self.heads_source)

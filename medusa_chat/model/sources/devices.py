@@ -42,7 +42,7 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_quant(quant: str, device: torch.device) -> str:
-    """auto: on CUDA the int4 path (model/cuda_int4.py: Triton or tinygemm kernels, row-invariant, chosen by
+    """auto: on CUDA the int4 path (model/forward/cuda_int4.py: Triton or tinygemm kernels, row-invariant, chosen by
     measuring) where Triton is installed, else bitsandbytes NF4; on a CPU "auto" stays until the session measures
     the paths (numeric_path.py). On a CPU int8 and int4 are the block kernels; nf4 is bitsandbytes (slow there)."""
     if quant not in QUANTS:
