@@ -15,7 +15,7 @@ which `best_path` treats as "not accepted").
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -33,12 +33,26 @@ def published_trees() -> dict[str, list[list[int]]]:
     return json.loads(text)
 
 
+@dataclass
+class SizeChoices:
+    """What a CPU calibration tells the engine's tree sizer (engine/tree_sizer.py): the sizes it may use
+    (ascending, 1 = plain steps), the size its estimate chose (the start), and each size's tokens per step on the
+    calibration's replies."""
+
+    sizes: list[int]
+    start: int
+    tokens_per_step: dict[int, float]
+
+
 @dataclass(frozen=True)
 class Tree:
     """An immutable, validated tree layout in growth order (root excluded from `paths`)."""
 
     paths: tuple[Path_, ...]
     name: str = "custom"
+    # The prefix sizes its steps may verify, chosen as replies run, where a calibration timed them (tuning's
+    # calibrated_tree); None: every step verifies the whole tree. Not part of the layout: trees compare without it.
+    sizes: SizeChoices | None = field(default=None, compare=False)
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod

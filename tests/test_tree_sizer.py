@@ -7,6 +7,7 @@ half-way; the replies on the embedded model's exact native step with a sizer tha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -120,7 +121,7 @@ def test_choose_tree_gives_the_engine_the_largest_size_and_the_sizer_the_pick(
     tree_choice.save_calibration(record, name, device, quant, dtype)
     tree, source = tree_choice.choose_tree(loaded)
     assert tree.size == 4 and "1-4 nodes" in source
-    assert loaded.adaptive_trees[4].start == 2
+    assert tree.sizes is not None and tree.sizes.start == 2
     engine = MedusaEngine(loaded, tree)
     # the tiny test model runs eagerly in PyTorch, not on the exact native step: every step verifies the whole tree
     assert engine.sizer is None or engine.exact
@@ -134,11 +135,7 @@ def test_greedy_replies_equal_the_plain_loop_while_the_sizer_switches(embedded_m
 
     loaded = embedded_model
     choices = SizeChoices([1, 2, 3, 4], 2, dict.fromkeys([1, 2, 3, 4], 1.0))  # (equal tokens per step: the step times decide)
-    loaded.adaptive_trees[4] = choices
-    try:
-        engine = MedusaEngine(loaded, loaded.default_tree.prefix(4))
-    finally:
-        del loaded.adaptive_trees[4]
+    engine = MedusaEngine(loaded, replace(loaded.default_tree.prefix(4), sizes=choices))
     assert engine.sizer is not None
     engine.sizer.explore_every, engine.sizer.trial_steps = 3, 2
     plain = MedusaEngine(loaded, plain_tree())

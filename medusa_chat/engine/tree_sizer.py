@@ -22,15 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from medusa_chat.tree import SizeChoices
 
-@dataclass
-class SizeChoices:
-    """What the calibration tells the sizer: the sizes it may use (ascending, 1 = plain steps), the size its
-    estimate chose (the start), and each size's tokens per step on the calibration's replies."""
-
-    sizes: list[int]
-    start: int
-    tokens_per_step: dict[int, float]
+__all__ = ["SizeChoices", "TreeSizer"]
 
 
 @dataclass

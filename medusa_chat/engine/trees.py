@@ -68,7 +68,7 @@ class StepTrees:
         self.exact = self.runner.lean is not None and self.device.type == "cpu"
         # the prefix size each step verifies, measured as replies run (tree_sizer.py), where this tree came from a
         # CPU calibration that timed its prefixes (None: every step verifies the whole tree)
-        choices = getattr(self.model, "adaptive_trees", {}).get(tree.size) if self.adaptive else None
+        choices = tree.sizes if self.adaptive else None
         self.sizer: TreeSizer | None = None
         self._sized: int | None = None  # the size the sizer gave the step being run
         if choices is not None and self.exact and tree.size > 1:

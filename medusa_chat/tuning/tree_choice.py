@@ -7,16 +7,16 @@ goes through `calibrate.resolve_tree`, which adds: on a CPU without a cached cal
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from medusa_chat.engine.tree_sizer import SizeChoices
 from medusa_chat.machine import slug
 from medusa_chat.model.sources.lookup_only import LOOKUP_ONLY
 from medusa_chat.model.sources.numeric_path import device_name
-from medusa_chat.tree import Tree
+from medusa_chat.tree import SizeChoices, Tree
 
 # A size whose calibrated rate is this share of the pick's or more stays in reach of the replies' own choice: on
 # the 2-core Zen 4 the 4-node tree estimated at 0.89x the 2-node pick was the faster one minutes later
@@ -155,17 +155,16 @@ def adaptive_choices(cal: dict[str, Any], base_size: int) -> SizeChoices | None:
 
 
 def calibrated_tree(loaded: Any, cal: dict[str, Any], base: Tree) -> Tree:
-    """The prefix of `base` a calibration gives the engine, with what it tells `loaded` for the engine's steps: the
-    sizes replies may choose among (adaptive_trees; the tree is then the largest of them, the steps start at the
-    pick) and the one-thread size (single_thread_trees)."""
+    """The prefix of `base` a calibration gives the engine, with the sizes replies may choose among (the tree's
+    `sizes`; the tree is then the largest of them, the steps start at the pick), and what it tells `loaded` for the
+    engine's steps: the one-thread size (single_thread_trees)."""
     size = cal["tree_size"]
     choices = adaptive_choices(cal, base.size)
     if choices is not None:
         size = choices.sizes[-1]
-        loaded.adaptive_trees[size] = choices
     if cal.get("tree_size_1_thread"):  # a CPU calibration that timed one-thread steps too
         loaded.single_thread_trees[size] = min(int(cal["tree_size_1_thread"]), cal["tree_size"])
-    return base.prefix(size)
+    return replace(base.prefix(size), sizes=choices)
 
 
 def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None = None) -> tuple[Tree, str]:
@@ -179,7 +178,7 @@ def choose_tree(loaded: Any, tree_name: str | None = None, tree_size: int | None
     calibration chose (`switch_heads`: `loaded` drafts with it from then on).
     """
     if tree_name or tree_size is not None:
-        loaded.adaptive_trees.clear()  # a tree the user names is verified whole, every step
+        # a tree the user names is verified whole, every step (a prefix carries no calibrated sizes)
         chosen = Tree.named(tree_name) if tree_name else loaded.default_tree
         if tree_size is not None:
             chosen = chosen.prefix(tree_size)

@@ -4,7 +4,7 @@ the startup summary (`info`, `summary_lines`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,9 +14,6 @@ from medusa_chat.model.sources.lookup_only import heads_info, heads_line
 from medusa_chat.model.sources.registry import ModelSpec
 from medusa_chat.tree import Tree
 from medusa_chat.units import human_bytes, human_count
-
-if TYPE_CHECKING:
-    from medusa_chat.engine.tree_sizer import SizeChoices
 
 
 @dataclass
@@ -45,9 +42,6 @@ class LoadedModel:
     # On a CPU: {calibrated tree size: the size that calibration found best on one thread}, the tree the engine
     # verifies while its thread governor runs the native step on one thread (a busy machine; tree_choice)
     single_thread_trees: dict[int, int] = field(default_factory=dict)
-    # On a CPU: {engine tree size: the prefix sizes its steps may verify, chosen as replies run}, from a calibration
-    # that timed those prefixes (tree_choice; engine/tree_sizer.py)
-    adaptive_trees: dict[int, SizeChoices] = field(default_factory=dict)
     # this numeric path's teacher-forced agreement with the float model where the `--quant auto` choice measured
     # it (numeric_path.cached_fidelity: top1, mean_kl, p99_kl, tokens); "none" on a float checkpoint is the
     # float model itself
