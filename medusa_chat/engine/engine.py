@@ -35,17 +35,18 @@ import torch
 
 from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
 from medusa_chat.engine.drafters import ROOT_ONLY, make_drafter
-from medusa_chat.engine.graphs import GraphSteps, wants_graphs
+from medusa_chat.engine.graphs import GraphRecorder, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
 from medusa_chat.engine.text import (
     StreamDecoder,
     keep_until_end,
     limit_reason,
+    pushed_text,
     release_held,
-    stop_string_cut,
+    reply_text,
 )
-from medusa_chat.engine.threads import ThreadGovernor, adapts
-from medusa_chat.engine.trees import StepTree, StepTrees
+from medusa_chat.engine.threads import ThreadGovernor, adapts, threads_line
+from medusa_chat.engine.trees import StepTree, TreeBuilder
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
 from medusa_chat.model.forward.graph_step import GraphStep
@@ -86,13 +87,17 @@ class StepResult:
     draft: torch.Tensor | None  # the next draft: Medusa guesses, or for Hydra the last accepted node's state
 
 
-class MedusaEngine(StepTrees, GraphSteps):
+class MedusaEngine:
     """Batch-1 Medusa tree decoding on a loaded backbone + heads. One reply at a time.
 
     Public calls besides `generate`: `prefill` (tokens into the cache), `next_logits_and_guesses`, `step` and
     `trial_step` (one verification step, as the calibration times it), `causal_mask`, `tree_for_room`,
     `step_state`, `lookup_chain`, `confident_tree`, `use_graphs` / `graph`, `shares_cache`, `fresh_cache` and
     `reset`. The drafter (`drafter`, drafters.py) is called only through its interface, whatever its kind.
+
+    The engine holds its parts: `trees` (TreeBuilder, trees.py: which tree, prefix, chain or shape a step verifies,
+    and the masks) and `graphs` (GraphRecorder, graphs.py: the step as CUDA graphs on a GPU). The tree and graph
+    attributes above are theirs, answered here.
     """
 
     def __init__(
@@ -104,8 +109,6 @@ class MedusaEngine(StepTrees, GraphSteps):
         adaptive: bool = True,
     ) -> None:
         self.model = model
-        self.shaped = shaped
-        self.adaptive = adaptive  # False: every step verifies the whole tree, even a calibrated one (tree_sizer.py)
         self.lookup_run = LOOKUP_RUN  # 0: lookup guesses only on the tree's own chain
         self.backbone = model.backbone
         self.runner = BackboneRunner(model.backbone)
@@ -121,19 +124,19 @@ class MedusaEngine(StepTrees, GraphSteps):
         # block-quantized Medusa heads drafting after the root is known, an EAGLE draft with its own KV cache fed
         # the backbone's features, or context lookup alone; a root-only tree drafts nothing (`set_tree`)
         self._drafter = make_drafter(self.heads, self.backbone, self.runner, getattr(model, "heads_source", ""))
-        self._root_only = ROOT_ONLY
         self.drafter_name = self._drafter.name
+        self.trees = TreeBuilder(model, self.runner, self.dtype, self._drafter, ROOT_ONLY, shaped, adaptive)
         graphs = graphs and not self._drafter.reads_features  # (a drafter reading every forward's features)
         # On a GPU the verification step is replayed as a CUDA graph where that is measured faster
         # (graph_step.py; `model.graph_step` from the device's calibration; MEDUSA_CHAT_COMPILE=0: never)
-        self._graph: GraphStep | None = None
-        self.graph_note = ""
+        self.graphs = GraphRecorder(self.runner, self.dtype, self.device, self.context_limit, self.trees.mask,
+                                    self._forward)  # fmt: skip
         if graphs and self.device.type == "cuda" and wants_graphs(model, self.runner):
             try:
-                self._graph = self._new_graph(capture=True)
+                self.graphs.record(self.cache, capture=True)
             except torch.cuda.OutOfMemoryError:  # the whole-window cache does not fit: the eager cache grows
                 self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
-                self.graph_note = "CUDA graphs off: no room for their whole-window KV cache"
+                self.graphs.note = "CUDA graphs off: no room for their whole-window KV cache"
         self.set_tree(tree or model.default_tree)
         # the native CPU step's thread count: the busy mode while other processes keep the cores busy (threads.py)
         self.threads: ThreadGovernor | None = None
@@ -145,7 +148,42 @@ class MedusaEngine(StepTrees, GraphSteps):
         """Start over on a new, empty KV cache of `capacity` tokens (it grows as needed)."""
         self.cache = TreeKVCache(self.backbone.config.num_hidden_layers, capacity=capacity)
         self.cached_ids.clear()
-        self._mask_prefix, self._mask = 0, self._mask[..., :0]
+        self.trees.forget_masks()
+
+    # ---- the engine's parts, asked of the engine -------------------------------------------------------------
+    tree = property(lambda self: self.trees.tree, doc="The tree each step verifies (or a prefix of it).")
+    buffers = property(lambda self: self.trees.buffers, doc="The tree's device buffers (TreeBuffers).")
+    plan = property(lambda self: self.trees.plan, doc="The tree's exact per-node plan (TreePlan), or None.")
+    exact = property(lambda self: self.trees.exact, doc="Does the step attend exactly per node (the CPU)?")
+    sizer = property(lambda self: self.trees.sizer, doc="The prefix size per step (tree_sizer.py), or None.")
+    drafter = property(lambda self: self.trees.drafter, doc="This tree's drafter (ROOT_ONLY for a root-only tree).")
+    draft_shaped = property(lambda self: self.trees.draft_shaped, doc=TreeBuilder.draft_shaped.__doc__)
+    dynamic_trees = property(lambda self: self.trees.dynamic_trees, doc=TreeBuilder.dynamic_trees.__doc__)
+    tree_note = property(lambda self: self.trees.tree_note, doc=TreeBuilder.tree_note.__doc__)
+    graph = property(lambda self: self.graphs.graph, doc="The step's CUDA graphs, or None where the eager step runs.")
+    graph_note = property(lambda self: self.graphs.note, doc="Why CUDA graphs went off, where they did.")
+
+    def set_tree(self, tree: Tree) -> None:
+        self.trees.set_tree(tree)
+
+    def tree_for_room(self, room: int) -> StepTree:
+        return self.trees.tree_for_room(room)
+
+    def step_state(self, tree: Tree) -> StepTree:
+        return self.trees.step_state(tree)
+
+    def lookup_chain(self, length: int) -> StepTree:
+        return self.trees.lookup_chain(length)
+
+    def confident_tree(self, root: torch.Tensor, draft: torch.Tensor | None, size: int) -> StepTree:
+        return self.trees.confident_tree(root, draft, size)
+
+    def causal_mask(self, start: int, count: int) -> torch.Tensor:
+        return self.trees.causal_mask(start, count)
+
+    def use_graphs(self, capture: bool = True) -> GraphStep:
+        """Replay this engine's steps as CUDA graphs (capture=False: run the graphs' code eagerly, as on a CPU)."""
+        return self.graphs.record(self.cache, capture)
 
     # ---- model calls --------------------------------------------------------------------------------------
     def _forward(
@@ -217,10 +255,10 @@ class MedusaEngine(StepTrees, GraphSteps):
         tokens = at.tokens if at.tokens is not None else self._propose(root, draft, buf, at.guess)
         # verify: one forward over the N tree tokens (on a GPU a replayed CUDA graph of it: graph_step.py)
         step_logits = None
-        if self._graph is not None:
-            hidden, step_logits = self._graph_step(tokens, start, buf)
+        if self.graphs.graph is not None:
+            hidden, step_logits = self.graphs.step(tokens, start, buf, self.cache)
         if step_logits is None:
-            attend = plan if plan is not None else self._tree_mask(start, buf)
+            attend = plan if plan is not None else self.trees.mask(start, buf)
             hidden = self._forward(tokens, start + buf.depth, attend)
         # accept: nodes with children need full-vocab logits to judge their children, the last accepted node
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
@@ -315,7 +353,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
         detok = StreamDecoder(self.model.tokenizer)
         # Streamed text that could be the start of a stop string is held back until a later step settles it.
-        text, held, hit = release_held(_pushed(detok, reply, stop_reason), stop_strings, final=bool(stop_reason))
+        text, held, hit = release_held(pushed_text(detok, reply, stop_reason), stop_strings, final=bool(stop_reason))
         stop_reason = "stop_string" if hit else stop_reason
         yield StepEvent(0, list(reply), text, [], None, prefill_s, 1, prefill_s, 0.0, 0.0)
         steps, accepted_lengths, busy_steps = 0, [], 0
@@ -326,7 +364,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         use_lookup = settings.context_lookup and self.tree.size > 1 and settings.accept_mode != TYPICAL
         lookup = ContextLookup([*prompt_ids, first]) if use_lookup else None
         # runs of lookup guesses longer than the tree's chain: where a step's tree is free (the exact CPU step)
-        runs = self.lookup_run if self.exact and self._graph is None else 0
+        runs = self.lookup_run if self.exact and self.graphs.graph is None else 0
         decode_t0 = time.perf_counter()
 
         # ---- decode: one tree verification per step ----
@@ -348,16 +386,17 @@ class MedusaEngine(StepTrees, GraphSteps):
             if lookup is not None:
                 lookup.extend(new_tokens)
             stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
-            pushed = _pushed(detok, new_tokens, stop_reason)
+            pushed = pushed_text(detok, new_tokens, stop_reason)
             delta, held, hit = release_held(held + pushed, stop_strings, final=bool(stop_reason))
             stop_reason = "stop_string" if hit else stop_reason
             now = time.perf_counter()
             if self.threads is not None:
                 busy_steps += self.threads.threads != self.threads.full  # (the step that was just timed)
                 self.threads.observe(now - step_t0, at.tree.size)
-            if self._sized is not None and self.sizer is not None:
-                self.sizer.observe(self._sized, now - step_t0)
-                sized_steps[self._sized] = sized_steps.get(self._sized, 0) + 1
+            sized = self.trees.sized
+            if sized is not None and self.sizer is not None:
+                self.sizer.observe(sized, now - step_t0)
+                sized_steps[sized] = sized_steps.get(sized, 0) + 1
             decode_s = now - decode_t0
             yield StepEvent(
                 step=steps,
@@ -378,7 +417,7 @@ class MedusaEngine(StepTrees, GraphSteps):
         if stop_reason == "context_limit":
             message = f"stopped at the model's context window ({self.context_limit} tokens)"
         yield ReplySummary(
-            text=self._reply_text(detok.text, stop_strings, held),
+            text=reply_text(detok.text, stop_strings, held),
             token_ids=reply,
             new_tokens=len(reply),
             steps=steps,
@@ -394,20 +433,9 @@ class MedusaEngine(StepTrees, GraphSteps):
             tree_size=self.tree.size,
             message=message,
             accepted_lengths=accepted_lengths,
-            threads=self._threads_line(steps, busy_steps),
+            threads=threads_line(self.threads if self.device.type == "cpu" else None, steps, busy_steps),
             sized_steps=dict(sorted(sized_steps.items())),
         )
-
-    def _threads_line(self, steps: int, busy_steps: int) -> str:
-        """What ran the reply's steps on a CPU (threads.py): e.g. "2 threads; 79 of 85 steps in the busy mode
-        (1 + an idle-time helper)"; "" off the native CPU step."""
-        gov = self.threads
-        if gov is None or self.device.type != "cpu":
-            return ""
-        if not gov.adaptive:
-            return f"{gov.threads} thread{'s' * (gov.threads != 1)} (fixed)"
-        busy = "1 + an idle-time helper" if gov.busy != 1 else "1 thread"
-        return f"{gov.full} threads; {busy_steps} of {steps} steps in the busy mode ({busy})"
 
     # ---- the reply's steps, by name ----------------------------------------------------------------------
     def _reply_acceptor(self, prompt_ids: list[int], settings: GenerationSettings) -> Any:
@@ -459,11 +487,12 @@ class MedusaEngine(StepTrees, GraphSteps):
         # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
         # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
         size = self.tree.size
-        self._sized = None  # the size the sizer chose for this step (None: not the sizer's step to time)
-        if self._one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
-            size = self._one_thread_size
+        trees = self.trees
+        trees.sized = None  # the size the sizer chose for this step (None: not the sizer's step to time)
+        if trees.one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
+            size = trees.one_thread_size
         elif self.sizer is not None:  # the prefix with the most tokens per second as measured now (tree_sizer.py)
-            size = self._sized = self.sizer.size()
+            size = trees.sized = self.sizer.size()
         # near the end of the context window a prefix of the tree still fits: the reply runs to the end
         at = self.tree_for_room(min(room, size))
         full = at.tree.size == size  # (not cut by the window's end)
@@ -504,37 +533,18 @@ class MedusaEngine(StepTrees, GraphSteps):
             lookup_nodes=at.buf.chain[: len(at.guess)] if at.guess else [],
         )
 
-    def _reply_text(self, text: str, stop_strings: tuple[str, ...], held: str) -> str:
-        """The reply's text: the decoder's (the stream's deltas add up to it; at a normal end it is the whole
-        decode, StreamDecoder.flush), cut at a stop string."""
-        if stop_strings:
-            cut = stop_string_cut(text, stop_strings)
-            text = text if cut is None else text[:cut]
-        if held and text.endswith(held):
-            # Stopped by the flag between two steps: no step is left to release the held text in, and a
-            # stopped reply keeps exactly what was shown (as a reply whose stream is abandoned does).
-            text = text[: -len(held)]
-        return text
-
     # ---- what calibration asks ---------------------------------------------------------------------------
     @property
     def shares_cache(self) -> bool:
         """Can another engine on the same model start from a copy of this one's cache (`cache`, `cached_ids`)? On
         a CPU, where the cache is the engine's own and the drafter keeps no state of its own (an EAGLE draft's
         KV cache); a GPU engine's cache may be its CUDA graphs' buffers."""
-        return self.device.type == "cpu" and self._graph is None and not self._drafter.reads_features
+        return self.device.type == "cpu" and self.graphs.graph is None and not self._drafter.reads_features
 
     def reset(self) -> None:
         """Forget the cached prefix (e.g. after a model-level change)."""
         self.cache.crop(0)
         self.cached_ids.clear()
-
-
-def _pushed(detok: StreamDecoder, tokens: list[int], stop_reason: str) -> str:
-    """The stream's text for these tokens; on the reply's last step also what the decoder held back (a character
-    no later token completes), so the stream and the reply's text are the same."""
-    text = detok.push(tokens)
-    return text + detok.flush() if stop_reason else text
 
 
 def plain_tree() -> Tree:

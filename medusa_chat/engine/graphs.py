@@ -35,68 +35,68 @@ def wants_graphs(model: Any, runner: BackboneRunner) -> bool:
     )
 
 
-class GraphSteps:
-    """The CUDA-graph part of MedusaEngine (its base class)."""
+class GraphRecorder:
+    """The engine's CUDA graphs of its verification step; MedusaEngine holds one (`engine.graphs`). `mask(start,
+    buf)` and `forward(ids, positions, attend)` are the engine's eager step, which a newly recorded graph is checked
+    against."""
 
-    device: torch.device
-    dtype: torch.dtype
-    cache: TreeKVCache
-    context_limit: int
-    _graph: GraphStep | None
-    graph_note: str
+    def __init__(
+        self,
+        runner: BackboneRunner,
+        dtype: torch.dtype,
+        device: torch.device,
+        context_limit: int,
+        mask: Callable[[int, TreeBuffers], torch.Tensor],
+        forward: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
+    ) -> None:
+        self.runner, self.lm_head = runner, runner.lm_head
+        self.dtype, self.device, self.context_limit = dtype, device, context_limit
+        self.mask, self.forward = mask, forward
+        self.graph: GraphStep | None = None  # None: the eager step runs
+        self.note = ""  # why graphs went off, where they did
 
-    @property
-    def graph(self) -> GraphStep | None:
-        """The engine's CUDA graphs of its step, or None where the eager step runs."""
-        return self._graph
-
-    def use_graphs(self, capture: bool = True) -> GraphStep:
-        """Replay this engine's steps as CUDA graphs (capture=False: run the graphs' code eagerly, as on a CPU)."""
-        self._graph = self._new_graph(capture)
-        return self._graph
-
-    def _new_graph(self, capture: bool) -> GraphStep:
-        """A GraphStep over this engine's cache, which gets its whole buffer now (graphs hold its address)."""
-        cfg = self.backbone.config
+    def record(self, cache: TreeKVCache, capture: bool = True) -> GraphStep:
+        """Replay the steps as CUDA graphs over `cache`, which gets its whole buffer now (graphs hold its address);
+        capture=False: run the graphs' code eagerly, as on a CPU."""
+        cfg = self.runner.model.config
         lean = self.runner.lean
         capacity = min(self.context_limit, GRAPH_CACHE_LIMIT)
-        allocate_cache(
-            self.cache, cfg.num_hidden_layers, lean.kv_heads, lean.head_dim, capacity, self.dtype, self.device
-        )
-        return GraphStep(lean, self.lm_head, self.cache, capacity, capture=capture)
+        allocate_cache(cache, cfg.num_hidden_layers, lean.kv_heads, lean.head_dim, capacity, self.dtype, self.device)
+        self.graph = GraphStep(lean, self.lm_head, cache, capacity, capture=capture)
+        return self.graph
 
-    def _graph_step(
-        self, tokens: torch.Tensor, start: int, buf: TreeBuffers
+    def step(
+        self, tokens: torch.Tensor, start: int, buf: TreeBuffers, cache: TreeKVCache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's (hidden, logits) from its CUDA graph, or (_, None) where graphs cannot serve it (then the
         eager step runs). A newly recorded graph's first replay is checked against the eager step first: one
         that disagrees, or that fails to record, turns graphs off for this engine, with a note."""
-        graph = self._graph
+        graph = self.graph
         assert graph is not None
         if start + buf.tree.size > graph.capacity:  # past the preallocated cache: the eager step grows it
-            self._graphs_off(f"the conversation outgrew the graphs' cache ({graph.capacity} tokens)")
+            self.off(f"the conversation outgrew the graphs' cache ({graph.capacity} tokens)")
             return tokens, None
         before = graph.captures
         try:
             hidden, logits = graph.run(tokens, start, buf)
         except (RuntimeError, ValueError) as err:  # a kernel that cannot be recorded, out of memory
-            self.cache.length = start
-            self._graphs_off(f"a CUDA graph could not be recorded ({err})")
+            cache.length = start
+            self.off(f"a CUDA graph could not be recorded ({err})")
             return tokens, None
         if graph.captures != before:  # a new graph: does it compute the eager step, and faster?
             hidden, logits = hidden.clone(), logits.clone()
             replay_s = self._timed(lambda: graph.run(tokens, start, buf))[0] if graph.capture else 0.0
-            self.cache.length = start
-            attend = self._tree_mask(start, buf)
-            eager_s, eager = self._timed(lambda: self._forward(tokens, start + buf.depth, attend))
+            cache.length = start
+            attend = self.mask(start, buf)
+            eager_s, eager = self._timed(lambda: self.forward(tokens, start + buf.depth, attend))
             scale = float(eager.abs().max()) or 1.0
             if float((eager - hidden).abs().max()) > 1e-2 * scale or not torch.equal(
                 greedy_tokens(self.lm_head(eager)), greedy_tokens(logits)
             ):
-                self._graphs_off("a recorded CUDA graph did not reproduce the eager step")
+                self.off("a recorded CUDA graph did not reproduce the eager step")
                 return eager, None
             if graph.capture and replay_s >= eager_s:
-                self._graphs_off(f"measured slower ({replay_s * 1e3:.2f} ms vs {eager_s * 1e3:.2f} ms eager)")
+                self.off(f"measured slower ({replay_s * 1e3:.2f} ms vs {eager_s * 1e3:.2f} ms eager)")
                 return eager, None
         return hidden, logits
 
@@ -111,6 +111,6 @@ class GraphSteps:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0, out
 
-    def _graphs_off(self, why: str) -> None:
-        self._graph = None
-        self.graph_note = f"CUDA graphs off: {why}; the eager step goes on"
+    def off(self, why: str) -> None:
+        self.graph = None
+        self.note = f"CUDA graphs off: {why}; the eager step goes on"

@@ -220,3 +220,23 @@ def partial_stop_suffix(text: str, stop_strings: tuple[str, ...]) -> int:
 def stop_string_cut(text: str, stop_strings: tuple[str, ...]) -> int | None:
     cuts = [i for s in stop_strings if s and (i := text.find(s)) >= 0]
     return min(cuts) if cuts else None
+
+
+def pushed_text(detok: StreamDecoder, tokens: list[int], stop_reason: str) -> str:
+    """The stream's text for these tokens; on the reply's last step also what the decoder held back (a character
+    no later token completes), so the stream and the reply's text are the same."""
+    text = detok.push(tokens)
+    return text + detok.flush() if stop_reason else text
+
+
+def reply_text(text: str, stop_strings: tuple[str, ...], held: str) -> str:
+    """The reply's text: the decoder's (the stream's deltas add up to it; at a normal end it is the whole
+    decode, StreamDecoder.flush), cut at a stop string."""
+    if stop_strings:
+        cut = stop_string_cut(text, stop_strings)
+        text = text if cut is None else text[:cut]
+    if held and text.endswith(held):
+        # Stopped by the flag between two steps: no step is left to release the held text in, and a
+        # stopped reply keeps exactly what was shown (as a reply whose stream is abandoned does).
+        text = text[: -len(held)]
+    return text

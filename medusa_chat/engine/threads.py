@@ -209,3 +209,14 @@ class ThreadGovernor:
         self._use(n)
         self._probing = True
         self._probe = []
+
+
+def threads_line(gov: ThreadGovernor | None, steps: int, busy_steps: int) -> str:
+    """What ran a reply's steps on a CPU: e.g. "2 threads; 79 of 85 steps in the busy mode (1 + an idle-time
+    helper)"; "" off the native CPU step (no governor)."""
+    if gov is None:
+        return ""
+    if not gov.adaptive:
+        return f"{gov.threads} thread{'s' * (gov.threads != 1)} (fixed)"
+    busy = "1 + an idle-time helper" if gov.busy != 1 else "1 thread"
+    return f"{gov.full} threads; {busy_steps} of {steps} steps in the busy mode ({busy})"

@@ -1,7 +1,7 @@
 """The trees an engine verifies, and their masks: the engine's tree and its buffers, smaller prefixes of it near
 the end of the context window, chains of context-lookup guesses, and trees shaped per step by the draft.
 
-Everything here is built once per tree (or per shape) and reused every step; MedusaEngine holds it.
+Everything here is built once per tree (or per shape) and reused every step; MedusaEngine holds a TreeBuilder.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from medusa_chat.engine.drafters import Drafter
     from medusa_chat.model.forward.heads import MedusaHeads
     from medusa_chat.model.forward.runner import BackboneRunner
+    from medusa_chat.model.sources.loaded import LoadedModel
 
 # How `info`, `ask` and `bench` say that the tree's shape follows the draft (MedusaEngine.draft_shaped)
 SHAPED_NOTE = ", shaped per step by the draft"
@@ -42,17 +43,29 @@ class StepTree:
         return replace(self, tokens=tokens, guess=self.guess if guess is None else guess)
 
 
-class StepTrees:
-    """The tree part of MedusaEngine (its base class): which tree, prefix, chain or shape a step verifies."""
+class TreeBuilder:
+    """Which tree, prefix, chain or shape a step verifies, and the masks its forward attends with; MedusaEngine
+    holds one (`engine.trees`) and asks it for each step's tree."""
 
-    device: torch.device
-    dtype: torch.dtype
-    heads: MedusaHeads | None
-    runner: BackboneRunner
-    shaped: bool
-    adaptive: bool
-    _drafter: Drafter  # the model's drafter
-    _root_only: Drafter  # a root-only tree's
+    def __init__(
+        self,
+        model: LoadedModel,
+        runner: BackboneRunner,
+        dtype: torch.dtype,
+        drafter: Drafter,
+        root_only: Drafter,
+        shaped: bool = True,
+        adaptive: bool = True,
+    ) -> None:
+        self.model = model
+        self.device = model.device
+        self.dtype = dtype
+        self.heads: MedusaHeads | None = model.heads
+        self.runner = runner
+        self.shaped = shaped
+        self.adaptive = adaptive  # False: every step verifies the whole tree, even a calibrated one (tree_sizer.py)
+        self._drafter = drafter  # the model's drafter
+        self._root_only = root_only  # a root-only tree's, which drafts nothing (drafters.ROOT_ONLY)
 
     def set_tree(self, tree: Tree) -> None:
         if tree.size > 1:
@@ -61,7 +74,7 @@ class StepTrees:
         self.buffers: TreeBuffers = tree.buffers(self.device, self.dtype)
         # the prefix this tree's calibration found best while the native step runs on one thread (None: the same)
         one = getattr(self.model, "single_thread_trees", {}).get(tree.size)
-        self._one_thread_size: int | None = one if one is not None and one < tree.size else None
+        self.one_thread_size: int | None = one if one is not None and one < tree.size else None
         # On a CPU the lean forward attends exactly per node (TreePlan: bitwise the plain loop). On a GPU the
         # per-node key rows would copy the KV cache once per node (64 x a 7B cache), so there the whole tree
         # block goes through one masked SDPA call: fast, and equal to plain decoding up to rounding near-ties.
@@ -70,7 +83,7 @@ class StepTrees:
         # CPU calibration that timed its prefixes (None: every step verifies the whole tree)
         choices = tree.sizes if self.adaptive else None
         self.sizer: TreeSizer | None = None
-        self._sized: int | None = None  # the size the sizer gave the step being run
+        self.sized: int | None = None  # the size the sizer gave the step being run
         if choices is not None and self.exact and tree.size > 1:
             self.sizer = TreeSizer(choices)
         # this tree's drafter: the model's, or for a root-only tree (the plain loop) none (drafters.ROOT_ONLY)
@@ -150,7 +163,7 @@ class StepTrees:
             state = self._shapes[codes] = self.step_state(Tree.from_paths(paths, name=f"{self.tree.name} (draft-shaped)"))
         return state.with_tokens(tokens)
 
-    def _tree_mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
+    def mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
         """Additive mask [1, 1, n, start + n] for the tree of `buf` (default: the engine's tree, n = its size, or
         a prefix of it): every node sees the whole prefix, then its tree ancestors.
 
@@ -175,6 +188,10 @@ class StepTrees:
         self._mask[0, 0, :n, start:width] = buf.attn_bias
         self._mask_prefix = start
         return self._mask[..., :n, :width]
+
+    def forget_masks(self) -> None:
+        """A fresh (empty) cache: no prefix column of the mask buffer is known to be zero any more."""
+        self._mask_prefix, self._mask = 0, self._mask[..., :0]
 
     def causal_mask(self, start: int, count: int) -> torch.Tensor:
         """Additive mask [1, 1, count, start + count]: `count` new tokens see the cache's first `start` entries
