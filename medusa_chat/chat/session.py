@@ -1,27 +1,29 @@
 """The session manager: one conversation, its settings and statistics, driving one MedusaEngine.
 
 Both UIs (Rich REPL, Gradio) and the HTTP API talk only to this class. It imports no UI code and holds no
-decoding logic. Its jobs live in three modules, each a part of the one class (a mixin, so the UIs keep one
-object and its attribute names):
-- this one: the model and engine (built on `load()`), the tree and its calibration on a first start, the
-  settings, and the reply lock that keeps one reply at a time;
-- turns.py: a turn: the prompt within the context window, the engine's reply streamed, the reply kept;
-- history.py: the conversation between replies: undo, clear, the system prompt, and its files (autosave,
-  save, load, delete, export).
+decoding logic. Its jobs:
+- this module: the model and engine (built on `load()`), the tree and its calibration on a first start, the
+  settings, the reply lock that keeps one reply at a time, and the changes between replies, each under that lock;
+- turns.py (its base class): a turn: the prompt within the context window, the engine's reply streamed, kept;
+- it holds its history (history.py: the conversation between replies, undo, clear, the system prompt, and its
+  files) and its speed meter (speed.py: measured or estimated speedup).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from medusa_chat import envvars
-from medusa_chat.chat.conversations import Conversation, ConversationStore, default_data_dir
-from medusa_chat.chat.speed import MEASURED_BASELINES
+from medusa_chat.chat.conversations import Conversation, ConversationMeta, ConversationStore, default_data_dir
+from medusa_chat.chat.history import ConversationHistory
+from medusa_chat.chat.speed import BASELINE_TOKENS, SpeedMeter
 from medusa_chat.chat.turns import ReplyTurns
+from medusa_chat.errors import BusyError
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.settings import parse_settings
 from medusa_chat.tree import Tree
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 class SessionManager(ReplyTurns):
     """One chat session. Not a model wrapper: the model and engine are built on `load()`. Its turns (send, ...)
-    are turns.ReplyTurns', its conversation's edits and files history.ConversationHistory's."""
+    are turns.ReplyTurns'; it holds its conversation's edits and files (`history`) and its speed meter (`speed`)."""
 
     def __init__(
         self,
@@ -56,20 +58,16 @@ class SessionManager(ReplyTurns):
         self.device_arg = device
         self.trust_remote_code = trust_remote_code
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-        self.store = ConversationStore(self.data_dir / "conversations")
+        self.history = ConversationHistory(ConversationStore(self.data_dir / "conversations"), Conversation(model=model))
+        self.speed = SpeedMeter()
         self.loaded: LoadedModel | None = loaded
         self.engine: MedusaEngine | None = None
         self.settings = GenerationSettings()
-        self.conversation = Conversation(model=model)
         self.last_events: list[StepEvent] = []
         self.last_summary: ReplySummary | None = None
         # Things the UI should tell the user about the last action (dropped turns, failed autosave, ...).
         self.notices: list[str] = []
-        self.baseline_tokens_per_s: float | None = None
         self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
-        # This device's calibrated step latency by tree size: read when the tree or the calibration changes,
-        # not per step (the speedup is shown while a reply streams).
-        self._latency_by_size: dict[int, float] = {}
         if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
             auto_calibrate = envvars.auto_calibrate()
         self.auto_calibrate = auto_calibrate
@@ -122,7 +120,7 @@ class SessionManager(ReplyTurns):
                 progress(f"tree {tree.name} ({tree.size} node{'s' if tree.size != 1 else ''})")
             self.engine = MedusaEngine(self.loaded, tree=tree)
             self.conversation.model = self.loaded.spec.name
-            self.baseline_tokens_per_s = MEASURED_BASELINES.get(self._baseline_key())
+            self.speed.recall_baseline(self.loaded)
 
     @property
     def is_loaded(self) -> bool:
@@ -152,7 +150,7 @@ class SessionManager(ReplyTurns):
             self.notices.append(f"tree calibration failed ({err}); using the default tree")
             tree, self.tree_source = choose_tree(self.loaded, name, size)
         self.calibration_pending = self.tree_source == PROVISIONAL_SOURCE
-        self._latency_by_size = self._read_latencies()  # read once here, not per streamed step
+        self.speed.read_latencies(self.loaded)  # read once here, not per streamed step
         return tree
 
     # ---- calibration after the first reply ------------------------------------------------------------------
@@ -207,7 +205,7 @@ class SessionManager(ReplyTurns):
                 return
             self.engine.set_tree(tree)
             self.tree_source = source
-            self._latency_by_size = self._read_latencies()
+            self.speed.read_latencies(self.loaded)
             self.calibration_pending = False
         finally:
             self._lock.release()
@@ -276,3 +274,93 @@ class SessionManager(ReplyTurns):
             else:
                 self.engine.set_tree(tree)
 
+
+    # ---- the conversation between replies (history.py), each change under the reply lock ------------------------
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Changes that must not interleave with a running reply."""
+        if not self._acquire():
+            raise BusyError("a reply is being generated: wait for it to finish or stop it first")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.history.conversation
+
+    @conversation.setter
+    def conversation(self, conversation: Conversation) -> None:
+        self.history.conversation = conversation
+
+    @property
+    def store(self) -> ConversationStore:
+        return self.history.store
+
+    def _forget_reply(self) -> None:
+        self.last_events, self.last_summary = [], None
+
+    def _autosave(self) -> None:
+        notice = self.history.autosave()
+        if notice:
+            self.notices.append(notice)
+
+    def undo(self) -> None:
+        """Remove the last exchange (the last reply and the user message it answered)."""
+        with self._exclusive():
+            self.history.undo()
+            self._forget_reply()
+            self._autosave()
+
+    def clear(self) -> None:
+        """Start a new, empty conversation with the same system prompt (the old one stays saved)."""
+        with self._exclusive():
+            self.history.start_new()
+            self._forget_reply()
+            self.notices = []
+
+    def set_system(self, text: str) -> None:
+        with self._exclusive():
+            self.history.set_system(text)
+            self._autosave()
+
+    def save(self, name: str | None = None) -> Path:
+        """Save now (autosave does this anyway), optionally giving the conversation a title."""
+        with self._exclusive():
+            return self.history.save(name)
+
+    def list_conversations(self) -> list[ConversationMeta]:
+        return self.history.list_all()
+
+    def load_conversation(self, id: str) -> Conversation:
+        """Make a saved conversation current: by id, unique id prefix, title, or list number."""
+        with self._exclusive():
+            conv = self.history.load(id)
+            self._forget_reply()
+            return conv
+
+    def delete_conversation(self, id: str) -> None:
+        with self._exclusive():
+            if self.history.delete(id):
+                self._forget_reply()
+
+    def export(self, path: str | Path, fmt: str = "md") -> Path:
+        return self.history.export(path, fmt)
+
+    # ---- speed (speed.py) ----------------------------------------------------------------------------------------
+    @property
+    def baseline_tokens_per_s(self) -> float | None:
+        return self.speed.baseline_tokens_per_s
+
+    def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]:
+        """(speedup, "measured" | "estimated"): SpeedMeter.speedup for the engine's tree."""
+        size = self.engine.tree.size if self.loaded is not None and self.engine is not None else None
+        return self.speed.speedup(tokens_per_s, tokens_per_step, size)
+
+    def measure_baseline(self, max_new_tokens: int = BASELINE_TOKENS) -> float:
+        """Plain decoding speed on a fixed prompt (SpeedMeter.measure_baseline); later speedups are "measured"."""
+        with self._exclusive():
+            engine = self._require_engine()
+            assert self.loaded is not None
+            return self.speed.measure_baseline(engine, self.loaded, self._stop, max_new_tokens)

@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.chat.conversations import Message
-from medusa_chat.chat.history import ConversationHistory
-from medusa_chat.chat.speed import SpeedMeter
+from medusa_chat.chat.conversations import Conversation, Message
 from medusa_chat.chat.stream import Item, ReplyStream
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
-from medusa_chat.events import GenerationSettings, ReplySummary
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 
 if TYPE_CHECKING:
     from medusa_chat.engine.engine import MedusaEngine
@@ -37,22 +35,32 @@ _OOM = torch.OutOfMemoryError  # CUDA's and the CPU allocator's (torch >= 2.5, t
 _STATS_DROP = ("text", "token_ids")  # the reply's text is the message itself; ids are not worth storing
 
 
-class ReplyTurns(ConversationHistory, SpeedMeter):
+class ReplyTurns:
     """The replies part of SessionManager (its base class)."""
 
     loaded: LoadedModel | None
     settings: GenerationSettings
+    notices: list[str]
+    last_events: list[StepEvent]
+    last_summary: ReplySummary | None
     _lock: threading.Lock
     _stop: threading.Event
 
-    if TYPE_CHECKING:  # SessionManager's: the model, the reply lock and the calibration it may cancel
+    if TYPE_CHECKING:  # SessionManager's: the model, the conversation (its history's), the reply lock, the speed
 
         @property
         def calibrating(self) -> bool: ...
 
+        @property
+        def conversation(self) -> Conversation: ...
+
         def _require_engine(self) -> MedusaEngine: ...
 
         def _release_reply(self) -> None: ...
+
+        def _autosave(self) -> None: ...
+
+        def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]: ...
 
     @property
     def busy(self) -> bool:
