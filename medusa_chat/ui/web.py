@@ -38,7 +38,7 @@ from medusa_chat.chat.updates import ReplyUpdates, panel_interval_s, updates  # 
 from medusa_chat.errors import BusyError, MedusaChatError  # noqa: E402
 from medusa_chat.events import ReplySummary, StepEvent  # noqa: E402
 from medusa_chat.ui import render, tree_panel  # noqa: E402
-from medusa_chat.ui.web_layout import TREE_CHOICES_DEFAULT, build_blocks  # noqa: E402
+from medusa_chat.ui.web_layout import TREE_CHOICES_DEFAULT, StreamUpdate, build_blocks, edit_reset  # noqa: E402
 
 if TYPE_CHECKING:
     from medusa_chat.chat.session import SessionManager
@@ -217,11 +217,10 @@ class WebApp:
         if self.loader.status != "ready":
             raise MedusaChatError(self.loader.error or "the model failed to load")
 
-    def stream(self, kind: str, message: str, edit_mode: bool = False) -> Iterator[tuple]:
-        """Run one reply (`send`, `regenerate` or `edit`) and yield UI updates while it streams.
-
-        Yields tuples for: chatbot, message box, meter, tree panel, step slider, error box, conversation list,
-        edit state, send button, cancel-edit button, live reply.
+    def stream(self, kind: str, message: str, edit_mode: bool = False) -> Iterator[StreamUpdate]:
+        """Run one reply (`send`, `regenerate` or `edit`) and yield UI updates while it streams (StreamUpdate:
+        chatbot, message box, meter, tree panel, step slider, error box, conversation list, edit state, send
+        button, cancel-edit button, live reply; a field not given is left as it is).
 
         The Chatbot gets the user's message at once and the finished reply once, at the end (a stopped reply as
         far as it got, marked; after an error, the conversation as it stands). In between, the reply's text so
@@ -233,11 +232,11 @@ class WebApp:
             kind = "edit"
         if kind in ("send", "edit") and not message.strip():
             gr.Warning("Type a message first.")
-            yield (skip,) * 11
+            yield StreamUpdate()
             return
         live = live_reply_default()
         self._stop_asked.clear()
-        reset_edit = (False, gr.update(value="Send"), gr.update(visible=False))
+        reset_edit = edit_reset()
         # Show the user's message at once, even while the model is still loading.
         base = self.history()
         shown = render.chat_html(message)
@@ -252,10 +251,10 @@ class WebApp:
         feed: ReplyUpdates | None = None
         try:
             for line in self._wait_for_model():
-                yield (draft, "", render.meter_html([], status=f"loading model: {line}"), skip, skip,
-                       "", skip, *reset_edit, "")  # fmt: skip
+                yield StreamUpdate(draft, "", render.meter_html([], status=f"loading model: {line}"), error="",
+                                   live_reply="", **reset_edit)  # fmt: skip
             if self._stop_asked.is_set():
-                yield (self.history(), skip, self.meter("stopped"), skip, skip, "", skip, *reset_edit, "")
+                yield StreamUpdate(self.history(), meter=self.meter("stopped"), error="", live_reply="", **reset_edit)
                 return
             if kind == "send":
                 stream = self.session.send(message)
@@ -268,8 +267,8 @@ class WebApp:
             self.events, self.summary, self.streaming = [], None, True
             text = ""
             started = draft if live else draft + [{"role": "assistant", "content": ""}]
-            yield (started, "", self.meter("starting…"), self.tree_panel(live=True), skip, "", skip,
-                   *reset_edit, "")  # fmt: skip
+            yield StreamUpdate(started, "", self.meter("starting…"), self.tree_panel(live=True), error="",
+                               live_reply="", **reset_edit)  # fmt: skip
             # The reply decodes in its own thread; the page gets at most 4-8 updates a second, each carrying
             # every step since the previous one (chat/updates.py). The final one is the yield after the loop.
             # The panels (meter, tree, slider) are redrawn at most ~2 times a second (panel_interval_s).
@@ -292,26 +291,20 @@ class WebApp:
                 else:
                     chat = draft + [{"role": "assistant", "content": render.chat_html(text) + STREAM_CURSOR}]
                     live_text = skip
-                yield (
-                    chat,
-                    skip,
-                    self.meter("streaming…") if panels else skip,
-                    self.tree_panel(live=True) if panels else skip,
-                    gr.update(maximum=max(last.step, 1), value=last.step) if panels else skip,
-                    skip,
-                    skip,
-                    skip,
-                    skip,
-                    skip,
-                    live_text,
+                yield StreamUpdate(
+                    chatbot=chat,
+                    meter=self.meter("streaming…") if panels else skip,
+                    tree=self.tree_panel(live=True) if panels else skip,
+                    step=gr.update(maximum=max(last.step, 1), value=last.step) if panels else skip,
+                    live_reply=live_text,
                 )
         except BusyError as err:  # another reply is running: leave its display alone, just say so
-            yield (skip, skip, skip, skip, skip, self._warn(err), skip, skip, skip, skip, skip)
+            yield StreamUpdate(error=self._warn(err))
             return
         except Exception as err:  # noqa: BLE001 - the app keeps running; the message goes to the browser
             self.streaming = False
-            yield (self.history(), skip, self.meter("error"), self.tree_panel(), self.step_slider(),
-                   self._warn(err), self.conv_dropdown(), skip, skip, skip, "")  # fmt: skip
+            yield StreamUpdate(self.history(), skip, self.meter("error"), self.tree_panel(), self.step_slider(),
+                               self._warn(err), self.conv_dropdown(), live_reply="")  # fmt: skip
             return
         finally:
             if stream is not None:
@@ -330,13 +323,13 @@ class WebApp:
         }.get(reason, reason.replace("_", " "))
         if self.summary is not None and self.summary.message:
             gr.Info(render.esc(self.summary.message))
-        yield (self.history(), skip, self.meter(status), self.tree_panel(),
-               self.step_slider(), "", self.conv_dropdown(), skip, skip, skip, "")  # fmt: skip
+        yield StreamUpdate(self.history(), skip, self.meter(status), self.tree_panel(),
+                           self.step_slider(), "", self.conv_dropdown(), live_reply="")  # fmt: skip
 
-    def send(self, message: str, edit_mode: bool = False) -> Iterator[tuple]:
+    def send(self, message: str, edit_mode: bool = False) -> Iterator[StreamUpdate]:
         yield from self.stream("send", message, edit_mode)
 
-    def regenerate(self) -> Iterator[tuple]:
+    def regenerate(self) -> Iterator[StreamUpdate]:
         yield from self.stream("regenerate", "")
 
     # ---- simple actions -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ conversations, the accepted-tree panel) and the events that connect them to WebA
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
@@ -15,6 +15,28 @@ if TYPE_CHECKING:
     from medusa_chat.ui.web import WebApp
 
 TREE_CHOICES_DEFAULT = "model default"
+
+
+class StreamUpdate(NamedTuple):
+    """One update of the page while a reply streams (WebApp.stream), a value or gr.update per output; a field left
+    out is gr.skip() (that output stays as it is). The fields are the reply events' outputs, in their order."""
+
+    chatbot: Any = gr.skip()
+    message: Any = gr.skip()  # the message box
+    meter: Any = gr.skip()
+    tree: Any = gr.skip()  # the accepted-tree panel
+    step: Any = gr.skip()  # the step slider
+    error: Any = gr.skip()  # the error box
+    conversations: Any = gr.skip()  # the saved-conversations list
+    edit_mode: Any = gr.skip()  # the edit state: the next send replaces the last message
+    send_button: Any = gr.skip()
+    cancel_edit_button: Any = gr.skip()
+    live_reply: Any = gr.skip()  # the streaming reply's text so far (escaped plain text)
+
+
+def edit_reset() -> dict[str, Any]:
+    """The StreamUpdate fields that leave edit mode: the state off, the button "Send", "cancel edit" hidden."""
+    return {"edit_mode": False, "send_button": gr.update(value="Send"), "cancel_edit_button": gr.update(visible=False)}
 
 
 def build_blocks(app: WebApp) -> gr.Blocks:
@@ -198,8 +220,8 @@ def _wire_reply_events(app: WebApp, c: SimpleNamespace) -> None:
     stop_btn, regen_btn, undo_btn, edit_btn, cancel_edit_btn = c.stop_btn, c.regen_btn, c.undo_btn, c.edit_btn, c.cancel_edit_btn
     clear_btn, meter, system, conv_list, step = c.clear_btn, c.meter, c.system, c.conv_list, c.step
     tree_html, live_reply = c.tree_html, c.live_reply
-    stream_outs = [chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
-                   cancel_edit_btn, live_reply]  # fmt: skip
+    stream_outs = list(StreamUpdate(chatbot, msg, meter, tree_html, step, error_box, conv_list, edit_state, send_btn,
+                                    cancel_edit_btn, live_reply))  # fmt: skip
     reply_kw: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden"}
     send_btn.click(
         app.send,
