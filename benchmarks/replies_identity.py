@@ -28,7 +28,10 @@ PROMPTS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.json
 def replies(model: str, quant: str, prompts: list[str], tokens: int) -> list[list[int]]:
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.sources.loading import load_model
+    try:
+        from medusa_chat.model.sources.loading import load_model
+    except ImportError:  # a version from before model/ was split into sources/ and forward/
+        from medusa_chat.model.loading import load_model  # type: ignore[no-redef]
 
     loaded = load_model(model, quant=quant, device="cpu")
     engine = MedusaEngine(loaded, loaded.default_tree)
