@@ -111,3 +111,13 @@ def test_result_files_name_no_machine_paths() -> None:
         if MACHINE_PATH.search(line)
     ]
     assert not found, "absolute machine paths in result files (write them relative):\n" + "\n".join(found)
+
+
+def test_docs_name_every_benchmark_script_as_rerun_or_one_off() -> None:
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rerun, _, one_off = text.partition("One-off experiments:")
+    assert one_off, "docs/benchmarks.md has no table of one-off experiments"
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    unnamed = [s for s in scripts if f"`{s}`" not in text]
+    assert not unnamed, "benchmark scripts docs/benchmarks.md does not name:\n" + "\n".join(unnamed)
+    assert "`sampling_ab.py`" in one_off.split("###")[0] and "`sampling_ab.py`" not in rerun
