@@ -13,7 +13,7 @@ they are (model/sources/gguf_names.py, `gguf_blocks`), not re-quantized.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +33,9 @@ from medusa_chat.kernels.cpu_linears import (
 )
 from medusa_chat.kernels.known_answers import kernels_agree
 from medusa_chat.kernels.quantizers import quantize_int8, quantize_q4_1, quantize_q8_0
-from medusa_chat.model.sources.gguf_names import GGUFBlocks
+
+if TYPE_CHECKING:  # (a type only: forward/ imports nothing of sources/, which loads models with it)
+    from medusa_chat.model.sources.gguf_names import GGUFBlocks
 
 
 def block_module(mode: str, weight: torch.Tensor | None, blocks: tuple | None, lm_head: bool) -> nn.Module:
