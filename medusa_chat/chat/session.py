@@ -353,6 +353,10 @@ class SessionManager(ReplyTurns):
     def baseline_tokens_per_s(self) -> float | None:
         return self.speed.baseline_tokens_per_s
 
+    @baseline_tokens_per_s.setter
+    def baseline_tokens_per_s(self, value: float | None) -> None:
+        self.speed.baseline_tokens_per_s = value
+
     def speedup(self, tokens_per_s: float, tokens_per_step: float) -> tuple[float, str]:
         """(speedup, "measured" | "estimated"): SpeedMeter.speedup for the engine's tree."""
         size = self.engine.tree.size if self.loaded is not None and self.engine is not None else None
