@@ -101,13 +101,15 @@ def _disk_free(folder: Path) -> tuple[int | None, str]:
 
 def measured_speed(model_name: str) -> str:
     """This CPU's calibrated plain step for this model ("" where there is none)."""
-    from medusa_chat.machine import slug
+    from medusa_chat.machine import cpu_model, slug
     from medusa_chat.paths import cache_root
 
     folder = cache_root() / "calibration"
     for path in sorted(folder.glob(f"{slug(model_name)}__*.json")) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())
+            if cpu_model() not in str(record.get("device_name", "")):  # a cache copied from another machine
+                continue
             one = next(s for s in record["sizes"] if s["size"] == 1)
             per_s = 1.0 / float(one["latency_s"])
         except (OSError, ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError):
