@@ -40,7 +40,6 @@ from medusa_chat.tuning.measure import (
     measure_tokens_per_step,
     prefilled_engines,
     release_cache,
-    timing_capacity,
     timing_prefix,
     tokens_per_step_from_tree_json,
 )
@@ -250,12 +249,9 @@ def calibrate(
             loaded.build_prompt([{"role": "user", "content": p}])
             for p in CALIBRATION_PROMPTS[:measure_replies]
         ]
-        if device.type == "cpu":  # room for the longest reply, not the engine's default 1024 tokens
-            engine.fresh_cache(timing_capacity(max(map(len, prompts)) + measure_tokens, base.size))
         tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress, step_sizes, cancel)
         source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
         release_cache(engine)
-        del engine
     tps[1] = 1.0  # a root-only step makes exactly one token
 
     if progress:

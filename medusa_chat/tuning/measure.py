@@ -398,6 +398,8 @@ def measure_tokens_per_step(
     measure_step_latency's, checked every step.
     """
     tree = engine.tree
+    if engine.device.type == "cpu" and prompts:  # room for the longest reply, not the default 1024 slots
+        engine.fresh_cache(timing_capacity(max(map(len, prompts)) + max_new_tokens, tree.size))
     sizes = [n for n in sizes if n <= tree.size]
     totals = {n: 0 for n in sizes}
     steps = 0
