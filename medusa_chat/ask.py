@@ -79,6 +79,7 @@ def ask_main(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
         sys.stdout.flush()
         if deferred:
+            engine.fresh_cache()  # the reply's KV cache goes before the calibration's engines come
             calibrate_after(loaded, err, quiet=True)
         return 0
     sys.stdout.write("\n")
@@ -91,6 +92,7 @@ def ask_main(args: argparse.Namespace) -> int:
     if summary.message:
         err.print(f"[yellow]{summary.message}[/yellow]")
     if deferred:
+        engine.fresh_cache()
         calibrate_after(loaded, err, quiet=False)
     return 0
 

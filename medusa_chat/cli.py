@@ -248,7 +248,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr)
 
-    loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
+    from medusa_chat.model.cpu_plan import WontFit
+
+    try:
+        loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
+    except WontFit as err:  # info tells, never refuses: what this machine lacks for it (the line came first)
+        print(f"{args.model}: {err}")
+        return 0
     tree, source = choose_tree(loaded, args.tree, args.tree_size)  # the tree chat would use, and why
     auto = envvars.auto_calibrate()  # as SessionManager decides
     if source == "default" and auto and loaded.device.type == "cpu" and tree.size > 1:

@@ -317,6 +317,20 @@ def test_the_sizes_share_one_prefill_and_step_as_if_each_had_its_own(make_loaded
     assert shared[2][0].cache is not shared[4][0].cache  # copies: one size's steps never touch another's
 
 
+def test_timing_engines_hold_caches_of_their_prefix_not_the_default_window(make_loaded_model: Any) -> None:
+    """Every size's engine exists at once while the sizes are timed: each cache is sized to the prefix and the tree
+    (the default 1024 slots were 1 GB per engine for a 7B with 32 KV heads), and a finished engine frees it."""
+    from medusa_chat.tuning.measure import prefilled_engines, release_cache, timing_capacity
+
+    loaded = make_loaded_model()
+    prefix = torch.randint(0, loaded.backbone.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    shared = prefilled_engines(loaded, [1, 2, 4], loaded.default_tree, prefix)
+    for engine, _, _ in shared.values():
+        assert engine.cache.buffer.shape[-2] == timing_capacity(24, loaded.default_tree.size) < 1024
+        release_cache(engine)
+        assert engine.cache.buffer is None and engine.cached_ids == []
+
+
 def test_the_first_start_budget_shrinks_with_the_model() -> None:
     """Full measurement for a model of the embedded one's size; a 1B model's is a fraction, at the floors."""
     from transformers import LlamaConfig

@@ -39,6 +39,7 @@ from medusa_chat.tuning.measure import (
     measure_step_latency,
     measure_tokens_per_step,
     prefilled_engines,
+    release_cache,
     timing_prefix,
     tokens_per_step_from_tree_json,
 )
@@ -240,7 +241,7 @@ def calibrate(
         ]
         tps = measure_tokens_per_step(engine, prompts, sizes, measure_tokens, progress, step_sizes, cancel)
         source = f"measured: {measure_replies} greedy replies x {measure_tokens} tokens on built-in prompts"
-        engine.reset()
+        release_cache(engine)
     tps[1] = 1.0  # a root-only step makes exactly one token
 
     if progress:
@@ -255,7 +256,7 @@ def calibrate(
         return _timed_record(loaded, base, sizes, accuracy, StepTiming(prefix_tokens, reps, progress, cancel), shared)
     finally:  # cancelled or not, the prefilled caches go
         for engine, _, _ in (shared or {}).values():
-            engine.reset()
+            release_cache(engine)
 
 
 def calibrate_on_replies(
@@ -298,7 +299,7 @@ def calibrate_on_replies(
                          latency, latency, {})
     finally:
         for engine, _, _ in (shared or {}).values():
-            engine.reset()
+            release_cache(engine)
     record["timing"] = "replies"
     record["replies_identical"] = all(m["identical"] for m in measured.values())
     return record

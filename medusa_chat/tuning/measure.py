@@ -129,7 +129,7 @@ def measure_step_latency(
     finally:  # also when cancelled: the engines and the thread count go back as they were
         for engine, _, _ in step_args.values():
             if engines is None:
-                engine.reset()
+                release_cache(engine)
         if threads is not None and engine.threads is not None:
             engine.threads.resume()  # back to the governor's count
     results: dict[int, dict[str, float]] = {}
@@ -188,7 +188,7 @@ def measure_reply_rates(
                 progress(f"  prompt {i + 1}/{len(prompts)}: every size replied")
     finally:
         for engine in engines.values():
-            engine.reset()
+            release_cache(engine)
     return out
 
 
@@ -268,6 +268,27 @@ def timing_prefix(loaded: Any, prefix_tokens: int, seed: int = 0) -> torch.Tenso
     return torch.randint(0, vocab, (prefix_tokens,), generator=g).to(torch.device(loaded.device))
 
 
+# Slack past the prefix and the tree in a timing engine's KV cache (it grows by doubling where it must).
+CAPACITY_SLACK = 16
+
+
+def timing_capacity(prefix_tokens: int, tree_size: int) -> int:
+    """KV cache slots for an engine that holds `prefix_tokens` plus one tree of `tree_size` nodes. The engine's
+    default (1024 slots) is 1 GB of fp32 keys and values for a 7B model with 32 KV heads, per engine, and its
+    per-node key rows as much again per extra node: the calibration's engines for every size at once held more
+    than the weights (peak RSS 7.8 GB on the first start of a 4.18 GB 6.9B GGUF, 5.2 GB on later starts)."""
+    return prefix_tokens + tree_size + CAPACITY_SLACK
+
+
+def release_cache(engine: Any) -> None:
+    """Forget a finished measurement engine's prefix and, on a CPU, free its KV cache now rather than when the
+    engine is collected: the next size's or step's engines must not stack on it."""
+    if engine.device.type == "cpu":
+        engine.fresh_cache()  # (allocated lazily: nothing is held until a forward writes)
+    else:  # a GPU engine's cache may be its CUDA graphs' buffers
+        engine.reset()
+
+
 def prefilled_engines(
     loaded: Any, sizes: Iterable[int], base: Tree, prefix: torch.Tensor, graphs: bool = True
 ) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor | None]]:
@@ -287,6 +308,8 @@ def prefilled_engines(
         if n > 1:
             t.check_fits(loaded.heads.num_heads if loaded.heads is not None else None)
         engine = MedusaEngine(loaded, t, graphs=graphs, adaptive=False)
+        if engine.device.type == "cpu":  # (a GPU engine's cache may be its graphs' buffers: left as made)
+            engine.fresh_cache(timing_capacity(len(prefix), base.size))
         if first is not None:
             engine.cache = copy.deepcopy(first[0].cache)
             engine.cached_ids = list(first[0].cached_ids)
@@ -375,6 +398,8 @@ def measure_tokens_per_step(
     measure_step_latency's, checked every step.
     """
     tree = engine.tree
+    if engine.device.type == "cpu" and prompts:  # room for the longest reply, not the default 1024 slots
+        engine.fresh_cache(timing_capacity(max(map(len, prompts)) + max_new_tokens, tree.size))
     sizes = [n for n in sizes if n <= tree.size]
     totals = {n: 0 for n in sizes}
     steps = 0

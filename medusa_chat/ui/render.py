@@ -401,6 +401,14 @@ def model_panel_html(info: Mapping[str, object] | None, status: str, progress: S
     )
 
 
+def load_failed_html(message: str | None) -> str:
+    """The chat area's message when the model did not load: why (the error says what fixes it) and how to go on."""
+    return chat_html(
+        f"**The model did not load.** {message or 'unknown error'}\n\n"
+        "When that is fixed, press **Load / retry** in the model panel."
+    )
+
+
 def error_html(message: str | None) -> str:
     if not message:
         return ""

@@ -140,6 +140,9 @@ class WebApp:
         """The conversation as Chatbot messages (a stopped reply is marked), or `draft` while streaming."""
         if draft is not None:
             return draft
+        if self.loader.status == "error" and not self.session.conversation.messages:
+            # the chat area, not only the model panel, says why nothing can be asked, and what fixes it
+            return [{"role": "assistant", "content": render.load_failed_html(self.loader.error)}]
         out: list[dict[str, str]] = []
         for m in self.session.conversation.messages:
             content = render.chat_html(m.content)
@@ -428,14 +431,19 @@ class WebApp:
         gr.Info(f"Plain decoding: {tps:.1f} tokens/s. Speedups are now measured.")
         return self.model_panel(), self.meter(), ""
 
-    def tick(self) -> tuple[str, Any]:
-        """Timer: refresh the model panel while loading; stop polling once ready or failed."""
+    def tick(self) -> tuple[str, Any, Any]:
+        """Timer: refresh the model panel while loading; stop polling once ready or failed (a failed load's reason
+        then goes to the chat area, once: the timer stops with it)."""
         active = self.loader.status in ("loading", "idle")
-        return self.model_panel(), gr.Timer(active=active)
+        chat = self.history() if self.loader.status == "error" else gr.skip()
+        return self.model_panel(), gr.Timer(active=active), chat
 
     def page_load(self) -> tuple:
-        """A (re)loaded page shows the current state: conversation, meter, tree, model, saved chats."""
-        self.loader.start()
+        """A (re)loaded page shows the current state: conversation, meter, tree, model, saved chats. It starts a
+        load that has not started; a failed one is retried by the Load / retry button only (a page load retrying
+        it put the same failure in the log again)."""
+        if self.loader.status == "idle":
+            self.loader.start()
         return (
             self.model_panel(),
             gr.Timer(active=True),
@@ -447,9 +455,9 @@ class WebApp:
             self.session.conversation.system_prompt,
         )
 
-    def retry_load(self) -> tuple[str, Any]:
+    def retry_load(self) -> tuple[str, Any, Any]:
         self.loader.start()
-        return self.model_panel(), gr.Timer(active=True)
+        return self.model_panel(), gr.Timer(active=True), self.history()
 
     def show_step(self, step: float | None) -> str:
         return self.tree_panel(int(step) if step is not None else None, live=self.streaming)

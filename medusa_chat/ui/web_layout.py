@@ -317,8 +317,8 @@ def _wire_panel_events(app: WebApp, demo: gr.Blocks, c: SimpleNamespace) -> None
     baseline_btn.click(
         app.measure_baseline, None, [model_panel, meter, error_box], api_name="baseline"
     )
-    retry_btn.click(app.retry_load, None, [model_panel, timer], api_visibility="private")
-    timer.tick(app.tick, None, [model_panel, timer], api_visibility="private", **quiet)
+    retry_btn.click(app.retry_load, None, [model_panel, timer, chatbot], api_visibility="private")
+    timer.tick(app.tick, None, [model_panel, timer, chatbot], api_visibility="private", **quiet)
     demo.load(
         app.page_load,
         None,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from medusa_chat.atomic import read_json
-from medusa_chat.errors import DeviceError, HeadsError, MedusaChatError, ModelNotFoundError, TreeError
+from medusa_chat.errors import HeadsError, MedusaChatError, ModelNotFoundError, TreeError
 from medusa_chat.machine import cpu_native_bf16
 from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.sources import hub
@@ -59,7 +59,7 @@ from medusa_chat.tree import Tree
 
 Progress = Callable[[str], None]
 
-LARGE_MODEL_PARAMS = 5e9  # "7B and up": unusable on a CPU unless the user insists with --device cpu
+LARGE_MODEL_PARAMS = 5e9  # "7B and up": on a CPU with --device auto, 4-bit (int4) by default (_cpu_fit)
 
 # bitsandbytes' CPU int8 path warns on every matmul that fp32 inputs are cast to fp16: known and harmless.
 warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
@@ -145,13 +145,28 @@ def _default_tree(spec: ModelSpec, heads_dir: Path | None, num_heads: int | None
     return tree
 
 
-def _check_size(spec: ModelSpec, params: float, device_arg: str, dev: torch.device) -> None:
-    if device_arg == "auto" and dev.type == "cpu" and params >= LARGE_MODEL_PARAMS:
-        raise DeviceError(
-            f"{spec.name} has ~{params / 1e9:.0f}B parameters and this machine has no CUDA GPU: on CPU it needs "
-            f"~{params * 4 / 1e9:.0f} GB of RAM and answers at well under a token per second. Pass --device cpu "
-            "to run it anyway, or use the embedded smollm2-135m"
-        )
+def _cpu_fit(
+    spec: ModelSpec, config: dict[str, Any], backbone_loc: str, device_arg: str, dev: torch.device, q: str,
+    say: Progress,
+) -> str:
+    """A big model on a CPU (cpu_plan.py): with `--device auto` a 7B-class checkpoint takes the int4 block path
+    (`--quant auto` would first load it whole in float to measure the numeric paths), a GGUF file its blocks as
+    stored; either way one line of the memory and speed to expect first, and a refusal (cpu_plan.WontFit) only
+    where this machine cannot hold it. Returns the quantization to load with."""
+    from medusa_chat.model import cpu_plan
+
+    if dev.type != "cpu":
+        return q
+    if spec.kind == "gguf":
+        need = cpu_plan.gguf_need(spec.name, Path(spec.backbone), config, cpu_plan.free_ram())
+        cpu_plan.check(need, spec.name, "its blocks as stored" if q == "auto" else q, say)
+        return q
+    params = spec.params_b * 1e9 if spec.params_b and not spec.custom else estimate_params(config)
+    if device_arg != "auto" or params < LARGE_MODEL_PARAMS or q not in ("auto", "int4"):
+        return q
+    need = cpu_plan.checkpoint_need(spec.name, backbone_loc, config, int(params), cpu_plan.free_ram())
+    cpu_plan.check(need, spec.name, "int4", say)
+    return "int4"
 
 
 @dataclass
@@ -263,14 +278,10 @@ def load_model(
         from medusa_chat.kernels import cbind
 
         cbind.prebuild()
-    if spec.params_b and not spec.custom:
-        _check_size(spec, spec.params_b * 1e9, device, dev)  # known size: refuse before any network access
 
     # 1. The backbone's config.json (tiny) first: size and head checks happen before any big download.
     spec, backbone_loc, config = _read_config(spec, say, progress)
-
-    if (spec.custom or not spec.params_b) and spec.kind != "gguf":  # a GGUF's size is its file's
-        _check_size(spec, estimate_params(config), device, dev)
+    q = _cpu_fit(spec, config, backbone_loc, device, dev, q, say)
 
     # 2. Separate heads: fetch and check them against the config before the backbone weights come.
     spec, heads_mod, heads_dir, heads_path = _separate_heads(spec, config, backbone_loc, progress)
