@@ -27,10 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """cli.py hook: the options of `medusa-chat export-draft` (on top of --model/--heads)."""
     parser.add_argument("--format", choices=FORMATS, required=True, help="the engine to write the draft for")
     parser.add_argument(
-        "--out", type=Path, required=True, metavar="PATH", help="the GGUF file (llama.cpp) or folder (vllm, sglang)"
+        "--out",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="the GGUF file (llama.cpp) or folder (vllm, sglang)",
     )
     parser.add_argument(
-        "--outtype", choices=("f16", "f32"), default="f16", help="llama.cpp: tensor type of the matrices (f16)"
+        "--outtype",
+        choices=("f16", "f32"),
+        default="f16",
+        help="llama.cpp: tensor type of the matrices (f16)",
     )
     parser.add_argument(
         "--target-gguf",
@@ -47,9 +54,13 @@ def export_main(args: argparse.Namespace) -> int:
     fmt = args.format
     out: Path = args.out
     if fmt == "llama.cpp" and out.is_dir():
-        raise MedusaChatError(f"{out} is a folder: llama.cpp's draft is one GGUF file (e.g. --out draft.gguf)")
+        raise MedusaChatError(
+            f"{out} is a folder: llama.cpp's draft is one GGUF file (e.g. --out draft.gguf)"
+        )
     if fmt != "llama.cpp" and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MedusaChatError(f"{out} exists and is not an empty folder: the {fmt} export writes a new folder")
+        raise MedusaChatError(
+            f"{out} exists and is not an empty folder: the {fmt} export writes a new folder"
+        )
     if args.target_gguf is not None and not args.target_gguf.is_file():
         raise MedusaChatError(f"--target-gguf {args.target_gguf} does not exist")
     draft, target = load_source(args.model, args.heads, progress=lambda m: print(m, file=sys.stderr))

@@ -34,7 +34,9 @@ from medusa_chat.errors import MedusaChatError
 from medusa_chat.export.llamacpp import check_vocab_maps, target_layers
 from medusa_chat.export.source import Draft, Target, target_lm_head
 
-SPECULATIVE_TOKENS = 3  # the proposal length written for vLLM (num_speculative_tokens); the server may override
+SPECULATIVE_TOKENS = (
+    3  # the proposal length written for vLLM (num_speculative_tokens); the server may override
+)
 LLAMA_KEYS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "attention_bias",
@@ -96,8 +98,12 @@ def vllm_eagle3(draft: Draft, target: Target, out: Path) -> Path:
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS, "accept_tolerance": 0.0,
-                 "verifier_accept_k": 1}
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": SPECULATIVE_TOKENS,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
             ],  # fmt: skip
             "verifier": {"name_or_path": target.name, "architectures": target.architectures},
         },
@@ -153,7 +159,9 @@ def vllm_medusa(draft: Draft, target: Target, out: Path) -> Path:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(dtype, "float32")
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(
+        dtype, "float32"
+    )
 
 
 FORMATS = {"vllm": {"eagle3": vllm_eagle3, "medusa": vllm_medusa}, "sglang": {"eagle3": sglang_eagle3}}

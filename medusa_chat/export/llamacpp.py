@@ -133,7 +133,9 @@ def _metadata(writer: Any, draft: Draft, target: Target, outtype: str, params: i
     cfg = {**draft.config, **(draft.config.get("transformer_layer_config") or {})}
     # by name: the gguf package on PyPI (0.19) predates these keys, llama.cpp reads them as written here
     writer.add_array(f"{ARCH}.target_layers", target_layers(draft, target))
-    writer.add_uint32(f"{ARCH}.target_hidden_size", int(draft.config.get("target_hidden_size") or target.hidden_size))
+    writer.add_uint32(
+        f"{ARCH}.target_hidden_size", int(draft.config.get("target_hidden_size") or target.hidden_size)
+    )
     writer.add_bool(f"{ARCH}.norm_before_residual", bool(draft.config.get("norm_before_residual", False)))
     writer.add_bool(f"{ARCH}.norm_before_fc", bool(draft.config.get("norm_before_fc", False)))
     writer.add_type("model")
@@ -153,7 +155,9 @@ def _metadata(writer: Any, draft: Draft, target: Target, outtype: str, params: i
         writer.add_value_length(int(head_dim))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if outtype == "f16" else gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(int(cfg["vocab_size"]))
-    writer.add_rope_dimension_count(int(head_dim or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])))
+    writer.add_rope_dimension_count(
+        int(head_dim or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    )
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -214,12 +218,16 @@ def check_vocab_maps(draft: Draft, vocab_size: int) -> None:
             raise HeadsError("t2d does not mark exactly the target tokens d2t names")
 
 
-def write_gguf(draft: Draft, target: Target, out: Path, outtype: str = "f16", target_gguf: Path | None = None) -> Path:
+def write_gguf(
+    draft: Draft, target: Target, out: Path, outtype: str = "f16", target_gguf: Path | None = None
+) -> Path:
     """Write `draft` (an EAGLE-3 draft) as llama.cpp's eagle3 GGUF at `out`."""
     import gguf
 
     if draft.kind != "eagle3":
-        raise MedusaChatError("llama.cpp loads EAGLE-3 drafts only (`--spec-type draft-eagle3`): use --heads eagle3")
+        raise MedusaChatError(
+            "llama.cpp loads EAGLE-3 drafts only (`--spec-type draft-eagle3`): use --heads eagle3"
+        )
     if outtype not in OUTTYPES:
         raise MedusaChatError(f"--outtype must be one of {', '.join(OUTTYPES)}")
     source = target_gguf or target.gguf

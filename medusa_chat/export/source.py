@@ -60,7 +60,9 @@ class Draft:
     config: dict[str, Any]  # its config.json
     state: dict[str, torch.Tensor]  # its tensors, in the file's dtype and under the file's names
     draft_vocab: torch.Tensor | None = None  # Medusa: the token ids the heads draft among (int64), if any
-    num_heads: int = 0  # Medusa: heads, ResBlocks per head, own projection per head (v1) or the shared one (v2)
+    num_heads: int = (
+        0  # Medusa: heads, ResBlocks per head, own projection per head (v1) or the shared one (v2)
+    )
     num_layers: int = 0
     own_lm_head: bool = False
 
@@ -94,7 +96,12 @@ def read_draft(location: str, progress: Progress | None = None) -> Draft:
     the chat itself uses, so what is exported is what the chat would run."""
     from medusa_chat.model import hub
     from medusa_chat.model.eagle import eagle_file, is_eagle_folder, load_eagle
-    from medusa_chat.model.heads_files import DRAFT_VOCAB_FILE, find_heads_file, read_draft_vocab, read_state_file
+    from medusa_chat.model.heads_files import (
+        DRAFT_VOCAB_FILE,
+        find_heads_file,
+        read_draft_vocab,
+        read_state_file,
+    )
     from medusa_chat.model.registry import is_repo_id
 
     folder = hub.fetch(location, "heads", progress=progress) if is_repo_id(location) else Path(location)
@@ -124,7 +131,9 @@ def read_draft(location: str, progress: Progress | None = None) -> Draft:
     return Draft("medusa", folder, config, state, vocab, num_heads, num_layers, own)
 
 
-def load_source(model: str | None, heads: str | None, progress: Progress | None = None) -> tuple[Draft, Target]:
+def load_source(
+    model: str | None, heads: str | None, progress: Progress | None = None
+) -> tuple[Draft, Target]:
     """`--model`/`--heads` as the other commands take them: the draft and its target."""
     from medusa_chat.model.registry import resolve
 
@@ -147,14 +156,20 @@ def check_fits(draft: Draft, target: Target) -> None:
         vocab = int(draft.state["t2d"].shape[0])
     else:
         h = int(draft.state["0.0.linear.weight"].shape[1])
-        vocab = int(draft.state[f"0.{draft.num_layers}.weight"].shape[0]) if draft.own_lm_head else target.vocab_size
+        vocab = (
+            int(draft.state[f"0.{draft.num_layers}.weight"].shape[0])
+            if draft.own_lm_head
+            else target.vocab_size
+        )
     if (h, vocab) != (target.hidden_size, target.vocab_size):
         raise HeadsError(
             f"the draft in {draft.folder} reads hidden size {h} over a {vocab}-token vocabulary; {target.name} has "
             f"{target.hidden_size} and {target.vocab_size}: it is another model's draft"
         )
     if draft.draft_vocab is not None and int(draft.draft_vocab.max()) >= target.vocab_size:
-        raise HeadsError(f"the draft vocabulary in {draft.folder} names tokens outside {target.name}'s vocabulary")
+        raise HeadsError(
+            f"the draft vocabulary in {draft.folder} names tokens outside {target.name}'s vocabulary"
+        )
 
 
 def target_lm_head(target: Target) -> torch.Tensor:
@@ -182,4 +197,6 @@ def target_lm_head(target: Target) -> torch.Tensor:
             for name in names:
                 if name in keys:
                     return f.get_tensor(name)
-    raise MedusaChatError(f"no {' or '.join(names)} in {folder}'s safetensors: cannot write the shared lm_head")
+    raise MedusaChatError(
+        f"no {' or '.join(names)} in {folder}'s safetensors: cannot write the shared lm_head"
+    )
