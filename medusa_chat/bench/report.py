@@ -119,6 +119,10 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             fmt_value(s["speedup_vs_llamacpp"], ".2f", "x"),
         )
     console.print(table)
+    if "llamacpp_spec_notes" in s:
+        from medusa_chat.bench.server_peers import print_servers
+
+        print_servers(console, s)
     if doc.get("context_lookup") and s.get("context_lookup_share") is not None:
         console.print(
             f"context lookup guessed {s['context_lookup_share'] * 100:.0f}% of the draft tokens Medusa accepted "
