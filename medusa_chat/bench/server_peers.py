@@ -196,13 +196,21 @@ def eagle3_draft_gguf(loaded: Any, out: Path) -> Path | None:
     spec = loaded.spec
     if getattr(heads, "format", "") == "eagle3" and getattr(loaded, "heads_file", ""):
         folder = str(Path(loaded.heads_file).parent)
-    elif spec.kind == "embedded" or (spec.kind == "gguf" and spec.heads and "smollm2-135m" in spec.heads):
+    elif spec.kind == "embedded" or (spec.kind == "gguf" and _is_embedded_file(Path(spec.backbone))):
         from medusa_chat.model.registry import heads_location
 
         folder = heads_location("eagle3")
     else:
         return None
     return write_gguf(read_draft(folder), resolve_target(spec), out)
+
+
+def _is_embedded_file(gguf: Path) -> bool:
+    """The embedded model's own GGUF named by path: its shipped EAGLE-3 draft fits it."""
+    from medusa_chat.model.embedded import gguf_path
+
+    shipped = gguf_path()
+    return shipped is not None and shipped.resolve() == gguf.resolve()
 
 
 def serve_argv(serve_args: list[str], threads: int, port: int) -> list[str]:
