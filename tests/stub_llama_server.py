@@ -23,13 +23,19 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "stub.gguf", "object": "model"}]})
+            return
         if self.path != "/health":
             self.send_error(404)
             return
         STATE["health_calls"] += 1
         ready = STATE["health_calls"] > 2
-        body = json.dumps({"status": "ok"} if ready else {"error": {"message": "Loading model"}}).encode()
-        self.send_response(200 if ready else 503)
+        self._json(200 if ready else 503, {"status": "ok"} if ready else {"error": {"message": "Loading model"}})
+
+    def _json(self, status: int, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
         self.wfile.write(body)
@@ -37,6 +43,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         length = int(self.headers.get("Content-Length") or 0)
         request = json.loads(self.rfile.read(length))
+        if request.get("model") != "stub.gguf":  # as `medusa-chat serve` does: the listed id only
+            self._json(404, {"error": {"message": f"model {request.get('model')!r} does not exist"}})
+            return
         words = reply_words(request["messages"][-1]["content"], int(request.get("max_tokens") or 16))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

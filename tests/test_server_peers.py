@@ -109,6 +109,7 @@ def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -
     assert note == "" and peers is not None
     try:
         assert peers.methods == ["llamacpp-server", "llamacpp-ngram"]  # no EAGLE-3 draft for this model
+        assert all(srv.model == "stub.gguf" for srv in peers.servers.values())  # the id /v1/models lists
         assert any("llamacpp-eagle3 skipped" in n for n in peers.notes)
         peers.warm("hello", 4)
         rows = []
@@ -178,7 +179,7 @@ def test_real_llama_server_eagle3_with_the_exported_draft_equals_its_plain_decod
         argv = llama_server_argv(real_llama_server, gguf_path(), threads, port, mode, draft)
         server = ServerProcess(mode, argv, port, tmp_path / f"{mode}.log").start()
         try:
-            replies[mode] = stream_chat(server.url, "Name three colours of the rainbow.", 32)
+            replies[mode] = stream_chat(server.url, "Name three colours of the rainbow.", 32, server.model)
         finally:
             server.close()
     assert replies["llamacpp-eagle3"].text == replies["llamacpp-server"].text

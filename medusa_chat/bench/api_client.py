@@ -74,10 +74,20 @@ def reply_from_events(events: list[tuple[float, dict[str, Any]]], t_sent: float)
     return Reply("".join(text), tokens, stamps[0] - t_sent, stamps[-1] - stamps[0], timings)
 
 
-def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> Reply:
+def served_model(base_url: str) -> str:
+    """The first model id GET /v1/models lists (`medusa-chat serve` refuses any other; llama-server takes any)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as r:
+            models = json.loads(r.read()).get("data") or []
+    except (urllib.error.URLError, OSError, json.JSONDecodeError, AttributeError):
+        return "default"
+    return str(models[0].get("id") or "default") if models and isinstance(models[0], dict) else "default"
+
+
+def stream_chat(base_url: str, prompt: str, max_tokens: int, model: str = "default", timeout_s: float = 600.0) -> Reply:
     """POST one greedy chat completion to `base_url`/v1/chat/completions, streamed, and time it."""
     body = {
-        "model": "default",
+        "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -124,6 +134,7 @@ class ServerProcess:
         self.name, self.argv, self.port, self.log = name, argv, port, log
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+        self.model = "default"  # the id the server lists, read once it is ready
         self._log: IO[bytes] | None = None
 
     @property
@@ -143,6 +154,7 @@ class ServerProcess:
                     f"{self.name} exited ({self.proc.returncode}) while starting: {self.log_tail()}"
                 )
             if self._healthy():
+                self.model = served_model(self.url)
                 return self
             time.sleep(0.25)
         self.close()

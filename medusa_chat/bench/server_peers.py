@@ -116,7 +116,7 @@ class ServerPeers:
         if server is None:
             return
         try:
-            self._current[method] = stream_chat(server.url, prompt, max_tokens)
+            self._current[method] = stream_chat(server.url, prompt, max_tokens, server.model)
         except MedusaChatError as err:
             self.notes.append(f"{method} failed: {err}; {server.log_tail()}")
             server.close()
