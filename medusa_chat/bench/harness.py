@@ -147,54 +147,35 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run every method on every prompt, interleaved; return the JSON document (settings, one row per prompt,
     the summary)."""
-    methods = _Methods(loaded, tree, config)
-    ident = describe(loaded)
-    load_before = _load_average()
-    encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
-    try:
-        return _run_all(loaded, tree, prompts, config, console, tree_source, methods, ident, load_before, encoded)
-    finally:
-        if methods.servers is not None:
-            methods.servers.close()
+    with _Methods(loaded, tree, config) as methods:  # closes the llamacpp-spec servers however the run ends
+        ident = describe(loaded)
+        load_before = _load_average()
+        encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
+        for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
+            for m in methods.all:
+                methods.run(m, encoded[0], min(16, config.settings.max_new_tokens))
+            if methods.servers is not None:
+                methods.servers.warm(prompts[0], min(16, config.settings.max_new_tokens))
 
-
-def _run_all(
-    loaded: Any,
-    tree: Tree,
-    prompts: list[str],
-    config: BenchConfig,
-    console: Console | None,
-    tree_source: str,
-    methods: _Methods,
-    ident: dict[str, Any],
-    load_before: float | None,
-    encoded: list[list[int]],
-) -> dict[str, Any]:
-    for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
-        for m in methods.all:
-            methods.run(m, encoded[0], min(16, config.settings.max_new_tokens))
-        if methods.servers is not None:
-            methods.servers.warm(prompts[0], min(16, config.settings.max_new_tokens))
-
-    tally = _Tally(methods.all, methods.sizes)
-    rows: list[dict[str, Any]] = []
-    for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
-        try:
-            runs, peer_run = methods.run_prompt(i, prompt_ids, text)
-        except PromptError as err:
+        tally = _Tally(methods.all, methods.sizes)
+        rows: list[dict[str, Any]] = []
+        for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
+            try:
+                runs, peer_run = methods.run_prompt(i, prompt_ids, text)
+            except PromptError as err:
+                if console is not None:
+                    console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
+                continue
+            for m, r in runs.items():
+                tally.totals[m].add(r)
+            row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
+            if methods.servers is not None:
+                row["servers"] = methods.servers.end_prompt()
+            rows.append(row)
             if console is not None:
-                console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
-            continue
-        for m, r in runs.items():
-            tally.totals[m].add(r)
-        row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
-        if methods.servers is not None:
-            row["servers"] = methods.servers.end_prompt()
-        rows.append(row)
-        if console is not None:
-            print_prompt(console, i + 1, len(prompts), row, runs)
-    summary = _summary(rows, tally, methods, config.greedy)
-    return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
+                print_prompt(console, i + 1, len(prompts), row, runs)
+        summary = _summary(rows, tally, methods, config.greedy)
+        return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
 
 
 class _Methods:
@@ -243,6 +224,13 @@ class _Methods:
             self.engines[method] = MedusaEngine(other, own.prefix(min(tree.size, own.size)))
             self.drafts[method] = other.heads_file
         self.all = self.methods + [f"medusa@{n}" for n in self.sizes] + list(self.drafts)
+
+    def __enter__(self) -> _Methods:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.servers is not None:
+            self.servers.close()
 
     def settings_for(self, method: str, max_new: int) -> GenerationSettings:
         """The run's settings for one method: its reply length; context lookup off for the heads-only run."""
