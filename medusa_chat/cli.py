@@ -33,6 +33,11 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "train-heads": ("medusa_chat.training.cli", "train_main", "train Medusa heads by self-distillation"),
     "fit-tree": ("medusa_chat.training.cli", "fit_tree_main", "fit a tree to measured head accuracies"),
     "calibrate": ("medusa_chat.tuning.cli", "calibrate_main", "pick the fastest tree size on this machine"),
+    "export-draft": (
+        "medusa_chat.export.cli",
+        "export_main",
+        "write a draft for llama.cpp (EAGLE-3 GGUF), vLLM or SGLang, with the line that serves it",
+    ),
     "step-cost": (
         "medusa_chat.bench.step_cost",
         "step_cost_main",
@@ -43,7 +48,9 @@ LOCAL = {
     "models": "list the known models and what is already downloaded",
     "info": "load a model and describe it",
 }
-MODEL_COMMANDS = {"chat", "web", "serve", "ask", "bench", "train-heads", "fit-tree", "calibrate", "info"}
+MODEL_COMMANDS = {
+    "chat", "web", "serve", "ask", "bench", "train-heads", "fit-tree", "calibrate", "info", "export-draft",
+}  # fmt: skip
 SUBCOMMANDS = [*EXTERNAL, *LOCAL]
 
 

@@ -32,6 +32,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MEDUSA_CHAT_API_KEY", CONFIG, "openai/server"),
         EnvVar("MEDUSA_CHAT_AUTO_CALIBRATE", CONFIG, "chat/session, tuning/calibrate, model/sources/fidelity, cli"),
         EnvVar("MEDUSA_CHAT_LLAMA_BENCH", CONFIG, "bench/peer"),
+        EnvVar("MEDUSA_CHAT_LLAMA_SERVER", CONFIG, "bench/server_peers"),
         EnvVar("MEDUSA_CHAT_THREADS", CONFIG, "engine/threads"),
         EnvVar("MEDUSA_CHAT_DEBUG", CONFIG, "cli"),
         EnvVar("MEDUSA_CHAT_UI_HZ", CONFIG, "chat/updates"),

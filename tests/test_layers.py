@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "kernels": 1,
     "model": 2,
     "engine": 3,
+    "export": 3,  # drafts written for serving engines: reads model files, used by bench
     "tuning": 4,
     "chat": 5,
     "bench": 5,

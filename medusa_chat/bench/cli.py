@@ -47,10 +47,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--baselines",
         type=_baselines,
         default=None,
-        metavar="hf,plain,lookup,llamacpp,heads",
+        metavar="hf,plain,lookup,llamacpp,heads,llamacpp-spec",
         help="baselines to run beside Medusa (default: hf,plain,lookup,llamacpp; with --background-load: "
         "plain,llamacpp; llamacpp is skipped with a note without llama-bench or llama-cpp-python; heads = the "
-        "same tree without context lookup)",
+        "same tree without context lookup; llamacpp-spec = llama-server plain, ngram-mod and EAGLE-3 beside "
+        "`medusa-chat serve`, all through the OpenAI API)",
     )
     parser.add_argument(
         "--background-load",
@@ -66,6 +67,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="llama.cpp's llama-bench binary for the llamacpp baseline (default: $MEDUSA_CHAT_LLAMA_BENCH or "
         "PATH; without one, an installed llama-cpp-python decodes the same prompts)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-server binary for the llamacpp-spec baseline (default: $MEDUSA_CHAT_LLAMA_SERVER, "
+        "the llama-server beside llama-bench, or PATH)",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="untimed warm-up runs of every method (default: 1)"
@@ -115,6 +123,16 @@ def progress_printer(console: Console, quiet: bool) -> Callable[[str], None] | N
     return None if quiet else (lambda m: console.print(f"[dim]{m}[/dim]"))
 
 
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The model options this bench was given, for the `medusa-chat serve` it starts beside llama-server."""
+    out: list[str] = []
+    for flag in ("model", "heads", "quant", "dtype", "device", "tree", "tree_size"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out
+
+
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -154,6 +172,8 @@ def bench_main(args: argparse.Namespace) -> int:
         tree_sizes=args.tree_sizes,
         compare_heads=getattr(args, "compare_heads", None),
         llamacpp_bench=args.llamacpp_bench,
+        llama_server=getattr(args, "llama_server", None),
+        serve_args=serve_args(args),
     )
     if background:
         from medusa_chat.bench.load import print_load_summary, run_with_background_load

@@ -46,6 +46,7 @@ from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, defaults_for
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from medusa_chat.bench.server_peers import ServerPeers
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.tree import Tree
 
@@ -127,6 +128,8 @@ class BenchConfig:
     tree_sizes: list[int] | None = None
     compare_heads: list[str] | None = None  # other heads or drafts on the same backbone, side by side
     llamacpp_bench: str | None = None
+    llama_server: str | None = None  # llamacpp-spec: llama-server's path (bench/server_peers.py)
+    serve_args: list[str] | None = None  # llamacpp-spec: the model options `medusa-chat serve` is started with
 
     @property
     def greedy(self) -> bool:
@@ -144,31 +147,35 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run every method on every prompt, interleaved; return the JSON document (settings, one row per prompt,
     the summary)."""
-    methods = _Methods(loaded, tree, config)
-    ident = describe(loaded)
-    load_before = _load_average()
-    encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
-    for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
-        for m in methods.all:
-            methods.run(m, encoded[0], min(16, config.settings.max_new_tokens))
+    with _Methods(loaded, tree, config) as methods:  # closes the llamacpp-spec servers however the run ends
+        ident = describe(loaded)
+        load_before = _load_average()
+        encoded = [loaded.build_prompt([{"role": "user", "content": p}]) for p in prompts]
+        for _ in range(config.warmup):  # first calls pay one-off costs (allocations, kernel selection, caches)
+            for m in methods.all:
+                methods.run(m, encoded[0], min(16, config.settings.max_new_tokens))
+            if methods.servers is not None:
+                methods.servers.warm(prompts[0], min(16, config.settings.max_new_tokens))
 
-    tally = _Tally(methods.all, methods.sizes)
-    rows: list[dict[str, Any]] = []
-    for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
-        try:
-            runs, peer_run = methods.run_prompt(i, prompt_ids)
-        except PromptError as err:
+        tally = _Tally(methods.all, methods.sizes)
+        rows: list[dict[str, Any]] = []
+        for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
+            try:
+                runs, peer_run = methods.run_prompt(i, prompt_ids, text)
+            except PromptError as err:
+                if console is not None:
+                    console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
+                continue
+            for m, r in runs.items():
+                tally.totals[m].add(r)
+            row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
+            if methods.servers is not None:
+                row["servers"] = methods.servers.end_prompt()
+            rows.append(row)
             if console is not None:
-                console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
-            continue
-        for m, r in runs.items():
-            tally.totals[m].add(r)
-        row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
-        rows.append(row)
-        if console is not None:
-            print_prompt(console, i + 1, len(prompts), row, runs)
-    summary = _summary(rows, tally, methods, config.greedy)
-    return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
+                print_prompt(console, i + 1, len(prompts), row, runs)
+        summary = _summary(rows, tally, methods, config.greedy)
+        return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
 
 
 class _Methods:
@@ -185,6 +192,14 @@ class _Methods:
             from medusa_chat.bench.peer import llama_bench_for
 
             self.peer, self.peer_note = llama_bench_for(loaded, torch.get_num_threads(), config.llamacpp_bench)
+        self.servers: ServerPeers | None = None
+        self.servers_note = ""
+        if "llamacpp-spec" in config.baselines:
+            from medusa_chat.bench.server_peers import start_server_peers
+
+            self.servers, self.servers_note = start_server_peers(
+                loaded, torch.get_num_threads(), config.serve_args, config.llama_server, config.llamacpp_bench
+            )
         self.engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
         if "heads" in self.methods:
             self.engines["heads"] = MedusaEngine(loaded, tree)
@@ -209,6 +224,13 @@ class _Methods:
             self.engines[method] = MedusaEngine(other, own.prefix(min(tree.size, own.size)))
             self.drafts[method] = other.heads_file
         self.all = self.methods + [f"medusa@{n}" for n in self.sizes] + list(self.drafts)
+
+    def __enter__(self) -> _Methods:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.servers is not None:
+            self.servers.close()
 
     def settings_for(self, method: str, max_new: int) -> GenerationSettings:
         """The run's settings for one method: its reply length; context lookup off for the heads-only run."""
@@ -238,15 +260,22 @@ class _Methods:
             return None
         return self.peer_runs[-1]
 
-    def run_prompt(self, i: int, prompt_ids: list[int]) -> tuple[dict[str, Run], dict[str, Any] | None]:
-        """Every method on prompt `i`, in an order that rotates from prompt to prompt."""
-        rotation = self.all + (["llamacpp"] if self.peer is not None else [])
+    def run_prompt(
+        self, i: int, prompt_ids: list[int], text: str = ""
+    ) -> tuple[dict[str, Run], dict[str, Any] | None]:
+        """Every method on prompt `i`, in an order that rotates from prompt to prompt (the servers of
+        llamacpp-spec get the prompt's text and apply their own chat template)."""
+        servers = self.servers.methods if self.servers is not None else []
+        rotation = self.all + (["llamacpp"] if self.peer is not None else []) + servers
         order = rotation[i % len(rotation) :] + rotation[: i % len(rotation)]
         runs: dict[str, Run] = {}
         peer_run = None
         for m in order:
             if m == "llamacpp":
                 peer_run = self.run_peer(prompt_ids)
+            elif m in servers:
+                assert self.servers is not None
+                self.servers.run(m, text, self.config.settings.max_new_tokens)
             else:
                 runs[m] = self.run(m, prompt_ids, self.config.settings.max_new_tokens)
         return runs, peer_run
@@ -429,6 +458,10 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "speedup_vs_llamacpp_median": median_of(r.get("speedup_vs_llamacpp") for r in rows),
         "timing": TIMING_NOTE,
     }
+    if methods.servers is not None:
+        summary.update(methods.servers.summary(med_tps))
+    elif methods.servers_note:
+        summary["llamacpp_spec_notes"] = [methods.servers_note]
     return summary
 
 
@@ -468,7 +501,9 @@ def _document(
         "accept_mode": settings.accept_mode,
         "context_lookup": settings.context_lookup,
         "top_p": settings.top_p,
-        "baselines": [m for m in methods.methods if m != "medusa"] + (["llamacpp"] if peer_tps else []),
+        "baselines": [m for m in methods.methods if m != "medusa"]
+        + (["llamacpp"] if peer_tps else [])
+        + (["llamacpp-spec"] if methods.servers is not None else []),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         # how a GGUF's K-quant products quantize their activations on a CPU (csrc/kquants.c): a run's numbers and

@@ -119,6 +119,8 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             fmt_value(s["speedup_vs_llamacpp"], ".2f", "x"),
         )
     console.print(table)
+    if "llamacpp_spec_notes" in s:
+        print_servers(console, s)
     if doc.get("context_lookup") and s.get("context_lookup_share") is not None:
         console.print(
             f"context lookup guessed {s['context_lookup_share'] * 100:.0f}% of the draft tokens Medusa accepted "
@@ -200,3 +202,49 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
             f"{doc['cpu_count']} CPUs): absolute speeds are unreliable, ratios of side-by-side runs less so[/yellow]"
         )
     console.print(f"[dim]{TIMING_NOTE}[/dim]")
+
+
+SERVER_LABELS = {
+    "llamacpp-server": "llama-server, plain",
+    "llamacpp-ngram": "llama-server --spec-type ngram-mod",
+    "llamacpp-eagle3": "llama-server --spec-type draft-eagle3",
+    "medusa-serve": "medusa-chat serve (no flags)",
+}
+
+
+def print_servers(console: Any, summary: dict[str, Any]) -> None:
+    """The llamacpp-spec table: each server through the same client, and its notes."""
+    from rich.table import Table
+
+    for note in summary.get("llamacpp_spec_notes") or []:
+        console.print(f"[yellow]{note}[/yellow]")
+    servers = summary.get("llamacpp_spec") or {}
+    if not servers:
+        return
+    table = Table(title="Servers through the same OpenAI client (streamed, greedy)", title_justify="left")
+    for col in (
+        "server",
+        "decode tok/s",
+        "vs llama.cpp plain",
+        "tokens/step",
+        "draft accepted",
+        "= llama.cpp plain",
+    ):
+        table.add_column(col, justify="left" if col == "server" else "right")
+    for method, r in servers.items():
+        d = r["drafting"] or {}
+        same = r["identical_to_llamacpp_plain_fraction"]
+        table.add_row(
+            SERVER_LABELS.get(method, method),
+            fmt_value(r["tokens_per_s"], ".1f"),
+            fmt_value(r["vs_llamacpp_plain"], ".2f", "x"),
+            fmt_value(d.get("tokens_per_step")),
+            fmt_value(d["acceptance_rate"] * 100 if d else None, ".0f", "%"),
+            fmt_value(same * 100 if same is not None else None, ".0f", "%"),
+        )
+    console.print(table)
+    if summary.get("medusa_serve_speedup_vs_best_llamacpp") is not None:
+        console.print(
+            f"medusa-chat serve vs the best llama.cpp mode: {summary['medusa_serve_speedup_vs_best_llamacpp']:.2f}x "
+            f"(in-process Medusa vs it: {fmt_value(summary.get('speedup_vs_best_llamacpp_mode'), '.2f', 'x')})"
+        )

@@ -204,8 +204,10 @@ def read_prompts(path: Path, limit: int | None = None) -> list[str]:
 METHODS = ("hf", "plain", "lookup", "heads", "medusa")
 
 
-# llamacpp: llama-bench on the same GGUF (peer.py); heads: Medusa without context lookup (an ablation, opt-in)
-BASELINES = ("hf", "plain", "lookup", "llamacpp", "heads")
+# llamacpp: llama-bench on the same GGUF (peer.py); heads: Medusa without context lookup (an ablation, opt-in);
+# llamacpp-spec: llama-server's plain and speculative modes and `medusa-chat serve`, through their API (opt-in:
+# server_peers.py)
+BASELINES = ("hf", "plain", "lookup", "llamacpp", "heads", "llamacpp-spec")
 
 
 DEFAULT_BASELINES = ("hf", "plain", "lookup", "llamacpp")
