@@ -30,6 +30,7 @@ from medusa_chat.training.distill import (
 )
 from medusa_chat.training.pipeline import train_and_save
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.stages import add_stage_args, evaluate_main, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -144,11 +145,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--stage",
-        choices=["all", "data", "train"],
+        choices=["all", "prompts", "data", "train", "evaluate"],
         default="all",
-        help="data: only generate data; train: only train on the data already there",
+        help="prompts: real prompt files from ShareGPT (--sharegpt); data: only generate data; train: only "
+        "train on the data already there; evaluate: score --heads on the replies in --work",
     )
     g.add_argument("--seed", type=int, default=0)
+    add_stage_args(parser, _Adder)
     return parser
 
 
@@ -199,8 +202,10 @@ def train_main(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
     eagle = args.heads_format in ("eagle", "eagle3")
+    if args.stage == "prompts":
+        return prompts_main(args, work, make_logger())
     try:
-        if (work / "distill" / "manifest.json").exists() and not args.resume:
+        if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "evaluate":
             raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         eagle_settings = _eagle_settings(args) if eagle else None
         init_from = _init_from(args, eagle)
@@ -219,6 +224,8 @@ def train_main(args: argparse.Namespace) -> int:
     if args.import_data and not store.shards:
         import_npz(store, args.import_data, eos=eos_ids(tok, model))
         log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
+    if args.stage == "evaluate":
+        return evaluate_main(args, model, store, work, log)
     t_data = time.time()
     if args.stage in ("all", "data"):
         _distill_data(args, model, tok, store, device, log)
