@@ -179,3 +179,19 @@ def test_prompts_data_evaluate_stages(tiny_dir: Path, tmp_path: Path) -> None:  
     ev = json.loads((work / "evaluation.json").read_text())
     assert ev["positions"] == store.reply_tokens and len(ev[str(tmp_path / "heads")]["top1"]) == 2
     assert train_main(p.parse_args([*base, "--stage", "evaluate"])) == 2  # no --heads
+
+
+def test_engine_replies_are_its_plain_loops(embedded_model) -> None:
+    from medusa_chat.engine.engine import plain_tree
+    from medusa_chat.training.distill import chat_prompt_ids
+    from medusa_chat.training.engine_replies import EngineReplies
+    from medusa_chat.tuning.tree_choice import choose_tree
+
+    tok = embedded_model.tokenizer
+    prompts = [chat_prompt_ids(tok, t) for t in ("Say hi.", "Name three colours, briefly.")]
+    tree = choose_tree(embedded_model, None, None)[0].prefix(4)  # (no calibration run in a test)
+    tree_replies = EngineReplies(embedded_model, 24, tree=tree)(prompts)
+    plain = EngineReplies(embedded_model, 24, tree=plain_tree())(prompts)
+    assert tree_replies == plain  # whatever the tree, greedy replies are the plain loop's
+    for reply, done in tree_replies:
+        assert 0 < len(reply) <= 24 + 1 and done == (reply[-1] in embedded_model.eos_token_ids)

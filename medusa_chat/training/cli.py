@@ -77,9 +77,25 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "varied requests (default 0.5; 0 = plain Magpie)",
     )
     g.add_argument("--max-new-tokens", type=int, default=160, help="reply length limit (default 160)")
+    g.add_argument(
+        "--generator",
+        choices=["hf", "engine"],
+        default="hf",
+        help="who answers: hf = batched transformers generate on the float model (default); engine = the app's "
+        "own engine with no flags, one reply at a time (its default numeric path: the tokens the heads meet "
+        "at run time; faster per CPU-second on a small CPU)",
+    )
     g.add_argument("--batch-size", type=int, default=None, help="generation batch (default 64 CPU, 512 CUDA)")
     g.add_argument(
         "--max-tokens", type=int, default=None, help="stop generating data at this many reply tokens"
+    )
+    g.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts per data shard, the unit of resumption (default 256 CPU, 1024 CUDA; a conversation's "
+        "turns always share a shard)",
     )
     g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable)")
     g.add_argument(
@@ -303,14 +319,20 @@ def _distill_data(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size or (512 if cuda else 64),
         magpie_batch=args.batch_size or (512 if cuda else 64),
-        shard_size=1024 if cuda else 256,
+        shard_size=args.shard_size or (1024 if cuda else 256),
         seed=args.seed,
         max_reply_tokens=args.max_tokens,
         opener_frac=args.opener_frac,
     )
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
-    distill(model, tok, store, ds, deadline=deadline, log=log)
+    replies = None
+    if args.generator == "engine":
+        from medusa_chat.training.engine_replies import EngineReplies
+
+        replies = EngineReplies.load(args.model, args.max_new_tokens)
+        log(replies.describe())
+    distill(model, tok, store, ds, deadline=deadline, log=log, replies=replies)
     log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
 
 

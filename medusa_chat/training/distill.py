@@ -365,8 +365,12 @@ def distill(
     settings: DistillSettings,
     deadline: float | None = None,
     log: Log = print,
+    replies: Callable[[list[list[int]]], list[tuple[list[int], bool]]] | None = None,
 ) -> DistillStore:
     """Fill `store` with prompts and greedy replies until the targets are met or `deadline` (time.time()) nears.
+
+    `replies` answers a list of prompt ids (default: batched transformers `generate` on `model`; the engine's own
+    loop: engine_replies.EngineReplies).
 
     Magpie rounds and reply shards interleave, so whatever has been done when the run stops is usable training
     data. Each unit of work starts only if the last one of its kind would still finish before the deadline.
@@ -415,21 +419,23 @@ def distill(
             texts = store.prompts[first : conversation_end(store.prompts, first + settings.shard_size)]
 
             def generate(batch: list[list[int]]) -> list[tuple[list[int], bool]]:
+                if replies is not None:
+                    return replies(batch)
                 return greedy_replies(model, tokenizer, batch, settings.batch_size, settings.max_new_tokens)
 
             # Over-long prompts get an empty reply (kept, so prompt indices stay aligned; they train nothing).
-            p_ids, replies = answer_entries(model, tokenizer, texts, generate, settings.max_prompt_tokens)
+            p_ids, answers = answer_entries(model, tokenizer, texts, generate, settings.max_prompt_tokens)
             info = store.write_shard(
                 first,
-                [p + r for p, (r, _) in zip(p_ids, replies, strict=True)],
+                [p + r for p, (r, _) in zip(p_ids, answers, strict=True)],
                 [len(p) for p in p_ids],
-                [f for _, f in replies],
+                [f for _, f in answers],
             )
             last["shard"] = dt = time.time() - t
-            fin = sum(f for _, f in replies)
+            fin = sum(f for _, f in answers)
             log(
-                f"{info.name}: {info.count} replies, {info.tokens} tokens ({info.tokens / max(dt, 1e-9):.0f} tok/s, "
-                f"{fin}/{len(replies)} ended at EOS), total {store.reply_tokens} reply tokens"
+                f"{info.name}: {info.count} replies, {info.tokens} tokens ({info.tokens / max(dt, 1e-9):.1f} tok/s, "
+                f"{fin}/{len(answers)} ended at EOS), total {store.reply_tokens} reply tokens"
             )
             continue
         if want_magpie:
