@@ -146,7 +146,7 @@ def test_overlong_context_ends_the_conversation(backbone) -> None:  # noqa: F811
     def gen(batch: list[list[int]]) -> list[tuple[list[int], bool]]:
         return greedy_replies(model, tok, batch, 4, 6)
 
-    ctx, replies = answer_entries(model, tok, entries, gen, max_prompt_tokens=120)
+    ctx, replies = answer_entries(tok, entries, gen, max_prompt_tokens=120, stop={tok.eos_token_id})
     assert replies[0][0] and replies[1] == ([], False) and replies[2] == ([], False)
     assert all(ctx)  # every sample keeps some context (no empty id lists)
 

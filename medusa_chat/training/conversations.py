@@ -45,20 +45,19 @@ def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def answer_entries(
-    model: Any,
     tokenizer: Any,
     entries: list[Entry],
     generate: Any,
     max_prompt_tokens: int,
+    stop: set[int],
 ) -> tuple[list[list[int]], list[tuple[list[int], bool]]]:
     """(context ids, (reply ids, finished)) per entry. `generate(list of prompt ids)` gives the greedy replies in
-    order (batched). Turn k of every conversation in `entries` goes in one batch, after turn k - 1's replies.
+    order (batched); `stop`: the ids that end a reply. Turn k of every conversation in `entries` goes in one batch, after turn k - 1's replies.
 
     A context longer than `max_prompt_tokens` gets an empty reply (kept so prompt indices stay aligned; it trains
     nothing), and so do the conversation's later turns. A leading follow-up (no conversation above it in
     `entries`) starts a conversation of its own.
     """
-    stop = _stop_ids(tokenizer, model)
     n = len(entries)
     ctx: list[list[int]] = [[] for _ in range(n)]
     replies: list[tuple[list[int], bool]] = [([], False)] * n
@@ -94,8 +93,3 @@ def answer_entries(
             history[conv_of[i]] = history[conv_of[i]] + [{"role": "assistant", "content": text}]
     return ctx, replies
 
-
-def _stop_ids(tokenizer: Any, model: Any) -> set[int]:
-    from medusa_chat.training.distill import eos_ids
-
-    return set(eos_ids(tokenizer, model))

@@ -424,7 +424,9 @@ def distill(
                 return greedy_replies(model, tokenizer, batch, settings.batch_size, settings.max_new_tokens)
 
             # Over-long prompts get an empty reply (kept, so prompt indices stay aligned; they train nothing).
-            p_ids, answers = answer_entries(model, tokenizer, texts, generate, settings.max_prompt_tokens)
+            p_ids, answers = answer_entries(
+                tokenizer, texts, generate, settings.max_prompt_tokens, set(eos_ids(tokenizer, model))
+            )
             info = store.write_shard(
                 first,
                 [p + r for p, (r, _) in zip(p_ids, answers, strict=True)],
