@@ -178,6 +178,7 @@ def test_prompts_data_evaluate_stages(tiny_dir: Path, tmp_path: Path) -> None:  
     assert train_main(p.parse_args(eargv)) == 0
     ev = json.loads((work / "evaluation.json").read_text())
     assert ev["positions"] == store.reply_tokens and len(ev[str(tmp_path / "heads")]["top1"]) == 2
+    assert ev[str(tmp_path / "heads")]["backbone_agreement"] > 0.9  # the replies are the float model's own
     assert train_main(p.parse_args([*base, "--stage", "evaluate"])) == 2  # no --heads
 
 

@@ -109,7 +109,12 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
     data = load_cache(cache_hidden_states(model, store, work / "hidden", batch_tokens=4096, log=log))
     lm_w = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach()
-    results: dict[str, Any] = {"store": store.root.name, "positions": len(data), "reply_tokens": store.reply_tokens}
+    results: dict[str, Any] = {
+        "work": store.root.parent.name,  # the --work folder (its name: result files travel)
+        "samples": store.next_prompt_index(),
+        "positions": len(data),
+        "reply_tokens": store.reply_tokens,
+    }
     for folder in [h for h in args.heads.split(",") if h]:
         heads = load_heads_file(Path(folder).expanduser())[0]
         if getattr(heads, "format", "") in ("eagle", "eagle3"):
@@ -122,6 +127,9 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
             "top5": ev["top5"],
             "chain_top1_conditional": chain,
             "chain_tokens_per_step": round(1 + sum(math.prod(chain[: i + 1]) for i in range(len(chain))), 4),
+            # argmax of lm_head on the cached states vs the stored reply tokens: 1.0 when the replies are the
+            # float model's own greedy tokens (lower when another numeric path wrote them)
+            "backbone_agreement": ev["backbone_agreement"],
             "fitted_tree_tokens_per_step": size_summary(fit_tree(ev, budget=64)),
         }
         own = Path(folder).expanduser() / "tree.json"
