@@ -71,6 +71,8 @@ def test_truncated_array_yields_every_complete_record(tmp_path: Path, chunk: int
     with open(path, "rb") as fh:
         got = list(iter_records(fh, chunk=chunk))  # small chunks split records and UTF-8 characters
     assert got == recs
+    whole = json.dumps(recs).encode("utf-8")  # a complete array ends at its ']'
+    assert list(iter_records(io.BytesIO(whole + b"\n"), chunk=chunk)) == recs
     with pytest.raises(ValueError, match="array"):
         list(iter_records(io.BytesIO(b'{"id": 1}')))
 
