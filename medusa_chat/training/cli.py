@@ -30,6 +30,7 @@ from medusa_chat.training.distill import (
 )
 from medusa_chat.training.pipeline import train_and_save
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.stages import add_stage_args, evaluate_main, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -76,9 +77,25 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "varied requests (default 0.5; 0 = plain Magpie)",
     )
     g.add_argument("--max-new-tokens", type=int, default=160, help="reply length limit (default 160)")
+    g.add_argument(
+        "--generator",
+        choices=["hf", "engine"],
+        default="hf",
+        help="who answers: hf = batched transformers generate on the float model (default); engine = the app's "
+        "own engine with no flags, one reply at a time (its default numeric path: the tokens the heads meet "
+        "at run time; faster per CPU-second on a small CPU)",
+    )
     g.add_argument("--batch-size", type=int, default=None, help="generation batch (default 64 CPU, 512 CUDA)")
     g.add_argument(
         "--max-tokens", type=int, default=None, help="stop generating data at this many reply tokens"
+    )
+    g.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts per data shard, the unit of resumption (default 256 CPU, 1024 CUDA; a conversation's "
+        "turns always share a shard)",
     )
     g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable)")
     g.add_argument(
@@ -144,11 +161,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--stage",
-        choices=["all", "data", "train"],
+        choices=["all", "prompts", "data", "train", "evaluate"],
         default="all",
-        help="data: only generate data; train: only train on the data already there",
+        help="prompts: real prompt files from ShareGPT (--sharegpt); data: only generate data; train: only "
+        "train on the data already there; evaluate: score --heads on the replies in --work",
     )
     g.add_argument("--seed", type=int, default=0)
+    add_stage_args(parser, _Adder)
     return parser
 
 
@@ -199,8 +218,10 @@ def train_main(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
     eagle = args.heads_format in ("eagle", "eagle3")
+    if args.stage == "prompts":
+        return prompts_main(args, work, make_logger())
     try:
-        if (work / "distill" / "manifest.json").exists() and not args.resume:
+        if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "evaluate":
             raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         eagle_settings = _eagle_settings(args) if eagle else None
         init_from = _init_from(args, eagle)
@@ -219,6 +240,8 @@ def train_main(args: argparse.Namespace) -> int:
     if args.import_data and not store.shards:
         import_npz(store, args.import_data, eos=eos_ids(tok, model))
         log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
+    if args.stage == "evaluate":
+        return evaluate_main(args, model, store, work, log)
     t_data = time.time()
     if args.stage in ("all", "data"):
         _distill_data(args, model, tok, store, device, log)
@@ -296,14 +319,20 @@ def _distill_data(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size or (512 if cuda else 64),
         magpie_batch=args.batch_size or (512 if cuda else 64),
-        shard_size=1024 if cuda else 256,
+        shard_size=args.shard_size or (1024 if cuda else 256),
         seed=args.seed,
         max_reply_tokens=args.max_tokens,
         opener_frac=args.opener_frac,
     )
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
-    distill(model, tok, store, ds, deadline=deadline, log=log)
+    replies = None
+    if args.generator == "engine":
+        from medusa_chat.training.engine_replies import EngineReplies
+
+        replies = EngineReplies.load(args.model, args.max_new_tokens)
+        log(replies.describe())
+    distill(model, tok, store, ds, deadline=deadline, log=log, replies=replies)
     log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
 
 

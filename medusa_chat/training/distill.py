@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from medusa_chat.training.conversations import answer_entries, conversation_end
 from medusa_chat.training.store import DistillStore, Log
 
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
@@ -186,13 +187,14 @@ TASK_OPENERS = (
 BENCH_GUARD = ("shared/bench", "vicuna_bench_question", "mt_bench", "question.jsonl")
 
 
-def read_prompt_file(path: str | Path) -> list[str]:
-    """First user turns from a jsonl file (`prompt` or `turns[0]`, else `instruction`/`text`)."""
+def read_prompt_file(path: str | Path) -> list[str | list[str]]:
+    """Prompts from a jsonl file: first user turns (`prompt` or `turns[0]`, else `instruction`/`text`), or whole
+    conversations' user turns (`conversation`: a list, answered turn by turn; see conversations.py)."""
     path = Path(path).expanduser()
     if any(g in str(path.resolve()) for g in BENCH_GUARD):
         # The bench prompts measure the heads: training on them would inflate every number we report.
         raise ValueError(f"{path} looks like a benchmark prompt file: never train on benchmark prompts")
-    out: list[str] = []
+    out: list[str | list[str]] = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             line = line.strip()
@@ -205,8 +207,12 @@ def read_prompt_file(path: str | Path) -> list[str]:
             if isinstance(rec, str):
                 text = rec
             elif isinstance(rec, dict):
-                turns = rec.get("turns")
-                text = rec.get("prompt") or (turns[0] if isinstance(turns, list) and turns else None)
+                conv, turns = rec.get("conversation"), rec.get("turns")
+                if isinstance(conv, list) and len(conv) > 1 and all(isinstance(t, str) and t.strip() for t in conv):
+                    out.append([t.strip() for t in conv])
+                    continue
+                text = (conv[0] if isinstance(conv, list) and conv else None) or rec.get("prompt")
+                text = text or (turns[0] if isinstance(turns, list) and turns else None)
                 text = text or rec.get("instruction") or rec.get("text")
             else:
                 text = None
@@ -359,8 +365,12 @@ def distill(
     settings: DistillSettings,
     deadline: float | None = None,
     log: Log = print,
+    replies: Callable[[list[list[int]]], list[tuple[list[int], bool]]] | None = None,
 ) -> DistillStore:
     """Fill `store` with prompts and greedy replies until the targets are met or `deadline` (time.time()) nears.
+
+    `replies` answers a list of prompt ids (default: batched transformers `generate` on `model`; the engine's own
+    loop: engine_replies.EngineReplies).
 
     Magpie rounds and reply shards interleave, so whatever has been done when the run stops is usable training
     data. Each unit of work starts only if the last one of its kind would still finish before the deadline.
@@ -406,27 +416,28 @@ def distill(
                 break
             t = time.time()
             first = store.next_prompt_index()
-            texts = store.prompts[first : first + settings.shard_size]
-            p_ids = [chat_prompt_ids(tokenizer, x) for x in texts]
+            texts = store.prompts[first : conversation_end(store.prompts, first + settings.shard_size)]
+
+            def generate(batch: list[list[int]]) -> list[tuple[list[int], bool]]:
+                if replies is not None:
+                    return replies(batch)
+                return greedy_replies(model, tokenizer, batch, settings.batch_size, settings.max_new_tokens)
+
             # Over-long prompts get an empty reply (kept, so prompt indices stay aligned; they train nothing).
-            use = [i for i, p in enumerate(p_ids) if len(p) <= settings.max_prompt_tokens]
-            reps = greedy_replies(
-                model, tokenizer, [p_ids[i] for i in use], settings.batch_size, settings.max_new_tokens
+            p_ids, answers = answer_entries(
+                tokenizer, texts, generate, settings.max_prompt_tokens, set(eos_ids(tokenizer, model))
             )
-            replies: list[tuple[list[int], bool]] = [([], False)] * len(texts)
-            for i, r in zip(use, reps, strict=True):
-                replies[i] = r
             info = store.write_shard(
                 first,
-                [p + r for p, (r, _) in zip(p_ids, replies, strict=True)],
+                [p + r for p, (r, _) in zip(p_ids, answers, strict=True)],
                 [len(p) for p in p_ids],
-                [f for _, f in replies],
+                [f for _, f in answers],
             )
             last["shard"] = dt = time.time() - t
-            fin = sum(f for _, f in replies)
+            fin = sum(f for _, f in answers)
             log(
-                f"{info.name}: {info.count} replies, {info.tokens} tokens ({info.tokens / max(dt, 1e-9):.0f} tok/s, "
-                f"{fin}/{len(replies)} ended at EOS), total {store.reply_tokens} reply tokens"
+                f"{info.name}: {info.count} replies, {info.tokens} tokens ({info.tokens / max(dt, 1e-9):.1f} tok/s, "
+                f"{fin}/{len(answers)} ended at EOS), total {store.reply_tokens} reply tokens"
             )
             continue
         if want_magpie:

@@ -23,7 +23,11 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
-def norm_key(text: str) -> str:
+def norm_key(text: Any) -> str:
+    """The de-duplication key of a prompt entry; a conversation's follow-up turn has none ("": never dropped,
+    or the conversation would lose a turn)."""
+    if not isinstance(text, str):
+        return ""
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
@@ -41,7 +45,7 @@ class DistillStore:
     """A distillation folder: manifest (prompts, Magpie rounds, shards) + token shards."""
 
     root: Path
-    prompts: list[str] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)  # str, or a conversation's follow-up turn (dict)
     sources: list[str] = field(default_factory=list)
     magpie_rounds: int = 0
     magpie_sampled: int = 0
@@ -100,17 +104,23 @@ class DistillStore:
             },
         )
 
-    def add_prompts(self, texts: Iterable[str], source: str) -> int:
-        """Append new prompts (deduplicated on case- and whitespace-normalised text). Returns how many."""
+    def add_prompts(self, texts: Iterable[Any], source: str) -> int:
+        """Append new prompts (deduplicated on case- and whitespace-normalised text). Returns how many.
+
+        An entry may be a list of user turns (a conversation): it is stored as its first turn followed by
+        follow-up entries (conversations.py), all of it dropped if the first turn is a duplicate."""
+        from medusa_chat.training.conversations import expand
+
         added = 0
         for t in texts:
-            key = norm_key(t)
+            entries = expand(t) if isinstance(t, list) else [t]
+            key = norm_key(entries[0]) if entries else ""
             if not key or key in self._keys:
                 continue
             self._keys.add(key)
-            self.prompts.append(t)
-            self.sources.append(source)
-            added += 1
+            self.prompts.extend(entries)
+            self.sources.extend([source] * len(entries))
+            added += len(entries)
         return added
 
     def next_prompt_index(self) -> int:
