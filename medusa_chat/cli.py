@@ -21,6 +21,7 @@ from typing import Any
 from medusa_chat import __version__, envvars
 from medusa_chat.cliargs import positive_int
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.quant_choice import QUANTS, quant_help
 from medusa_chat.units import human_bytes
 
 # sub-command -> (module, function, help)
@@ -68,10 +69,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--quant",
-        choices=["auto", "none", "int8", "int4", "nf4"],  # loading.QUANTS (not imported here: it loads torch)
+        choices=list(QUANTS),
         default="auto",
-        help="weight quantization (auto: NF4 on CUDA; on a CPU the fastest of none/int8/int4, measured once "
-        "and cached; int8/int4 on a CPU: GGUF Q8_0/Q4_1 blocks, the embedded model's own from its file)",
+        help=quant_help(),
     )
     g.add_argument(
         "--dtype",
