@@ -261,8 +261,8 @@ def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
     notes: list[str] = []
-    backbone = backbones.load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
-    assert any("int4" in n and "projections" in n for n in notes)
+    backbone, quant = backbones.load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
+    assert quant == "int4" and any("int4" in n and "projections" in n and "checked on this GPU" in n for n in notes)
     layers = backbone.config.num_hidden_layers
     assert sum(isinstance(m, Int4Linear) for m in backbone.modules()) == 7 * layers
     reference = backbones.load_backbone(tiny_llama_dir, DEVICE, DTYPE, "none")
@@ -289,7 +289,7 @@ def test_packing_in_row_chunks_is_the_same_as_in_one_piece(monkeypatch) -> None:
 @pytest.mark.skipif(triton_matmul.triton is None, reason="needs triton")
 def test_the_cuda_kernels_compile_for_hopper_without_a_gpu() -> None:
     """Triton's compiler and ptxas on every kernel variant the app launches (tests/cuda_compile.py): what the
-    interpreter above accepts but a GPU's compiler would refuse fails here, before a GPU is lent."""
+    interpreter above accepts but a GPU's compiler would refuse fails here, before a GPU machine runs it."""
     import os
     import subprocess
     import sys

@@ -225,7 +225,10 @@ def _read_backbone(
         if backbone is not None:
             return backbone, False, fidelity  # the file's blocks are the projections already
     if dev.type == "cuda" and q == "int4":
-        return load_cuda_int4(model_dir, dev, dtype, notes, job.say, medusa_keys, job.trust_remote_code), False, None
+        backbone, job.q = load_cuda_int4(model_dir, dev, dtype, notes, job.say, medusa_keys, job.trust_remote_code)
+        if backbone is not None:
+            return backbone, False, None
+        q = job.q  # the int4 kernels failed their check on this GPU: 16-bit or NF4 (the note says why)
     backbone = load_backbone(
         model_dir,
         dev,
