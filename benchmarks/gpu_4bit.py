@@ -6,7 +6,7 @@
     python benchmarks/gpu_4bit.py fidelity --model FOLDER --out DIR/fidelity.json
     python benchmarks/gpu_4bit.py summary  DIR                               # -> DIR/gpu_4bit_<card>_<date>.json
 Each stage also runs on a CPU with `--tiny` (small shapes, Triton's interpreter: TRITON_INTERPRET=1), which is
-how this script is dry-run before a GPU is lent (tests/test_gpu_4bit_script.py runs that dry run).
+how this script is dry-run before it runs on a GPU machine (tests/test_gpu_4bit_script.py runs that dry run).
 
 kernels: y = x @ W.T on Llama-2-7B's projection shapes (4096x4096, 11008x4096, 4096x11008, 32000x4096; N x K)
 at 1/2/4/8/16/32/64 rows for: 16-bit `F.linear` (cuBLAS); the Triton int4 kernel (kernels/triton_matmul.py,
@@ -154,6 +154,7 @@ def kernels_stage(args: argparse.Namespace, device: torch.device) -> dict[str, A
         w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(dtype)
         x = torch.randn(max(rows), k, generator=g, device=device).to(dtype)
         doc["shapes"][f"{n}x{k}"] = _kernel_shape(w, x, rows, args.tiny)
+        write(args.out, doc)  # as it goes: a timeout loses the shape in flight only
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -386,6 +387,7 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         except Exception as err:  # noqa: BLE001 - one path's failure is a result; the others still run
             doc["paths"][path] = {"error": _why(err)}
             log(f"  {path} failed: {_why(err)}")
+        write(args.out, doc)  # as it goes: a timeout loses the path in flight only
         model = loaded = None  # noqa: F841
         gc.collect()
         if cuda:
@@ -423,7 +425,7 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
     from medusa_chat.model.backbones import load_backbone
     from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.model.devices import pick_dtype
-    from medusa_chat.model.fidelity import measure
+    from medusa_chat.model.fidelity import compare, fixed_text, scored_logprobs, text_chunks
 
     folder = Path(args.model)
     cuda = device.type == "cuda"
@@ -447,11 +449,22 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
         return load
 
-    paths = {"int4": int4(64), "int4_g128": int4(128), "nf4": plain("nf4")}
-    result = measure(paths, plain("none"), limit=args.chunks)
-    return {**device_info(device), "model": repo_path(str(folder)), "reference": f"16-bit load ({dtype})",
-            "int4": "the CUDA kernel" if cuda else "the scheme's dequantized values in fp32 (no GPU)",
-            "paths": {k: v.as_dict() for k, v in result.items()}}  # fmt: skip
+    paths = {"int4": int4(64), "nf4": plain("nf4"), "int4_g128": int4(128)}  # the summary's two first
+    doc = {**device_info(device), "model": repo_path(str(folder)), "reference": f"16-bit load ({dtype})",
+           "int4": "the CUDA kernel" if cuda else "the scheme's dequantized values in fp32 (no GPU)",
+           "paths": {}}  # fmt: skip
+    ref_model = plain("none")()
+    chunks = text_chunks(ref_model.tokenizer, fixed_text(), limit=args.chunks)
+    ref = list(scored_logprobs(ref_model, chunks))
+    del ref_model
+    for name, load in paths.items():
+        try:
+            doc["paths"][name] = compare(ref, list(scored_logprobs(load(), chunks))).as_dict()
+        except Exception as err:  # noqa: BLE001 - one path's failure (NF4 without bitsandbytes) is a result
+            doc["paths"][name] = {"error": _why(err)}
+        write(args.out, doc)  # as it goes: a timeout loses the path in flight only
+        gc.collect()
+    return doc
 
 
 # ---- summary --------------------------------------------------------------------------------------------------
@@ -496,9 +509,25 @@ def summary_stage(folder: Path) -> dict[str, Any]:
     }
 
 
+def print_plan(args: argparse.Namespace) -> int:
+    """The GPU run's commands as JSON (benchmarks/gpu_plan.py), checked against the limits (GPU_PLAN_* set
+    them); exit status 1 where the plan breaks one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_plan
+
+    if args.stages:
+        print(gpu_plan.stage_lines(args.part))
+        return 0
+    limits = gpu_plan.limits_from_env()
+    plan = gpu_plan.make_plan(limits, gguf=args.gguf_bytes, whl=args.whl_bytes)
+    plan["problems"] = gpu_plan.problems(plan, limits)
+    print(json.dumps(plan, indent=1))
+    return 1 if plan["problems"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("kernels", "step7b", "fidelity", "summary"))
+    p.add_argument("stage", choices=("kernels", "step7b", "fidelity", "summary", "plan"))
     p.add_argument("folder", nargs="?", type=Path, help="summary: the folder of the stages' JSON files")
     p.add_argument("--out", type=Path, help="the stage's JSON file")
     p.add_argument(
@@ -509,7 +538,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="fidelity: a checkpoint folder")
     p.add_argument("--dtype", default="auto", help="fidelity: the compute dtype")
     p.add_argument("--chunks", type=int, default=8, help="fidelity: text chunks scored")
+    p.add_argument("--part", help="plan: one command's stages (with --stages: `name limit_s` lines)")
+    p.add_argument("--stages", action="store_true", help="plan: print --part's stage limits for gpu_checks.sh")
+    p.add_argument("--gguf-bytes", type=int, help="plan: the GGUF's size (default: the file's, where present)")
+    p.add_argument("--whl-bytes", type=int, help="plan: the carried wheels' size (default: .whl/site's)")
     args = p.parse_args(argv)
+    if args.stage == "plan":
+        return print_plan(args)
     device = torch.device(args.device)
     t0 = time.perf_counter()
     if args.stage == "summary":
