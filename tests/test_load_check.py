@@ -184,3 +184,18 @@ def test_the_int4_load_falls_back_when_its_check_fails_and_remembers(
     assert [n.split(": 16-bit")[0] for n in again] == [
         n.split(": 16-bit")[0] for n in notes
     ]  # (free memory moves)
+
+
+def test_tinygemm_ops_have_the_signatures_the_int4_kernel_calls() -> None:
+    """int4_quant.tinygemm_operands and Int4Linear call these with uint8 [N, K/2] codes and bf16 [K/g, N, 2]
+    scales and zeros (torch >= 2.5; the same schemas in 2.11, the GPU machine's, and 2.13). A torch that changes
+    them fails here; on a user's GPU the load check would catch it and fall back."""
+    ops = torch.ops.aten
+    schemas = {name: [str(s) for s in getattr(ops, name)._schemas.values()]
+               for name in ("_convert_weight_to_int4pack", "_weight_int4pack_mm")}  # fmt: skip
+    assert schemas == {
+        "_convert_weight_to_int4pack": ["aten::_convert_weight_to_int4pack(Tensor self, int innerKTiles) -> Tensor"],
+        "_weight_int4pack_mm": [
+            "aten::_weight_int4pack_mm(Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros) -> Tensor"
+        ],
+    }
