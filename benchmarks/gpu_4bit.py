@@ -315,7 +315,8 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     from medusa_chat.engine.engine import MedusaEngine, plain_tree
     from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
+    from medusa_chat.model.cuda_check import verify_int4_load
+    from medusa_chat.model.cuda_int4 import TREE_ROWS, choose_kernel, quantize_backbone
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
 
@@ -342,8 +343,11 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                 choice = choose_kernel(
                     model, device, progress=log, candidates=CANDIDATES[:2] if args.tiny else CANDIDATES
                 )
-                extra = {"int4_bytes": done["bytes"], "kernel": choice["kernel"], "kernel_costs": choice.get("cost_s"),
-                         "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"]}  # fmt: skip
+                t_check = time.perf_counter()  # the load-time check a user's first load runs (uncached here)
+                checked = verify_int4_load(model, device, choice, 16 if args.tiny else TREE_ROWS)
+                extra = {"int4_bytes": done["bytes"], "kernel": checked.kernel, "kernel_costs": choice.get("cost_s"),
+                         "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"],
+                         "load_check": {"line": checked.line, "s": round(time.perf_counter() - t_check, 3)}}  # fmt: skip
             else:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
