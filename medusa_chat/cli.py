@@ -321,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["chat", *argv]
     try:
         args = build_parser(argv[0]).parse_args(argv)
+        if args.command in MODEL_COMMANDS:
+            from medusa_chat.triton_gate import hide_without_cuda
+
+            hide_without_cuda()  # before torch's compiler imports it: no Triton on a CPU (triton_gate.py)
         if getattr(args, "threads", None) is not None:
             from medusa_chat.engine import threads
 
