@@ -76,7 +76,7 @@ def commands() -> list[Command]:
             "part1",
             (Stage("step_4bit", 140, STEP_KEYS), Stage("cuda_tests", 40)),
             (*CODE, "/tests/"),
-            (".whl", ".gpu/p0"),
+            (".whl/site", ".gpu/p0"),
         ),  # fmt: skip
         Command(
             "part2",
@@ -149,7 +149,7 @@ def make_plan(
     extra_p1 = 4 * MiB
     first = limits.payload_bytes - own["part1"] - whl - MiB  # 1 MiB: untracked files that ride along
     pieces = [min(gguf, max(0, first)), max(0, gguf - max(0, first))]
-    sizes = {".whl": whl, ".gpu/p0": pieces[0], ".gpu/p1": pieces[1] + extra_p1}
+    sizes = {".whl/site": whl, ".gpu/p0": pieces[0], ".gpu/p1": pieces[1] + extra_p1}
     for c in cmds:
         c.bytes = own[c.name] + sum(sizes.get(p, 0) for p in c.carry)
         c.time_limit_s = sum(s.limit_s for s in c.stages) + limits.setup_s
