@@ -19,7 +19,9 @@ from typing import Any
 class _Hidden(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name == "triton" or name.startswith("triton."):
-            raise ModuleNotFoundError(f"No module named {name!r} (no CUDA device: medusa-chat leaves Triton out)")
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (no CUDA device: medusa-chat leaves Triton out)"
+            )
         return None
 
 

@@ -194,7 +194,9 @@ def test_tinygemm_ops_have_the_signatures_the_int4_kernel_calls() -> None:
     schemas = {name: [str(s) for s in getattr(ops, name)._schemas.values()]
                for name in ("_convert_weight_to_int4pack", "_weight_int4pack_mm")}  # fmt: skip
     assert schemas == {
-        "_convert_weight_to_int4pack": ["aten::_convert_weight_to_int4pack(Tensor self, int innerKTiles) -> Tensor"],
+        "_convert_weight_to_int4pack": [
+            "aten::_convert_weight_to_int4pack(Tensor self, int innerKTiles) -> Tensor"
+        ],
         "_weight_int4pack_mm": [
             "aten::_weight_int4pack_mm(Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros) -> Tensor"
         ],
