@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from medusa_chat.kernels.int4_quant import pack_int4, unpack_codes  # noqa: E402
 from medusa_chat.kernels.triton_linears import Int4Linear, RowInvariantLinear, time_call, tune  # noqa: E402
-from medusa_chat.kernels.triton_matmul import CANDIDATES  # noqa: E402
+from medusa_chat.kernels.triton_matmul import CANDIDATES, Config  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+TINY_CONFIGS = (Config(64, 32, 1, 4, 3),)  # --tiny: one program per column block of a tiny weight
 SHAPES_7B = ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096))
 SHAPES_TINY = ((96, 128), (160, 64))
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -315,15 +316,18 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     from medusa_chat.engine.engine import MedusaEngine, plain_tree
     from medusa_chat.events import GenerationSettings
+    from medusa_chat.model import cuda_int4
     from medusa_chat.model.cuda_check import verify_int4_load
-    from medusa_chat.model.cuda_int4 import TREE_ROWS, choose_kernel, quantize_backbone
+    from medusa_chat.model.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = TINY if args.tiny else LLAMA2_7B
-    tokens = 12 if args.tiny else 128
+    tokens = 6 if args.tiny else 128
+    if args.tiny:  # the interpreter's cost is per launch and per program: fewer of both
+        cuda_int4.TREE_ROWS = 16
     sizes = [1, 8] if args.tiny else [1, 64]
     prompts = 1 if args.tiny else 2
     doc: dict[str, Any] = {**device_info(device), "config": shape, "tree_sizes": sizes, "paths": {}}
@@ -341,10 +345,10 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                     torch.cuda.reset_peak_memory_stats(device)
                 done = quantize_backbone(model, device, dtype)
                 choice = choose_kernel(
-                    model, device, progress=log, candidates=CANDIDATES[:2] if args.tiny else CANDIDATES
+                    model, device, progress=log, candidates=TINY_CONFIGS if args.tiny else CANDIDATES
                 )
                 t_check = time.perf_counter()  # the load-time check a user's first load runs (uncached here)
-                checked = verify_int4_load(model, device, choice, 16 if args.tiny else TREE_ROWS)
+                checked = verify_int4_load(model, device, choice, cuda_int4.TREE_ROWS)
                 extra = {"int4_bytes": done["bytes"], "kernel": checked.kernel, "kernel_costs": choice.get("cost_s"),
                          "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"],
                          "load_check": {"line": checked.line, "s": round(time.perf_counter() - t_check, 3)}}  # fmt: skip
