@@ -256,10 +256,12 @@ def test_the_int4_load_reads_a_checkpoint_folder_and_stays_close_to_it(
 ) -> None:
     """The CUDA branch of load_model (backbones.load_cuda_int4) on a real safetensors folder: 16 bits read on the
     CPU, each projection quantized onto the device, the kernel chosen; the logits stay near the float model's."""
-    from medusa_chat.model import backbones
+    from medusa_chat.model import backbones, cuda_int4
     from medusa_chat.model.runner import BackboneRunner
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path))
+    if DEVICE.type == "cpu":  # the interpreter's cost: the kernel choice and the load check at 16 tree rows
+        monkeypatch.setattr(cuda_int4, "TREE_ROWS", 16)
     notes: list[str] = []
     backbone, quant = backbones.load_cuda_int4(tiny_llama_dir, DEVICE, DTYPE, notes, lambda _m: None, False, False)
     assert quant == "int4" and any("int4" in n and "projections" in n and "checked on this GPU" in n for n in notes)
