@@ -29,6 +29,8 @@ PREFIX = 300  # committed keys before the tree in the attention check: more than
 class Verdict:
     ok: bool
     why: str = ""  # what failed, one line ("" when ok)
+    # failed by an exception (a compile error, or a transient one such as memory): checked again at the next load
+    raised: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "why": self.why}
@@ -75,7 +77,7 @@ def check_linear(module: Any, rows: int, reference: torch.Tensor, dtype: torch.d
                 False, f"{name}: row {bad[0]} differs alone and among {rows} rows ({len(bad)} rows)"
             )
     except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a failed check, not a crash
-        return Verdict(False, f"{name}: {_why(err)}")
+        return Verdict(False, f"{name}: {_why(err)}", raised=True)
     return Verdict(True)
 
 
@@ -87,7 +89,7 @@ def check_int4(modules: list[Any], rows: int) -> Verdict:
         try:
             reference = m.packed.dequantize(torch.float32).to(m.act_dtype).float()
         except Exception as err:  # noqa: BLE001
-            return Verdict(False, f"{name}: {_why(err)}")
+            return Verdict(False, f"{name}: {_why(err)}", raised=True)
         verdict = check_linear(m, rows, reference, m.act_dtype, name)
         if not verdict.ok:
             return verdict
@@ -154,5 +156,5 @@ def check_attention(kv_heads: int, groups: int, head_dim: int, nodes: int, dtype
                 if not torch.equal(alone[0], tree[node]):
                     return Verdict(False, f"{name}: node {node} differs alone and in a {nodes}-node tree")
     except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a failed check, not a crash
-        return Verdict(False, f"{name}: {_why(err)}")
+        return Verdict(False, f"{name}: {_why(err)}", raised=True)
     return Verdict(True)

@@ -68,7 +68,8 @@ def _save_cache(path: Path, key: str, verdicts: dict[str, Verdict]) -> None:
         doc = json.loads(path.read_text()) if path.is_file() else {}
         if not isinstance(doc, dict) or doc.get("version") != CHECK_VERSION:
             doc = {"version": CHECK_VERSION}
-        doc[key] = {k: v.as_dict() for k, v in verdicts.items()}
+        # an exception may be transient (memory, a busy GPU): only values and rows are remembered as failures
+        doc[key] = {k: v.as_dict() for k, v in verdicts.items() if v.ok or not v.raised}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, doc)
     except (OSError, ValueError):
@@ -154,7 +155,9 @@ def _check_kernel(kernel: str, modules: list[Any], one_per_shape: list[Any], rec
             m.use(kernel)
     except Exception as err:  # noqa: BLE001 - e.g. tinygemm's packing op missing on this build or GPU
         text = str(err).strip().splitlines()
-        return Verdict(False, f"int4 {kernel}: {type(err).__name__}: {text[0][:160] if text else ''}")
+        return Verdict(
+            False, f"int4 {kernel}: {type(err).__name__}: {text[0][:160] if text else ''}", raised=True
+        )
     return check_int4(one_per_shape, rows)
 
 
