@@ -21,7 +21,7 @@ import psutil
 
 def kv_bytes() -> int:
     """Bytes held by every live TreeKVCache (its buffer and its per-node key rows)."""
-    from medusa_chat.model.kv_cache import TreeKVCache
+    from medusa_chat.model.forward.kv_cache import TreeKVCache
 
     total = 0
     for obj in gc.get_objects():
@@ -38,7 +38,7 @@ def main() -> None:
 
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings
-    from medusa_chat.model.loading import load_model
+    from medusa_chat.model.sources.loading import load_model
     from medusa_chat.tuning.calibrate import calibrate_first_start, resolve_tree
     from medusa_chat.tuning.tree_choice import choose_tree
 

@@ -6,7 +6,7 @@
     python benchmarks/gpu_4bit.py fidelity --model FOLDER --out DIR/fidelity.json
     python benchmarks/gpu_4bit.py summary  DIR                               # -> DIR/gpu_4bit_<card>_<date>.json
 Each stage also runs on a CPU with `--tiny` (small shapes, Triton's interpreter: TRITON_INTERPRET=1), which is
-how this script is dry-run before a GPU is lent (tests/test_gpu_4bit_script.py runs that dry run).
+how this script is dry-run before it runs on a GPU machine (tests/test_gpu_4bit_script.py runs that dry run).
 
 kernels: y = x @ W.T on Llama-2-7B's projection shapes (4096x4096, 11008x4096, 4096x11008, 32000x4096; N x K)
 at 1/2/4/8/16/32/64 rows for: 16-bit `F.linear` (cuBLAS); the Triton int4 kernel (kernels/triton_matmul.py,
@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from medusa_chat.kernels.int4_quant import pack_int4, unpack_codes  # noqa: E402
 from medusa_chat.kernels.triton_linears import Int4Linear, RowInvariantLinear, time_call, tune  # noqa: E402
-from medusa_chat.kernels.triton_matmul import CANDIDATES  # noqa: E402
+from medusa_chat.kernels.triton_matmul import CANDIDATES, Config  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+TINY_CONFIGS = (Config(64, 32, 1, 4, 3),)  # --tiny: one program per column block of a tiny weight
 SHAPES_7B = ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096))
 SHAPES_TINY = ((96, 128), (160, 64))
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -154,6 +155,7 @@ def kernels_stage(args: argparse.Namespace, device: torch.device) -> dict[str, A
         w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(dtype)
         x = torch.randn(max(rows), k, generator=g, device=device).to(dtype)
         doc["shapes"][f"{n}x{k}"] = _kernel_shape(w, x, rows, args.tiny)
+        write(args.out, doc)  # as it goes: a timeout loses the shape in flight only
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -314,6 +316,8 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     from medusa_chat.engine.engine import MedusaEngine, plain_tree
     from medusa_chat.events import GenerationSettings
+    from medusa_chat.model.forward import cuda_int4
+    from medusa_chat.model.forward.cuda_check import verify_int4_load
     from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.tree import Tree
     from medusa_chat.tuning.measure import measure_step_latency
@@ -321,7 +325,9 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = TINY if args.tiny else LLAMA2_7B
-    tokens = 12 if args.tiny else 128
+    tokens = 6 if args.tiny else 128
+    if args.tiny:  # the interpreter's cost is per launch and per program: fewer of both
+        cuda_int4.TREE_ROWS = 16
     sizes = [1, 8] if args.tiny else [1, 64]
     prompts = 1 if args.tiny else 2
     doc: dict[str, Any] = {**device_info(device), "config": shape, "tree_sizes": sizes, "paths": {}}
@@ -339,10 +345,13 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                     torch.cuda.reset_peak_memory_stats(device)
                 done = quantize_backbone(model, device, dtype)
                 choice = choose_kernel(
-                    model, device, progress=log, candidates=CANDIDATES[:2] if args.tiny else CANDIDATES
+                    model, device, progress=log, candidates=TINY_CONFIGS if args.tiny else CANDIDATES
                 )
-                extra = {"int4_bytes": done["bytes"], "kernel": choice["kernel"], "kernel_costs": choice.get("cost_s"),
-                         "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"]}  # fmt: skip
+                t_check = time.perf_counter()  # the load-time check a user's first load runs (uncached here)
+                checked = verify_int4_load(model, device, choice, cuda_int4.TREE_ROWS)
+                extra = {"int4_bytes": done["bytes"], "kernel": checked.kernel, "kernel_costs": choice.get("cost_s"),
+                         "rows_invariant": choice.get("rows_invariant"), "configs": choice["configs"],
+                         "load_check": {"line": checked.line, "s": round(time.perf_counter() - t_check, 3)}}  # fmt: skip
             else:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
@@ -386,6 +395,7 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         except Exception as err:  # noqa: BLE001 - one path's failure is a result; the others still run
             doc["paths"][path] = {"error": _why(err)}
             log(f"  {path} failed: {_why(err)}")
+        write(args.out, doc)  # as it goes: a timeout loses the path in flight only
         model = loaded = None  # noqa: F841
         gc.collect()
         if cuda:
@@ -395,7 +405,7 @@ def step_stage(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
 # ---- fidelity -------------------------------------------------------------------------------------------------
 class _Scored:
-    """What model.sources.fidelity.scored_logprobs reads of a loaded model."""
+    """What model.fidelity.scored_logprobs reads of a loaded model."""
 
     def __init__(self, backbone: Any, tokenizer: Any, device: torch.device) -> None:
         self.backbone, self.tokenizer, self.device = backbone, tokenizer, device
@@ -423,7 +433,7 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
     from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
     from medusa_chat.model.sources.backbones import load_backbone
     from medusa_chat.model.sources.devices import pick_dtype
-    from medusa_chat.model.sources.fidelity import measure
+    from medusa_chat.model.sources.fidelity import compare, fixed_text, scored_logprobs, text_chunks
 
     folder = Path(args.model)
     cuda = device.type == "cuda"
@@ -447,11 +457,22 @@ def fidelity_stage(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
         return load
 
-    paths = {"int4": int4(64), "int4_g128": int4(128), "nf4": plain("nf4")}
-    result = measure(paths, plain("none"), limit=args.chunks)
-    return {**device_info(device), "model": repo_path(str(folder)), "reference": f"16-bit load ({dtype})",
-            "int4": "the CUDA kernel" if cuda else "the scheme's dequantized values in fp32 (no GPU)",
-            "paths": {k: v.as_dict() for k, v in result.items()}}  # fmt: skip
+    paths = {"int4": int4(64), "nf4": plain("nf4"), "int4_g128": int4(128)}  # the summary's two first
+    doc = {**device_info(device), "model": repo_path(str(folder)), "reference": f"16-bit load ({dtype})",
+           "int4": "the CUDA kernel" if cuda else "the scheme's dequantized values in fp32 (no GPU)",
+           "paths": {}}  # fmt: skip
+    ref_model = plain("none")()
+    chunks = text_chunks(ref_model.tokenizer, fixed_text(), limit=args.chunks)
+    ref = list(scored_logprobs(ref_model, chunks))
+    del ref_model
+    for name, load in paths.items():
+        try:
+            doc["paths"][name] = compare(ref, list(scored_logprobs(load(), chunks))).as_dict()
+        except Exception as err:  # noqa: BLE001 - one path's failure (NF4 without bitsandbytes) is a result
+            doc["paths"][name] = {"error": _why(err)}
+        write(args.out, doc)  # as it goes: a timeout loses the path in flight only
+        gc.collect()
+    return doc
 
 
 # ---- summary --------------------------------------------------------------------------------------------------
@@ -496,9 +517,25 @@ def summary_stage(folder: Path) -> dict[str, Any]:
     }
 
 
+def print_plan(args: argparse.Namespace) -> int:
+    """The GPU run's commands as JSON (benchmarks/gpu_plan.py), checked against the limits (GPU_PLAN_* set
+    them); exit status 1 where the plan breaks one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_plan
+
+    if args.stages:
+        print(gpu_plan.stage_lines(args.part))
+        return 0
+    limits = gpu_plan.limits_from_env()
+    plan = gpu_plan.make_plan(limits, gguf=args.gguf_bytes, whl=args.whl_bytes)
+    plan["problems"] = gpu_plan.problems(plan, limits)
+    print(json.dumps(plan, indent=1))
+    return 1 if plan["problems"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("kernels", "step7b", "fidelity", "summary"))
+    p.add_argument("stage", choices=("kernels", "step7b", "fidelity", "summary", "plan"))
     p.add_argument("folder", nargs="?", type=Path, help="summary: the folder of the stages' JSON files")
     p.add_argument("--out", type=Path, help="the stage's JSON file")
     p.add_argument(
@@ -509,7 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="fidelity: a checkpoint folder")
     p.add_argument("--dtype", default="auto", help="fidelity: the compute dtype")
     p.add_argument("--chunks", type=int, default=8, help="fidelity: text chunks scored")
+    p.add_argument("--part", help="plan: one command's stages (with --stages: `name limit_s` lines)")
+    p.add_argument("--stages", action="store_true", help="plan: print --part's stage limits for gpu_checks.sh")
+    p.add_argument("--gguf-bytes", type=int, help="plan: the GGUF's size (default: the file's, where present)")
+    p.add_argument("--whl-bytes", type=int, help="plan: the carried wheels' size (default: .whl/site's)")
     args = p.parse_args(argv)
+    if args.stage == "plan":
+        return print_plan(args)
     device = torch.device(args.device)
     t0 = time.perf_counter()
     if args.stage == "summary":

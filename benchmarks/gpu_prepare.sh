@@ -6,9 +6,8 @@
 #   tokenizer/  the embedded SmolLM2 tokenizer files, for the end-to-end stage's 1.17B model.
 #
 #   bash benchmarks/gpu_prepare.sh
-# then, on the GPU machine, from the repo root (carry .whl):
-#   export PYTHONPATH=$PWD/.whl/site:$PWD PYTHON=python3; bash benchmarks/gpu_checks.sh /tmp/gc
-#   tar czf $OUT/gpu_checks.tgz -C /tmp gc
+# The plan (`python benchmarks/gpu_4bit.py plan`) has its first command take .whl along; gpu_checks.sh puts
+# .whl/site on PYTHONPATH there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"

@@ -1,47 +1,35 @@
 #!/usr/bin/env bash
-# Stage the embedded model's GGUF for a GPU machine that has no network and takes at most CARRY_LIMIT_MB (default
-# 64) MiB per call, the repository itself included (~46 MB with the shipped drafts): pieces under ./.gpu (git-ignored), one carried
-# by each call, joined on the machine. Also the converted model's config/tokenizer files and the fp32 weights'
-# hashes, so gpu_train_heads.py dequantizes the GGUF there with this app's reader (no `gguf` package needed)
-# and checks that the weights are bit for bit the ones the heads will run with.
+# Stage the embedded model's GGUF for a GPU machine with no network, in pieces whose sizes the plan gives (each
+# piece fills what its command leaves free: `python benchmarks/gpu_4bit.py plan` prints this script's command
+# line under prepare_here). Piece i goes to ./.gpu/pI (git-ignored through .git/info/exclude) and is carried by
+# the plan's command that names it; gpu_checks.sh joins them on the machine. The last piece also holds the
+# converted model's config/tokenizer files (hf/) and the fp32 weights' hashes (hashes.json), so the machine
+# dequantizes the GGUF with this app's reader (no `gguf` package needed) and checks that the weights are bit for
+# bit the ones the CPU converted.
 #
-#   bash benchmarks/gpu_prepare.sh && bash benchmarks/gpu_stage_gguf.sh
-# then one call per piece, each within the machine's warm window (30 s), the first also carrying .whl:
-#   call 0 (carry .whl, .gpu/p0): mkdir -p /tmp/whl /tmp/g && cp -r .whl/site /tmp/whl/ && cp .gpu/p0/* /tmp/g/
-#   call i (carry .gpu/pI):       cp -r .gpu/pI/* /tmp/g/
-#   last: cat /tmp/g/g.* > /tmp/smol.gguf && export PYTHONPATH=/tmp/whl/site:$PWD && python3 \
-#         benchmarks/gpu_train_heads.py /tmp/smol.gguf /tmp/out --hf-files /tmp/g/hf --expect-hashes \
-#         /tmp/g/hashes.json --minutes 9 ... (then the files of /tmp/out to $OUT, split below 16 MB)
-# With the shipped data (`--import-data benchmarks/data/distill_smollm2_h200_2026-12-04.npz --data-frac 0`)
-# the whole budget trains. The piece names sort in order (g.00, g.01, ...), so `cat /tmp/g/g.*` joins them.
+#   bash benchmarks/gpu_stage_gguf.sh BYTES_0 [BYTES_1 ...]   # the last piece takes whatever is left
+#
+# The piece names sort in order (g.00, g.01, ...), so `cat g.*` joins them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ "$#" -ge 1 ] || { echo "usage: gpu_stage_gguf.sh BYTES_0 [BYTES_1 ...] (the plan prints them)"; exit 2; }
 py="${PYTHON:-.venv/bin/python}"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 gguf=$("$py" -c "from medusa_chat.model.sources.embedded import gguf_path; print(gguf_path() or '')")
 hf=$("$py" -c "from medusa_chat.model.sources.embedded import embedded_model_dir; print(embedded_model_dir())")
 [ -n "$gguf" ] && [ -f "$hf/model.safetensors" ] || { echo "run medusa-chat once first (the converted model)"; exit 1; }
-tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-whl=$(du -sb .whl 2>/dev/null | cut -f1 || echo 0)
-# CARRY_LIMIT_MB: what one call to the GPU machine may carry (the repository included); 5 MiB of slack for the
-# tokenizer files and untracked files
-limit=$((${CARRY_LIMIT_MB:-64} * 1024 * 1024 - 5 * 1024 * 1024))
-room=$((limit - tracked))
-first=$((room - whl))
 size=$(stat -c %s "$gguf")
-if [ "$first" -lt $((1024 * 1024)) ]; then
-    echo "the repository ($tracked bytes) and .whl ($whl) leave no room for a piece"
-    exit 1
-fi
 rm -rf .gpu
 offset=0
 i=0
+sizes=("$@")
 while [ "$offset" -lt "$size" ]; do
-    n=$([ "$i" -eq 0 ] && echo "$first" || echo "$room")
-    dir=.gpu/p$i
-    mkdir -p "$dir"
-    dd if="$gguf" of="$dir/g.$(printf %02d "$i")" bs=1M iflag=skip_bytes,count_bytes skip="$offset" count="$n" \
-        status=none
+    n=$([ "$i" -lt $(($# - 1)) ] && echo "${sizes[$i]}" || echo $((size - offset)))
+    [ "$n" -gt 0 ] || { echo "piece $i is empty"; exit 1; }
+    mkdir -p ".gpu/p$i"
+    dd if="$gguf" of=".gpu/p$i/g.$(printf %02d "$i")" bs=1M iflag=skip_bytes,count_bytes skip="$offset" \
+        count="$n" status=none
     offset=$((offset + n))
     i=$((i + 1))
 done
@@ -62,5 +50,5 @@ state = load_file(sys.argv[1])
 hashes = {k: hashlib.sha256(v.float().contiguous().numpy().tobytes()).hexdigest() for k, v in sorted(state.items())}
 json.dump(hashes, open(sys.argv[2], "w"))
 PY
-echo "$i pieces (the repository: $tracked bytes; .whl: $whl):"
-du -sh .gpu/p*
+echo "$i pieces:"
+du -sb .gpu/p*

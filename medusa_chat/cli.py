@@ -21,6 +21,7 @@ from typing import Any
 from medusa_chat import __version__, envvars
 from medusa_chat.cliargs import positive_int
 from medusa_chat.errors import MedusaChatError
+from medusa_chat.quant_choice import QUANTS, quant_help
 from medusa_chat.units import human_bytes
 
 # sub-command -> (module, function, help)
@@ -75,10 +76,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--quant",
-        choices=["auto", "none", "int8", "int4", "nf4"],  # loading.QUANTS (not imported here: it loads torch)
+        choices=list(QUANTS),
         default="auto",
-        help="weight quantization (auto: NF4 on CUDA; on a CPU the fastest of none/int8/int4, measured once "
-        "and cached; int8/int4 on a CPU: GGUF Q8_0/Q4_1 blocks, the embedded model's own from its file)",
+        help=quant_help(),
     )
     g.add_argument(
         "--dtype",
@@ -255,7 +255,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr)
 
-    from medusa_chat.model.cpu_plan import WontFit
+    from medusa_chat.model.sources.cpu_plan import WontFit
 
     try:
         loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
@@ -334,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["chat", *argv]
     try:
         args = build_parser(argv[0]).parse_args(argv)
+        if args.command in MODEL_COMMANDS:
+            from medusa_chat.triton_gate import hide_without_cuda
+
+            hide_without_cuda()  # before torch's compiler imports it: no Triton on a CPU (triton_gate.py)
         if getattr(args, "threads", None) is not None:
             from medusa_chat.engine import threads
 

@@ -1,6 +1,6 @@
 """Compile the CUDA kernels (kernels/triton_matmul.py, triton_attention.py) for Hopper (sm_90) without a GPU:
 Triton's own compiler and ptxas, as they would run on an H100/H200 at first use. The interpreter that runs the
-kernels' tests on a CPU accepts programs the compiler refuses; this catches those before a GPU is lent.
+kernels' tests on a CPU accepts programs the compiler refuses; this catches those before a GPU machine runs them.
 
 Run in a process without TRITON_INTERPRET (tests/test_cuda_int4.py does): `python tests/cuda_compile.py`.
 Prints one line per kernel variant with its registers and spill stack; exits 1 on the first failure.

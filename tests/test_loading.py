@@ -587,3 +587,24 @@ def test_cli_quant_choices_are_the_loaders() -> None:
     action = next(a for a in parser._actions if a.dest == "quant")
     assert set(action.choices) == set(QUANTS)
     assert parser.parse_args(["--quant", "int4"]).quant == "int4"
+
+
+def test_quant_help_follows_what_auto_picks() -> None:
+    """`--quant`'s help is written from the table the loader decides with: on CUDA it names what pick_quant
+    returns there (int4 where Triton is installed), not a fixed word."""
+    import argparse
+
+    import torch
+
+    from medusa_chat.cli import add_model_options
+    from medusa_chat.model.sources.devices import cuda_int4_available, pick_quant
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)
+    text = next(a for a in parser._actions if a.dest == "quant").help
+    picked = pick_quant("auto", torch.device("cuda"))
+    on_cuda = text.split("auto: on CUDA ", 1)[1]
+    first = on_cuda.split()[0]
+    assert first == "int4" and (picked == "int4") == cuda_int4_available()
+    if picked == "nf4":
+        assert "else nf4" in on_cuda

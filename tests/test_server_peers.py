@@ -155,7 +155,7 @@ def test_no_binary_skips_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyP
 # ---- the real llama-server, where one is built --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_llama_server() -> Path:
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     binary = find_llama_server()
     if binary is None or gguf_path() is None:
@@ -167,7 +167,7 @@ def test_real_llama_server_eagle3_with_the_exported_draft_equals_its_plain_decod
     real_llama_server: Path, tmp_path: Path
 ) -> None:
     from medusa_chat.bench.api_client import ServerProcess, free_port
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     loaded = SimpleNamespace(spec=SimpleNamespace(kind="embedded", heads=None), heads=None, heads_file="")
     draft = server_peers.eagle3_draft_gguf(loaded, tmp_path / "d.gguf")

@@ -197,7 +197,7 @@ def eagle3_draft_gguf(loaded: Any, out: Path) -> Path | None:
     if getattr(heads, "format", "") == "eagle3" and getattr(loaded, "heads_file", ""):
         folder = str(Path(loaded.heads_file).parent)
     elif spec.kind == "embedded" or (spec.kind == "gguf" and _is_embedded_file(Path(spec.backbone))):
-        from medusa_chat.model.registry import heads_location
+        from medusa_chat.model.sources.registry import heads_location
 
         folder = heads_location("eagle3")
     else:
@@ -207,7 +207,7 @@ def eagle3_draft_gguf(loaded: Any, out: Path) -> Path | None:
 
 def _is_embedded_file(gguf: Path) -> bool:
     """The embedded model's own GGUF named by path: its shipped EAGLE-3 draft fits it."""
-    from medusa_chat.model.embedded import gguf_path
+    from medusa_chat.model.sources.embedded import gguf_path
 
     shipped = gguf_path()
     return shipped is not None and shipped.resolve() == gguf.resolve()

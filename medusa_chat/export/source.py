@@ -69,16 +69,16 @@ class Draft:
 
 def resolve_target(spec: Any, progress: Progress | None = None) -> Target:
     """The target of a registry spec (embedded, a GGUF file, or a transformers folder / Hub repo)."""
-    from medusa_chat.model import hub
-    from medusa_chat.model.registry import EMBEDDED_HUB_ORIGINAL, is_repo_id
+    from medusa_chat.model.sources import hub
+    from medusa_chat.model.sources.registry import EMBEDDED_HUB_ORIGINAL, is_repo_id
 
     if spec.kind == "embedded":
-        from medusa_chat.model.embedded import embedded_model_dir, gguf_path
+        from medusa_chat.model.sources.embedded import embedded_model_dir, gguf_path
 
         folder = embedded_model_dir(progress=progress)
         return Target(EMBEDDED_HUB_ORIGINAL, folder, read_json(folder / "config.json"), gguf_path())
     if spec.kind == "gguf":
-        from medusa_chat.model.gguf_model import gguf_model_dir
+        from medusa_chat.model.sources.gguf_model import gguf_model_dir
 
         gguf = Path(spec.backbone)
         folder = gguf_model_dir(gguf, progress=progress)
@@ -94,15 +94,15 @@ def resolve_target(spec: Any, progress: Progress | None = None) -> Target:
 def read_draft(location: str, progress: Progress | None = None) -> Draft:
     """The draft in `location` (a folder or a Hub repo): an EAGLE-3 draft or Medusa heads, checked by the loaders
     the chat itself uses, so what is exported is what the chat would run."""
-    from medusa_chat.model import hub
-    from medusa_chat.model.eagle import eagle_file, is_eagle_folder, load_eagle
-    from medusa_chat.model.heads_files import (
+    from medusa_chat.model.forward.eagle import eagle_file, is_eagle_folder, load_eagle
+    from medusa_chat.model.sources import hub
+    from medusa_chat.model.sources.heads_files import (
         DRAFT_VOCAB_FILE,
         find_heads_file,
         read_draft_vocab,
         read_state_file,
     )
-    from medusa_chat.model.registry import is_repo_id
+    from medusa_chat.model.sources.registry import is_repo_id
 
     folder = hub.fetch(location, "heads", progress=progress) if is_repo_id(location) else Path(location)
     config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
@@ -117,7 +117,7 @@ def read_draft(location: str, progress: Progress | None = None) -> Draft:
                 "EAGLE-3 draft, e.g. `--heads eagle3`)"
             )
         return Draft("eagle3", folder, config, state)
-    from medusa_chat.model.heads import HydraHeads, heads_from_state_dict, infer_layout
+    from medusa_chat.model.forward.heads import HydraHeads, heads_from_state_dict, infer_layout
 
     state = read_state_file(find_heads_file(folder))
     heads = heads_from_state_dict(state, keep_dtype=True)
@@ -135,7 +135,7 @@ def load_source(
     model: str | None, heads: str | None, progress: Progress | None = None
 ) -> tuple[Draft, Target]:
     """`--model`/`--heads` as the other commands take them: the draft and its target."""
-    from medusa_chat.model.registry import resolve
+    from medusa_chat.model.sources.registry import resolve
 
     spec = resolve(model, heads)
     if not spec.heads:
@@ -177,8 +177,8 @@ def target_lm_head(target: Target) -> torch.Tensor:
     from its safetensors without loading the rest."""
     from safetensors import safe_open
 
-    from medusa_chat.model import hub
-    from medusa_chat.model.registry import is_repo_id
+    from medusa_chat.model.sources import hub
+    from medusa_chat.model.sources.registry import is_repo_id
 
     folder = target.folder
     if target.gguf is not None and target.gguf.suffix == ".gguf" and not list(folder.glob("*.safetensors")):

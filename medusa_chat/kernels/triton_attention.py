@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from medusa_chat.kernels import triton_interpreter
+from medusa_chat.kernels.path_tables import tree_paths  # noqa: F401 - its home before; callers import it here
 
 try:
     import triton
@@ -192,17 +193,3 @@ def path_attention(
     out = torch.empty_like(q)
     _merge_chunks[(n, hq)](acc, ml, out, chunks, out.stride(0), out.stride(1), HEADS=hq, HEAD_DIM=hd)
     return out
-
-
-def tree_paths(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(path [N, max depth + 1], depth [N]) for a tree given each node's parent (-1 for the root; parents come
-    before children): the `path` and `depth` inputs of `path_attention`. Built once per tree."""
-    depth: list[int] = []
-    paths: list[list[int]] = []
-    for node, parent in enumerate(parents):
-        chain = [node] if parent < 0 else [*paths[parent], node]
-        paths.append(chain)
-        depth.append(len(chain) - 1)
-    width = max(depth) + 1
-    table = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], dtype=torch.long)
-    return table, torch.tensor(depth, dtype=torch.long)

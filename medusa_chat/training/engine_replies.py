@@ -32,7 +32,7 @@ class EngineReplies:
     @classmethod
     def load(cls, model: str, max_new_tokens: int) -> EngineReplies:
         """The model as the app loads it with no flags (default numeric path and heads)."""
-        from medusa_chat.model.loading import load_model
+        from medusa_chat.model.sources.loading import load_model
 
         return cls(load_model(model), max_new_tokens)
 

@@ -95,7 +95,7 @@ def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
 
 def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, work: Path, log: Log) -> int:
     """Every --heads folder scored on all replies in `store` (no split: the store itself is the held-out set)."""
-    from medusa_chat.model.heads_files import load_heads_file
+    from medusa_chat.model.sources.heads_files import load_heads_file
     from medusa_chat.training.evaluate import evaluate_heads
     from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, size_summary
     from medusa_chat.training.positions import cache_hidden_states, load_cache

@@ -138,7 +138,7 @@ def choose_kernel(
     for shape, group in by_shape.items():
         cfg = Config.parse(record["configs"].get(shape, ""))
         for m in group:
-            m.use(record["kernel"], cfg)
+            m.use(record["kernel"] or "triton", cfg)
     return record
 
 
@@ -169,6 +169,7 @@ def _measure(by_shape: dict[str, list[Int4Linear]], candidates: tuple[Config, ..
         m.use("triton", cfg)
         measured[shape] = entry
     usable = [k for k in ("triton", "tinygemm") if invariant[k] and cost[k] < float("inf")]
-    kernel = min(usable, key=lambda k: cost[k]) if usable else "triton"
+    # none usable: no kernel here (the load check then falls back to 16-bit or NF4, cuda_check.py)
+    kernel = min(usable, key=lambda k: cost[k]) if usable else None
     return {"version": CHOICE_VERSION, "kernel": kernel, "configs": configs, "measured": measured,
             "cost_s": cost, "rows_invariant": invariant}  # fmt: skip

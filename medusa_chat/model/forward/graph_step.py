@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from medusa_chat import envvars
-from medusa_chat.kernels.triton_attention import tree_paths
+from medusa_chat.kernels.path_tables import tree_paths
 from medusa_chat.tree import TreeBuffers
 
 MIN_BUCKET = 256

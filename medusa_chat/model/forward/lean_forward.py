@@ -28,6 +28,7 @@ unchanged). Set MEDUSA_CHAT_LEAN=0 to use the transformers forward instead (for 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from medusa_chat import envvars
-from medusa_chat.kernels.triton_attention import path_attention
-from medusa_chat.kernels.triton_linears import RowInvariantLinear
 from medusa_chat.model.forward.tree_plan import TreePlan
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
@@ -108,6 +107,13 @@ def sdpa_batch_invariant(
     return _BATCH_INVARIANT[key]
 
 
+def _row_invariant_head(head: Any) -> bool:
+    """Whether the lm_head is the CUDA int4 load's row-invariant Triton linear. Its module is only imported where
+    that load ran, so on a CPU this never imports Triton (it would only leave "nanobind: leaked" lines at exit)."""
+    module = sys.modules.get("medusa_chat.kernels.triton_linears")
+    return module is not None and isinstance(head, module.RowInvariantLinear)
+
+
 class LeanForward:
     """`forward(ids [T], positions [T], attend, cache) -> last hidden states [T, H]`.
 
@@ -155,7 +161,7 @@ class LeanForward:
         )
         # Row-invariant projections (the CUDA int4 load, model/forward/cuda_int4.py): attention follows suit with the
         # Triton path attention, which gives each tree node the plain step's bits, eager or in a CUDA graph.
-        self.path_attention = isinstance(causal_lm.get_output_embeddings(), RowInvariantLinear)
+        self.path_attention = _row_invariant_head(causal_lm.get_output_embeddings())
         self._plan_paths: dict[int, tuple[TreePlan, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -290,6 +296,8 @@ class LeanForward:
             k, v = write(i, k, v)
             if exact is not None:
                 start_t, path, depth, width = exact
+                from medusa_chat.kernels.triton_attention import path_attention  # Triton: CUDA only
+
                 node_major = q[0].transpose(0, 1)
                 out = path_attention(node_major, k[0], v[0], start_t, path, depth, width, self.scaling)
                 out = out.transpose(0, 1)[None]

@@ -113,21 +113,34 @@ def load_cuda_int4(
     say: Progress,
     ignore_medusa: bool,
     trust_remote_code: bool,
-) -> Any:
-    """The checkpoint read in 16 bits on the CPU, its projections quantized to int4 on the GPU one at a time and
-    the int4 kernel chosen by measuring (model/forward/cuda_int4.py)."""
-    from medusa_chat.model.forward.cuda_int4 import choose_kernel, quantize_backbone
+) -> tuple[Any | None, str]:
+    """The checkpoint read in 16 bits on the CPU, its projections quantized to int4 on the GPU one at a time, the
+    int4 kernel chosen by measuring (model/forward/cuda_int4.py) and checked on this GPU (model/forward/cuda_check.py):
+    (backbone, "int4"), or (None, the quantization to load instead) where no int4 kernel passed."""
+    from medusa_chat.model.forward import cuda_check
+    from medusa_chat.model.forward.cuda_int4 import TREE_ROWS, choose_kernel, quantize_backbone
 
     backbone = load_backbone(
         model_dir, torch.device("cpu"), dtype, "none", ignore_medusa=ignore_medusa, trust_remote_code=trust_remote_code
     )
     done = quantize_backbone(backbone, dev, dtype, progress=say)
     choice = choose_kernel(backbone, dev, progress=say)
+    checked = cuda_check.verify_int4_load(backbone, dev, choice, TREE_ROWS, progress=say)
+    if checked.kernel is None:
+        need = cuda_check.sixteen_bit_bytes(backbone)
+        del backbone
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        quant, instead = cuda_check.fallback_quant(need, cuda_check.free_bytes(dev), cuda_check.nf4_available())
+        line = f"{checked.line}: {instead}"
+        say(line)
+        notes.append(line)
+        return None, quant
     notes.append(
-        f"int4 (group-wise, {done['int4']} projections, {human_bytes(done['bytes'])}) on the {choice['kernel']} kernel"
+        f"{checked.line}; {done['int4']} projections, {human_bytes(done['bytes'])}"
         + (f"; {len(done['kept_16bit'])} projections kept 16-bit" if done["kept_16bit"] else "")
     )
-    return backbone
+    return backbone, "int4"
 
 
 def load_from_quantized_file(

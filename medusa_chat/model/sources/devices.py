@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from medusa_chat.errors import DeviceError
+from medusa_chat.quant_choice import QUANTS, auto_quant_cuda
 
 Progress = Callable[[str], None]
 
 
-QUANTS = ("auto", "nf4", "int8", "int4", "none")
 
 
 CPU_QUANTS = ("none", "int8", "int4")  # torch kernels, row-invariant (cpu_linears.py)
@@ -46,11 +46,11 @@ def pick_quant(quant: str, device: torch.device) -> str:
     measuring) where Triton is installed, else bitsandbytes NF4; on a CPU "auto" stays until the session measures
     the paths (numeric_path.py). On a CPU int8 and int4 are the block kernels; nf4 is bitsandbytes (slow there)."""
     if quant not in QUANTS:
-        raise DeviceError(f"unknown quantization {quant!r} (use auto, nf4, int8, int4 or none)")
+        raise DeviceError(f"unknown quantization {quant!r} (use {', '.join(QUANTS[:-1])} or {QUANTS[-1]})")
     if quant == "auto":
         if device.type != "cuda":
             return "auto"
-        return "int4" if cuda_int4_available() else "nf4"
+        return auto_quant_cuda(cuda_int4_available())
     if device.type == "cpu" and quant in CPU_QUANTS:
         return quant
     if quant == "int4":

@@ -153,7 +153,7 @@ def _cpu_fit(
     (`--quant auto` would first load it whole in float to measure the numeric paths), a GGUF file its blocks as
     stored; either way one line of the memory and speed to expect first, and a refusal (cpu_plan.WontFit) only
     where this machine cannot hold it. Returns the quantization to load with."""
-    from medusa_chat.model import cpu_plan
+    from medusa_chat.model.sources import cpu_plan
 
     if dev.type != "cpu":
         return q
@@ -240,7 +240,10 @@ def _read_backbone(
         if backbone is not None:
             return backbone, False, fidelity  # the file's blocks are the projections already
     if dev.type == "cuda" and q == "int4":
-        return load_cuda_int4(model_dir, dev, dtype, notes, job.say, medusa_keys, job.trust_remote_code), False, None
+        backbone, job.q = load_cuda_int4(model_dir, dev, dtype, notes, job.say, medusa_keys, job.trust_remote_code)
+        if backbone is not None:
+            return backbone, False, None
+        q = job.q  # the int4 kernels failed their check on this GPU: 16-bit or NF4 (the note says why)
     backbone = load_backbone(
         model_dir,
         dev,

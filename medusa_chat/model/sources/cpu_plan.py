@@ -144,8 +144,8 @@ def checkpoint_need(
     model_name: str, location: str, config: dict[str, Any], params: int, free_ram: int | None
 ) -> CpuNeed:
     """The int4 path of a checkpoint: its cached GGUF (unless made already) and its download (unless here)."""
-    from medusa_chat.model import hub
-    from medusa_chat.model.registry import is_repo_id
+    from medusa_chat.model.sources import hub
+    from medusa_chat.model.sources.registry import is_repo_id
     from medusa_chat.paths import cache_root
 
     weights = int4_checkpoint_bytes(config, params)
@@ -167,7 +167,7 @@ def _device_of(folder: Path) -> int | None:
 
 def _cached_gguf(models: Path, location: str) -> bool:
     """Is this checkpoint's int4 file made already (quantized_cache.cache_path's name; any revision)?"""
-    from medusa_chat.model.registry import is_repo_id
+    from medusa_chat.model.sources.registry import is_repo_id
 
     label = f"models--{location.replace('/', '--')}" if is_repo_id(location) else Path(location).resolve().name
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label)[:48]
@@ -175,7 +175,7 @@ def _cached_gguf(models: Path, location: str) -> bool:
 
 
 def _weights_here(repo: str) -> bool:
-    from medusa_chat.model import hub
+    from medusa_chat.model.sources import hub
 
     try:
         cached = hub.cached_repos().get(repo)
