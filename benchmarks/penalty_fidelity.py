@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from medusa_chat.engine.penalties import Penaliser, PenaltyOptions
+from medusa_chat.engine.penalties import Penaliser, PenaltyOptions, breaker_tokens
 from medusa_chat.model.fidelity import _causal_mask, fixed_text, text_chunks
 from medusa_chat.model.kv_cache import TreeKVCache
 from medusa_chat.model.loading import load_model
@@ -51,13 +51,16 @@ def scored_logits(loaded: Any, chunks: list[list[int]]) -> Any:
         yield runner.lm_head(hidden[n // 2 : n - 1]).float()
 
 
-def score(opts: PenaltyOptions, chunks: list[list[int]], logprobs: list[torch.Tensor]) -> dict[str, float]:
+def score(
+    opts: PenaltyOptions, chunks: list[list[int]], logprobs: list[torch.Tensor], tokenizer: Any
+) -> dict[str, float]:
     changed = top1 = base_top1 = 0
     nll = base_nll = 0.0
     count = 0
     for ids, rows in zip(chunks, logprobs, strict=True):
         half = len(ids) // 2
-        pen = Penaliser(opts, ids[:half], frozenset())  # (breakers: none; DRY rows here are an upper bound)
+        breakers = breaker_tokens(tokenizer, opts.dry_sequence_breakers) if opts.dry else frozenset()
+        pen = Penaliser(opts, ids[:half], breakers)
         for j in range(rows.shape[0]):
             pos = half + j  # the row predicts ids[pos + 1] from ids[: pos + 1]
             if j:
@@ -94,7 +97,7 @@ def main() -> None:
     logprobs = list(scored_logits(loaded, chunks))
     out: dict[str, Any] = {"chunks": len(chunks), "configs": {}}
     for text in args.config:
-        out["configs"][text] = score(options(text), chunks, logprobs)
+        out["configs"][text] = score(options(text), chunks, logprobs, loaded.tokenizer)
         print(text, out["configs"][text], flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

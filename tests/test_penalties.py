@@ -293,3 +293,100 @@ def test_top_k_then_nucleus_then_min_p() -> None:
     # off: the nucleus alone, bit for bit
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     assert torch.equal(target_probs(logits, 0.8, 0.9, 0, 0.0), target_probs(logits, 0.8, 0.9))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every entry point: flags, slash commands, the API; the bench's loop metric
+# ------------------------------------------------------------------------------------------------------------
+def test_flags_and_settings_parse_llama_cpps_names() -> None:
+    from medusa_chat import cli
+    from medusa_chat.cliargs import settings_from_args
+
+    argv = ["ask", "--repeat-penalty", "1.2", "--repeat-last-n", "-1", "--presence-penalty", "0.5",
+            "--frequency-penalty", "0.1", "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
+            "--top-k", "40", "--min-p", "0.05", "hi"]  # fmt: skip
+    s = settings_from_args(cli.build_parser("ask").parse_args(argv))
+    assert (s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (1.2, -1, 0.5, 0.1)
+    assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.top_k, s.min_p) == (0.8, 2.0, 3, 40, 0.05)
+    assert PenaltyOptions.of(s).active
+    from medusa_chat.errors import MedusaChatError
+    from medusa_chat.settings import parse_settings
+
+    for bad in ({"repeat_penalty": "0"}, {"repeat_last_n": "-2"}, {"presence_penalty": "3"}, {"top_k": "1.5"},
+                {"dry_base": "0.5"}, {"dry_allowed_length": "0"}, {"min_p": "2"}):  # fmt: skip
+        with pytest.raises(MedusaChatError):
+            parse_settings(bad)
+
+
+def test_repl_penalty_commands(tmp_path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from medusa_chat.ui.terminal import TerminalChat
+    from tests.test_terminal import _fake_session
+
+    session, _ = _fake_session(tmp_path, monkeypatch)
+    lines = ["/repeat 1.15 128", "/presence 0.5", "/frequency_penalty 0.2", "/dry 0.8 1.5 3", "/topk 40",
+             "/min_p 0.05", "/repeat 0", "/dry 1 2 3 4"]  # fmt: skip
+    out = io.StringIO()
+    console = Console(file=out, width=200, no_color=True, highlight=False)
+    TerminalChat(
+        session, console, interactive=False, stdin=io.StringIO("\n".join(lines) + "\n"), out=out
+    ).run()
+    text = out.getvalue()
+    s = session.settings
+    assert (s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (
+        1.15,
+        128,
+        0.5,
+        0.2,
+    )
+    assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.top_k, s.min_p) == (0.8, 1.5, 3, 40, 0.05)
+    assert "repeat penalty 1.15 over the last 128 tokens" in text
+    assert "error: repeat_penalty must be > 0" in text and "usage: /dry X [BASE [LEN]]" in text
+
+
+def test_the_api_applies_penalties_and_refuses_unknown_fields() -> None:
+    import json
+
+    from medusa_chat.openai.protocol import APIError, parse_chat_request
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = parse_chat_request(json.dumps({**base, "presence_penalty": 0.5, "frequency_penalty": 1, "top_k": 40,
+                                         "min_p": 0.1, "repeat_penalty": 1.1, "repeat_last_n": 32,
+                                         "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"], "user": "u1"}).encode())  # fmt: skip
+    assert req.options == {"presence_penalty": 0.5, "frequency_penalty": 1.0, "top_k": 40, "min_p": 0.1,
+                           "repeat_penalty": 1.1, "repeat_last_n": 32, "dry_multiplier": 0.8,
+                           "dry_sequence_breakers": ("\n",)}  # fmt: skip
+    assert parse_chat_request(json.dumps(base).encode()).options == {}
+    for field, value, message in (
+        ("presence_penalty", 2.5, "presence_penalty must be"),
+        ("top_k", 1.5, "top_k must be an integer"),
+        ("dry_sequence_breakers", "x", "list of non-empty strings"),
+        ("logit_bias", {"5": 10}, "logit_bias is not supported"),
+        ("mirostat", 2, "unrecognized request argument 'mirostat'"),
+        ("best_of", 2, "unrecognized request argument 'best_of'"),
+    ):
+        with pytest.raises(APIError) as info:
+            parse_chat_request(json.dumps({**base, field: value}).encode())
+        assert info.value.param == field and message in info.value.message, info.value.message
+
+
+def test_loop_metric_sees_cycles_at_the_cap_only() -> None:
+    from medusa_chat.bench.loops import loop_fraction, loop_period
+
+    sentence = list(range(100, 120))  # a 20-token sentence said over and over
+    assert loop_period(list(range(40)) + sentence * 4) == 20
+    assert loop_period([1, 2, 3] + [7] * 30) == 1
+    assert loop_period(list(range(200))) is None
+    assert loop_period(list(range(40)) + sentence * 2) is None  # two copies: not yet a loop
+    varied = [t for i in range(4) for t in sentence[:-1] + [200 + i]]  # one word changes each round
+    assert loop_period(varied) is None
+    rows = [
+        {"stop_reason": "max_new_tokens", "token_ids": [1, 2, 3] + [9, 8] * 20},
+        {"stop_reason": "eos", "token_ids": [9, 8] * 20},  # ended: not a loop that runs to the cap
+        {"stop_reason": "max_new_tokens", "token_ids": list(range(60))},
+        {"stop_reason": "max_new_tokens", "token_ids": list(range(30)) + sentence * 3},
+    ]
+    assert loop_fraction(rows) == 0.5 and loop_fraction([]) is None

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat.settings import OPTIONS
+
 if TYPE_CHECKING:
     from medusa_chat.events import GenerationSettings
     from medusa_chat.tree import TreeBuffers
@@ -48,7 +50,8 @@ _FLOAT_MAX_LOG = 88.7228391
 
 @dataclass(frozen=True)
 class PenaltyOptions:
-    """A reply's repetition settings (settings.OPTIONS names them and gives their defaults)."""
+    """A reply's repetition settings (settings.OPTIONS names them and gives their defaults; these defaults are
+    the neutral values: nothing penalised)."""
 
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
@@ -57,7 +60,7 @@ class PenaltyOptions:
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_sequence_breakers: tuple[str, ...] = ()
+    dry_sequence_breakers: tuple[str, ...] = OPTIONS["dry_sequence_breakers"].default
 
     @classmethod
     def of(cls, settings: GenerationSettings) -> PenaltyOptions:
