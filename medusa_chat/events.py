@@ -35,6 +35,17 @@ class GenerationSettings:
     # greedy and exact mode, where the output is the same either way (only the tokens per step change); typical
     # acceptance never uses them (it would favour repeating earlier text)
     context_lookup: bool = _default("context_lookup")
+    # truncation beside top_p, and the repetition controls (engine/penalties.py); settings.py: their meaning
+    top_k: int = _default("top_k")
+    min_p: float = _default("min_p")
+    repeat_penalty: float = _default("repeat_penalty")
+    repeat_last_n: int = _default("repeat_last_n")
+    presence_penalty: float = _default("presence_penalty")
+    frequency_penalty: float = _default("frequency_penalty")
+    dry_multiplier: float = _default("dry_multiplier")
+    dry_base: float = _default("dry_base")
+    dry_allowed_length: int = _default("dry_allowed_length")
+    dry_sequence_breakers: tuple[str, ...] = _default("dry_sequence_breakers")
 
     @property
     def accept_mode(self) -> str:

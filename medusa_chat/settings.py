@@ -33,6 +33,10 @@ EXACT = "exact"  # distribution-preserving: the reply has the law of plain sampl
 ACCEPT_MODES = (TYPICAL, EXACT)  # the rules a user picks for temperature > 0
 MODES = (GREEDY, *ACCEPT_MODES)  # every rule a reply can use
 DEFAULT_ACCEPT = TYPICAL
+# The default repeat penalty (1: off). Measured (benchmarks/RESULTS.md, 2026-12-07): 1.1 over the last 64 tokens
+# changed a quarter of the greedy tokens of held-out text, and the embedded model's capped Vicuna-bench replies
+# measured then ended in no loop for it to remove.
+REPEAT_PENALTY = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,13 @@ def _number(value: Any) -> float:
     if not math.isfinite(number):
         raise ValueError(f"not a finite number: {value!r}")
     return number
+
+
+def _whole(value: Any) -> int:
+    """An integer setting from a number or its text; a fraction is refused, not truncated."""
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"not an integer: {value!r}")
+    return int(value)
 
 
 def _seed(value: Any) -> int | None:
@@ -268,10 +279,138 @@ OPTIONS: dict[str, Option] = {
             flags=("--no-context-lookup",),
             switch_off=True,
         ),
+        Option(
+            "top_k",
+            0,
+            "sample only among the K most likely tokens at temperature > 0 (0: off; default: %(default)s)",
+            lambda v: _integer(v) and v >= 0,
+            ">= 0",
+            _whole,
+            flags=("--top-k",),
+            type=int,
+            api_names=("top_k",),
+            api_bounds=(None, 2**31 - 1),
+        ),
+        Option(
+            "min_p",
+            0.0,
+            "drop tokens below min_p x the top token's probability at temperature > 0 (0: off; default: "
+            "%(default)s)",
+            lambda v: _finite(v) and 0 <= v <= 1,
+            "in [0, 1]",
+            _number,
+            flags=("--min-p",),
+            type=float,
+            api_names=("min_p",),
+        ),
+        Option(
+            "repeat_penalty",
+            REPEAT_PENALTY,
+            "divide the logit of a token among the last --repeat-last-n ones by this (multiply when negative; 1: "
+            "off; default: %(default)s)",
+            lambda v: _finite(v) and v > 0,
+            "> 0",
+            _number,
+            flags=("--repeat-penalty",),
+            type=float,
+            api_names=("repeat_penalty",),
+        ),
+        Option(
+            "repeat_last_n",
+            64,
+            "the repeat penalty's window: the context's last N tokens, the prompt's included (-1: the whole "
+            "context, 0: off; default: %(default)s)",
+            lambda v: _integer(v) and v >= -1,
+            ">= -1",
+            _whole,
+            flags=("--repeat-last-n",),
+            type=int,
+            api_names=("repeat_last_n",),
+            api_bounds=(None, 2**31 - 1),
+        ),
+        Option(
+            "presence_penalty",
+            0.0,
+            "subtract this from the logit of every token the reply has used (OpenAI's; default: %(default)s)",
+            lambda v: _finite(v) and -2 <= v <= 2,
+            "in [-2, 2]",
+            _number,
+            flags=("--presence-penalty",),
+            type=float,
+            api_names=("presence_penalty",),
+        ),
+        Option(
+            "frequency_penalty",
+            0.0,
+            "subtract this x the token's count in the reply from its logit (OpenAI's; default: %(default)s)",
+            lambda v: _finite(v) and -2 <= v <= 2,
+            "in [-2, 2]",
+            _number,
+            flags=("--frequency-penalty",),
+            type=float,
+            api_names=("frequency_penalty",),
+        ),
+        Option(
+            "dry_multiplier",
+            0.0,
+            "DRY: penalise the token that would extend a repeated run of text by multiplier x base ^ (run "
+            "length - allowed length) (0: off; default: %(default)s)",
+            lambda v: _finite(v) and v >= 0,
+            ">= 0",
+            _number,
+            flags=("--dry-multiplier",),
+            type=float,
+            api_names=("dry_multiplier",),
+        ),
+        Option(
+            "dry_base",
+            1.75,
+            "DRY: the penalty's growth per repeated token (default: %(default)s)",
+            lambda v: _finite(v) and v >= 1,
+            ">= 1",
+            _number,
+            flags=("--dry-base",),
+            type=float,
+            api_names=("dry_base",),
+        ),
+        Option(
+            "dry_allowed_length",
+            2,
+            "DRY: repeated runs up to this many tokens go unpenalised (default: %(default)s)",
+            lambda v: _integer(v) and v >= 1,
+            ">= 1",
+            _whole,
+            flags=("--dry-allowed-length",),
+            type=int,
+            api_names=("dry_allowed_length",),
+            api_bounds=(None, 2**31 - 1),
+        ),
+        Option(
+            "dry_sequence_breakers",
+            ("\n", ":", '"', "*"),
+            "DRY: a repeated run never crosses a token containing one of these strings",
+            lambda v: isinstance(v, (tuple, list)) and all(isinstance(s, str) and s for s in v),
+            "a tuple of non-empty strings",
+            _strings,
+            api_names=("dry_sequence_breakers",),
+        ),
     )
 }
 
-REPLY_OPTIONS = ("temperature", "max_new_tokens", "top_p", "seed", "accept")  # what a reply's user picks
+# the repetition controls (engine/penalties.py) and the truncation samplers beside top_p
+PENALTY_OPTIONS = (
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+)
+SAMPLER_OPTIONS = ("top_k", "min_p")
+REPLY_OPTIONS = (  # what a reply's user picks
+    "temperature", "max_new_tokens", "top_p", "seed", "accept", *SAMPLER_OPTIONS, *PENALTY_OPTIONS,
+)  # fmt: skip
 # The generation options each entry point takes on its command line. The web page sets them in its controls, the
 # OpenAI API per request (temperature, top_p, seed, max_tokens, stop) over the server's --accept; calibrate's
 # measuring replies are greedy with the defaults.
@@ -326,7 +465,10 @@ __all__ = [
     "MODE_TEXT",
     "OPTIONS",
     "OVERRIDE_ONLY",
+    "PENALTY_OPTIONS",
+    "REPEAT_PENALTY",
     "REPLY_OPTIONS",
+    "SAMPLER_OPTIONS",
     "TYPICAL",
     "ModeText",
     "Option",

@@ -16,7 +16,16 @@ from medusa_chat import cli, settings
 from medusa_chat.cliargs import settings_from_args
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, OPTIONS, OVERRIDE_ONLY, TYPICAL
+from medusa_chat.settings import (
+    ENTRY_OPTIONS,
+    EXACT,
+    GREEDY,
+    OPTIONS,
+    OVERRIDE_ONLY,
+    PENALTY_OPTIONS,
+    SAMPLER_OPTIONS,
+    TYPICAL,
+)
 
 PACKAGE = Path(settings.__file__).parent
 ENTRY_POINTS = ("chat", "ask", "bench", "serve", "web", "calibrate")
@@ -214,6 +223,7 @@ def test_the_api_takes_its_names_and_bounds_from_the_definitions() -> None:
         "top_p": "top_p",
         "seed": "seed",
         "stop": "stop_strings",
+        **{name: name for name in (*SAMPLER_OPTIONS, *PENALTY_OPTIONS, "dry_sequence_breakers")},
     }
     assert OPTIONS["temperature"].api_error(2.5, "temperature") == "temperature must be <= 2 (got 2.5)"
     assert OPTIONS["temperature"].api_error(-1.0, "temperature") == "temperature must be >= 0 (got -1.0)"

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from medusa_chat.bench.loops import loop_fraction
 from medusa_chat.bench.report import heads_label, median_of, print_prompt
 from medusa_chat.bench.runs import (
     DEFAULT_BASELINES,
@@ -39,9 +40,10 @@ from medusa_chat.bench.runs import (
     tie_tolerance,
     top2_gap,
 )
+from medusa_chat.engine.penalties import PenaltyOptions
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, defaults_for
+from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, PENALTY_OPTIONS, defaults_for
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -187,6 +189,8 @@ class _Methods:
 
         self.loaded, self.config = loaded, config
         self.methods = [m for m in METHODS if m == "medusa" or m in config.baselines]
+        if PenaltyOptions.of(config.settings).active:  # HF generate has no windowed repeat penalty nor DRY
+            self.methods = [m for m in self.methods if m not in ("hf", "lookup")]
         self.peer, self.peer_note, self.peer_runs = None, "", []
         if "llamacpp" in config.baselines:
             from medusa_chat.bench.peer import llama_bench_for
@@ -420,6 +424,9 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
         "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,
         "tokens_per_step": _r(t["medusa"].tokens_per_step),
+        # the share of replies that ran to the cap inside a repeating cycle (loops.py): beside tokens per step,
+        # because a loop is what context lookup accepts best
+        "loop_fraction": loop_fraction(rows),
         # Medusa's steps per tree prefix size, where the size was chosen as replies ran (engine/tree_sizer.py)
         "sized_steps": _sized_total(rows),
         "acceptance_by_depth": t["medusa"].acceptance_by_depth(),
@@ -501,6 +508,7 @@ def _document(
         "accept_mode": settings.accept_mode,
         "context_lookup": settings.context_lookup,
         "top_p": settings.top_p,
+        "penalties": {name: getattr(settings, name) for name in PENALTY_OPTIONS},
         "baselines": [m for m in methods.methods if m != "medusa"]
         + (["llamacpp"] if peer_tps else [])
         + (["llamacpp-spec"] if methods.servers is not None else []),

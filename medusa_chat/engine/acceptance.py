@@ -113,9 +113,29 @@ def _nucleus_from_head(probs: torch.Tensor, top_p: float) -> torch.Tensor | None
     return out.view_as(probs)
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution plain sampling draws from: softmax(logits / T), nucleus-filtered (unnormalised)."""
-    return nucleus(torch.softmax(logits.float() / temperature, dim=-1), top_p)
+def target_probs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The distribution plain sampling draws from: softmax(logits / T), then top-k, the nucleus and min-p
+    (unnormalised; `truncated`)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return truncated(probs, top_p, top_k, min_p) if top_k > 0 or min_p > 0 else nucleus(probs, top_p)
+
+
+def truncated(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """`probs` [..., V] after the truncation samplers in llama.cpp's order: top-k (the k most likely tokens,
+    ties at the k-th kept; renormalised, so the nucleus is a share of what top-k kept), the nucleus, then min-p
+    (tokens below min_p x the most likely token's probability dropped). Unlike llama.cpp, which applies the
+    temperature last, they see the tempered distribution, as top-p always has here (and as in HF
+    transformers and vLLM)."""
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[..., -1:]
+        probs = probs * (probs >= kth)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs = nucleus(probs, top_p)
+    if min_p > 0:
+        probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))
+    return probs
 
 
 def sample(probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -177,6 +197,7 @@ def typical_node_ok(
     typical_epsilon: float,
     typical_delta: float,
     top_p: float = 1.0,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p))) (epsilon, delta: the settings'
     typical_epsilon and typical_delta), p = parent's distribution,
@@ -190,7 +211,9 @@ def typical_node_ok(
     threshold = torch.minimum(torch.full_like(entropy, typical_epsilon), typical_delta * torch.exp(-entropy))
     p_child = probs[parent, tokens]
     ok = p_child > threshold[parent]
-    if top_p < 1.0:
+    if kept is not None:  # top-k / min-p as well: the tokens plain sampling keeps (`truncated`)
+        ok &= kept[parent, tokens] > 0
+    elif top_p < 1.0:
         ok &= nucleus(probs, top_p)[parent, tokens] > 0
     return ok, torch.log(p_child.clamp_min(1e-20))
 
@@ -245,6 +268,11 @@ class Acceptor:
     then `bonus` with the logits at the last accepted node. Everything stays on the device."""
 
     accept_mode = GREEDY
+    argmax_only = True  # greedy on raw logits: the engine may hand over argmaxes instead of logit rows
+    top_k, min_p = 0, 0.0  # truncation beside top_p (`truncated`); greedy keeps the argmax whatever they are
+
+    def commit(self, tokens: list[int]) -> None:
+        """The reply's new tokens (a stateless rule ignores them; penalties.py keeps counts)."""
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         """The reply's first token [1] from the prefill's next-token logits [V]."""
@@ -281,7 +309,13 @@ class TypicalAcceptor(Acceptor):
         self.generator = generator
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.top_k > 0 or self.min_p > 0:
+            u = torch.rand(1, generator=self.generator, device=logits.device)
+            return inverse_cdf_sample(self._truncated(logits[None]), u)
         return sample(torch.softmax(logits / self.temperature, -1), self.top_p, self.generator)[None]
+
+    def _truncated(self, logits: torch.Tensor) -> torch.Tensor:
+        return target_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
     def judge(
         self, parent_logits: torch.Tensor, tokens: torch.Tensor, buf: TreeBuffers, position: int
@@ -289,7 +323,10 @@ class TypicalAcceptor(Acceptor):
         if not len(buf.internal):
             return tokens != tokens, None
         probs = torch.softmax(parent_logits / self.temperature, dim=-1)
-        return typical_node_ok(probs, tokens, buf.parent_slot, self.typical_epsilon, self.typical_delta, self.top_p)
+        kept = self._truncated(parent_logits) if self.top_k > 0 or self.min_p > 0 else None
+        return typical_node_ok(
+            probs, tokens, buf.parent_slot, self.typical_epsilon, self.typical_delta, self.top_p, kept
+        )
 
     def bonus(self, last_logits: torch.Tensor, last: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return self.first(last_logits)
@@ -348,7 +385,7 @@ class ExactAcceptor(Acceptor):
         self._tables: _ExactTables | None = None
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return target_probs(logits, self.temperature, self.top_p)
+        return target_probs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
         return inverse_cdf_sample(self._probs(logits[None]), self.u[:1])
@@ -386,11 +423,15 @@ def make_acceptor(
     if mode == GREEDY:
         return Acceptor()
     assert generator is not None
+    acceptor: Acceptor
     if mode == EXACT:
-        return ExactAcceptor(settings.temperature, settings.top_p, generator, horizon, device)
-    return TypicalAcceptor(
-        settings.temperature, settings.top_p, settings.typical_epsilon, settings.typical_delta, generator
-    )
+        acceptor = ExactAcceptor(settings.temperature, settings.top_p, generator, horizon, device)
+    else:
+        acceptor = TypicalAcceptor(
+            settings.temperature, settings.top_p, settings.typical_epsilon, settings.typical_delta, generator
+        )
+    acceptor.top_k, acceptor.min_p = settings.top_k, settings.min_p
+    return acceptor
 
 
 __all__ = [
@@ -405,5 +446,6 @@ __all__ = [
     "nucleus",
     "sample",
     "target_probs",
+    "truncated",
     "typical_node_ok",
 ]

@@ -37,6 +37,7 @@ from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens,
 from medusa_chat.engine.drafters import ROOT_ONLY, make_drafter
 from medusa_chat.engine.graphs import GraphRecorder, wants_graphs
 from medusa_chat.engine.lookup import ContextLookup
+from medusa_chat.engine.penalties import with_penalties
 from medusa_chat.engine.text import (
     StreamDecoder,
     keep_until_end,
@@ -264,7 +265,7 @@ class MedusaEngine:
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
-        if logits_once and acceptor.accept_mode == GREEDY:
+        if logits_once and acceptor.accept_mode == GREEDY and acceptor.argmax_only:
             # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
@@ -350,6 +351,7 @@ class MedusaEngine:
         prefill_s = time.perf_counter() - t0
 
         reply, stop_reason = keep_until_end([first], 0, eos, limit)
+        acceptor.commit(reply)
         stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
         detok = StreamDecoder(self.model.tokenizer)
         # Streamed text that could be the start of a stop string is held back until a later step settles it.
@@ -383,6 +385,7 @@ class MedusaEngine:
             # EOS and the length limit can only be in the new tokens: O(new tokens) per step, not O(reply).
             new_tokens, stop_reason = keep_until_end(new_tokens, len(reply), eos, limit)
             reply.extend(new_tokens)
+            acceptor.commit(new_tokens)
             if lookup is not None:
                 lookup.extend(new_tokens)
             stop_reason = limit_reason(stop_reason, len(reply), settings.max_new_tokens)
@@ -456,7 +459,9 @@ class MedusaEngine:
                 settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
             generator.manual_seed(seed)
-        return make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
+        acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
+        # repetition controls: each node's logits penalised with its own context (penalties.py); off, as is
+        return with_penalties(acceptor, settings, prompt_ids, self.model.tokenizer)
 
     def _prefill_prompt(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor]:
         """Prefill the prompt past the prefix the cache already holds (at least its last token): (tokens

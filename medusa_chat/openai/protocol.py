@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_chat.events import ReplySummary
-from medusa_chat.settings import OPTIONS
+from medusa_chat.settings import OPTIONS, PENALTY_OPTIONS, SAMPLER_OPTIONS
 
 log = logging.getLogger("medusa_chat.openai.server")
 
@@ -37,7 +37,18 @@ _UNSUPPORTED = {
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
+    "logit_bias": "logit_bias is not supported",
 }
+# The reply options a request may set beyond OpenAI's core ones: its penalties (OpenAI's presence_penalty and
+# frequency_penalty, llama-server's repeat and DRY penalties) and llama-server's top_k and min_p.
+_REPLY_OPTIONS = (*SAMPLER_OPTIONS, *PENALTY_OPTIONS, "dry_sequence_breakers")
+# Fields read below, and fields that change nothing a reply shows (accepted, then left aside)
+_KNOWN = {
+    "model", "messages", "stream", "stream_options", "n", "temperature", "top_p", "max_tokens",
+    "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "response_format",
+    *_UNSUPPORTED, *(name for option in _REPLY_OPTIONS for name in OPTIONS[option].api_names),
+}  # fmt: skip
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 
 
 class APIError(Exception):
@@ -95,6 +106,7 @@ class ChatRequest:
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the _REPLY_OPTIONS the request set
 
 
 def _number(body: dict[str, Any], name: str, option: str, default: float) -> float:
@@ -131,6 +143,25 @@ def _integer(body: dict[str, Any], name: str, option: str) -> int | None:
     if message is not None:
         raise bad_request(message, name)
     return value
+
+
+def _reply_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The penalties and extra samplers the request sets (settings.OPTIONS checks each value)."""
+    out: dict[str, Any] = {}
+    for option in _REPLY_OPTIONS:
+        for name in OPTIONS[option].api_names:
+            if body.get(name) is None:
+                continue
+            if option == "dry_sequence_breakers":
+                value = body[name]
+                if not (isinstance(value, list) and all(isinstance(b, str) and b for b in value)):
+                    raise bad_request(f"{name} must be a list of non-empty strings", name)
+                out[option] = tuple(value)
+            elif isinstance(OPTIONS[option].default, int) and not isinstance(OPTIONS[option].default, bool):
+                out[option] = _integer(body, name, option)
+            else:
+                out[option] = _number(body, name, option, OPTIONS[option].default)
+    return out
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -199,6 +230,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise bad_request(f"n must be 1: this server generates one choice per request (got {json.dumps(n)})", "n")
+    unknown = sorted(set(body) - _KNOWN - _IGNORED)
+    if unknown:  # refused rather than silently ignored
+        raise bad_request(f"unrecognized request argument {unknown[0]!r}: medusa-chat does not support it", unknown[0])
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}, "none"):
             raise bad_request(f"{name}: {why} by medusa-chat", name)
@@ -236,6 +270,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         max_tokens=max_tokens if max_tokens is not None else legacy,
         stop=stops,
         seed=_integer(body, "seed", "seed"),
+        options=_reply_options(body),
     )
 
 

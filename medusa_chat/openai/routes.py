@@ -112,6 +112,7 @@ class ChatAPI:
             seed=req.seed,
             max_new_tokens=max_new,
             stop_strings=req.stop,
+            **req.options,  # penalties, top_k, min_p: the request's where it sets them
         )
         try:
             settings.validate()

@@ -37,6 +37,12 @@ COMMANDS: dict[str, str] = {
     "(greedy and exact sampling: same output, fewer steps; on by default)",
     "/max N": "max new tokens per reply",
     "/topp X": "nucleus sampling top_p (temperature > 0)",
+    "/topk N": "sample among the N most likely tokens (temperature > 0; 0 = off)",
+    "/minp X": "drop tokens below X times the top token's probability (temperature > 0; 0 = off)",
+    "/repeat X [N]": "repeat penalty X over the last N tokens (1 = off; N = -1: all)",
+    "/presence X": "presence penalty: subtract X from every token the reply has used",
+    "/frequency X": "frequency penalty: subtract X times the token's count in the reply",
+    "/dry X [BASE [LEN]]": "DRY: penalise repeating runs longer than LEN tokens (0 = off)",
     "/seed N|none": "sampling seed",
     "/stats": "statistics of the last reply",
     "/tree [N]": "the verified tree of the last step (or step N), accepted path highlighted",
@@ -57,6 +63,11 @@ ALIASES = {
     "/regenerate": "/regen",
     "/temperature": "/temp",
     "/top_p": "/topp",
+    "/top_k": "/topk",
+    "/min_p": "/minp",
+    "/repeat_penalty": "/repeat",
+    "/presence_penalty": "/presence",
+    "/frequency_penalty": "/frequency",
     "/h": "/help",
     "/?": "/help",
     "/new": "/clear",
@@ -156,6 +167,41 @@ class SlashCommands:
     def cmd_topp(self, arg: str) -> None:
         self._set("/topp X", top_p=arg)
         self.note(f"top_p {self.session.settings.top_p:g}")
+
+    def cmd_topk(self, arg: str) -> None:
+        self._set("/topk N", top_k=arg)
+        self.note(f"top_k {self.session.settings.top_k}")
+
+    def cmd_minp(self, arg: str) -> None:
+        self._set("/minp X", min_p=arg)
+        self.note(f"min_p {self.session.settings.min_p:g}")
+
+    def cmd_repeat(self, arg: str) -> None:
+        usage = "/repeat X [N]"
+        words = arg.split()
+        if len(words) > 2:
+            raise MedusaChatError(f"usage: {usage}")
+        self._set(usage, **dict(zip(("repeat_penalty", "repeat_last_n"), words or [""], strict=False)))
+        st = self.session.settings
+        self.note(f"repeat penalty {st.repeat_penalty:g} over the last {st.repeat_last_n} tokens")
+
+    def cmd_presence(self, arg: str) -> None:
+        self._set("/presence X", presence_penalty=arg)
+        self.note(f"presence penalty {self.session.settings.presence_penalty:g}")
+
+    def cmd_frequency(self, arg: str) -> None:
+        self._set("/frequency X", frequency_penalty=arg)
+        self.note(f"frequency penalty {self.session.settings.frequency_penalty:g}")
+
+    def cmd_dry(self, arg: str) -> None:
+        usage = "/dry X [BASE [LEN]]"
+        words = arg.split()
+        if len(words) > 3:
+            raise MedusaChatError(f"usage: {usage}")
+        names = ("dry_multiplier", "dry_base", "dry_allowed_length")
+        self._set(usage, **dict(zip(names, words or [""], strict=False)))
+        st = self.session.settings
+        self.note(f"DRY multiplier {st.dry_multiplier:g}, base {st.dry_base:g}, allowed length {st.dry_allowed_length}")
 
     def cmd_seed(self, arg: str) -> None:
         self._set("/seed N|none", seed=arg or "none")

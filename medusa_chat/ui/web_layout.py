@@ -158,6 +158,7 @@ def _side_column(app: WebApp, c: SimpleNamespace, s: Any, info: dict[str, Any], 
         )
         with gr.Accordion("Advanced", open=False):
             c.top_p = gr.Slider(0.05, 1.0, value=s.top_p, step=0.01, label="top_p")
+            _penalty_controls(c, s)
             c.typical_epsilon = gr.Slider(
                 0.0, 1.0, value=s.typical_epsilon, step=0.01, label="typical epsilon"
             )
@@ -260,6 +261,28 @@ def _wire_reply_events(app: WebApp, c: SimpleNamespace) -> None:
     system.blur(app.set_system, system, error_box, api_visibility="private")
 
 
+def _penalty_controls(c: SimpleNamespace, s: Any) -> None:
+    """top-k, min-p and the repetition controls (engine/penalties.py), in the Advanced panel; `c.penalty_controls`
+    pairs each with its setting's name."""
+    c.penalty_controls = [
+        (gr.Number(value=s.top_k, precision=0, minimum=0, label="top_k (0 = off)", elem_id="top-k"), "top_k"),
+        (gr.Slider(0.0, 1.0, value=s.min_p, step=0.01, label="min_p", elem_id="min-p"), "min_p"),
+        (gr.Slider(0.5, 2.0, value=s.repeat_penalty, step=0.01, label="repeat penalty (1 = off)",
+                   elem_id="repeat-penalty"), "repeat_penalty"),
+        (gr.Number(value=s.repeat_last_n, precision=0, minimum=-1, label="repeat last n (-1 = all, 0 = off)",
+                   elem_id="repeat-last-n"), "repeat_last_n"),
+        (gr.Slider(-2.0, 2.0, value=s.presence_penalty, step=0.05, label="presence penalty",
+                   elem_id="presence-penalty"), "presence_penalty"),
+        (gr.Slider(-2.0, 2.0, value=s.frequency_penalty, step=0.05, label="frequency penalty",
+                   elem_id="frequency-penalty"), "frequency_penalty"),
+        (gr.Slider(0.0, 5.0, value=s.dry_multiplier, step=0.05, label="DRY multiplier (0 = off)",
+                   elem_id="dry-multiplier"), "dry_multiplier"),
+        (gr.Slider(1.0, 4.0, value=s.dry_base, step=0.05, label="DRY base", elem_id="dry-base"), "dry_base"),
+        (gr.Number(value=s.dry_allowed_length, precision=0, minimum=1, label="DRY allowed length",
+                   elem_id="dry-allowed-length"), "dry_allowed_length"),
+    ]  # fmt: skip
+
+
 def _wire_setting_events(app: WebApp, c: SimpleNamespace) -> None:
     """The reply settings and the tree."""
     error_box, model_panel, temperature, accept, mode = c.error_box, c.model_panel, c.temperature, c.accept, c.mode
@@ -287,7 +310,7 @@ def _wire_setting_events(app: WebApp, c: SimpleNamespace) -> None:
         api_visibility="private", **quiet,
     )  # fmt: skip
     for comp, name in ((max_new, "max_new_tokens"), (top_p, "top_p"), (typical_epsilon, "typical_epsilon"),
-                       (typical_delta, "typical_delta"), (seed, "seed")):  # fmt: skip
+                       (typical_delta, "typical_delta"), (seed, "seed"), *c.penalty_controls):  # fmt: skip
         comp.change(
             (lambda n: lambda v: app.update_setting(n, v))(name), comp, error_box,
             api_visibility="private", **quiet,
