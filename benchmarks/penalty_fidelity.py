@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from medusa_chat.engine.penalties import Penaliser, PenaltyOptions, breaker_tokens
-from medusa_chat.model.forward.kv_cache import TreeKVCache
-from medusa_chat.model.sources.fidelity import _causal_mask, fixed_text, text_chunks
+from medusa_chat.model.sources.fidelity import fixed_text, scored_logits, text_chunks
 from medusa_chat.model.sources.loading import load_model
 from medusa_chat.settings import parse_settings
 
@@ -32,23 +31,6 @@ from medusa_chat.settings import parse_settings
 def options(text: str) -> PenaltyOptions:
     changes = dict(item.split("=", 1) for item in text.split(",") if item)
     return PenaltyOptions(**parse_settings(changes))
-
-
-@torch.inference_mode()
-def scored_logits(loaded: Any, chunks: list[list[int]]) -> Any:
-    """Per chunk, the raw logits of its scored half (fidelity.scored_logprobs' positions: the repeat penalty
-    scales logits, so it must see them before the softmax), by the forward the engine decodes with."""
-    from medusa_chat.model.forward.runner import BackboneRunner
-
-    runner = BackboneRunner(loaded.backbone)
-    layers = loaded.backbone.config.num_hidden_layers
-    act = loaded.backbone.get_input_embeddings().weight.dtype
-    for ids in chunks:
-        n = len(ids)
-        x = torch.tensor(ids, dtype=torch.long, device=loaded.device)
-        mask = _causal_mask(n, act, loaded.device)
-        hidden = runner.forward(x, torch.arange(n, device=loaded.device), mask, TreeKVCache(layers))
-        yield runner.lm_head(hidden[n // 2 : n - 1]).float()
 
 
 def score(

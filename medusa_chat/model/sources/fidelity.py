@@ -73,9 +73,9 @@ def _causal_mask(count: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 @torch.inference_mode()
-def scored_logprobs(loaded: Any, chunks: Sequence[list[int]]) -> Iterator[torch.Tensor]:
-    """Per chunk, the path's log-probabilities [chunk // 2 - 1, vocab] for the scored positions, computed by
-    the forward the engine decodes with (the native C step, the lean forward or transformers')."""
+def scored_logits(loaded: Any, chunks: Sequence[list[int]]) -> Iterator[torch.Tensor]:
+    """Per chunk, the raw logits [chunk // 2 - 1, vocab] at the scored positions, computed by the forward the
+    engine decodes with (the native C step, the lean forward or transformers')."""
     from medusa_chat.model.forward.kv_cache import TreeKVCache
     from medusa_chat.model.forward.runner import BackboneRunner
 
@@ -88,7 +88,13 @@ def scored_logprobs(loaded: Any, chunks: Sequence[list[int]]) -> Iterator[torch.
         hidden = runner.forward(
             x, torch.arange(n, device=loaded.device), _causal_mask(n, act, loaded.device), TreeKVCache(layers)
         )
-        yield runner.lm_head(hidden[n // 2 : n - 1]).float().log_softmax(-1)
+        yield runner.lm_head(hidden[n // 2 : n - 1]).float()
+
+
+def scored_logprobs(loaded: Any, chunks: Sequence[list[int]]) -> Iterator[torch.Tensor]:
+    """Per chunk, the path's log-probabilities at the scored positions (`scored_logits`, normalised)."""
+    for logits in scored_logits(loaded, chunks):
+        yield logits.log_softmax(-1)
 
 
 def compare(reference: Sequence[torch.Tensor], path: Sequence[torch.Tensor]) -> Fidelity:
