@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage the embedded model's GGUF for a GPU machine with no network, in pieces whose sizes the plan gives (each
 # piece fills what its command leaves free: `python benchmarks/gpu_4bit.py plan` prints this script's command
-# line under prepare_here). Piece i goes to ./.gpu/pI (git-ignored through .git/info/exclude) and is carried by
+# line under prepare_here). Piece i goes to ./.gpu/pI (git-ignored) and is carried by
 # the plan's command that names it; gpu_checks.sh joins them on the machine. The last piece also holds the
 # converted model's config/tokenizer files (hf/) and the fp32 weights' hashes (hashes.json), so the machine
 # dequantizes the GGUF with this app's reader (no `gguf` package needed) and checks that the weights are bit for
@@ -14,8 +14,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$#" -ge 1 ] || { echo "usage: gpu_stage_gguf.sh BYTES_0 [BYTES_1 ...] (the plan prints them)"; exit 2; }
 py="${PYTHON:-.venv/bin/python}"
-exclude="$(git rev-parse --git-path info/exclude)"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 gguf=$("$py" -c "from medusa_chat.model.sources.embedded import gguf_path; print(gguf_path() or '')")
 hf=$("$py" -c "from medusa_chat.model.sources.embedded import embedded_model_dir; print(embedded_model_dir())")
 [ -n "$gguf" ] && [ -f "$hf/model.safetensors" ] || { echo "run medusa-chat once first (the converted model)"; exit 1; }
