@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,6 +103,12 @@ def _fake_loaded(gguf: Path) -> SimpleNamespace:
     return SimpleNamespace(spec=spec, heads=None, heads_file="")
 
 
+def _state(proc: subprocess.Popen[bytes] | None) -> str:
+    """The process's state letter from /proc (T: stopped by a signal)."""
+    assert proc is not None
+    return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # the stand-in never reads it
@@ -111,6 +118,7 @@ def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -
         assert peers.methods == ["llamacpp-server", "llamacpp-ngram"]  # no EAGLE-3 draft for this model
         assert all(srv.model == "stub.gguf" for srv in peers.servers.values())  # the id /v1/models lists
         assert any("llamacpp-eagle3 skipped" in n for n in peers.notes)
+        assert {_state(srv.proc) for srv in peers.servers.values()} == {"T"}  # stopped while not answering
         peers.warm("hello", 4)
         rows = []
         for prompt in ("first prompt", "second"):
@@ -124,6 +132,7 @@ def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -
         assert s["llamacpp_spec"]["llamacpp-ngram"]["drafting"]["tokens_per_step"] == 2.0
         assert s["llamacpp_spec"]["llamacpp-ngram"]["identical_to_llamacpp_plain_fraction"] == 1.0
         assert s["speedup_vs_best_llamacpp_mode"] is not None
+        assert {_state(srv.proc) for srv in peers.servers.values()} == {"T"}
         procs = [srv.proc for srv in peers.servers.values()]
     finally:
         peers.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -175,8 +176,25 @@ class ServerProcess:
             tail = []
         return " | ".join(tail)[-400:] or "no output"
 
+    def pause(self) -> None:
+        """Stop the process (SIGSTOP) while the other methods run: an idle server's threads still poll for work
+        for a while after each request (llama.cpp's `--poll`, OpenMP's spin wait), and on a small machine
+        that spinning slows whichever method runs next, and makes a tree sizer price its steps under load."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            # Wait until it has stopped (signals are asynchronous), so the next method starts on a quiet CPU. A
+            # child that exits instead is reaped here: keep its status where Popen looks for it.
+            _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()  # a stopped process acts on SIGTERM only once continued
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)

@@ -9,9 +9,11 @@ tool, never a dependency) is started on the same GGUF and thread count as the be
                       export-draft (export/llamacpp.py) into a temporary GGUF
 
 and `medusa-chat serve` (this code, the same model options as the bench, no other flags) beside them, so that
-every column goes through the same client and timing (bench/api_client.py). All servers run at once, idle but
-one, and each prompt goes to each of them in an order that rotates from prompt to prompt, in the bench's own
-rotation: side by side on a machine whose speed drifts. Recorded per server: decode tok/s, llama-server's draft
+every column goes through the same client and timing (bench/api_client.py). The servers are started one after
+another and then stopped (SIGSTOP) while anything else runs, so only one of them holds the CPU at a time (an idle
+server's polling threads would otherwise slow the method beside it); each prompt goes to each of them in an
+order that rotates from prompt to prompt, in the bench's own rotation: side by side on a machine whose speed
+drifts. Recorded per server: decode tok/s, llama-server's draft
 acceptance (`timings.draft_n` / `draft_n_accepted`: tokens per step = tokens / (tokens - accepted)), and
 whether each reply's text equals llama.cpp's plain reply.
 
@@ -96,7 +98,7 @@ class ServerTally:
 
 
 class ServerPeers:
-    """The servers of one bench run: started together, each prompt sent to each, stopped together."""
+    """The servers of one bench run: started one by one and kept stopped but while one answers a prompt."""
 
     def __init__(
         self, servers: dict[str, ServerProcess], notes: list[str], workdir: tempfile.TemporaryDirectory[str]
@@ -116,7 +118,11 @@ class ServerPeers:
         if server is None:
             return
         try:
-            self._current[method] = stream_chat(server.url, prompt, max_tokens, server.model)
+            server.resume()
+            try:
+                self._current[method] = stream_chat(server.url, prompt, max_tokens, server.model)
+            finally:
+                server.pause()
         except MedusaChatError as err:
             self.notes.append(f"{method} failed: {err}; {server.log_tail()}")
             server.close()
@@ -262,6 +268,7 @@ def start_server_peers(
     for name, server in servers.items():
         try:
             peers.servers[name] = server.start()
+            server.pause()  # before the next one starts: a server that loads or calibrates has the CPU alone
         except MedusaChatError as err:
             notes.append(f"{name} did not start: {err}")
         peers.tally = {m: ServerTally() for m in peers.servers}
