@@ -265,12 +265,22 @@ class MedusaEngine:
         # one more row for the bonus. Small trees without v2 heads get every row in one lm_head call (on a CPU
         # the lm_head is the biggest single read of a step, and a few more rows cost little); big trees only
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
+        logits = None
+        penalise = getattr(acceptor, "penalise_step", None)
+        if logits_once and penalise is not None:
+            # Repetition penalties (penalties.py): every row once, in place, with its own node's context; the
+            # inner rule then runs on them as on raw logits (greedy: the argmax walk below).
+            logits = self.lm_head(hidden).float() if step_logits is None else step_logits.float().clone()
+            acceptor = penalise(logits, tokens, buf)
         if logits_once and acceptor.accept_mode == GREEDY and acceptor.argmax_only:
             # Greedy needs only each node's argmax: one pass over all the rows' logits, no copies of logit rows.
             # A node is accepted iff its token is its parent's argmax; the bonus is the last accepted node's.
             # The sync brings the tree's tokens and argmaxes (2N ints) to the host, where walking a tree of <= 16
             # nodes costs microseconds: a dozen tiny device ops for the same walk cost ~0.3 ms a step on a CPU.
-            top = self._greedy_rows(hidden) if step_logits is None else greedy_tokens(step_logits)
+            if logits is not None:
+                top = greedy_tokens(logits)
+            else:
+                top = self._greedy_rows(hidden) if step_logits is None else greedy_tokens(step_logits)
             n = buf.tree.size
             host = torch.cat([tokens, top]).tolist()  # the step's one host sync
             tree_tokens, tops = host[:n], host[n:]
@@ -279,7 +289,8 @@ class MedusaEngine:
             draft = self.drafter.draft_from(hidden[last : last + 1])
             return StepResult(tree_tokens, accepted, tops[last], top[last : last + 1], None, draft)
         if logits_once or step_logits is not None:
-            logits = (self.lm_head(hidden) if step_logits is None else step_logits).float()
+            if logits is None:
+                logits = (self.lm_head(hidden) if step_logits is None else step_logits).float()
             parent_logits = logits.index_select(0, buf.internal)
         else:
             parent_logits = self.lm_head(hidden[buf.internal]).float()

@@ -285,11 +285,16 @@ class Penaliser:
         items = [(v, t, s) for v, entries in enumerate(self._nodes) for t, s in entries.items()]
         self._flat = _Entries.build(items, device)
 
-    def rows(self, logits: torch.Tensor, nodes: list[int]) -> torch.Tensor:
-        """Penalised copies of `logits` [R, V], row r the logits of node `nodes[r]`."""
+    def rows(self, logits: torch.Tensor, nodes: list[int], in_place: bool = False) -> torch.Tensor:
+        """`logits` [R, V] penalised, row r the logits of node `nodes[r]` (a copy, or the float32 tensor itself
+        changed in place where the caller owns it)."""
         slot = {v: r for r, v in enumerate(nodes)}
         items = [(slot[v], t, s) for v in nodes for t, s in self._nodes[v].items()]
-        return self._apply(logits, _Entries.build(items, logits.device) if items else None)
+        return self._apply(logits, _Entries.build(items, logits.device) if items else None, in_place)
+
+    def every_row(self, logits: torch.Tensor) -> None:
+        """Penalise the step's logits [N, V] (row v: node v) in place, each row with its node's context."""
+        self._apply(logits, self._flat if self._flat is not None and self._flat.rows.numel() else None, True)
 
     def row_of(self, logits: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
         """The penalised logits [V] of the node `node` ([1], on the device: no host read): the other nodes'
@@ -302,9 +307,9 @@ class Penaliser:
                         flat.rep, flat.count, flat.dry)  # fmt: skip
         return self._apply(padded, mine)[0, :vocab]
 
-    def _apply(self, logits: torch.Tensor, nodes: _Entries | None) -> torch.Tensor:
+    def _apply(self, logits: torch.Tensor, nodes: _Entries | None, in_place: bool = False) -> torch.Tensor:
         assert self._base is not None
-        out = logits.float().clone()
+        out = logits if in_place and logits.dtype == torch.float32 else logits.float().clone()
         raw = out[nodes.rows, nodes.cols] if nodes is not None else None  # before any entry is written
         base = self._base
         if base.cols.numel():
@@ -336,9 +341,18 @@ class PenalisedAcceptor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tree = buf.tree
         self.penaliser.begin_step(tokens.tolist(), tree.parents, tokens.device)
-        if len(buf.internal):
-            parent_logits = self.penaliser.rows(parent_logits, sorted(set(tree.parents[1:])))
+        if len(buf.internal):  # the engine's rows of this step: changed in place, not copied
+            parent_logits = self.penaliser.rows(parent_logits, sorted(set(tree.parents[1:])), in_place=True)
         return self.inner.judge(parent_logits, tokens, buf, position)
+
+    def penalise_step(self, logits: torch.Tensor, tokens: torch.Tensor, buf: TreeBuffers) -> Any:
+        """Penalise every row of the step's logits [N, V] in place (row v with node v's context) and return the
+        inner rule, which then judges them as raw logits: for small trees, whose every row the engine computes
+        at once, this replaces `judge` and `bonus` (one pass, no copies; greedy keeps its argmax-only walk).
+        Reads the tree's tokens to the host: the nodes' penalty entries are built there."""
+        self.penaliser.begin_step(tokens.tolist(), buf.tree.parents, logits.device)
+        self.penaliser.every_row(logits)
+        return self.inner
 
     def bonus(self, last_logits: torch.Tensor, last: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return self.inner.bonus(self.penaliser.row_of(last_logits, last), last, count)
