@@ -47,6 +47,15 @@ class GenerationSettings:
     dry_allowed_length: int = _default("dry_allowed_length")
     dry_sequence_breakers: tuple[str, ...] = _default("dry_sequence_breakers")
 
+    @classmethod
+    def for_entry(cls, entry: str) -> GenerationSettings:
+        """The reply settings an entry point starts from (settings.ENTRY_OPTIONS, each option's default there):
+        the dataclass's own defaults are the engine's (no penalty), the app's replies add its mild DRY."""
+        from medusa_chat.settings import ENTRY_OPTIONS, defaults_for
+
+        defaults = defaults_for(entry)
+        return cls(**{name: defaults[name] for name in ENTRY_OPTIONS[entry] if name in cls.__dataclass_fields__})
+
     @property
     def accept_mode(self) -> str:
         """The rule this reply uses (settings.accept_mode): greedy at temperature 0 (already exact), else

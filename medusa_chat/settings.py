@@ -26,6 +26,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The DRY multiplier of the app's replies (chat, ask, the web page, bench with no flags): at 0.8, allowed length 4,
+# 1 of 40 Vicuna-bench replies of 512 tokens ends in a loop (9 with none), and 2.4% of the greedy tokens of
+# held-out text change (benchmarks/RESULTS.md, 2026-12-07)
+DRY_DEFAULT = 0.8
+
 # ---- acceptance modes ----------------------------------------------------------------------------------------
 GREEDY = "greedy"  # temperature 0: a node is accepted when it is its parent's argmax (already exact)
 TYPICAL = "typical"  # the Medusa paper's typical acceptance: fast, favours the heads' guesses
@@ -360,6 +365,9 @@ OPTIONS: dict[str, Option] = {
             _number,
             flags=("--dry-multiplier",),
             type=float,
+            # The app's replies: on, mildly (measured: docs/sampling.md#repetition-controls); the engine itself,
+            # the API (OpenAI's requests know no DRY, and llama-server's is off too) and calibration: off
+            defaults={entry: DRY_DEFAULT for entry in ("chat", "ask", "bench")},
             api_names=("dry_multiplier",),
         ),
         Option(
@@ -375,7 +383,7 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "dry_allowed_length",
-            2,
+            4,  # llama.cpp's is 2: 4 leaves common short phrases alone and still stops loops (measured)
             "DRY: repeated runs up to this many tokens go unpenalised (default: %(default)s)",
             lambda v: _integer(v) and v >= 1,
             ">= 1",
@@ -453,6 +461,7 @@ def defaults_for(entry: str) -> dict[str, Any]:
 
 
 __all__ = [
+    "DRY_DEFAULT",
     "ACCEPT_CHOICES",
     "ACCEPT_HELP",
     "ACCEPT_MODES",

@@ -129,6 +129,7 @@ def test_bench_json_has_the_documented_fields(
     out = tmp_path / "bench.json"
     args = ["bench", *model_args(loaded), "--prompts", str(prompts_file), "--max-new-tokens", "16"]
     args += ["--quant", "none"]  # the float path, whose greedy output also equals HF generate bit for bit
+    args += ["--dry-multiplier", "0"]  # the app's default DRY off: HF generate has none
     assert cli.main([*args, "--json", str(out), "--warmup", "0", "--tree-sizes", "4,8", "--quiet"]) == 0
     doc = json.loads(out.read_text())
     assert BENCH_TOP <= set(doc)

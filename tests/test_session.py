@@ -33,6 +33,7 @@ from medusa_chat.chat.conversations import (
 from medusa_chat.chat.session import SessionManager
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import ReplySummary, StepEvent
+from medusa_chat.settings import DRY_DEFAULT
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -336,6 +337,7 @@ def _spy_prompts(session: SessionManager) -> list[list[int]]:
 
 def test_send_streams_uses_the_template_and_autosaves(make_session) -> None:
     s = make_session()
+    assert s.settings.dry_multiplier == DRY_DEFAULT  # the app's replies: DRY on unless turned off
     s.set_system("Be brief.")
     prompts = _spy_prompts(s)
     events, summary = _drain(s.send("Hello world! How are you today?"))

@@ -17,6 +17,7 @@ from medusa_chat.cliargs import settings_from_args
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings
 from medusa_chat.settings import (
+    DRY_DEFAULT,
     ENTRY_OPTIONS,
     EXACT,
     GREEDY,
@@ -72,10 +73,17 @@ ARGS = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "3", "--max-new-toke
 
 
 def test_every_entry_point_yields_the_same_settings_for_the_same_arguments() -> None:
-    want = GenerationSettings(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=3, accept=EXACT)
+    given = {"max_new_tokens": 40, "temperature": 0.7, "top_p": 0.9, "seed": 3, "accept": EXACT}
     for entry in ("chat", "ask", "bench"):
-        assert settings_from_args(_parse(entry, *ARGS)) == want, entry
-        assert settings_from_args(_parse(entry, "--temp", "0.7", *ARGS[2:])) == want, entry
+        # over the entry's own defaults (the app's DRY included): chat's flags change its session's settings
+        app = GenerationSettings.for_entry(entry)
+        assert app.dry_multiplier == DRY_DEFAULT
+        base = app if entry in OVERRIDE_ONLY else None
+        want = dataclasses.replace(app, **given)
+        assert settings_from_args(_parse(entry, *ARGS), base) == want, entry
+        assert settings_from_args(_parse(entry, "--temp", "0.7", *ARGS[2:]), base) == want, entry
+        off = settings_from_args(_parse(entry, *ARGS, "--dry-multiplier", "0"), base)
+        assert off == dataclasses.replace(want, dry_multiplier=0.0), entry
     # serve takes the rule only (a request brings the rest), the web page and calibrate none
     assert settings_from_args(_parse("serve", "--accept", EXACT)) == GenerationSettings(accept=EXACT)
     for entry in ("web", "calibrate"):
@@ -85,11 +93,13 @@ def test_every_entry_point_yields_the_same_settings_for_the_same_arguments() -> 
 
 
 def test_defaults_that_differ_per_entry_point_are_the_definitions() -> None:
-    assert settings_from_args(_parse("chat")) == GenerationSettings()  # the session's defaults
-    assert settings_from_args(_parse("ask")) == GenerationSettings()
-    assert settings_from_args(_parse("serve")) == GenerationSettings()
+    app = GenerationSettings(dry_multiplier=DRY_DEFAULT)  # the app's replies: mild DRY on
+    assert settings_from_args(_parse("chat")) == GenerationSettings()  # no flag given: nothing changed
+    assert GenerationSettings.for_entry("chat") == app  # the session's (chat's and the web page's) defaults
+    assert settings_from_args(_parse("ask")) == app
+    assert settings_from_args(_parse("serve")) == GenerationSettings()  # a request brings its own settings
     bench = settings_from_args(_parse("bench"))
-    assert bench == GenerationSettings(max_new_tokens=128, seed=0)  # short replies, seeded sampling
+    assert bench == dataclasses.replace(app, max_new_tokens=128, seed=0)  # short replies, seeded sampling
     from medusa_chat.bench.harness import BenchConfig
 
     assert BenchConfig().settings == bench

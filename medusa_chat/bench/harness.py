@@ -43,7 +43,7 @@ from medusa_chat.bench.runs import (
 from medusa_chat.engine.penalties import PenaltyOptions
 from medusa_chat.errors import PromptError
 from medusa_chat.events import GenerationSettings
-from medusa_chat.settings import ENTRY_OPTIONS, EXACT, GREEDY, PENALTY_OPTIONS, defaults_for
+from medusa_chat.settings import EXACT, GREEDY, PENALTY_OPTIONS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -117,8 +117,7 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 def _bench_settings() -> GenerationSettings:
     """The bench's reply settings when none are given: its own defaults (settings.OPTIONS)."""
-    defaults = defaults_for("bench")
-    return GenerationSettings(**{name: defaults[name] for name in ENTRY_OPTIONS["bench"]})
+    return GenerationSettings.for_entry("bench")
 
 
 @dataclass
@@ -189,8 +188,13 @@ class _Methods:
 
         self.loaded, self.config = loaded, config
         self.methods = [m for m in METHODS if m == "medusa" or m in config.baselines]
+        self.hf_note = ""
         if PenaltyOptions.of(config.settings).active:  # HF generate has no windowed repeat penalty nor DRY
-            self.methods = [m for m in self.methods if m not in ("hf", "lookup")]
+            dropped = [m for m in self.methods if m in ("hf", "lookup")]
+            self.methods = [m for m in self.methods if m not in dropped]
+            if dropped:
+                self.hf_note = (f"{' and '.join(dropped)} skipped: HF generate has no DRY nor windowed repeat "
+                                "penalty (the app's replies use DRY by default; --dry-multiplier 0 turns it off)")  # fmt: skip
         self.peer, self.peer_note, self.peer_runs = None, "", []
         if "llamacpp" in config.baselines:
             from medusa_chat.bench.peer import llama_bench_for
@@ -420,6 +424,7 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
         "llamacpp_tokens_per_s": _r(peer_tps, 3),
         "llamacpp_runs": peer_runs,
         "llamacpp_note": peer_note or None,
+        "hf_note": methods.hf_note or None,
         "llamacpp_runner": type(peer).__name__ if peer_tps else None,  # LlamaBench | LlamaCppPython
         "speedup_vs_llamacpp": _ratio(med_tps, peer_tps),
         "plain_vs_llamacpp": _ratio(t["plain"].tokens_per_s, peer_tps) if "plain" in t else None,

@@ -131,8 +131,9 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
         total = sum(steps.values()) or 1
         shares = ", ".join(f"{n} nodes {v / total * 100:.0f}%" for n, v in steps.items())
         console.print(f"Medusa's steps by tree size, chosen as the replies ran: {shares}")
-    if s.get("llamacpp_note"):
-        console.print(f"[yellow]{s['llamacpp_note']}[/yellow]")
+    for key in ("llamacpp_note", "hf_note"):
+        if s.get(key):
+            console.print(f"[yellow]{s[key]}[/yellow]")
     if s.get("identical_to_plain_loop_fraction") is not None:
         console.print(
             f"greedy output identical to the engine's plain loop: {s['identical_to_plain_loop_fraction'] * 100:.0f}%"

@@ -62,7 +62,7 @@ class SessionManager(ReplyTurns):
         self.speed = SpeedMeter()
         self.loaded: LoadedModel | None = loaded
         self.engine: MedusaEngine | None = None
-        self.settings = GenerationSettings()
+        self.settings = GenerationSettings.for_entry("chat")  # the app's reply defaults (DRY on: settings.py)
         self.last_events: list[StepEvent] = []
         self.last_summary: ReplySummary | None = None
         # Things the UI should tell the user about the last action (dropped turns, failed autosave, ...).
