@@ -635,3 +635,32 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
     plain = SessionManager(loaded=loaded, data_dir=tmp_path)
     plain.load()
     assert calls == [1] and plain.engine.tree.size == tree.size and plain.info["tree_source"] == "default"
+
+
+def test_the_model_runs_on_one_thread_whoever_reads_the_reply(make_session) -> None:
+    """Loading, every decoding step and the stream's cleanup run on the compute thread (compute.py: OpenMP gives
+    each calling thread its own team, and two teams on a small machine halve the speed), whether the reply is
+    read here or from another thread (the web page's and the API's readers)."""
+    import threading
+
+    from medusa_chat import compute
+
+    s = make_session()
+    seen: list[str] = []
+    real = s.engine.generate
+
+    def spy(prompt_ids, settings, stop):
+        for item in real(prompt_ids, settings, stop):
+            seen.append(threading.current_thread().name)
+            yield item
+
+    s.engine.generate = spy
+    _drain(s.send("Hello there"))
+    reader = threading.Thread(target=lambda: _drain(s.send("And again")))
+    reader.start()
+    reader.join()
+    stream = s.send("Once more")
+    next(stream)
+    stream.close()  # stopped after one step: the cleanup ran there too
+    assert len(seen) >= 3 and all(name.startswith(compute.THREAD_NAME) for name in seen)
+    assert not compute.on_compute_thread()

@@ -6,6 +6,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Generator, Iterator
 
+from medusa_chat import compute
 from medusa_chat.errors import BusyError
 from medusa_chat.events import ReplySummary, StepEvent
 
@@ -34,7 +35,7 @@ class ReplyStream(Iterator[Item]):
         if inspect.getgeneratorstate(self._gen) == inspect.GEN_RUNNING:
             raise BusyError("this reply is already being read by another thread")  # and keeps its lock
         try:
-            return next(self._gen)
+            return compute.run(next, self._gen)  # every step on the thread that runs the model (compute.py)
         except BaseException:  # StopIteration included: the reply is over either way
             self._finish()
             raise
@@ -47,7 +48,7 @@ class ReplyStream(Iterator[Item]):
             self._stop()
             return
         try:
-            self._gen.close()  # runs the session's cleanup: a partial reply is kept, marked stopped
+            compute.run(self._gen.close)  # runs the session's cleanup: a partial reply is kept, marked stopped
         finally:
             self._finish()
 
