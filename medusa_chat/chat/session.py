@@ -11,6 +11,7 @@ decoding logic. Its jobs:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_chat import envvars
+from medusa_chat import compute, envvars
 from medusa_chat.chat.conversations import Conversation, ConversationMeta, ConversationStore, default_data_dir
 from medusa_chat.chat.history import ConversationHistory
 from medusa_chat.chat.speed import BASELINE_TOKENS, SpeedMeter
@@ -79,7 +80,7 @@ class SessionManager(ReplyTurns):
         # a new request cancels it (it is tried again after that reply).
         self.calibration_pending = False
         self._calibration_cancel = threading.Event()
-        self._calibration_thread: threading.Thread | None = None
+        self._calibration: concurrent.futures.Future[None] | None = None  # on the compute thread
 
     @classmethod
     def from_args(cls, args: Any) -> SessionManager:
@@ -97,7 +98,11 @@ class SessionManager(ReplyTurns):
 
     # ---- model ----------------------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:
-        """Load the model and build the engine; a no-op when already done."""
+        """Load the model and build the engine; a no-op when already done. Runs on the compute thread, where the
+        replies run too (compute.py)."""
+        compute.run(self._load, progress)
+
+    def _load(self, progress: Callable[[str], None] | None) -> None:
         with self._load_lock:
             if self.engine is not None:
                 return
@@ -156,8 +161,7 @@ class SessionManager(ReplyTurns):
     # ---- calibration after the first reply ------------------------------------------------------------------
     @property
     def calibrating(self) -> bool:
-        thread = self._calibration_thread
-        return thread is not None and thread.is_alive()
+        return self._calibration is not None and not self._calibration.done()
 
     def _acquire(self, wait_s: float = 0.0) -> bool:
         """The reply lock for a request: a background calibration holding it is cancelled and waited for (it
@@ -177,10 +181,7 @@ class SessionManager(ReplyTurns):
         if not self.calibration_pending or self.loaded is None or self.calibrating:
             return
         self._calibration_cancel.clear()
-        self._calibration_thread = threading.Thread(
-            target=self._calibrate_in_background, name="medusa-chat-calibration", daemon=True
-        )
-        self._calibration_thread.start()
+        self._calibration = compute.submit(self._calibrate_in_background)  # where the model runs (compute.py)
 
     def _calibrate_in_background(self) -> None:
         from medusa_chat.tuning.calibrate import CalibrationCancelled, calibrate_first_start
@@ -212,9 +213,8 @@ class SessionManager(ReplyTurns):
 
     def wait_for_calibration(self, timeout_s: float | None = None) -> bool:
         """Block until a background calibration ends (ask, and tests); True when none is running after."""
-        thread = self._calibration_thread
-        if thread is not None:
-            thread.join(timeout_s)
+        if self._calibration is not None:
+            concurrent.futures.wait([self._calibration], timeout_s)
         return not self.calibrating
 
     def close(self) -> None:
