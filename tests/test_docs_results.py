@@ -173,6 +173,10 @@ README_FIGURES = [
     ("bench_2026-12-04_xeon_amx_compare_eagle3_fp32_64nodes.json", lambda d: d["summary"]["tokens_per_step"],
      "Hydra {:.2f}"),
     ("fidelity_2026-12-05_epyc_embedded.json", _int8_over_int4_kl, "a second time and is {:.1f}x less faithful"),
+    ("bench_2026-12-07_xeon_llamacpp_spec_one_at_a_time.json",
+     lambda d: d["summary"]["medusa_serve_speedup_vs_best_llamacpp"], "is **{:.2f}x** llama-server's best mode"),
+    ("bench_2026-12-07_xeon_llamacpp_spec_one_at_a_time.json",
+     lambda d: d["summary"]["llamacpp_spec"]["llamacpp-eagle3"]["vs_llamacpp_plain"], "our exported EAGLE-3 draft {:.2f}x"),
 ]
 
 
