@@ -21,6 +21,7 @@ from medusa_chat.engine.acceptance import (
     ExactAcceptor,
     TypicalAcceptor,
     best_path,
+    greedy_tokens,
     target_probs,
     truncated,
     typical_node_ok,
@@ -140,6 +141,49 @@ def test_every_tree_node_is_penalised_with_its_own_context(opts: PenaltyOptions)
             want = recount(logits[v], opts, prompt, reply + path, breakers)
             assert torch.equal(rows[v], want), (trial, v, rows[v], want)
             assert torch.equal(pen.row_of(logits[v], torch.tensor([v])), want), (trial, v)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        PenaltyOptions(repeat_penalty=1.3, repeat_last_n=6),
+        PenaltyOptions(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2),
+        PenaltyOptions(repeat_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3, dry_multiplier=0.6,
+                       dry_allowed_length=1),  # fmt: skip
+    ],
+)
+def test_greedy_from_the_raw_argmax_equals_the_argmax_of_the_penalised_row(opts: PenaltyOptions) -> None:
+    """Penalties that only lower logits: each node's token from its raw argmax (`greedy_tops`, recomputing only the
+    rows whose argmax is penalised) is the argmax of the node's fully penalised row (the direct recount)."""
+    assert opts.lowers_only
+    g = torch.Generator().manual_seed(11)
+    tree = Tree.named("mc_sim_7b_63").prefix(16)
+    redone = 0
+    for trial in range(12):
+        vocab = 8 + 4 * (trial % 4)  # small vocabularies: the raw argmax is often a penalised token, not always
+        prompt = torch.randint(0, vocab, (8,), generator=g).tolist()
+        reply = torch.randint(0, vocab, (4,), generator=g).tolist()
+        pen = Penaliser(opts, prompt, frozenset())
+        pen.commit(reply)
+        tokens = [reply[-1]] + torch.randint(0, vocab, (tree.size - 1,), generator=g).tolist()
+        logits = torch.randn(tree.size, vocab, generator=g) * 2
+        raw = greedy_tokens(logits).tolist()
+        asked: list[int] = []
+
+        def rows(nodes: list[int], asked: list[int] = asked, logits: torch.Tensor = logits) -> torch.Tensor:
+            asked.extend(nodes)
+            return logits[nodes].clone()
+
+        got = pen.greedy_tops(tokens, tree.parents, raw, rows, torch.device("cpu"))
+        for v in range(tree.size):
+            path = [tokens[n] for n in tree.path_nodes(v)[1:]]
+            want = int(greedy_tokens(recount(logits[v], opts, prompt, reply + path, frozenset())))
+            assert got[v] == want, (trial, v)
+            assert v in asked or got[v] == raw[v]  # a row not recomputed keeps its raw argmax
+        redone += len(asked)
+    assert 0 < redone < 12 * tree.size  # some rows needed their logits, not all
+    assert not PenaltyOptions(repeat_penalty=0.8).lowers_only
+    assert not PenaltyOptions(presence_penalty=-0.5).lowers_only
 
 
 def test_off_means_the_plain_acceptor() -> None:

@@ -267,6 +267,20 @@ class MedusaEngine:
         # the rows they need (about a third of a published tree), the bonus row after acceptance.
         logits = None
         penalise = getattr(acceptor, "penalise_step", None)
+        if logits_once and penalise is not None and acceptor.greedy_from_argmax:
+            # Greedy under penalties that only lower logits (the default DRY): a node's penalised argmax is its
+            # raw argmax unless that token is penalised at the node, so the fused argmax serves every row and only
+            # such rows get their logits computed and penalised (penalties.py, greedy_tops).
+            top = self._greedy_rows(hidden) if step_logits is None else greedy_tokens(step_logits)
+            n = buf.tree.size
+            host = torch.cat([tokens, top]).tolist()  # the step's one host sync
+            tree_tokens = host[:n]
+            rows = lambda nodes: (self.lm_head(hidden[nodes]) if step_logits is None else step_logits[nodes]).float()  # noqa: E731
+            tops = acceptor.greedy_tops(tree_tokens, buf, host[n:], rows, hidden.device)
+            accepted = greedy_path(tree_tokens, tops, buf.tree.children)
+            last = accepted[-1]
+            bonus = torch.tensor([tops[last]], dtype=top.dtype, device=top.device)
+            return StepResult(tree_tokens, accepted, tops[last], bonus, None, self.drafter.draft_from(hidden[last : last + 1]))
         if logits_once and penalise is not None:
             # Repetition penalties (penalties.py): every row once, in place, with its own node's context; the
             # inner rule then runs on them as on raw logits (greedy: the argmax walk below).

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.settings import OPTIONS
+from medusa_chat.engine.acceptance import greedy_tokens
+from medusa_chat.settings import GREEDY, OPTIONS
 
 if TYPE_CHECKING:
     from medusa_chat.events import GenerationSettings
@@ -81,6 +82,17 @@ class PenaltyOptions:
     @property
     def active(self) -> bool:
         return self.repeat or self.counts or self.dry
+
+    @property
+    def lowers_only(self) -> bool:
+        """No control raises a logit (a repeat penalty >= 1, presence and frequency >= 0, DRY): a row's penalised
+        argmax is then its raw argmax unless that very token is penalised in the row."""
+        return (
+            (not self.repeat or self.repeat_penalty >= 1.0)
+            and self.presence_penalty >= 0.0
+            and self.frequency_penalty >= 0.0
+            and (not self.dry or self.dry_multiplier >= 0.0)
+        )
 
     def dry_penalty(self, length: int) -> float:
         exponent = length - self.dry_allowed_length
@@ -269,6 +281,7 @@ class Penaliser:
         self.opts = opts
         self.state = ContextState(opts, prompt, breakers)
         self._base: _Entries | None = None
+        self._base_tokens: frozenset[int] = frozenset()  # the tokens `_base` penalises (host)
         self._nodes: list[dict[int, State]] = [{}]
         self._flat: _Entries | None = None  # every node's entries, rows = node
 
@@ -276,14 +289,33 @@ class Penaliser:
         self.state.extend(tokens)
         self._base = None
 
-    def begin_step(self, tokens: list[int], parents: list[int], device: torch.device) -> None:
-        """This step's tree: its tokens (host) and parents."""
+    def begin_step(self, tokens: list[int], parents: list[int], device: torch.device, flat: bool = True) -> None:
+        """This step's tree: its tokens (host) and parents (`flat`: also every node's entries on the device, for
+        `every_row` and `row_of`)."""
         if self._base is None:
             base = self.state.base()
             self._base = _Entries.build([(0, t, s) for t, s in base.items()], device)
+            self._base_tokens = frozenset(base)
         self._nodes = self.state.node_entries(tokens, parents)
-        items = [(v, t, s) for v, entries in enumerate(self._nodes) for t, s in entries.items()]
-        self._flat = _Entries.build(items, device)
+        if flat:
+            items = [(v, t, s) for v, entries in enumerate(self._nodes) for t, s in entries.items()]
+            self._flat = _Entries.build(items, device)
+
+    def greedy_tops(self, tokens: list[int], parents: list[int], tops: list[int], row_logits: Any,
+                    device: torch.device) -> list[int]:  # fmt: skip
+        """Each node's penalised argmax from its raw argmax `tops` (penalties that only lower logits): a row keeps
+        its raw argmax unless that token is penalised there; only those rows' logits are computed
+        (`row_logits(nodes)` -> [R, V] float32, a fresh tensor), penalised and searched again."""
+        self.begin_step(tokens, parents, device, flat=False)
+        base = self._base_tokens
+        redo = [v for v, t in enumerate(tops) if t in base or t in self._nodes[v]]
+        if not redo:
+            return tops
+        fixed = greedy_tokens(self.rows(row_logits(redo), redo, in_place=True)).tolist()
+        out = list(tops)
+        for v, t in zip(redo, fixed, strict=True):
+            out[v] = t
+        return out
 
     def rows(self, logits: torch.Tensor, nodes: list[int], in_place: bool = False) -> torch.Tensor:
         """`logits` [R, V] penalised, row r the logits of node `nodes[r]` (a copy, or the float32 tensor itself
@@ -344,6 +376,15 @@ class PenalisedAcceptor:
         if len(buf.internal):  # the engine's rows of this step: changed in place, not copied
             parent_logits = self.penaliser.rows(parent_logits, sorted(set(tree.parents[1:])), in_place=True)
         return self.inner.judge(parent_logits, tokens, buf, position)
+
+    @property
+    def greedy_from_argmax(self) -> bool:
+        """Greedy under penalties that only lower logits: the engine may start from the raw argmaxes."""
+        return self.inner.accept_mode == GREEDY and self.penaliser.opts.lowers_only
+
+    def greedy_tops(self, tokens: list[int], buf: TreeBuffers, tops: list[int], row_logits: Any,
+                    device: torch.device) -> list[int]:  # fmt: skip
+        return self.penaliser.greedy_tops(tokens, buf.tree.parents, tops, row_logits, device)
 
     def penalise_step(self, logits: torch.Tensor, tokens: torch.Tensor, buf: TreeBuffers) -> Any:
         """Penalise every row of the step's logits [N, V] in place (row v with node v's context) and return the
