@@ -75,7 +75,7 @@ GGML = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 SKIPPED = (re.compile(r"^medusa_head\."), re.compile(r"\.rotary_emb\.inv_freq$"))
 HF_TO_GGUF_LAYER = {v: k for k, v in {**GGUF_LINEARS, **GGUF_NORMS}.items()}
-ARCHS = ("llama", "mistral", "qwen2")  # what the GGUF loader builds
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # what the GGUF loader builds
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these (the loader undoes it); it keeps
 # Hugging Face's row order for qwen2 (NeoX-style rope), so nothing is permuted for it
 PERMUTED_QK = ("llama", "mistral")
