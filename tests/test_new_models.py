@@ -77,22 +77,29 @@ def _check_decoding(loaded: Any) -> None:
     assert _reply(MedusaEngine(loaded, Tree.named("mc_sim_7b_63").prefix(12)), prompt) == want
 
 
-@pytest.mark.parametrize(("alias", "heads", "layout"), [
-    ("qwen3-8b", None, "angelslim"),
-    ("qwen3-8b", "Tengyunw/qwen3_8b_eagle3", "specforge"),
-    ("qwen3-1.7b", None, "angelslim"),
+@pytest.mark.parametrize(("alias", "heads", "layout", "quant"), [
+    ("qwen3-8b", None, "angelslim", "none"),
+    ("qwen3-8b", "Tengyunw/qwen3_8b_eagle3", "specforge", "none"),
+    ("qwen3-1.7b", None, "angelslim", "none"),
+    ("qwen3-4b", None, "angelslim", "int8"),  # the quantized cache, the native step and the C drafter
 ])  # fmt: skip
 def test_qwen3_aliases_load_their_published_drafts_offline(
-    alias: str, heads: str | None, layout: str, hub_cache: HubCache, tmp_path: Path
-) -> None:
+    alias: str, heads: str | None, layout: str, quant: str, hub_cache: HubCache, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     backbone = tiny_qwen3(seed=5, tied=True, layers=8)
     repo, draft_repo = NEW[alias]
     hub_cache.add(repo, folder_files(write_qwen2_folder(tmp_path / "qwen3", backbone)))
     hub_cache.add(heads or draft_repo, _published_draft(tmp_path / "draft", backbone, layout))
-    loaded = load_model(alias, heads=heads, device="cpu", quant="none")
+    loaded = load_model(alias, heads=heads, device="cpu", quant=quant)
     assert isinstance(loaded.heads, EagleDraft) and loaded.heads.version == 3
     assert loaded.backbone.config.model_type == "qwen3" and loaded.spec.kind == "eagle"
     assert loaded.heads.d2t.shape == (64,)
+    if quant == "int8":
+        from medusa_chat.model.forward.block_forward import NativeForward
+
+        assert isinstance(MedusaEngine(loaded, plain_tree()).runner.lean, NativeForward)
     _check_decoding(loaded)
 
 
