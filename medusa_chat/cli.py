@@ -20,7 +20,7 @@ from typing import Any
 
 from medusa_chat import __version__, envvars
 from medusa_chat.cliargs import positive_int
-from medusa_chat.errors import MedusaChatError
+from medusa_chat.errors import MedusaChatError, OfflineError
 from medusa_chat.quant_choice import QUANTS, quant_help
 from medusa_chat.units import human_bytes
 
@@ -246,6 +246,23 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 # ---- info ---------------------------------------------------------------------------------------------------------
+def _download_plan(model: str | None) -> str | None:
+    """For a registry alias: the repos its first run downloads and their approximate size (None otherwise)."""
+    from medusa_chat.model.sources.hub import GATED_ORGS
+    from medusa_chat.model.sources.registry import MODELS
+
+    spec = MODELS.get((model or "").strip())
+    if spec is None or not spec.repos:
+        return None
+    gated = [r for r in spec.repos if r.startswith(GATED_ORGS)]
+    note = (
+        f"; {', '.join(gated)} is gated (accept its licence on the Hub, then `hf auth login`)"
+        if gated
+        else ""
+    )
+    return f"{spec.name}: not downloaded yet; its first run downloads {' + '.join(spec.repos)} (~{spec.download_gb:.0f} GB){note}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from medusa_chat.model.forward.runner import BackboneRunner
     from medusa_chat.model.sources.loaded import summary_lines
@@ -261,6 +278,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         loaded = load_from_args(args, progress=say)  # the numeric path (--quant auto) is chosen as chat does
     except WontFit as err:  # info tells, never refuses: what this machine lacks for it (the line came first)
         print(f"{args.model}: {err}")
+        return 0
+    except OfflineError as err:  # an alias not downloaded yet: what it would download, and how big
+        plan = _download_plan(args.model)
+        if plan is None:
+            raise
+        print(f"{plan}\n({err})")
         return 0
     tree, source = choose_tree(loaded, args.tree, args.tree_size)  # the tree chat would use, and why
     auto = envvars.auto_calibrate()  # as SessionManager decides

@@ -38,6 +38,7 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar("MEDUSA_CHAT_UI_HZ", CONFIG, "chat/updates"),
         EnvVar("MEDUSA_CHAT_UI_PANEL_HZ", CONFIG, "chat/updates"),
         EnvVar("MEDUSA_CHAT_EAGLE_DRAFT_VOCAB", CONFIG, "model/forward/native_eagle"),
+        EnvVar("MEDUSA_CHAT_THINKING", CONFIG, "model/sources/chat_template"),
         EnvVar("MEDUSA_CHAT_QGEMM_ISA", CONFIG, "kernels/isa_choice"),
         EnvVar("MEDUSA_CHAT_PREFETCH", CONFIG, "kernels/prefetch"),
         EnvVar("MEDUSA_CHAT_KQUANT_ACTIVATIONS", CONFIG, "kernels/cbind"),

@@ -169,6 +169,7 @@ class FakeHub(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _FakeHubHandler)
         self.repos: dict[str, dict[str, bytes]] = {}
         self.downloads: list[str] = []
+        self.gated: set[str] = set()  # repos whose files answer 401 GatedRepo (their listing stays public)
 
     @property
     def url(self) -> str:
@@ -211,6 +212,9 @@ class _FakeHubHandler(http.server.BaseHTTPRequestHandler):
             return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
         if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo, _, name = m.groups()
+            if repo in self.server.gated:  # as the Hub answers a user who has not accepted the licence
+                message = f"Access to model {repo} is restricted. You must have access to it and be authenticated."
+                return self._send(401, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": message})
             data = self.server.repos.get(repo, {}).get(name)
             if data is None:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})

@@ -13,6 +13,10 @@ K-quants (Q4_K, Q5_K, Q6_K; `shape="small"` or larger) are random valid blocks.
 converter writes one (qwen2.* keys, q/k/v biases F32, q/k rows unpermuted, a tiny byte-level BPE with pre
 "qwen2" and ChatML tokens) from a random transformers Qwen2ForCausalLM; needs no installed model.
 
+`tiny_qwen3(...)`: a random Qwen3ForCausalLM (no biases, per-head q/k RMSNorms, head_dim 32 != hidden / heads);
+write_qwen2_gguf writes it as llama.cpp's converter writes a Qwen3 file (qwen3.* keys with key/value_length,
+blk.N.attn_q_norm / attn_k_norm F32) and write_qwen2_folder as a Qwen3 checkpoint.
+
 `write_qwen2_folder(path, tiny_qwen2(...))`: the same model as a Hugging Face checkpoint folder (safetensors in
 fp16 by default, config, and `qwen2_tokenizer()`: the tiny vocabulary as a Qwen2Tokenizer with its ChatML
 template), as a published Qwen2 checkpoint is laid out.
@@ -225,6 +229,45 @@ def tiny_qwen2(seed: int = 0, tied: bool = True, bias_scale: float = 0.5) -> Any
     return model
 
 
+def tiny_qwen3(seed: int = 0, tied: bool = True, norm_scale: float = 0.5, layers: int = 0) -> Any:
+    """A random Qwen3ForCausalLM of QWEN2_SHAPE with head_dim 32 (Qwen3-4B's head_dim is not hidden / heads
+    either), initialised as tiny_qwen2 (no biases: Qwen3 has none) and q/k norm weights 1 + ~norm_scale wide (its
+    init makes them ones, which would hide a norm applied with the wrong weight)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    s = QWEN2_SHAPE
+    tokens, _ = qwen2_tokens()
+    config = Qwen3Config(
+        vocab_size=QWEN2_VOCAB,
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=32,
+        num_hidden_layers=layers or s["layers"],  # (EAGLE-3 drafts read layers 2, N/2, N-3: 8 for those tests)
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=tokens.index("<|endoftext|>"),
+        eos_token_id=tokens.index("<|im_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.copy_(1 + norm_scale * torch.randn(p.shape, generator=gen))
+        elif name.endswith("norm.weight"):
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name == "model.embed_tokens.weight":
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    return model
+
+
 def write_qwen2_gguf(
     path: Path,
     model: Any,
@@ -232,22 +275,28 @@ def write_qwen2_gguf(
     embd: str = "Q8_0",
     output: str | None = None,
     *,
-    arch: str = "qwen2",
+    arch: str | None = None,
     tokenizer_model: str = "gpt2",
     drop: tuple[str, ...] = (),
 ) -> Path:
     """`model` (a Qwen2ForCausalLM, e.g. tiny_qwen2) as llama.cpp's converter writes a Qwen2 GGUF: qwen2.* keys,
     the tiny Qwen2 vocabulary, token_embd in type `embd`, output.weight in type `output` (None: tied, no
     output.weight; the model must then tie), projections in type `proj` in Hugging Face's row order (no rotary
-    permutation for qwen2), the q/k/v biases and the norms F32. `drop`: tensor names left out (broken files)."""
+    permutation for qwen2), the q/k/v biases and the norms F32. `drop`: tensor names left out (broken files).
+    A Qwen3ForCausalLM (tiny_qwen3) is written as a qwen3 file: its head_dim as attention.key_length and
+    value_length, its q/k norms as blk.N.attn_q_norm / attn_k_norm F32. `arch`: another architecture name."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = model.config
     if (output is None) != bool(cfg.tie_word_embeddings):
         raise ValueError("output=None writes a tied model: the model's tie_word_embeddings must agree")
+    arch = arch or cfg.model_type
     w = GGUFWriter(str(path), arch)
-    w.add_name("tiny-qwen2-test")
+    w.add_name(f"tiny-{cfg.model_type}-test")
+    if getattr(cfg, "head_dim", None):  # the converter writes the config's head_dim where it has one
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -272,7 +321,7 @@ def write_qwen2_gguf(
     def add(name: str, tensor: Any, type_name: str) -> None:
         if name in drop:
             return
-        value = tensor.detach().float().numpy()
+        value = tensor.detach().float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
         qtype = GGMLQuantizationType[type_name]
         if qtype == GGMLQuantizationType.F32:
             w.add_tensor(name, value.astype(np.float32))
@@ -283,11 +332,23 @@ def write_qwen2_gguf(
 
     state = model.state_dict()
     add("token_embd.weight", state["model.embed_tokens.weight"], embd)
+    if arch == "llama":  # the converter's LlamaModel: rotary row order, Llama 3.1's scaling as rope_freqs
+        hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        for i in range(cfg.num_hidden_layers):
+            for module, n in (("q_proj", cfg.num_attention_heads), ("k_proj", cfg.num_key_value_heads)):
+                key = f"model.layers.{i}.self_attn.{module}.weight"
+                state[key] = _permute(state[key].numpy(), n)
+        factors = llama3_rope_factors(cfg.rope_parameters, hd)
+        if factors is not None:
+            add("rope_freqs.weight", factors, "F32")
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", state[pre + "input_layernorm.weight"], "F32")
+        for norm in ("q_norm", "k_norm"):  # Qwen3
+            if f"{pre}self_attn.{norm}.weight" in state:
+                add(f"blk.{i}.attn_{norm}.weight", state[f"{pre}self_attn.{norm}.weight"], "F32")
         for module, gguf_name in names.items():
             parent = "self_attn" if gguf_name.startswith("attn") else "mlp"
             add(f"blk.{i}.{gguf_name}.weight", state[f"{pre}{parent}.{module}.weight"], proj)
@@ -302,6 +363,29 @@ def write_qwen2_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """llama.cpp's convert_hf_to_gguf (LlamaModel.generate_extra_tensors) for rope_type "llama3": one factor per
+    rotary pair, 1 for short wavelengths, `factor` for long ones, smoothed between; None for other rope types."""
+    import math
+
+    if rope.get("rope_type") != "llama3":
+        return None
+    base, factor = float(rope["rope_theta"]), float(rope["factor"])
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope["original_max_position_embeddings"])
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def qwen2_tokenizer() -> Any:

@@ -47,6 +47,19 @@ static void rms_norm(const float *x, const float *w, float eps, int T, int H, fl
     }
 }
 
+// The same RMSNorm on one head's vector, in place (Qwen3's q/k norms: per (row, head), inside the step's loop)
+static void head_rms_norm(float *x, const float *w, float eps, int hd) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+    if (i < hd) {
+        const __m256 v = load_tail(x + i, hd - i, 0.0f);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const float r = 1.0f / sqrtf(hsum8(acc) / (float)hd + eps);
+    for (int j = 0; j < hd; j++) x[j] = w[j] * (x[j] * r);
+}
+
 void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
     if (mc_duet() && duet_block_linear(l, x, M, y)) return;
     switch (l->kind) {
@@ -196,7 +209,8 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
                 }
             rms_norm(x, L->norm1, L->eps1, T, H, h);
             two_part_linear(&L->qkv, &L->v, h, T, qkv, part, qx, dx, sx);
-            // the q/k/v biases (if any), rotary on the q and k heads, then the K/V writes: per (row, head). The
+            // the q/k/v biases (if any), the q/k head norms (if any), rotary on the q and k heads, then the K/V
+            // writes: per (row, head). The
             // bias is one fp32 add per element, the same for every row (a tree node gets the plain step's bits)
 #pragma omp for collapse(2) schedule(static)
             for (int r = 0; r < T; r++)
@@ -207,6 +221,10 @@ void decoder_forward(const DModel *m, int T, float *x, const float *cos_t, const
                         const float *b = L->qkv_bias + hh * hd;
                         for (int i = 0; i < hd; i++) head[i] += b[i];
                     }
+                    if (hh < nh && L->q_norm)
+                        head_rms_norm(row + hh * hd, L->q_norm, L->qk_eps, hd);
+                    else if (hh >= nh && hh < nh + nkv && L->k_norm)
+                        head_rms_norm(row + hh * hd, L->k_norm, L->qk_eps, hd);
                     if (hh < nh + nkv)
                         rope(row + hh * hd, cos_t + (size_t)r * hd, sin_t + (size_t)r * hd, hd);
                     if (hh >= nh && hh < nh + nkv)

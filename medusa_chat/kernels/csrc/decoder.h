@@ -19,6 +19,10 @@ typedef struct {
     BLin v, up;
     // fp32 [q | k | v] biases (Qwen2's q/k/v projections), added to every row after the projection; NULL: none
     const float *qkv_bias;
+    // Qwen3: fp32 RMSNorm weights [head_dim] applied to every q head (q_norm) and k head (k_norm) after the
+    // biases and before rotary, with qk_eps; NULL: none
+    const float *q_norm, *k_norm;
+    float qk_eps;
 } DLayer;
 
 typedef struct {

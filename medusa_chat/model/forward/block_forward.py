@@ -1,5 +1,5 @@
-"""The backbone step in C, for Llama-family models (and Qwen2: Llama with q/k/v biases) whose projections are
-GGUF blocks (the CPU default).
+"""The backbone step in C, for Llama-family models (and Qwen2: Llama with q/k/v biases; Qwen3: with per-head q/k
+RMSNorms) whose projections are GGUF blocks (the CPU default).
 
 `NativeForward` has LeanForward's call signature, `(ids [T], positions [T], attend, cache) -> last hidden
 states [T, H]`, and runs all layers in one call into csrc/decoder.c: RMSNorms, the block GEMMs of qgemm.c,
@@ -52,6 +52,9 @@ class _DLayer(ctypes.Structure):
         ("v", BLin),  # kind -1 when fused into qkv (decoder.h)
         ("up", BLin),  # kind -1 when fused into gate_up
         ("qkv_bias", _p),  # fp32 [q | k | v] biases (Qwen2), NULL when the projections have none
+        ("q_norm", _p),  # fp32 [head_dim] per-head norm weights of q and k (Qwen3), NULL when none
+        ("k_norm", _p),
+        ("qk_eps", _f),
     ]
 
 
@@ -107,7 +110,9 @@ class NativeForward:
         self.qkv_biases: list[torch.Tensor | None] = [f[4] for f in fused]
         for i, (layer, (qkv, v, gate_up, up, bias)) in enumerate(zip(layers, fused, strict=True)):
             n1, n2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
-            self._keep += [n1, n2, qkv, gate_up, v, up, bias]
+            qn, kn = (getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm"))
+            qw, kw = (_f32(m.weight) if m is not None else None for m in (qn, kn))
+            self._keep += [n1, n2, qkv, gate_up, v, up, bias, qw, kw]
             c_layers[i] = _DLayer(
                 n1.data_ptr(),
                 n2.data_ptr(),
@@ -120,6 +125,9 @@ class NativeForward:
                 blin_struct(v) if v is not None else _ABSENT,
                 blin_struct(up) if up is not None else _ABSENT,
                 bias.data_ptr() if bias is not None else None,
+                qw.data_ptr() if qw is not None else None,
+                kw.data_ptr() if kw is not None else None,
+                float(qn.variance_epsilon) if qn is not None else 0.0,
             )
         final = _f32(body.norm.weight)
         self._keep += [final, c_layers]
@@ -239,6 +247,9 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
     fused = []
     for layer in body.layers[: cfg.num_hidden_layers]:
         att, mlp = layer.self_attn, layer.mlp
+        norms = [getattr(att, n, None) for n in ("q_norm", "k_norm")]
+        if any(norms) and not (all(norms) and _head_norms(norms, hd)):
+            return None  # q/k norms other than Qwen3's per-head pair (one weight of head_dim each, same eps)
         qkv_mods, biases = zip(*(_bias_split(m) for m in (att.q_proj, att.k_proj, att.v_proj)), strict=True)
         mods = [*qkv_mods, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(isinstance(m, BlockLinear) for m in mods) or getattr(att.o_proj, "bias", None) is not None:
@@ -257,6 +268,12 @@ def native_forward_for(causal_lm: Any) -> NativeForward | None:
         fused.append((qkv, v, gate_up, up, bias))
         trim_heap()  # the unfused buffers just freed: handed back now, not left as holes in the heap
     return NativeForward(causal_lm, lib, fused)
+
+
+def _head_norms(norms: list[Any], hd: int) -> bool:
+    """Whether the q/k norms are the step's kind: RMSNorms over one head (weight [head_dim]) with one eps."""
+    eps = {getattr(n, "variance_epsilon", None) for n in norms}
+    return len(eps) == 1 and None not in eps and all(tuple(n.weight.shape) == (hd,) for n in norms)
 
 
 def _bias_split(module: Any) -> tuple[Any, torch.Tensor | None]:

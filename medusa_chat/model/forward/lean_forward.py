@@ -1,5 +1,5 @@
 """A lean eager forward for Llama-family decoders (Llama, Vicuna, SmolLM2, Mistral/Zephyr, Qwen2: Llama's layers
-with q/k/v biases, which its projection modules add).
+with q/k/v biases, which its projection modules add; Qwen3: Llama's layers with an RMSNorm per head on q and k).
 
 Why: at batch 1 on a CPU (and on a GPU without graphs) the transformers forward spends about as long in
 Python (kwargs plumbing, output recording, mask/cache dispatch, per-layer hooks) as in the matmuls. For
@@ -9,7 +9,7 @@ modules with nothing around them: per layer two norms, the projections, rotary, 
 It replays transformers' op order exactly (RMSNorm in fp32, `q*cos + rotate_half(q)*sin`, the same SDPA
 call with the same GQA handling), so its output is bitwise equal to the model's own forward; tests pin that.
 Projections are called through their modules' `forward`, so bitsandbytes 4-bit/8-bit layers work unchanged.
-Anything unusual (other architectures, q/k norms, sliding-window layers, tensor-parallel slicing) returns
+Anything unusual (other architectures, q/k norms outside Qwen3, sliding-window layers, tensor-parallel slicing) returns
 None from `lean_forward_for` and the engine uses the transformers forward instead.
 
 Exact tree attention (`TreePlan`): a tree step must give every node the bits the plain loop gives that token.
@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from medusa_chat import envvars
 from medusa_chat.model.forward.tree_plan import TreePlan
 
-SUPPORTED = {"llama", "mistral", "qwen2"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+QK_NORMED = {"qwen3"}  # model types whose q and k heads are RMS-normed after the projection, before rotary
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -60,6 +61,9 @@ class _Layer:
     down: Linear
     qkv: Linear | None = None  # q, k, v in one call (block-kernel linears, see block_linears.fuse)
     gate_up: Linear | None = None
+    # Qwen3: the per-head RMSNorm weights [head_dim] of q and k (None: no such norm)
+    q_norm: tuple[torch.Tensor, float] | None = None
+    k_norm: tuple[torch.Tensor, float] | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,6 +155,8 @@ class LeanForward:
                 down=layer.mlp.down_proj.forward,
                 qkv=_fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                 gate_up=_fused([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                q_norm=_head_norm(layer.self_attn, "q_norm"),
+                k_norm=_head_norm(layer.self_attn, "k_norm"),
             )
             for layer in body.layers[: cfg.num_hidden_layers]
         ]
@@ -282,14 +288,18 @@ class LeanForward:
             h = _rms_norm(x, layer.norm1_w, layer.norm1_eps)
             if layer.qkv is not None:
                 # one projection and one rotary for q and k together: elementwise, so bitwise the same
-                qkv = layer.qkv(h).view(1, t, -1, hd).transpose(1, 2)
+                qkv = layer.qkv(h).view(1, t, -1, hd)
                 rope = self.q_heads + self.kv_heads
-                qk = qkv[:, :rope]
+                qk = qkv[:, :, :rope]
+                if layer.q_norm is not None:  # Qwen3: q and k heads normed apart (their own weights), joined
+                    qn = _head_rms(qk[:, :, : self.q_heads], layer.q_norm)
+                    qk = torch.cat((qn, _head_rms(qk[:, :, self.q_heads :], layer.k_norm)), dim=2)
+                qk = qk.transpose(1, 2)
                 qk = (qk * cos) + (_rotate_half(qk) * sin)
-                q, k, v = qk[:, : self.q_heads], qk[:, self.q_heads :], qkv[:, rope:]
+                q, k, v = qk[:, : self.q_heads], qk[:, self.q_heads :], qkv[:, :, rope:].transpose(1, 2)
             else:
-                q = layer.q(h).view(1, t, -1, hd).transpose(1, 2)
-                k = layer.k(h).view(1, t, -1, hd).transpose(1, 2)
+                q = _head_rms(layer.q(h).view(1, t, -1, hd), layer.q_norm).transpose(1, 2)
+                k = _head_rms(layer.k(h).view(1, t, -1, hd), layer.k_norm).transpose(1, 2)
                 v = layer.v(h).view(1, t, -1, hd).transpose(1, 2)
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
@@ -325,6 +335,16 @@ class LeanForward:
             else:
                 x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return _rms_norm(x, self.final_norm_w, self.final_norm_eps)[0]
+
+
+def _head_rms(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """Qwen3's q/k norm on [1, T, heads, head_dim] (before the heads move to dim 1, as transformers applies it)."""
+    return x if norm is None else _rms_norm(x, norm[0], norm[1])
+
+
+def _head_norm(attn: Any, name: str) -> tuple[torch.Tensor, float] | None:
+    norm = getattr(attn, name, None)
+    return None if norm is None else (norm.weight, float(norm.variance_epsilon))
 
 
 def _fused(modules: list[Any]) -> Linear | None:
@@ -370,8 +390,9 @@ def _supported(causal_lm: Any) -> bool:
     needed = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
     if not all(hasattr(first, n) for n in needed):
         return False
-    if any(hasattr(first.self_attn, n) for n in ("q_norm", "k_norm")):
-        return False
+    normed = [hasattr(first.self_attn, n) for n in ("q_norm", "k_norm")]
+    if any(normed) and not (all(normed) and cfg.model_type in QK_NORMED):
+        return False  # q/k norms of another kind (OLMo-2's over all heads, ...) than Qwen3's per-head ones
     if not hasattr(body.norm, "variance_epsilon") or not hasattr(body, "rotary_emb"):
         return False
     if any(hasattr(m, "_hf_hook") for m in causal_lm.modules()):

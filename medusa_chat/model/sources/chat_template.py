@@ -78,6 +78,17 @@ def vicuna_v11_text(messages: Sequence[dict[str, str]], add_generation_prompt: b
     return text
 
 
+def thinking_switch(template: Any) -> dict[str, bool]:
+    """`enable_thinking` for a template that reads it (Qwen3's): off unless MEDUSA_CHAT_THINKING=1. A chat reply
+    should answer, not open with a long `<think>` block the user waits through (a thinking model's own default);
+    off, Qwen3's template closes an empty think block itself. Other templates get nothing extra."""
+    from medusa_chat import envvars
+
+    if "enable_thinking" not in str(template):
+        return {}
+    return {"enable_thinking": envvars.value("MEDUSA_CHAT_THINKING") not in (None, "0")}
+
+
 def build_prompt_ids(
     tokenizer: Any,
     template: str,
@@ -97,7 +108,11 @@ def build_prompt_ids(
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError("this tokenizer has no chat template; use the vicuna_v1.1 template")
         ids = tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            msgs,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **thinking_switch(tokenizer.chat_template),
         )
     else:
         raise PromptError(f"unknown chat template {template!r} (expected {VICUNA_V11!r} or {TOKENIZER!r})")

@@ -53,9 +53,12 @@ SUPPORTED_ARCHS = (
     "llama",
     "mistral",
     "qwen2",
+    "qwen3",
 )  # what the native step runs exactly (model_type after transformers' mapping)
-# llama.cpp's converter interleaves the rotary halves of q/k rows for these (LLaMA-style rope in ggml); Qwen2
-# files keep Hugging Face's row order (NeoX-style rope), so nothing is undone for them
+QK_NORMED = ("qwen3",)
+HEAD_DIM_KEYED = ("qwen3",)  # whose head_dim the config takes from {arch}.attention.key_length  # model types with per-head q/k RMSNorms (blk.N.attn_q_norm / attn_k_norm)
+# llama.cpp's converter interleaves the rotary halves of q/k rows for these (LLaMA-style rope in ggml); Qwen2 and
+# Qwen3 files keep Hugging Face's row order (NeoX-style rope), so nothing is undone for them
 PERMUTED_QK = ("llama", "mistral")
 QKV_BIASES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}  # GGUF name -> module (Qwen2)
 BIASED_QKV = ("qwen2",)  # model types whose q/k/v projections always have biases
@@ -117,7 +120,7 @@ def check_architecture(gguf: Path) -> str:
     why = " (the file names no general.architecture)" if not arch else ""
     raise ModelNotFoundError(
         f"{gguf.name}: GGUF architecture {arch or '?'!r} is not supported{why}; supported are "
-        f"{', '.join(SUPPORTED_ARCHS)} (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2 / Qwen2.5, ...)"
+        f"{', '.join(SUPPORTED_ARCHS)} (Llama 1/2/3, Mistral, TinyLlama, SmolLM, Qwen2 / Qwen2.5, Qwen3, ...)"
     )
 
 
@@ -226,6 +229,9 @@ def gguf_config_dict(metadata: dict[str, Any], tensor_names: Iterable[str]) -> d
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key, -1)
         if renamed not in (None, -1):
             config[renamed] = value
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    if updated in HEAD_DIM_KEYED and isinstance(key_length, int):
+        config["head_dim"] = key_length  # Qwen3-4B: 128, not hidden / heads (transformers' table skips the key)
     if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
         config["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # read_metadata gives a string array's length
     return config
@@ -264,8 +270,8 @@ def gguf_tokenizer(gguf: Path) -> Any:
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     cls = TokenizersBackend
-    if read_metadata(gguf, ("general.architecture",)).get("general.architecture") == "qwen2":
-        from transformers import Qwen2Tokenizer  # what AutoTokenizer picks for qwen2 (same tokenizer.json)
+    if read_metadata(gguf, ("general.architecture",)).get("general.architecture") in ("qwen2", "qwen3"):
+        from transformers import Qwen2Tokenizer  # what AutoTokenizer picks for both (same tokenizer.json)
 
         cls = Qwen2Tokenizer
     return cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, _from_auto=True)
@@ -434,6 +440,7 @@ def load_gguf_backbone(
     tied = "output.weight" not in table
     permuted = config.model_type in PERMUTED_QK
     biases: dict[str, torch.Tensor] = {}  # "model.layers.N.self_attn.q_proj" -> its bias (Qwen2)
+    rope_freqs: torch.Tensor | None = None
     shared = False  # a tied lm_head whose blocks the embedding looks its rows up in (one copy for both)
     padding_idx = body.embed_tokens.padding_idx
     if progress:
@@ -479,12 +486,14 @@ def load_gguf_backbone(
                 path = f"model.layers.{parts[1]}.self_attn.{QKV_BIASES[parts[2]]}"
                 biases[path] = dequantize_raw(entry.type_id, raw, entry.shape).to(torch.float32)
             elif len(parts) == 4 and parts[0] == "blk" and parts[2] in NORMS and parts[3] == "weight":
+                if "." in NORMS[parts[2]] and config.model_type not in QK_NORMED:
+                    raise ModelNotFoundError(
+                        f"{gguf.name}: tensor {entry.name} has no place in a {config.model_type} model"
+                    )
                 layer = body.layers[int(parts[1])]
-                getattr(layer, NORMS[parts[2]]).weight = _param(entry, raw, dtype)
-            elif entry.name == "rope_freqs.weight":
-                notes.append(
-                    "the file's rope_freqs tensor is not used (rotary scaling comes from the config)"
-                )
+                layer.get_submodule(NORMS[parts[2]]).weight = _param(entry, raw, dtype)
+            elif entry.name == "rope_freqs.weight":  # Llama 3.1+: the "llama3" scaling as per-pair factors
+                rope_freqs = dequantize_raw(entry.type_id, raw, entry.shape).to(torch.float32)
             else:
                 raise ModelNotFoundError(
                     f"{gguf.name}: tensor {entry.name} has no place in a {config.model_type} model"
@@ -493,6 +502,8 @@ def load_gguf_backbone(
     _attach_biases(model, biases, config.model_type in BIASED_QKV, gguf)
     with torch.device("cpu"):  # its buffers were made on meta: computed again, as from_pretrained does
         body.rotary_emb = type(body.rotary_emb)(config=config)
+    if rope_freqs is not None:
+        _scale_rotary(body.rotary_emb, rope_freqs, gguf, notes)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ModelNotFoundError(f"{gguf.name} lacks tensors for {', '.join(missing[:4])}: incomplete file?")
@@ -531,6 +542,25 @@ def _attach_biases(model: nn.Module, biases: dict[str, torch.Tensor], expected: 
     if biases:
         names = ", ".join(sorted(biases)[:4])
         raise ModelNotFoundError(f"{gguf.name}: biases for {names} have no projection")
+
+
+def _scale_rotary(rotary: nn.Module, freqs: torch.Tensor, gguf: Path, notes: list[str]) -> None:
+    """A file's rope_freqs (llama.cpp's converter writes Llama 3.1's "llama3" RoPE scaling as one factor per
+    rotary pair, and no scaling keys): ggml divides each pair's frequency by its factor, so the rotary module's
+    inverse frequencies are divided by it here (the lean forward and the native step both read that module). A
+    config that already scales (a checkpoint folder's rope_scaling) keeps its own."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        notes.append(f"the file's rope_freqs tensor is not used (the config's {rotary.rope_type} scaling applies)")
+        return
+    inv = rotary.original_inv_freq
+    if freqs.shape != inv.shape:
+        raise ModelNotFoundError(
+            f"{gguf.name}: rope_freqs has {tuple(freqs.shape)} values, the rotary {tuple(inv.shape)} pairs"
+        )
+    scaled = (inv / freqs).to(inv.dtype)
+    rotary.inv_freq = scaled
+    rotary.original_inv_freq = scaled.clone()
+    notes.append("rotary frequencies scaled by the file's rope_freqs (Llama 3.1-style long-context RoPE)")
 
 
 def _param(entry: TensorEntry, raw: np.ndarray, dtype: torch.dtype) -> nn.Parameter:

@@ -63,17 +63,23 @@ def gguf_blocks(path: Path, config: Any) -> GGUFBlocks:
     return out
 
 
-GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
+}
+UNPERMUTED_QK = ("qwen2", "qwen3")  # NeoX-style rope: llama.cpp's converter keeps Hugging Face's q/k row order
 
 
 def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
     """The float32 state dict (transformers' Llama names) of a Llama-family GGUF: every tensor dequantized, the
     q/k rows back in transformers' rotary order (Llama/Mistral files; a Qwen2 file keeps transformers' order and
-    adds its q/k/v biases); a tied lm_head is left to the embedding."""
+    adds its q/k/v biases, a Qwen3 file its q/k norms); a tied lm_head is left to the embedding."""
     from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    permuted = getattr(config, "model_type", "llama") != "qwen2"
+    permuted = getattr(config, "model_type", "llama") not in UNPERMUTED_QK
     state: dict[str, torch.Tensor] = {}
     for t in read_tensors(path).values():
         w = torch.from_numpy(dequantize(t))
@@ -90,6 +96,6 @@ def gguf_state_dict(path: Path, config: Any) -> dict[str, torch.Tensor]:
             state[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.{parts[3]}"] = w.contiguous()
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NORMS:
             state[f"model.layers.{parts[1]}.{GGUF_NORMS[parts[2]]}.weight"] = w
-        else:
+        elif t.name != "rope_freqs.weight":  # (Llama 3.1's rotary factors: the rotary module's, not a weight)
             raise ValueError(f"{path}: tensor {t.name} has no place in a Llama state dict")
     return state

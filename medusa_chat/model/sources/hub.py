@@ -324,11 +324,24 @@ def cached_repos() -> dict[str, CachedRepo]:
 
 
 # ---- fetching -------------------------------------------------------------------------------------------------
+GATED_ORGS = ("meta-llama/",)  # repos whose files need an accepted licence and a logged-in account
+
+
 def _how_to_get(repo: str) -> str:
-    return (
+    first = f"accept its licence on {hub_endpoint()}/{repo} (a gated repo), then " if repo.startswith(GATED_ORGS) else ""
+    return first + (
         f"get it on a connected machine with `huggingface-cli download {repo}` (or `hf download {repo}`) and "
         f"copy the cache folder ({hub_cache_dir()}) here"
         + (", or unset HF_HUB_OFFLINE to download it now" if offline_mode() else "")
+    )
+
+
+def gated_message(repo: str) -> str:
+    """What to do about a gated repo (Meta's Llama, ...): the licence is accepted once on its Hub page, then this
+    machine must be logged in (or HF_TOKEN set) with that account."""
+    return (
+        f"{repo} is gated: accept its licence on {hub_endpoint()}/{repo} (logged in on the Hub), then log this "
+        "machine in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token of that account"
     )
 
 
@@ -452,9 +465,7 @@ def _fetch_online(repo: str, want: str, revision: str, progress: Progress | None
             repo, revision=revision, files_metadata=True, timeout=15
         )
     except GatedRepoError as err:
-        raise ModelNotFoundError(
-            f"{repo} is gated: accept its terms on {hub_endpoint()}/{repo} and log in with `hf auth login`"
-        ) from err
+        raise ModelNotFoundError(gated_message(repo)) from err
     except RepositoryNotFoundError as err:
         raise ModelNotFoundError(
             f"{repo} was not found on the Hub (check the name; private repos need `hf auth login`)"
@@ -495,6 +506,8 @@ def _fetch_online(repo: str, want: str, revision: str, progress: Progress | None
                         endpoint=hub_endpoint(),
                         **bar,
                     )
+                except GatedRepoError as err:  # the listing is public, the files are not (Llama's repos)
+                    raise ModelNotFoundError(gated_message(repo)) from err
                 except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
                     raise OfflineError(
                         f"download of {repo}/{name} failed ({type(err).__name__}: {str(err).splitlines()[0]}); "

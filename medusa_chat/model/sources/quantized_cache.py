@@ -19,6 +19,7 @@ What goes into the file (llama.cpp's tensor names, so the GGUF loader needs noth
 - a Qwen2 model's q/k/v biases: F32 (`blk.N.attn_q.bias`, ...), added in fp32 by the step as from a llama.cpp
   Qwen2 file;
 - the lm_head: Q8_0 (both modes, as cpu_linears does); a tied model's from its token embedding;
+- a Qwen3 model's per-head q/k norms: F32 (`blk.N.attn_q_norm.weight`, `attn_k_norm`), as llama.cpp writes them;
 - the token embedding and the norms: float as the checkpoint stores them (the loader makes them the compute dtype,
   exactly as transformers would);
 - medusa_head.* (a Medusa-2 checkpoint's heads, loaded apart as ever) and rotary inv_freq buffers: left out.
@@ -31,7 +32,7 @@ leaves no half file. Its metadata records that key and the file's own size; a fi
 (truncated, corrupt, an older format) is made again.
 
 Only what the GGUF path computes exactly as the in-memory path does is taken this way (`unsuitable` says why
-not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral/Qwen2, biases other than
+not otherwise: no safetensors or .bin weights, a model type other than Llama/Mistral/Qwen2/Qwen3, biases other than
 Qwen2's q/k/v ones, unexpected tensors, no block kernel here); the rest loads as before.
 """
 
@@ -75,7 +76,7 @@ GGML = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 SKIPPED = (re.compile(r"^medusa_head\."), re.compile(r"\.rotary_emb\.inv_freq$"))
 HF_TO_GGUF_LAYER = {v: k for k, v in {**GGUF_LINEARS, **GGUF_NORMS}.items()}
-ARCHS = ("llama", "mistral", "qwen2")  # what the GGUF loader builds
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # what the GGUF loader builds
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these (the loader undoes it); it keeps
 # Hugging Face's row order for qwen2 (NeoX-style rope), so nothing is permuted for it
 PERMUTED_QK = ("llama", "mistral")

@@ -90,6 +90,25 @@ SHIPPED_HEADS = {
     "eagle3": assets_dir() / "smollm2-135m-eagle3",
 }
 
+# Qwen3 sizes with a published EAGLE-3 draft (AngelSlim's; for 8B `--heads Tengyunw/qwen3_8b_eagle3` is
+# SpecForge's alternative): (size, download GB of model + draft, billions of parameters)
+QWEN3_SIZES = (("1.7B", 4.5, 2.0), ("4B", 8.5, 4.0), ("8B", 17.0, 8.2))
+
+
+def _qwen3(size: str, gb: float, params: float) -> ModelSpec:
+    return ModelSpec(
+        name=f"qwen3-{size.lower()}",
+        backbone=f"Qwen/Qwen3-{size}",
+        heads=f"AngelSlim/Qwen3-{size}_eagle3",
+        kind="eagle",
+        chat_template="tokenizer",
+        default_tree="mc_sim_7b_63",
+        description=f"Qwen3-{size} with AngelSlim's published EAGLE-3 draft",
+        download_gb=gb,
+        params_b=params,
+    )
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
@@ -171,6 +190,18 @@ MODELS: dict[str, ModelSpec] = {
             download_gb=16.0,
             params_b=7.2,
         ),
+        ModelSpec(
+            name="llama-3.1-8b",
+            backbone="meta-llama/Llama-3.1-8B-Instruct",  # gated: its licence is accepted on the Hub first
+            heads="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+            kind="eagle",
+            chat_template="tokenizer",
+            default_tree="mc_sim_7b_63",
+            description="Llama-3.1-8B-Instruct with the published EAGLE-3 draft (gated: accept Meta's licence)",
+            download_gb=17.0,
+            params_b=8.0,
+        ),
+        *[_qwen3(size, gb, params) for size, gb, params in QWEN3_SIZES],
     ]
 }
 
