@@ -30,7 +30,7 @@ from medusa_chat.training.distill import (
 )
 from medusa_chat.training.pipeline import train_and_save
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
-from medusa_chat.training.stages import add_stage_args, evaluate_main, prompts_main
+from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -247,6 +247,8 @@ def train_main(args: argparse.Namespace) -> int:
         _distill_data(args, model, tok, store, device, log)
         if args.stage == "data":
             return 0
+    if args.cached_only and not eagle:
+        keep_cached_shards(store, work / "hidden", log)
     if not store.shards:
         log("no distilled data: run without --stage train first")
         return 2
@@ -394,6 +396,7 @@ def _train_heads(
         log=log,
         embed_weight=model.get_input_embeddings().weight.detach(),
         init_from=init_from,
+        draft_vocab=getattr(init_from, "draft_vocab", None) if args.keep_draft_vocab else None,
         deadline=deadline,
         extra_report={"distill": distill_report},
     )
