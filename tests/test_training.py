@@ -28,6 +28,7 @@ from medusa_chat.training.pipeline import HEADS_FILE, round_heads_, save_heads
 from medusa_chat.training.positions import (
     PositionData,
     cache_hidden_states,
+    conversation_starts,
     covering_samples,
     heldout_mask,
     hidden_states_for,
@@ -291,6 +292,20 @@ def test_covering_samples_groups_turns_by_prefix() -> None:
     roots, root_of = covering_samples(seqs)
     assert sorted(map(tuple, roots)) == [(1, 2, 3, 4, 5), (1, 9), (7, 2, 3)]
     assert [roots[r] for r in root_of] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [7, 2, 3], [1, 9]]
+
+
+def test_heldout_split_keeps_conversations_whole() -> None:
+    from medusa_chat.training.conversations import expand
+
+    prompts = ["a", *expand(["b", "b2", "b3"]), "c", *expand(["d", "d2"])]
+    starts = conversation_starts(prompts)
+    assert starts.tolist() == [0, 1, 1, 1, 4, 5, 5]
+    sample = torch.arange(len(prompts)).repeat(3)
+    for frac in (0.3, 0.5, 0.7):
+        mask = heldout_mask(starts[sample], frac)
+        for conv in ([1, 2, 3], [5, 6]):
+            assert len({bool(m) for m, s in zip(mask, sample, strict=True) if int(s) in conv}) == 1
+    assert torch.equal(conversation_starts(["x", "y", "z"]), torch.arange(3))  # single turns: as by prompt
 
 
 def test_later_turn_gives_the_earlier_turns_states(backbone) -> None:

@@ -29,7 +29,12 @@ from medusa_chat.training.distill import (
     read_prompt_file,
 )
 from medusa_chat.training.pipeline import train_and_save
-from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.positions import (
+    cache_hidden_states,
+    conversation_starts,
+    heldout_mask,
+    load_cache,
+)
 from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
@@ -367,7 +372,7 @@ def _train_heads(
     cuda = device.type == "cuda"
     paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
-    mask = heldout_mask(data.sample, args.holdout)
+    mask = heldout_mask(conversation_starts(store.prompts)[data.sample.long()], args.holdout)
     train, held = data.subset(~mask), data.subset(mask)
     if cuda:
         train, held = train.to(device), held.to(device)

@@ -203,3 +203,16 @@ def heldout_mask(sample: torch.Tensor, frac: float) -> torch.Tensor:
     """Deterministic split by prompt (never by position: neighbouring positions share context)."""
     h = (sample.to(torch.int64) * 2654435761 + 97) % (1 << 32)
     return h < int(frac * (1 << 32))
+
+
+def conversation_starts(prompts: list[Any]) -> torch.Tensor:
+    """For every prompt index of a store, the index of its conversation's first turn (itself for a single
+    turn). The held-out split goes by this, so a conversation's turns never fall on both sides of it: a later
+    turn holds the earlier ones, and a held-out turn after trained turns overstates the heads."""
+    from medusa_chat.training.conversations import is_follow
+
+    first, current = [], 0
+    for i, entry in enumerate(prompts):
+        current = current if is_follow(entry) else i
+        first.append(current)
+    return torch.tensor(first, dtype=torch.int64)
