@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from medusa_chat.training.conversations import FOLLOW, answer_entries, conversation_end
 from medusa_chat.training.distill import (
@@ -170,6 +171,7 @@ def test_prompts_data_evaluate_stages(tiny_dir: Path, tmp_path: Path) -> None:  
     assert summary["bench_excluded"] == 2 and "bench.jsonl" in summary["bench_files"]
     held = work / "prompts" / "heldout.jsonl"
     dargv = [*base, "--stage", "data", "--prompts", str(held), "--magpie", "0", "--max-new-tokens", "8"]
+    dargv += ["--shard-size", "2"]
     assert train_main(p.parse_args(dargv)) == 0
     store = DistillStore.open(work / "distill")
     assert store.reply_tokens > 0 and any(isinstance(x, dict) for x in store.prompts)
@@ -182,6 +184,32 @@ def test_prompts_data_evaluate_stages(tiny_dir: Path, tmp_path: Path) -> None:  
     assert ev["positions"] == store.reply_tokens and len(ev[str(tmp_path / "heads")]["top1"]) == 2
     assert ev[str(tmp_path / "heads")]["backbone_agreement"] > 0.9  # the replies are the float model's own
     assert train_main(p.parse_args([*base, "--stage", "evaluate"])) == 2  # no --heads
+    _fine_tune_on_part_of_the_cache(p, base, store, model, tmp_path)
+
+
+def _fine_tune_on_part_of_the_cache(p, base: list[str], store: DistillStore, model, tmp_path: Path) -> None:
+    """--cached-only trains on the shards cached so far (computing none); --keep-draft-vocab keeps the warm
+    start's draft vocabulary instead of counting one from the small fine-tuning set."""
+    from medusa_chat.model.sources.heads_files import load_heads_file
+    from medusa_chat.training.cli import train_main
+    from medusa_chat.training.pipeline import save_heads
+    from medusa_chat.training.train_heads import TrainSettings, new_heads
+
+    vocab = model.lm_head.weight.shape[0]
+    start = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:32]  # not a count's order
+    ts = TrainSettings(num_heads=2, heads_format="hydra", draft_vocab_size=32)
+    save_heads(new_heads(ts, model.lm_head, 64, vocab, start), tmp_path / "hydra", "tiny")
+    assert len(store.shards) >= 2
+    dropped = store.shards[-1]
+    (Path(base[-1]) / "hidden" / dropped.name).unlink()
+    argv = [*base, "--stage", "train", "--resume", "--out", str(tmp_path / "ft"), "--heads-format", "hydra"]
+    argv += ["--init-from", str(tmp_path / "hydra"), "--num-heads", "2", "--draft-vocab", "32", "--epochs", "1"]
+    assert train_main(p.parse_args([*argv, "--cached-only", "--keep-draft-vocab"])) == 0
+    assert not (Path(base[-1]) / "hidden" / dropped.name).exists()  # nothing computed
+    report = json.loads((tmp_path / "ft" / "accuracy.json").read_text())
+    assert report["distill"]["reply_tokens"] == store.reply_tokens - dropped.tokens
+    heads = load_heads_file(tmp_path / "ft")[0]
+    assert torch.equal(heads.draft_vocab, start)
 
 
 def test_engine_replies_are_its_plain_loops(embedded_model) -> None:

@@ -25,7 +25,15 @@ from medusa_chat.training.distill import (
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, grow_tree, independent_gain
 from medusa_chat.training.pipeline import HEADS_FILE, round_heads_, save_heads
-from medusa_chat.training.positions import PositionData, cache_hidden_states, heldout_mask, load_cache
+from medusa_chat.training.positions import (
+    PositionData,
+    cache_hidden_states,
+    conversation_starts,
+    covering_samples,
+    heldout_mask,
+    hidden_states_for,
+    load_cache,
+)
 from medusa_chat.training.store import DistillStore, export_npz, import_npz
 from medusa_chat.training.train_heads import TrainSettings, head_logits, head_losses, new_heads, train_heads
 from medusa_chat.tree import Tree
@@ -277,6 +285,42 @@ def test_hidden_cache_matches_greedy_tokens(distilled, backbone) -> None:
     assert data.hidden.dtype == torch.float16
     agree = (model.lm_head(data.hidden.float()).argmax(-1) == data.targets[:, 0].long()).float().mean()
     assert agree > 0.98  # the replies are the backbone's own greedy tokens
+
+
+def test_covering_samples_groups_turns_by_prefix() -> None:
+    seqs = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2], [7, 2, 3], [1, 9]]
+    roots, root_of = covering_samples(seqs)
+    assert sorted(map(tuple, roots)) == [(1, 2, 3, 4, 5), (1, 9), (7, 2, 3)]
+    assert [roots[r] for r in root_of] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [7, 2, 3], [1, 9]]
+
+
+def test_heldout_split_keeps_conversations_whole() -> None:
+    from medusa_chat.training.conversations import expand
+
+    prompts = ["a", *expand(["b", "b2", "b3"]), "c", *expand(["d", "d2"])]
+    starts = conversation_starts(prompts)
+    assert starts.tolist() == [0, 1, 1, 1, 4, 5, 5]
+    sample = torch.arange(len(prompts)).repeat(3)
+    for frac in (0.3, 0.5, 0.7):
+        mask = heldout_mask(starts[sample], frac)
+        for conv in ([1, 2, 3], [5, 6]):
+            assert len({bool(m) for m, s in zip(mask, sample, strict=True) if int(s) in conv}) == 1
+    assert torch.equal(conversation_starts(["x", "y", "z"]), torch.arange(3))  # single turns: as by prompt
+
+
+def test_later_turn_gives_the_earlier_turns_states(backbone) -> None:
+    """A conversation's turns share a prefix: the states read from the longest turn are each turn's own."""
+    model, _ = backbone
+    g = torch.Generator().manual_seed(3)
+    turn = torch.randint(5, 100, (40,), generator=g).tolist()
+    samples = [(0, turn[:12], 6), (1, turn[:25], 18), (2, turn, 30), (3, turn[:10] + [3, 4, 5], 11)]
+    together = hidden_states_for(model, samples, store_dtype=torch.float32)
+    for s in samples:
+        alone = hidden_states_for(model, [s], store_dtype=torch.float32)
+        mine = together.sample == s[0]
+        assert int(mine.sum()) == len(s[1]) - s[2]
+        assert torch.equal(together.targets[mine], alone.targets)
+        torch.testing.assert_close(together.hidden[mine], alone.hidden, atol=1e-4, rtol=1e-4)
 
 
 def _loss_and_acc(heads, lm_w, data: PositionData, k: int) -> tuple[float, list[float]]:

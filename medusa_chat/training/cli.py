@@ -29,8 +29,13 @@ from medusa_chat.training.distill import (
     read_prompt_file,
 )
 from medusa_chat.training.pipeline import train_and_save
-from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
-from medusa_chat.training.stages import add_stage_args, evaluate_main, prompts_main
+from medusa_chat.training.positions import (
+    cache_hidden_states,
+    conversation_starts,
+    heldout_mask,
+    load_cache,
+)
+from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -247,6 +252,8 @@ def train_main(args: argparse.Namespace) -> int:
         _distill_data(args, model, tok, store, device, log)
         if args.stage == "data":
             return 0
+    if args.cached_only and not eagle:
+        keep_cached_shards(store, work / "hidden", log)
     if not store.shards:
         log("no distilled data: run without --stage train first")
         return 2
@@ -365,7 +372,7 @@ def _train_heads(
     cuda = device.type == "cuda"
     paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
-    mask = heldout_mask(data.sample, args.holdout)
+    mask = heldout_mask(conversation_starts(store.prompts)[data.sample.long()], args.holdout)
     train, held = data.subset(~mask), data.subset(mask)
     if cuda:
         train, held = train.to(device), held.to(device)
@@ -394,6 +401,7 @@ def _train_heads(
         log=log,
         embed_weight=model.get_input_embeddings().weight.detach(),
         init_from=init_from,
+        draft_vocab=getattr(init_from, "draft_vocab", None) if args.keep_draft_vocab else None,
         deadline=deadline,
         extra_report={"distill": distill_report},
     )

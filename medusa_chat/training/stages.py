@@ -53,6 +53,19 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
         help="share of conversations held out for evaluation (by id hash; default 0.02)",
     )
     g.add_argument("--limit-conversations", type=int, default=None, metavar="N", help="read only N records")
+    g = adder(parser, "fine-tuning (--stage train)")
+    g.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="Medusa/Hydra: train on the data shards whose hidden states are cached already, computing none "
+        "(on a small CPU the cache costs more than the training: fill it in the background, train on part)",
+    )
+    g.add_argument(
+        "--keep-draft-vocab",
+        action="store_true",
+        help="hydra with --init-from Hydra heads: keep their draft vocabulary (counted on their data) instead "
+        "of counting one from this run's data (a small fine-tuning set)",
+    )
     g = adder(parser, "evaluation (--stage evaluate)")
     g.add_argument(
         "--heads", default=None, help="heads folder(s) to evaluate, comma-separated (Medusa/Hydra formats)"
@@ -144,3 +157,11 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
     atomic_write_json(out, results)
     log(f"wrote {out}")
     return 0
+
+
+def keep_cached_shards(store: DistillStore, cache_dir: Path, log: Log) -> None:
+    """Drop from `store` (in memory, the manifest untouched) the shards with no cache file in `cache_dir`."""
+    cached = [info for info in store.shards if (cache_dir / info.name).is_file()]
+    log(f"--cached-only: {len(cached)} of {len(store.shards)} shards, "
+        f"{sum(i.tokens for i in cached)} of {store.reply_tokens} reply tokens")  # fmt: skip
+    store.shards = cached
