@@ -163,21 +163,20 @@ def run_bench(
         rows: list[dict[str, Any]] = []
         for i, (text, prompt_ids) in enumerate(zip(prompts, encoded, strict=True)):
             try:
-                runs, peer_run = methods.run_prompt(i, prompt_ids, text)
+                runs, peer_run = outcome = methods.run_prompt(i, prompt_ids, text)
             except PromptError as err:
                 if console is not None:
                     console.print(f"[yellow]prompt {i + 1} skipped: {err}[/yellow]")
                 continue
             for m, r in runs.items():
                 tally.totals[m].add(r)
-            row = _prompt_row(loaded, text, prompt_ids, runs, peer_run, ident["dtype"], config, tally, methods.sizes)
+            row = _prompt_row(methods, text, prompt_ids, outcome, ident["dtype"], tally)
             if methods.servers is not None:
                 row["servers"] = methods.servers.end_prompt()
             rows.append(row)
             if console is not None:
                 print_prompt(console, i + 1, len(prompts), row, runs)
-        summary = _summary(rows, tally, methods, config.greedy)
-        return _document(loaded, tree, tree_source, config, ident, methods, rows, summary, tally, load_before)
+        return _document(methods, (tree, tree_source), ident, rows, tally, load_before)
 
 
 class _Methods:
@@ -304,17 +303,17 @@ class _Tally:
 
 
 def _prompt_row(
-    loaded: Any,
+    methods: _Methods,
     text: str,
     prompt_ids: list[int],
-    runs: dict[str, Run],
-    peer_run: dict[str, Any] | None,
+    outcome: tuple[dict[str, Run], dict[str, Any] | None],
     dtype: str,
-    config: BenchConfig,
     tally: _Tally,
-    sizes: list[int],
 ) -> dict[str, Any]:
-    """One prompt's row of the document: speeds, speedups and whether the replies are identical."""
+    """One prompt's row of the document: speeds, speedups and whether the replies are identical. `outcome`: the
+    prompt's runs per method and llama.cpp's run (methods.run_prompt)."""
+    loaded, config, sizes = methods.loaded, methods.config, tally.sizes
+    runs, peer_run = outcome
     greedy = config.greedy
     exact = config.settings.accept_mode == EXACT
     med = runs["medusa"]
@@ -473,18 +472,16 @@ def _summary(rows: list[dict[str, Any]], tally: _Tally, methods: _Methods, greed
 
 
 def _document(
-    loaded: Any,
-    tree: Tree,
-    tree_source: str,
-    config: BenchConfig,
-    ident: dict[str, Any],
     methods: _Methods,
+    tree_and_source: tuple[Tree, str],
+    ident: dict[str, Any],
     rows: list[dict[str, Any]],
-    summary: dict[str, Any],
     tally: _Tally,
     load_before: float | None,
 ) -> dict[str, Any]:
     """The JSON document: the run's settings and machine, the rows, the summary, and per tree size."""
+    loaded, config, (tree, tree_source) = methods.loaded, methods.config, tree_and_source
+    summary = _summary(rows, tally, methods, config.greedy)
     t, sizes, size_identical = tally.totals, methods.sizes, tally.size_identical
     engines = methods.engines
     peer_runs, peer = methods.peer_runs, methods.peer

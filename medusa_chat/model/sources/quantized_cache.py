@@ -46,9 +46,9 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ from medusa_chat.kernels.cpu_linears import GROUP
 from medusa_chat.model.forward.cpu_blocks import set_tied_lm_head
 from medusa_chat.model.sources.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
+
+if TYPE_CHECKING:
+    from medusa_chat.model.sources.gguf_model import WeightsOptions
 
 Progress = Callable[[str], None]
 
@@ -549,29 +552,18 @@ def _release_memory() -> None:
     trim_heap()
 
 
-def load_quantized_backbone(
-    folder: Path,
-    name: str,
-    config: Any,
-    quant: str,
-    dtype: torch.dtype,
-    notes: list[str],
-    progress: Progress | None = None,
-    *,
-    half_embedding: bool = True,
-) -> Any:
+def load_quantized_backbone(folder: Path, name: str, config: Any, options: WeightsOptions) -> Any:
     """The backbone of checkpoint `folder` on the block kernel, from its cached quantized GGUF (made now when
     there is none yet). A cached file the GGUF loader refuses (damaged after its check) is made again once.
-    `half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the same
-    values as an fp32 table, half the bytes); False for Hydra heads, whose C drafter reads an fp32 table."""
+    `options.half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the
+    same values as an fp32 table, half the bytes)."""
     from medusa_chat.model.sources.gguf_model import load_gguf_backbone
 
+    quant, dtype, notes, progress = options.quant, options.dtype, options.notes, options.progress
     path, made = quantized_file(folder, name, config, quant, dtype, progress)
     scratch: list[str] = []
     try:
-        model, _ = load_gguf_backbone(
-            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
-        )
+        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), replace(options, notes=scratch))
     except ModelNotFoundError:
         if made:
             raise
@@ -579,9 +571,7 @@ def load_quantized_backbone(
             path.unlink()
         path, made = quantized_file(folder, name, config, quant, dtype, progress)
         scratch = []
-        model, _ = load_gguf_backbone(
-            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
-        )
+        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), replace(options, notes=scratch))
     # as the in-memory path counts it: a tied lm_head is the embedding's weight (its blocks still cost bytes)
     set_tied_lm_head(model, bool(getattr(config, "tie_word_embeddings", False)))
     kinds = "Q4_1 projections, Q8_0 lm_head" if quant == "int4" else "Q8_0 projections and lm_head"
