@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.text import Text
 
 from medusa_chat.chat.updates import updates
-from medusa_chat.cliargs import add_generation_args, settings_changes
+from medusa_chat.cliargs import add_generation_args, given_settings
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
 from medusa_chat.ui.commands import ALIASES, COMMANDS_NAMES, SlashCommands, help_table
@@ -353,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
     session = SessionManager(SessionOptions.from_args(args), data_dir=Path(data_dir) if data_dir else None)
     # MedusaChatError (unknown model, offline, no GPU, ...) propagates: cli.py prints it as one line.
     _load(session, info_console, interactive)
-    changes = settings_changes(args)  # the generation options given, over the session's defaults
+    changes = given_settings(args)  # the generation options given, over the session's defaults
     if changes:
         session.update_settings(**changes)
     if _arg(args, "system", None):
