@@ -27,7 +27,7 @@ from medusa_chat.training.distill import make_logger
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length
 from medusa_chat.training.loop import RunOptions
-from medusa_chat.training.pipeline import HeadsDraft, SaveOptions, train_and_save
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
 from medusa_chat.training.positions import PositionData, heldout_mask, load_cache
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -92,7 +92,7 @@ def main() -> None:
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     options = RunOptions(torch.device("cpu"), out / "checkpoint.pt", args.resume, deadline, log)
     vocab = init.draft_vocab.long() if args.keep_draft_vocab else None
-    kind = HeadsDraft(backbone.get_output_embeddings(), train, held, settings, embed, init, vocab)
+    kind = HeadsKind(backbone.get_output_embeddings(), train, held, settings, embed, init, vocab)
     extra = {"init_from": args.init_from, "caches": args.cache}
     report = train_and_save(kind, SaveOptions(out, "HuggingFaceTB/SmolLM2-135M-Instruct", options, extra_report=extra))
     log(f"trained and saved in {time.time() - t0:.0f} s")

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 from medusa_chat.atomic import atomic_write_json  # noqa: E402
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training, make_logger  # noqa: E402
 from medusa_chat.training.loop import RunOptions  # noqa: E402
-from medusa_chat.training.pipeline import HeadsDraft, SaveOptions, train_and_save  # noqa: E402
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save  # noqa: E402
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache  # noqa: E402
 from medusa_chat.training.store import DistillStore, export_npz  # noqa: E402
 from medusa_chat.training.train_heads import TrainSettings, heads_file_bytes  # noqa: E402
@@ -400,7 +400,7 @@ def train_head_configs(
         options = RunOptions(device, run.work / f"{name}.ckpt", resume=True, deadline=time.time() + share - 8, log=log)
         extra = {"distill": run.summary["data"]}
         report = train_and_save(
-            HeadsDraft(lm_head, train, held, ts, embed), SaveOptions(out / name, args.base_model, options, extra_report=extra)
+            HeadsKind(lm_head, train, held, ts, embed), SaveOptions(out / name, args.base_model, options, extra_report=extra)
         )
         est = report.get("estimated_tokens_per_step", {})
         run.summary["configs"][name] = config_summary(report, time.time() - t)
@@ -440,7 +440,7 @@ def train_eagle_config(run: Run, model: Any, store: DistillStore, fmt: str, devi
     OUT/<fmt>."""
     from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
-    from medusa_chat.training.eagle_pipeline import EagleDraftKind
+    from medusa_chat.training.eagle_pipeline import EagleKind
     from medusa_chat.training.train_eagle import EagleSettings
 
     args, work, log = run.args, run.work, run.log
@@ -466,7 +466,7 @@ def train_eagle_config(run: Run, model: Any, store: DistillStore, fmt: str, devi
         lr=args.eagle_lr,
         seed=args.seed,
     )
-    kind = EagleDraftKind(model, features, settings, args.holdout, draft_vocab=draft_vocab, init_from=init)
+    kind = EagleKind(model, features, settings, args.holdout, draft_vocab=draft_vocab, init_from=init)
     options = RunOptions(device, work / f"{fmt}-checkpoint.pt", resume=True, deadline=deadline, log=log)
     extra = {"distill": run.summary["data"]}
     return train_and_save(kind, SaveOptions(run.out / fmt, args.base_model, options, extra_report=extra))

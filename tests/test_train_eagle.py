@@ -22,7 +22,7 @@ from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
 from medusa_chat.training.eagle_data import EagleData, cache_eagle_features, load_eagle_cache
 from medusa_chat.training.eagle_model import draft_config, new_draft, unrolled_outputs
-from medusa_chat.training.eagle_pipeline import EAGLE_FILE, EagleDraftKind, evaluate_eagle
+from medusa_chat.training.eagle_pipeline import EAGLE_FILE, EagleKind, evaluate_eagle
 from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.pipeline import SaveOptions, train_and_save
 from medusa_chat.training.store import DistillStore
@@ -184,7 +184,7 @@ def test_written_draft_loads_and_greedy_replies_are_the_plain_loops(
     _, d = data
     model, tok = backbone
     out = tmp_path / "eagle"
-    kind = EagleDraftKind(model, d, EagleSettings(unroll=2, **SMALL), 0.25, eval_depth=3, eagle1_draft_vocab=100)
+    kind = EagleKind(model, d, EagleSettings(unroll=2, **SMALL), 0.25, eval_depth=3, eagle1_draft_vocab=100)
     report = train_and_save(kind, SaveOptions(out, "tiny", RUN, tree_budget=12))
     files = {f.name for f in out.iterdir()}
     assert {"config.json", EAGLE_FILE, "accuracy.json", "tree.json", "draft_vocab.safetensors"} <= files
@@ -352,7 +352,7 @@ def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, t
     assert float(loss1) < 0.7 * float(loss0)
 
     out = tmp_path / "eagle3"
-    kind = EagleDraftKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60)
+    kind = EagleKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60)
     report = train_and_save(kind, SaveOptions(out, "deep", RUN, tree_budget=8))
     assert report["heads"]["format"] == "eagle3" and len(report["heldout"]["top1"]) == 3
     saved = load_file(str(out / EAGLE_FILE))
@@ -386,13 +386,13 @@ def test_an_eagle3_draft_goes_on_training_from_a_trained_one(deep, data3, tmp_pa
     _, d = data3
     settings = EagleSettings(unroll=2, **SMALL)
     first = train_and_save(
-        EagleDraftKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60),
+        EagleKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60),
         SaveOptions(tmp_path / "a", "deep", RUN, tree_budget=8),
     )
     trained = load_heads_file(tmp_path / "a")[0]
     more = EagleSettings(unroll=2, **{**SMALL, "epochs": 1, "lr": 3e-4})
     again = train_and_save(
-        EagleDraftKind(model, d, more, 0.25, eval_depth=3, draft_vocab=200, init_from=trained),
+        EagleKind(model, d, more, 0.25, eval_depth=3, draft_vocab=200, init_from=trained),
         SaveOptions(tmp_path / "b", "deep", RUN, tree_budget=8),
     )
     assert again["training"]["epoch_heldout_loss"][0] < first["training"]["epoch_heldout_loss"][0]

@@ -378,7 +378,7 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
 def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_path: Path) -> None:
     """Fine-tuning Hydra heads on a small new set keeps the warm start's draft vocabulary when asked (counted on
     more data); without it the vocabulary is counted from the new set; a wrong size is refused."""
-    from medusa_chat.training.pipeline import HeadsDraft, SaveOptions, train_and_save
+    from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
     from medusa_chat.training.train_heads import draft_vocabulary
 
     _, data = distilled
@@ -392,12 +392,12 @@ def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_p
     given = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[:32]
     assert not torch.equal(given.sort().values, counted.sort().values)
     for vocab_in, out in ((given, tmp_path / "given"), (None, tmp_path / "counted")):
-        kind = HeadsDraft(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=vocab_in)
+        kind = HeadsKind(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=vocab_in)
         train_and_save(kind, SaveOptions(out, "tiny", QUIET))
     assert torch.equal(load_heads_file(tmp_path / "given")[0].draft_vocab, given)
     assert torch.equal(load_heads_file(tmp_path / "counted")[0].draft_vocab, counted)
     with pytest.raises(ValueError, match="draft vocabulary of 31 tokens"):
-        kind = HeadsDraft(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=given[:31])
+        kind = HeadsKind(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=given[:31])
         train_and_save(kind, SaveOptions(tmp_path / "bad", "tiny", QUIET))
 
 

@@ -30,7 +30,7 @@ from medusa_chat.training.distill import (
     read_prompt_file,
 )
 from medusa_chat.training.loop import RunOptions
-from medusa_chat.training.pipeline import HeadsDraft, SaveOptions, train_and_save
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache
 from medusa_chat.training.stages import add_stage_args, evaluate_main, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
@@ -397,7 +397,7 @@ def _train_heads(stage: _TrainStage, extra: dict[str, Any], init_from: Any) -> i
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
     embed = model.get_input_embeddings().weight.detach()
-    kind = HeadsDraft(model.get_output_embeddings(), train, held, ts, embed, init_from)
+    kind = HeadsKind(model.get_output_embeddings(), train, held, ts, embed, init_from)
     return stage.finish(kind, "checkpoint.pt", extra)
 
 
@@ -407,7 +407,7 @@ def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_
     then the Hub layout, accuracy.json and tree.json in `out`."""
     from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
-    from medusa_chat.training.eagle_pipeline import EagleDraftKind
+    from medusa_chat.training.eagle_pipeline import EagleKind
 
     args, model, log = stage.args, stage.model, stage.run.log
     name, taps, draft_vocab = args.heads_format, None, None
@@ -432,7 +432,7 @@ def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_
 
     features = stage.work / f"{name}-features"
     data = eagle_features(model, stage.store, features, stage.run.device, log=log, deadline=stage.run.deadline, taps=taps)
-    kind = EagleDraftKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from)
+    kind = EagleKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from)
     return stage.finish(kind, f"{name}-checkpoint.pt", extra)
 
 

@@ -114,7 +114,7 @@ def save_draft(draft: EagleDraft, config: dict[str, Any], out_dir: Path) -> None
 
 
 @dataclass
-class EagleDraftKind:
+class EagleKind:
     """An EAGLE-1 draft for `backbone` (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply
     tokens, on `data` cached with EAGLE-3's taps), trained on all but `holdout` of the prompts and evaluated to
     `eval_depth` on those. An EAGLE-1 draft also writes its `eagle1_draft_vocab` most frequent reply tokens

@@ -2,7 +2,7 @@
 save it, evaluate it on held-out data, fit a static tree to what it measured, and write accuracy.json.
 
 The kinds differ in what they build, train, save and measure; `DraftKind` is that difference, and
-`train_and_save` the one pipeline around it: `HeadsDraft` (Medusa / Hydra heads, here) and `EagleDraftKind`
+`train_and_save` the one pipeline around it: `HeadsKind` (Medusa / Hydra heads, here) and `EagleKind`
 (EAGLE-1 / EAGLE-3 drafts, eagle_pipeline.py)."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class DraftKind(Protocol):
 
 
 @dataclass
-class HeadsDraft:
+class HeadsKind:
     """Medusa (v1 / v2) or Hydra heads over cached hidden states. Hydra heads need `embed_weight` (the
     backbone's input embeddings); `init_from` warm-starts from trained heads of the same shape (Medusa v2 heads
     into Hydra: the ResBlocks are copied, the token cell starts at zero, so training starts from exactly the
