@@ -436,7 +436,7 @@ def test_errors_show_as_messages_and_the_app_keeps_running(tmp_path: Path) -> No
             raise DeviceError("vicuna-7b needs a CUDA GPU and none was found: try --model smollm2-135m")
 
     app = web.launch(
-        NoGpuSession(model="vicuna-7b", data_dir=tmp_path), port=free_port(), block=False, quiet=True
+        NoGpuSession(SessionOptions(model="vicuna-7b"), tmp_path), port=free_port(), block=False, quiet=True
     )
     try:
         assert app.medusa_web.loader.wait(30) and app.medusa_web.loader.status == "error"
