@@ -26,7 +26,8 @@ from medusa_chat.model.sources.heads_files import load_heads_file
 from medusa_chat.training.distill import make_logger
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length
-from medusa_chat.training.pipeline import train_and_save
+from medusa_chat.training.loop import RunOptions
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
 from medusa_chat.training.positions import PositionData, heldout_mask, load_cache
 from medusa_chat.training.train_heads import TrainSettings
 
@@ -88,23 +89,12 @@ def main() -> None:
         settings.warmup_frac = args.warmup_frac
     embed = backbone.get_input_embeddings().weight.detach()
     t0 = time.time()
-    report = train_and_save(
-        backbone.get_output_embeddings(),
-        train,
-        held,
-        settings,
-        out,
-        "HuggingFaceTB/SmolLM2-135M-Instruct",
-        torch.device("cpu"),
-        checkpoint=out / "checkpoint.pt",
-        resume=args.resume,
-        deadline=time.time() + 60 * args.minutes if args.minutes else None,
-        log=log,
-        embed_weight=embed,
-        init_from=init,
-        draft_vocab=init.draft_vocab.long() if args.keep_draft_vocab else None,
-        extra_report={"init_from": args.init_from, "caches": args.cache},
-    )
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    options = RunOptions(torch.device("cpu"), out / "checkpoint.pt", args.resume, deadline, log)
+    vocab = init.draft_vocab.long() if args.keep_draft_vocab else None
+    kind = HeadsKind(backbone.get_output_embeddings(), train, held, settings, embed, init, vocab)
+    extra = {"init_from": args.init_from, "caches": args.cache}
+    report = train_and_save(kind, SaveOptions(out, "HuggingFaceTB/SmolLM2-135M-Instruct", options, extra_report=extra))
     log(f"trained and saved in {time.time() - t0:.0f} s")
     if args.eval_only_cache:
         d = torch.load(args.eval_only_cache, weights_only=True)

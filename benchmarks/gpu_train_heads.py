@@ -58,7 +58,8 @@ import torch  # noqa: E402
 
 from medusa_chat.atomic import atomic_write_json  # noqa: E402
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training, make_logger  # noqa: E402
-from medusa_chat.training.pipeline import train_and_save  # noqa: E402
+from medusa_chat.training.loop import RunOptions  # noqa: E402
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save  # noqa: E402
 from medusa_chat.training.positions import cache_hidden_states, heldout_mask, load_cache  # noqa: E402
 from medusa_chat.training.store import DistillStore, export_npz  # noqa: E402
 from medusa_chat.training.train_heads import TrainSettings, heads_file_bytes  # noqa: E402
@@ -348,9 +349,7 @@ def train_eagle_drafts(
             break
         t = time.time()
         deadline = t + left / (n_units - i) - 8
-        report = train_eagle_config(
-            model, store, fmt, run.args, run.out / fmt, run.work, device, deadline, run.summary["data"], run.log
-        )
+        report = train_eagle_config(run, model, store, fmt, device, deadline)
         run.summary["configs"][fmt] = {
             **config_summary(report, time.time() - t),
             "train_positions": report["data"]["train_positions"],
@@ -397,20 +396,11 @@ def train_head_configs(
         name = f"heads-{ts.num_heads}x{ts.num_layers}" + ("-hydra" if ts.heads_format == "hydra" else "")
         t = time.time()
         share = left / (len(configs) - i)  # the EAGLE drafts (if any) are done
+        embed = model.get_input_embeddings().weight.detach()
+        options = RunOptions(device, run.work / f"{name}.ckpt", resume=True, deadline=time.time() + share - 8, log=log)
+        extra = {"distill": run.summary["data"]}
         report = train_and_save(
-            lm_head,
-            train,
-            held,
-            ts,
-            out / name,
-            args.base_model,
-            device,
-            checkpoint=run.work / f"{name}.ckpt",
-            resume=True,
-            deadline=time.time() + share - 8,
-            log=log,
-            extra_report={"distill": run.summary["data"]},
-            embed_weight=model.get_input_embeddings().weight.detach(),
+            HeadsKind(lm_head, train, held, ts, embed), SaveOptions(out / name, args.base_model, options, extra_report=extra)
         )
         est = report.get("estimated_tokens_per_step", {})
         run.summary["configs"][name] = config_summary(report, time.time() - t)
@@ -444,24 +434,16 @@ def config_summary(report: dict, seconds: float) -> dict:
     }
 
 
-def train_eagle_config(
-    model,
-    store,
-    fmt: str,
-    args: argparse.Namespace,
-    out: Path,
-    work: Path,
-    device,
-    deadline: float,
-    data,
-    log,
-) -> dict:
+def train_eagle_config(run: Run, model: Any, store: DistillStore, fmt: str, device: torch.device, deadline: float) -> dict:
     """An EAGLE-1 (`eagle`) or EAGLE-3 (`eagle3`) draft from the distilled data, as `train-heads --heads-format`
-    does: the features cached in work/<fmt>-features, training to `deadline`, the Hub layout written to `out`."""
+    does: the features cached in work/<fmt>-features, training to `deadline`, the Hub layout written to
+    OUT/<fmt>."""
     from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
-    from medusa_chat.training.eagle_pipeline import train_and_save_eagle
+    from medusa_chat.training.eagle_pipeline import EagleKind
     from medusa_chat.training.train_eagle import EagleSettings
+
+    args, work, log = run.args, run.work, run.log
 
     taps, draft_vocab = None, None
     if fmt == "eagle3":
@@ -484,22 +466,10 @@ def train_eagle_config(
         lr=args.eagle_lr,
         seed=args.seed,
     )
-    return train_and_save_eagle(
-        model,
-        features,
-        settings,
-        out,
-        args.base_model,
-        device,
-        holdout=args.holdout,
-        checkpoint=work / f"{fmt}-checkpoint.pt",
-        resume=True,
-        deadline=deadline,
-        log=log,
-        extra_report={"distill": data},
-        draft_vocab=draft_vocab,
-        init_from=init,
-    )
+    kind = EagleKind(model, features, settings, args.holdout, draft_vocab=draft_vocab, init_from=init)
+    options = RunOptions(device, work / f"{fmt}-checkpoint.pt", resume=True, deadline=deadline, log=log)
+    extra = {"distill": run.summary["data"]}
+    return train_and_save(kind, SaveOptions(run.out / fmt, args.base_model, options, extra_report=extra))
 
 
 if __name__ == "__main__":

@@ -51,15 +51,16 @@ def add_generation_args(parser: Any, entry: str) -> None:
         )
 
 
-def settings_changes(args: Any) -> dict[str, Any]:
-    """The generation options given in `args` (every OPTIONS name `args` has, None = not given), converted and
-    checked by their options (settings.parse_settings)."""
-    return parse_settings({name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None})
+def given_settings(args: Any) -> dict[str, Any]:
+    """The generation options given in `args` (every OPTIONS name `args` has, None = not given), as given: what
+    converts and checks them is settings.parse_settings, once, here (settings_from_args) or in the session
+    (SessionManager.update_settings)."""
+    return {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
 
 
 def settings_from_args(args: Any, base: GenerationSettings | None = None) -> GenerationSettings:
     """The reply settings `args`' generation options give over `base` (default: GenerationSettings()),
     validated (before any slow load, so a bad option fails at once)."""
-    settings = dataclasses.replace(base or GenerationSettings(), **settings_changes(args))
+    settings = dataclasses.replace(base or GenerationSettings(), **parse_settings(given_settings(args)))
     settings.validate()
     return settings

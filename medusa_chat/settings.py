@@ -20,6 +20,7 @@ No torch, no UI: `events.GenerationSettings`, the engine, the UIs and the server
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -455,6 +456,37 @@ def parse_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
     return parsed
 
 
+def parse_request_value(option: str, value: Any, name: str) -> Any:
+    """A setting as a JSON request sends it (the OpenAI API; `name`: the request's name for it), converted and
+    checked here as every other entry point's values are: first the wire's kind (a JSON number, an integer or
+    a list of non-empty strings, never text to convert nor `true` for 1), then the option's check with the API's
+    bounds (Option.api_error). Raises ValueError with the message a 400 answer carries."""
+    o = OPTIONS[option]
+    if o.parse is _strings:
+        if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
+            raise ValueError(f"{name} must be a list of non-empty strings")
+        return o.parse(value)
+    if o.parse in (int, _whole, _seed):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # some clients send 100.0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {json.dumps(value)}")
+    else:
+        # bool is an int in Python, but `"temperature": true` is a client bug worth reporting
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {json.dumps(value)}")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal too large for a float
+            value = math.inf
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number")
+    message = o.api_error(value, name)
+    if message is not None:
+        raise ValueError(message)
+    return value
+
+
 def defaults_for(entry: str) -> dict[str, Any]:
     """Every option's default at `entry` ("api" for the OpenAI API's requests)."""
     return {name: o.default_for(entry) for name, o in OPTIONS.items()}
@@ -483,5 +515,6 @@ __all__ = [
     "Option",
     "accept_mode",
     "defaults_for",
+    "parse_request_value",
     "parse_settings",
 ]

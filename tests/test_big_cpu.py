@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-test-"))
 
 from medusa_chat import cli  # noqa: E402
-from medusa_chat.chat.session import SessionManager  # noqa: E402
+from medusa_chat.chat.session import SessionManager, SessionOptions  # noqa: E402
 from medusa_chat.errors import OfflineError  # noqa: E402
 from medusa_chat.model.sources.cpu_plan import WontFit  # noqa: E402
 from medusa_chat.model.sources.loading import load_model  # noqa: E402
@@ -43,7 +43,7 @@ def test_vicuna_7b_offline_web_page_shows_the_failure_and_its_fix_once(hub_cache
     retry the load and log the failure again."""
     from medusa_chat.ui import web
 
-    app = web.WebApp(SessionManager(model="vicuna-7b", data_dir=tmp_path))
+    app = web.WebApp(SessionManager(SessionOptions(model="vicuna-7b"), tmp_path))
     app.loader.start()
     assert app.loader.wait(120) and app.loader.status == "error"
     assert NOT_CACHED in (app.loader.error or "")

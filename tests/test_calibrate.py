@@ -420,7 +420,7 @@ def test_pick_tree_size_near_ties_go_to_the_smaller_tree() -> None:
 def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
     cache_dir: Path, make_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager, SessionOptions
 
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
     # the tiny model calibrates in a moment; a 1B model would not (calibration_is_long: the budget shrinks)
@@ -429,7 +429,7 @@ def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
     budget = [cal.FirstStartBudget(12, 5000, 16)]
     monkeypatch.setattr(cal, "first_start_budget", lambda loaded: budget[0])
     loaded = make_loaded_model()
-    session = SessionManager(model=loaded.spec.name, loaded=loaded, data_dir=cache_dir / "data")
+    session = SessionManager(SessionOptions(model=loaded.spec.name), cache_dir / "data", loaded)
     session.update_settings(max_new_tokens=24)
     session.load()
     # before any reply: plain decoding, said so, nothing measured or saved yet
@@ -462,7 +462,7 @@ def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
     again = [item for item in session.send("Tell me about the sea.")]
     assert again[-1].token_ids == first[-1].token_ids
     # a later start reads the saved choice: no provisional tree
-    later = SessionManager(model=loaded.spec.name, loaded=loaded, data_dir=cache_dir / "data2")
+    later = SessionManager(SessionOptions(model=loaded.spec.name), cache_dir / "data2", loaded)
     later.load()
     assert not later.calibration_pending and later.tree.size == session.tree.size
 

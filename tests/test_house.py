@@ -1,6 +1,7 @@
 """The house rules the layers test (test_layers.py: no cycles, imports point down) does not cover: modules of at
 most 600 lines, folders of at most 20 modules, composition instead of classes built from several of the package's
-own classes, and result files that name no machine's paths."""
+own classes, functions of at most 7 parameters (options travel as one dataclass), no circle among the C files,
+and result files that name no machine's paths."""
 
 from __future__ import annotations
 
@@ -121,3 +122,92 @@ def test_docs_name_every_benchmark_script_as_rerun_or_one_off() -> None:
     unnamed = [s for s in scripts if f"`{s}`" not in text]
     assert not unnamed, "benchmark scripts docs/benchmarks.md does not name:\n" + "\n".join(unnamed)
     assert "`sampling_ab.py`" in one_off.split("###")[0] and "`sampling_ab.py`" not in rerun
+
+
+MAX_PARAMETERS = 7
+# The package's functions allowed more (GPU kernels, @triton.jit, aside: a kernel's signature is its launch
+# grid's arguments). Each entry must still be wide, so the list only shrinks; at most 8 of them.
+WIDE_ALLOWED = {
+    "kernels/triton_attention.py:path_attention",  # the Triton kernel's launcher: its arguments are the kernel's
+    "model/sources/loading.py:load_model",  # the public entry point, its options named as the CLI's flags
+    "model/forward/eagle.py:_block",
+    "training/distill.py:sample_user_turns",
+    "tuning/calibrate.py:calibrate",
+    "tuning/calibrate.py:_record",
+    "tuning/measure.py:measure_step_latency",
+}
+
+
+def wide_functions(source: str, limit: int = MAX_PARAMETERS) -> dict[str, int]:
+    """{function name: its parameter count} for the functions of `source` taking more than `limit` parameters
+    (self and cls not counted; *args and **kwargs count one each), @triton.jit kernels left out."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if any("triton.jit" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        a = node.args
+        names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+        n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+        if n > limit:
+            found[node.name] = n
+    return found
+
+
+def test_the_parameter_counter() -> None:
+    source = (
+        "import triton\n"
+        "def narrow(a, b, c, d, e, f, g): ...\n"
+        "def wide(a, b, c, d, e, f, *, g, h): ...\n"
+        "class C:\n"
+        "    def method(self, a, b, c, d, e, f, g): ...\n"
+        "    def spread(self, a, b, c, d, e, f, *args, **kwargs): ...\n"
+        "@triton.jit\n"
+        "def kernel(a, b, c, d, e, f, g, h, i): ...\n"
+    )
+    assert wide_functions(source) == {"wide": 8, "spread": 8}
+
+
+def test_functions_take_at_most_7_parameters() -> None:
+    found = {
+        f"{path.relative_to(PACKAGE_DIR).as_posix()}:{name}": n
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        for name, n in wide_functions(path.read_text()).items()
+    }
+    new = sorted(f"{k} ({n})" for k, n in found.items() if k not in WIDE_ALLOWED)
+    assert not new, f"functions with more than {MAX_PARAMETERS} parameters (pass an options dataclass):\n" + "\n".join(
+        new
+    )
+    narrowed = sorted(WIDE_ALLOWED - set(found))
+    assert not narrowed, "allowed to be wide but no longer are (take them off WIDE_ALLOWED):\n" + "\n".join(narrowed)
+    assert len(WIDE_ALLOWED) <= 8
+
+
+def c_calls(csrc: Path) -> dict[str, set[str]]:
+    """{C file: the other .c files whose functions it calls}: a function defined (not static) in one file and
+    named in another's code (comments and strings left out) is a call from that file into the first."""
+    code = {p.name: re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"', "", p.read_text(), flags=re.S) for p in sorted(csrc.glob("*.c"))}
+    definition = re.compile(r"^(?!static)[A-Za-z_][\w \t\*]*?\b(\w+)\s*\([^;{]*\)\s*\{", re.M)
+    owner = {name: f for f, text in code.items() for name in definition.findall(text)}
+    return {
+        f: {owner[w] for w in set(re.findall(r"\b\w+\b", text)) if owner.get(w, f) != f}
+        for f, text in code.items()
+    }
+
+
+def test_the_c_files_call_each_other_without_a_circle() -> None:
+    calls = c_calls(PACKAGE_DIR / "kernels" / "csrc")
+    assert "team.c" in calls["kquants.c"] and "kquants.c" in calls["qgemm.c"]  # (the reader sees the calls)
+    circles = []
+    for start in calls:
+        seen, todo = set(), list(calls[start])
+        while todo:
+            f = todo.pop()
+            if f == start:
+                circles.append(start)
+                break
+            if f not in seen:
+                seen.add(f)
+                todo.extend(calls[f])
+    assert not circles, f"C files that call back into themselves through others: {sorted(circles)}"

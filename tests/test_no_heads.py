@@ -234,10 +234,10 @@ def test_info_says_lookup_only_and_names_train_heads(tiny_llama_dir: Path, capsy
 
 @pytest.mark.slow
 def test_web_model_panel_says_lookup_only(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager, SessionOptions
     from medusa_chat.ui import web
 
-    session = SessionManager(model=str(tiny_llama_dir), quant="none", device="cpu", data_dir=tmp_path)
+    session = SessionManager(SessionOptions(model=str(tiny_llama_dir), quant="none", device="cpu"), tmp_path)
     ui = web.WebApp(session)
     session.update_settings(max_new_tokens=8)
     outputs = list(ui.send("hello hello hello", False))  # loads the model (real load_model), then replies

@@ -19,7 +19,7 @@ import torch
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.kernels import cbind
 from medusa_chat.kernels.gguf_file import dequantize, read_tensors
-from medusa_chat.model.sources import loading, quantized_cache
+from medusa_chat.model.sources import checkpoint_reader, loading, quantized_cache
 from medusa_chat.model.sources.gguf_model import read_metadata
 from medusa_chat.model.sources.gguf_names import gguf_state_dict
 from medusa_chat.model.sources.loading import LoadedModel, load_model
@@ -193,11 +193,11 @@ def test_no_whole_float_model_is_built(cache: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(loading, "load_backbone", refuse)
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))
-    real = quantized_cache.read_tensor
+    real = checkpoint_reader.read_tensor
     alive: list[weakref.ref[torch.Tensor]] = []
     overlaps: list[int] = []
 
-    def tracked(f: Any, t: quantized_cache.SourceTensor) -> torch.Tensor:
+    def tracked(f: Any, t: checkpoint_reader.SourceTensor) -> torch.Tensor:
         overlaps.append(
             sum(r() is not None for r in alive)
         )  # earlier tensors still held when this one is read
@@ -205,7 +205,7 @@ def test_no_whole_float_model_is_built(cache: Path, monkeypatch: pytest.MonkeyPa
         alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(quantized_cache, "read_tensor", tracked)
+    monkeypatch.setattr(checkpoint_reader, "read_tensor", tracked)
     folder = _folder("tied")
     loaded = _load(folder, "int4")
     assert any("cached quantized file" in n for n in loaded.notes)

@@ -30,7 +30,7 @@ from medusa_chat.chat.conversations import (
     export_conversation,
     hard_line_breaks,
 )
-from medusa_chat.chat.session import SessionManager
+from medusa_chat.chat.session import SessionManager, SessionOptions
 from medusa_chat.errors import BusyError, MedusaChatError, PromptError
 from medusa_chat.events import ReplySummary, StepEvent
 from medusa_chat.settings import DRY_DEFAULT
@@ -309,7 +309,7 @@ def make_session(make_loaded_model, tmp_path: Path):
         loaded = make_loaded_model()
         if context_limit is not None:  # a copy: the cached LoadedModel is shared between tests
             loaded = dataclasses.replace(loaded, context_limit=context_limit)
-        s = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=tree_size)
+        s = SessionManager(SessionOptions(tree_size=tree_size), tmp_path, loaded)
         s.load()
         s.update_settings(max_new_tokens=max_new_tokens)
         return s
@@ -626,7 +626,7 @@ def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Pa
     again.load()
     assert calls == [1] and again.engine.tree.size == size  # read from the cache
 
-    off = SessionManager(loaded=loaded, data_dir=tmp_path, tree_size=4)
+    off = SessionManager(SessionOptions(tree_size=4), tmp_path, loaded)
     off.load()
     assert calls == [1] and off.engine.tree.size == 4  # an explicit tree is never overridden
 

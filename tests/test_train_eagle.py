@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
 from medusa_chat.training.eagle_data import EagleData, cache_eagle_features, load_eagle_cache
 from medusa_chat.training.eagle_model import draft_config, new_draft, unrolled_outputs
-from medusa_chat.training.eagle_pipeline import EAGLE_FILE, evaluate_eagle, train_and_save_eagle
+from medusa_chat.training.eagle_pipeline import EAGLE_FILE, EagleKind, evaluate_eagle
+from medusa_chat.training.loop import RunOptions
+from medusa_chat.training.pipeline import SaveOptions, train_and_save
 from medusa_chat.training.store import DistillStore
 from medusa_chat.training.train_eagle import EagleSettings, batch_losses, train_eagle
 from medusa_chat.training.train_heads import draft_vocabulary
@@ -36,6 +39,7 @@ PROMPTS = [
     )
 ]
 QUIET = {"log": lambda m: None}
+RUN = RunOptions(CPU, log=lambda m: None)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
@@ -135,7 +139,7 @@ def test_training_lowers_loss_and_raises_chain_accuracy(data, backbone) -> None:
     with torch.no_grad():
         loss0, _ = batch_losses(draft.eval(), lm_w, emb_w, batch, s, 0.0)
     acc0 = evaluate_eagle(draft, lm_w, emb_w, d, CPU, depth=3)
-    res = train_eagle(draft, lm_w, emb_w, d, s, CPU, **QUIET)
+    res = train_eagle(draft, lm_w, emb_w, d, s, RUN)
     with torch.no_grad():
         loss1, _ = batch_losses(draft.eval(), lm_w, emb_w, batch, s, 0.0)
     acc1 = evaluate_eagle(draft, lm_w, emb_w, d, CPU, depth=3)
@@ -151,13 +155,13 @@ def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: 
     lm_w, emb_w = _weights(model)
     s = EagleSettings(unroll=2, **{**SMALL, "epochs": 2})  # feature noise on: a resume must draw the same
     ref = _draft(model)
-    train_eagle(ref, lm_w, emb_w, d, s, CPU, **QUIET)
+    train_eagle(ref, lm_w, emb_w, d, s, RUN)
     ck = tmp_path / "ck.pt"
     part = _draft(model)
-    r1 = train_eagle(part, lm_w, emb_w, d, s, CPU, checkpoint=ck, stop_after_steps=5, **QUIET)
+    r1 = train_eagle(part, lm_w, emb_w, d, s, replace(RUN, checkpoint=ck, stop_after_steps=5))
     assert r1.stopped_early and r1.steps == 5
     resumed = _draft(model)  # a new process: the weights come from the checkpoint only
-    r2 = train_eagle(resumed, lm_w, emb_w, d, s, CPU, checkpoint=ck, resume=True, **QUIET)
+    r2 = train_eagle(resumed, lm_w, emb_w, d, s, replace(RUN, checkpoint=ck, resume=True))
     assert r2.steps == r2.total_steps > 5
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=1e-6)
@@ -169,11 +173,7 @@ def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: 
         emb_w,
         d,
         other,
-        CPU,
-        checkpoint=ck,
-        resume=True,
-        stop_after_steps=1,
-        log=logs.append,
+        RunOptions(CPU, checkpoint=ck, resume=True, log=logs.append, stop_after_steps=1),
     )
     assert any("from scratch" in m for m in logs)
 
@@ -184,19 +184,8 @@ def test_written_draft_loads_and_greedy_replies_are_the_plain_loops(
     _, d = data
     model, tok = backbone
     out = tmp_path / "eagle"
-    report = train_and_save_eagle(
-        model,
-        d,
-        EagleSettings(unroll=2, **SMALL),
-        out,
-        "tiny",
-        CPU,
-        holdout=0.25,
-        tree_budget=12,
-        eval_depth=3,
-        eagle1_draft_vocab=100,
-        **QUIET,
-    )
+    kind = EagleKind(model, d, EagleSettings(unroll=2, **SMALL), 0.25, eval_depth=3, eagle1_draft_vocab=100)
+    report = train_and_save(kind, SaveOptions(out, "tiny", RUN, tree_budget=12))
     files = {f.name for f in out.iterdir()}
     assert {"config.json", EAGLE_FILE, "accuracy.json", "tree.json", "draft_vocab.safetensors"} <= files
     assert report["data"]["heldout_samples"] > 0 and len(report["heldout"]["top1"]) == 3
@@ -357,25 +346,14 @@ def test_eagle3_trains_writes_loads_and_decodes_as_the_plain_loop(deep, data3, t
     batch = d.batch(list(range(len(d))), CPU)
     with torch.no_grad():
         loss0, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
-    train_eagle(probe, lm_w, emb_w, d, settings, CPU, **QUIET)
+    train_eagle(probe, lm_w, emb_w, d, settings, RUN)
     with torch.no_grad():
         loss1, _ = batch_losses(probe.eval(), lm_w, emb_w, batch, settings, 0.0)
     assert float(loss1) < 0.7 * float(loss0)
 
     out = tmp_path / "eagle3"
-    report = train_and_save_eagle(
-        model,
-        d,
-        settings,
-        out,
-        "deep",
-        CPU,
-        holdout=0.25,
-        tree_budget=8,
-        eval_depth=3,
-        draft_vocab=60,
-        **QUIET,
-    )
+    kind = EagleKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60)
+    report = train_and_save(kind, SaveOptions(out, "deep", RUN, tree_budget=8))
     assert report["heads"]["format"] == "eagle3" and len(report["heldout"]["top1"]) == 3
     saved = load_file(str(out / EAGLE_FILE))
     assert (
@@ -407,12 +385,15 @@ def test_an_eagle3_draft_goes_on_training_from_a_trained_one(deep, data3, tmp_pa
     _, model, _ = deep
     _, d = data3
     settings = EagleSettings(unroll=2, **SMALL)
-    kw = dict(holdout=0.25, tree_budget=8, eval_depth=3, **QUIET)
-    first = train_and_save_eagle(model, d, settings, tmp_path / "a", "deep", CPU, draft_vocab=60, **kw)
+    first = train_and_save(
+        EagleKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60),
+        SaveOptions(tmp_path / "a", "deep", RUN, tree_budget=8),
+    )
     trained = load_heads_file(tmp_path / "a")[0]
     more = EagleSettings(unroll=2, **{**SMALL, "epochs": 1, "lr": 3e-4})
-    again = train_and_save_eagle(
-        model, d, more, tmp_path / "b", "deep", CPU, draft_vocab=200, init_from=trained, **kw
+    again = train_and_save(
+        EagleKind(model, d, more, 0.25, eval_depth=3, draft_vocab=200, init_from=trained),
+        SaveOptions(tmp_path / "b", "deep", RUN, tree_budget=8),
     )
     assert again["training"]["epoch_heldout_loss"][0] < first["training"]["epoch_heldout_loss"][0]
     saved = load_file(str(tmp_path / "b" / EAGLE_FILE))

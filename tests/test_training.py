@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from medusa_chat.training.distill import (
 )
 from medusa_chat.training.evaluate import evaluate_heads
 from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, grow_tree, independent_gain
+from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.pipeline import HEADS_FILE, round_heads_, save_heads
 from medusa_chat.training.positions import (
     PositionData,
@@ -43,6 +45,7 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CPU = torch.device("cpu")
+QUIET = RunOptions(CPU, log=lambda m: None)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops (conftest)
@@ -343,7 +346,7 @@ def test_training_lowers_loss_and_raises_accuracy(distilled, backbone, fmt: str)
     lm_w = model.lm_head.weight.detach()
     heads = new_heads(s, model.lm_head, 64, lm_w.shape[0])
     loss0, acc0 = _loss_and_acc(heads, lm_w, data, 3)
-    res = train_heads(heads, lm_w, data, s, CPU, log=lambda m: None)
+    res = train_heads(heads, lm_w, data, s, QUIET)
     loss1, acc1 = _loss_and_acc(heads.eval(), lm_w, data, 3)
     assert res.steps == res.total_steps > 0
     assert loss1 < 0.8 * loss0
@@ -357,7 +360,7 @@ def test_saved_heads_reload_bit_exactly(distilled, backbone, tmp_path: Path) -> 
     model, _ = backbone
     s = TrainSettings(num_heads=2, num_layers=2, epochs=1, batch_size=64, bf16=False)
     heads = new_heads(s, model.lm_head, 64, model.lm_head.weight.shape[0])
-    train_heads(heads, model.lm_head.weight, data, s, CPU, log=lambda m: None)
+    train_heads(heads, model.lm_head.weight, data, s, QUIET)
     round_heads_(heads)
     cfg = save_heads(heads, tmp_path, "tiny")
     sd = load_file(str(tmp_path / HEADS_FILE))
@@ -383,13 +386,13 @@ def test_training_resumes_from_checkpoint(distilled, backbone, tmp_path: Path) -
         return new_heads(s, model.lm_head, 64, lm_w.shape[0])
 
     ref = fresh()
-    train_heads(ref, lm_w, data, s, CPU, log=lambda m: None)
+    train_heads(ref, lm_w, data, s, QUIET)
     ck = tmp_path / "ck.pt"
     part = fresh()
-    r1 = train_heads(part, lm_w, data, s, CPU, checkpoint=ck, log=lambda m: None, stop_after_steps=5)
+    r1 = train_heads(part, lm_w, data, s, replace(QUIET, checkpoint=ck, stop_after_steps=5))
     assert r1.stopped_early and r1.steps == 5
     resumed = fresh()  # a new process: weights come from the checkpoint only
-    r2 = train_heads(resumed, lm_w, data, s, CPU, checkpoint=ck, resume=True, log=lambda m: None)
+    r2 = train_heads(resumed, lm_w, data, s, replace(QUIET, checkpoint=ck, resume=True))
     assert r2.steps == r2.total_steps
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=1e-6)
@@ -400,7 +403,7 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
     model, _ = backbone
     s = TrainSettings(num_heads=3, epochs=10, batch_size=64, lr=3e-3, bf16=False)
     heads = new_heads(s, model.lm_head, 64, model.lm_head.weight.shape[0])
-    train_heads(heads, model.lm_head.weight, data, s, CPU, log=lambda m: None)
+    train_heads(heads, model.lm_head.weight, data, s, QUIET)
     ev = evaluate_heads(heads, model.lm_head.weight, data, CPU)
     assert ev["backbone_agreement"] > 0.98
     for k in range(3):
@@ -419,7 +422,7 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
 def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_path: Path) -> None:
     """Fine-tuning Hydra heads on a small new set keeps the warm start's draft vocabulary when asked (counted on
     more data); without it the vocabulary is counted from the new set; a wrong size is refused."""
-    from medusa_chat.training.pipeline import train_and_save
+    from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
     from medusa_chat.training.train_heads import draft_vocabulary
 
     _, data = distilled
@@ -433,17 +436,13 @@ def test_fine_tuning_keeps_the_given_draft_vocabulary(distilled, backbone, tmp_p
     given = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[:32]
     assert not torch.equal(given.sort().values, counted.sort().values)
     for vocab_in, out in ((given, tmp_path / "given"), (None, tmp_path / "counted")):
-        train_and_save(
-            model.lm_head, data, data.subset(data.sample < 0), s, out, "tiny", CPU,
-            log=lambda m: None, embed_weight=embed, draft_vocab=vocab_in,
-        )  # fmt: skip
+        kind = HeadsKind(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=vocab_in)
+        train_and_save(kind, SaveOptions(out, "tiny", QUIET))
     assert torch.equal(load_heads_file(tmp_path / "given")[0].draft_vocab, given)
     assert torch.equal(load_heads_file(tmp_path / "counted")[0].draft_vocab, counted)
     with pytest.raises(ValueError, match="draft vocabulary of 31 tokens"):
-        train_and_save(
-            model.lm_head, data, data.subset(data.sample < 0), s, tmp_path / "bad", "tiny", CPU,
-            log=lambda m: None, embed_weight=embed, draft_vocab=given[:31],
-        )  # fmt: skip
+        kind = HeadsKind(model.lm_head, data, data.subset(data.sample < 0), s, embed, draft_vocab=given[:31])
+        train_and_save(kind, SaveOptions(tmp_path / "bad", "tiny", QUIET))
 
 
 def test_heldout_split_is_by_prompt() -> None:

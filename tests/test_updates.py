@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from medusa_chat.chat.session import SessionManager
+from medusa_chat.chat.session import SessionManager, SessionOptions
 from medusa_chat.chat.updates import Coalescer, Update, default_interval_s, panel_interval_s, updates
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
@@ -174,7 +174,7 @@ def test_an_error_in_the_reply_reaches_the_consumer_after_the_steps_before_it() 
 
 @pytest.fixture
 def session(make_loaded_model: Callable[..., Any], tmp_path: Path) -> SessionManager:
-    s = SessionManager(loaded=make_loaded_model(), data_dir=tmp_path, tree_size=8, auto_calibrate=False)
+    s = SessionManager(SessionOptions(tree_size=8), tmp_path, make_loaded_model(), auto_calibrate=False)
     s.load()
     return s
 

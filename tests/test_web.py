@@ -28,7 +28,7 @@ os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="medusa-gradio-
 import gradio as gr  # noqa: E402
 from gradio_client import Client  # noqa: E402
 
-from medusa_chat.chat.session import SessionManager  # noqa: E402
+from medusa_chat.chat.session import SessionManager, SessionOptions  # noqa: E402
 from medusa_chat.chat.updates import UPDATES_PER_S  # noqa: E402
 from medusa_chat.errors import DeviceError  # noqa: E402
 from medusa_chat.events import StepEvent  # noqa: E402
@@ -436,7 +436,7 @@ def test_errors_show_as_messages_and_the_app_keeps_running(tmp_path: Path) -> No
             raise DeviceError("vicuna-7b needs a CUDA GPU and none was found: try --model smollm2-135m")
 
     app = web.launch(
-        NoGpuSession(model="vicuna-7b", data_dir=tmp_path), port=free_port(), block=False, quiet=True
+        NoGpuSession(SessionOptions(model="vicuna-7b"), tmp_path), port=free_port(), block=False, quiet=True
     )
     try:
         assert app.medusa_web.loader.wait(30) and app.medusa_web.loader.status == "error"
@@ -531,9 +531,7 @@ def _embedded_heads(tmp_path: Path) -> tuple[str | None, str]:
 def test_embedded_model_end_to_end(tmp_path: Path) -> None:
     heads, which = _embedded_heads(tmp_path)
     print(f"embedded model with {which}")
-    session = SessionManager(
-        heads=heads, tree_size=16, data_dir=tmp_path / "data"
-    )  # default model: smollm2-135m
+    session = SessionManager(SessionOptions(heads=heads, tree_size=16), tmp_path / "data")  # the default model
     app = web.launch(session, port=free_port(), block=False, quiet=True)
     try:
         assert app.medusa_web.loader.wait(300), "the embedded model did not load in 5 minutes"

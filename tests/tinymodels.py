@@ -606,6 +606,7 @@ def _distilled_hydra_heads(arch: str, num_heads: int = 4, draft_vocab: int = 384
     """Hydra heads trained by the real pipeline (train_heads, teacher forcing) on the same distilled data,
     warm-started from the Medusa heads; a draft vocabulary smaller than the vocabulary, so tokens outside it
     occur."""
+    from medusa_chat.training.loop import RunOptions
     from medusa_chat.training.positions import PositionData, hidden_states_for
     from medusa_chat.training.train_heads import (
         TrainSettings,
@@ -637,7 +638,8 @@ def _distilled_hydra_heads(arch: str, num_heads: int = 4, draft_vocab: int = 384
     warm_start_(heads, _distilled_heads(arch, num_heads))
     torch.manual_seed(0)
     embed = model.get_input_embeddings().weight.detach()
-    train_heads(heads, lm_head.weight, data, s, torch.device("cpu"), log=lambda m: None, embed_weight=embed)
+    quiet = RunOptions(torch.device("cpu"), log=lambda m: None)
+    train_heads(heads, lm_head.weight, data, s, quiet, embed_weight=embed)
     return heads.eval().requires_grad_(False)
 
 

@@ -178,8 +178,9 @@ def bench_main(args: argparse.Namespace) -> int:
     if background:
         from medusa_chat.bench.load import print_load_summary, run_with_background_load
 
+        console = None if args.quiet else out
         doc = run_with_background_load(
-            loaded, tree, prompts, config, background, None if args.quiet else out, err, tree_source=source
+            lambda: run_bench(loaded, tree, prompts, config, console, tree_source=source), background, err
         )
         print_load_summary(out, doc)
     else:

@@ -18,15 +18,12 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
-
-from medusa_chat.bench.harness import BenchConfig, run_bench
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from medusa_chat.tree import Tree
 
 BUSY_CODE = "while True:\n    pass\n"
 LABELS = {
@@ -98,26 +95,18 @@ def side_by_side(quiet: dict[str, Any], loaded: dict[str, Any]) -> list[dict[str
     return rows
 
 
-def run_with_background_load(
-    loaded: Any,
-    tree: Tree,
-    prompts: list[str],
-    config: BenchConfig,
-    n: int,
-    console: Console | None = None,
-    err: Console | None = None,
-    tree_source: str = "",
-) -> dict[str, Any]:
-    """The bench quiet, then under `n` busy processes: {"background_load", "quiet", "loaded", "side_by_side"}."""
+def run_with_background_load(bench: Callable[[], dict[str, Any]], n: int, err: Console | None = None) -> dict[str, Any]:
+    """`bench` (a whole run: harness.run_bench with its arguments) quiet, then under `n` busy processes:
+    {"background_load", "quiet", "loaded", "side_by_side"}."""
     if n < 1:
         raise ValueError(f"--background-load must be >= 1 (got {n})")
     if err is not None:
         err.print("[dim]quiet phase[/dim]")
-    quiet = run_bench(loaded, tree, prompts, config, console, tree_source=tree_source)
+    quiet = bench()
     if err is not None:
         err.print(f"[dim]loaded phase: {n} busy process{'es' if n > 1 else ''}[/dim]")
     with busy_processes(n):
-        under = run_bench(loaded, tree, prompts, config, console, tree_source=tree_source)
+        under = bench()
     return {"background_load": n, "quiet": quiet, "loaded": under, "side_by_side": side_by_side(quiet, under)}
 
 

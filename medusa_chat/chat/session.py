@@ -34,32 +34,59 @@ if TYPE_CHECKING:
     from medusa_chat.model.sources.loading import LoadedModel
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionOptions:
+    """What a session loads: the model, its heads, the numeric path (quant, dtype, device) and the tree (a name or
+    file, and a size), as the common model options (cli.add_model_options) name them."""
+
+    model: str = "smollm2-135m"
+    heads: str | None = None
+    quant: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    tree: str | None = None
+    tree_size: int | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> SessionOptions:
+        """The options from parsed flags; a flag a sub-command lacks (or leaves unset) keeps its default."""
+        return cls(
+            model=getattr(args, "model", None) or "smollm2-135m",
+            heads=getattr(args, "heads", None),
+            quant=getattr(args, "quant", None) or "auto",
+            dtype=getattr(args, "dtype", None) or "auto",
+            device=getattr(args, "device", None) or "auto",
+            tree=getattr(args, "tree", None),
+            tree_size=getattr(args, "tree_size", None),
+            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+        )
+
+
 class SessionManager(ReplyTurns):
     """One chat session. Not a model wrapper: the model and engine are built on `load()`. Its turns (send, ...)
-    are turns.ReplyTurns'; it holds its conversation's edits and files (`history`) and its speed meter (`speed`)."""
+    are turns.ReplyTurns'; it holds its conversation's edits and files (`history`) and its speed meter (`speed`).
+
+    `loaded`: a model already loaded (the options' model fields then only name it); `data_dir`: where the
+    conversations are saved; `auto_calibrate`: None follows MEDUSA_CHAT_AUTO_CALIBRATE."""
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
-        heads: str | None = None,
-        quant: str = "auto",
-        dtype: str = "auto",
-        device: str = "auto",
-        tree: str | None = None,
-        tree_size: int | None = None,
+        options: SessionOptions | None = None,
         data_dir: Path | None = None,
-        trust_remote_code: bool = False,
         loaded: LoadedModel | None = None,
         auto_calibrate: bool | None = None,
     ) -> None:
-        self.model_name = model
-        self.heads_arg = heads
-        self.quant_arg = quant
-        self.dtype_arg = dtype
-        self.device_arg = device
-        self.trust_remote_code = trust_remote_code
+        o = options or SessionOptions()
+        self.options = o
+        self.model_name = o.model
+        self.heads_arg = o.heads
+        self.quant_arg = o.quant
+        self.dtype_arg = o.dtype
+        self.device_arg = o.device
+        self.trust_remote_code = o.trust_remote_code
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-        self.history = ConversationHistory(ConversationStore(self.data_dir / "conversations"), Conversation(model=model))
+        self.history = ConversationHistory(ConversationStore(self.data_dir / "conversations"), Conversation(model=o.model))
         self.speed = SpeedMeter()
         self.loaded: LoadedModel | None = loaded
         self.engine: MedusaEngine | None = None
@@ -68,7 +95,7 @@ class SessionManager(ReplyTurns):
         self.last_summary: ReplySummary | None = None
         # Things the UI should tell the user about the last action (dropped turns, failed autosave, ...).
         self.notices: list[str] = []
-        self._tree_request: tuple[str | None, int | None] = (tree, tree_size)
+        self._tree_request: tuple[str | None, int | None] = (o.tree, o.tree_size)
         if auto_calibrate is None:  # MEDUSA_CHAT_AUTO_CALIBRATE=0 turns it off (the test suite does)
             auto_calibrate = envvars.auto_calibrate()
         self.auto_calibrate = auto_calibrate
@@ -85,16 +112,7 @@ class SessionManager(ReplyTurns):
     @classmethod
     def from_args(cls, args: Any) -> SessionManager:
         """A session from the common model options (cli.add_model_options), as web and serve build it."""
-        return cls(
-            model=getattr(args, "model", None) or "smollm2-135m",
-            heads=getattr(args, "heads", None),
-            quant=getattr(args, "quant", None) or "auto",
-            dtype=getattr(args, "dtype", None) or "auto",
-            device=getattr(args, "device", None) or "auto",
-            tree=getattr(args, "tree", None),
-            tree_size=getattr(args, "tree_size", None),
-            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-        )
+        return cls(SessionOptions.from_args(args))
 
     # ---- model ----------------------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:

@@ -93,7 +93,7 @@ def known_input() -> torch.Tensor:
 
 def activations_as_the_kernel_rounds_them(x: torch.Tensor, scheme: str = "32") -> torch.Tensor:
     """x as the kernel's 8-bit activations stand for it, in float64 (csrc/kquants.c describes the schemes).
-    "32" (qgemm.c quantize_rows): per block of 32, fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even,
+    "32" (team.c quantize_rows): per block of 32, fp32 d = max|x| / 127, q = x * (1 / d) rounded half to even,
     x -> d * q. "256" and "nested" (kquants.c quantize_k_rows): per superblock of 256, fp32 dk = max|x| / 2032
     and per sub-block of 32 an integer m (16, or nested: ceil(16 * max|x_sub| / max|x|) in fp32, in 1..16), q = x
     * (1 / (dk * m)) rounded half to even, x -> dk * m * q."""

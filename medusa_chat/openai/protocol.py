@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_chat.events import ReplySummary
-from medusa_chat.settings import OPTIONS, PENALTY_OPTIONS, SAMPLER_OPTIONS
+from medusa_chat.settings import OPTIONS, PENALTY_OPTIONS, SAMPLER_OPTIONS, parse_request_value
 
 log = logging.getLogger("medusa_chat.openai.server")
 
@@ -109,59 +108,26 @@ class ChatRequest:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the _REPLY_OPTIONS the request set
 
 
-def _number(body: dict[str, Any], name: str, option: str, default: float) -> float:
-    """A JSON number (the wire's type check here), checked by its option's definition (settings.OPTIONS,
-    with the API's bounds)."""
+def _setting(body: dict[str, Any], name: str, option: str, default: Any = None) -> Any:
+    """The request's value for setting `option` (`name`: the request's name for it), converted and checked by
+    settings.parse_request_value; `default` where the request leaves it out (or sends null)."""
     value = body.get(name)
     if value is None:
         return default
-    # bool is an int in Python, but `"temperature": true` is a client bug worth reporting
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{name} must be a number, got {json.dumps(value)}", name)
     try:
-        value = float(value)
-    except OverflowError:  # an integer literal too large for a float
-        value = math.inf
-    if not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number", name)
-    message = OPTIONS[option].api_error(value, name)
-    if message is not None:
-        raise bad_request(message, name)
-    return value
-
-
-def _integer(body: dict[str, Any], name: str, option: str) -> int | None:
-    """A JSON integer (the wire's type check here), checked by its option's definition."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # some clients send 100.0
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}", name)
-    message = OPTIONS[option].api_error(value, name)
-    if message is not None:
-        raise bad_request(message, name)
-    return value
+        return parse_request_value(option, value, name)
+    except ValueError as err:
+        raise bad_request(str(err), name) from None
 
 
 def _reply_options(body: dict[str, Any]) -> dict[str, Any]:
     """The penalties and extra samplers the request sets (settings.OPTIONS checks each value)."""
-    out: dict[str, Any] = {}
-    for option in _REPLY_OPTIONS:
-        for name in OPTIONS[option].api_names:
-            if body.get(name) is None:
-                continue
-            if option == "dry_sequence_breakers":
-                value = body[name]
-                if not (isinstance(value, list) and all(isinstance(b, str) and b for b in value)):
-                    raise bad_request(f"{name} must be a list of non-empty strings", name)
-                out[option] = tuple(value)
-            elif isinstance(OPTIONS[option].default, int) and not isinstance(OPTIONS[option].default, bool):
-                out[option] = _integer(body, name, option)
-            else:
-                out[option] = _number(body, name, option, OPTIONS[option].default)
-    return out
+    return {
+        option: _setting(body, name, option)
+        for option in _REPLY_OPTIONS
+        for name in OPTIONS[option].api_names
+        if body.get(name) is not None
+    }
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -259,17 +225,17 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if any(s == "" for s in stops):
         raise bad_request("stop strings must not be empty", "stop")
     # max_completion_tokens is OpenAI's current name; max_tokens its deprecated alias
-    max_tokens, legacy = (_integer(body, name, "max_new_tokens") for name in OPTIONS["max_new_tokens"].api_names)
+    max_tokens, legacy = (_setting(body, name, "max_new_tokens") for name in OPTIONS["max_new_tokens"].api_names)
     return ChatRequest(
         model=model,
         messages=messages,
         stream=bool(stream),
         include_usage=bool(stream) and include_usage,
-        temperature=_number(body, "temperature", "temperature", DEFAULT_TEMPERATURE),
-        top_p=_number(body, "top_p", "top_p", DEFAULT_TOP_P),
+        temperature=_setting(body, "temperature", "temperature", DEFAULT_TEMPERATURE),
+        top_p=_setting(body, "top_p", "top_p", DEFAULT_TOP_P),
         max_tokens=max_tokens if max_tokens is not None else legacy,
         stop=stops,
-        seed=_integer(body, "seed", "seed"),
+        seed=_setting(body, "seed", "seed"),
         options=_reply_options(body),
     )
 

@@ -186,9 +186,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if warning:
         print(warning, file=sys.stderr)
     session = SessionManager.from_args(args)
-    from medusa_chat.cliargs import settings_changes
+    from medusa_chat.cliargs import given_settings
 
-    session.update_settings(**settings_changes(args))  # --accept; a request sets the rest
+    session.update_settings(**given_settings(args))  # --accept; a request sets the rest
     # Bind first: a taken port is reported before minutes of model loading, not after.
     server = APIServer(create_app(session, api_key=api_key, max_queue=max_queue), host, args.port)
     session.load(progress=lambda text: print(text, file=sys.stderr, flush=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,9 @@ from medusa_chat.training.distill import (
     make_logger,
     read_prompt_file,
 )
-from medusa_chat.training.pipeline import train_and_save
-from medusa_chat.training.positions import (
-    cache_hidden_states,
-    conversation_starts,
-    heldout_mask,
-    load_cache,
-)
+from medusa_chat.training.loop import RunOptions
+from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
+from medusa_chat.training.positions import cache_hidden_states, conversation_starts, heldout_mask, load_cache
 from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
 from medusa_chat.training.store import DistillStore, Log, import_npz
 from medusa_chat.training.train_heads import TrainSettings
@@ -259,11 +256,11 @@ def train_main(args: argparse.Namespace) -> int:
         return 2
     distill_report = _distill_report(args, store, time.time() - t_data)
     deadline = time.time() + 60 * args.train_minutes if args.train_minutes else None
+    stage = _TrainStage(args, model, store, out, work, RunOptions(device, deadline=deadline, log=log))
+    extra = {"distill": distill_report}
     if eagle_settings is not None:
-        return _train_eagle(
-            args, model, store, eagle_settings, out, work, device, deadline, distill_report, log, init_from
-        )
-    return _train_heads(args, model, store, out, work, device, deadline, distill_report, log, init_from)
+        return _train_eagle(stage, eagle_settings, extra, init_from)
+    return _train_heads(stage, extra, init_from)
 
 
 def _training_device(args: argparse.Namespace) -> torch.device:
@@ -356,23 +353,37 @@ def _distill_report(args: argparse.Namespace, store: DistillStore, data_seconds:
     }
 
 
-def _train_heads(
-    args: argparse.Namespace,
-    model: Any,
-    store: DistillStore,
-    out: Path,
-    work: Path,
-    device: torch.device,
-    deadline: float | None,
-    distill_report: dict[str, Any],
-    log: Log,
-    init_from: Any,
-) -> int:
+@dataclass
+class _TrainStage:
+    """What the train stage works with once the data are there: the parsed flags, the backbone, the distilled
+    data, the output and work folders, and the run's device, deadline and log."""
+
+    args: argparse.Namespace
+    model: Any
+    store: DistillStore
+    out: Path
+    work: Path
+    run: RunOptions
+
+    def finish(self, kind: Any, checkpoint: str, extra: dict[str, Any]) -> int:
+        """The pipeline with `kind`, its checkpoint in the work folder; what it wrote is logged."""
+        run = replace(self.run, checkpoint=self.work / checkpoint, resume=self.args.resume)
+        options = SaveOptions(self.out, base_model_name(self.args.model), run, self.args.tree_budget, extra)
+        report = train_and_save(kind, options)
+        log = self.run.log
+        log(f"wrote {self.out}: {', '.join(sorted(p.name for p in self.out.iterdir() if p.is_file()))}")
+        if "estimated_tokens_per_step" in report:
+            log(f"estimated tokens/step: {json.dumps(report['estimated_tokens_per_step'])}")
+        return 0
+
+
+def _train_heads(stage: _TrainStage, extra: dict[str, Any], init_from: Any) -> int:
     """Medusa or Hydra heads: the hidden states cached, the heads trained, evaluated and saved to `out`."""
+    args, model, device, log = stage.args, stage.model, stage.run.device, stage.run.log
     cuda = device.type == "cuda"
-    paths = cache_hidden_states(model, store, work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
+    paths = cache_hidden_states(model, stage.store, stage.work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
-    mask = heldout_mask(conversation_starts(store.prompts)[data.sample.long()], args.holdout)
+    mask = heldout_mask(conversation_starts(stage.store.prompts)[data.sample.long()], args.holdout)
     train, held = data.subset(~mask), data.subset(mask)
     if cuda:
         train, held = train.to(device), held.to(device)
@@ -387,50 +398,21 @@ def _train_heads(
         seed=args.seed,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
-    report = train_and_save(
-        model.get_output_embeddings(),
-        train,
-        held,
-        ts,
-        out,
-        base_model_name(args.model),
-        device,
-        checkpoint=work / "checkpoint.pt",
-        resume=args.resume,
-        tree_budget=args.tree_budget,
-        log=log,
-        embed_weight=model.get_input_embeddings().weight.detach(),
-        init_from=init_from,
-        draft_vocab=getattr(init_from, "draft_vocab", None) if args.keep_draft_vocab else None,
-        deadline=deadline,
-        extra_report={"distill": distill_report},
-    )
-    log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
-    if "estimated_tokens_per_step" in report:
-        log(f"estimated tokens/step: {json.dumps(report['estimated_tokens_per_step'])}")
-    return 0
+    embed = model.get_input_embeddings().weight.detach()
+    draft_vocab = getattr(init_from, "draft_vocab", None) if args.keep_draft_vocab else None
+    kind = HeadsKind(model.get_output_embeddings(), train, held, ts, embed, init_from, draft_vocab)
+    return stage.finish(kind, "checkpoint.pt", extra)
 
 
-def _train_eagle(
-    args: argparse.Namespace,
-    model: Any,
-    store: DistillStore,
-    settings: Any,
-    out: Path,
-    work: Path,
-    device: torch.device,
-    deadline: float | None,
-    distill_report: dict[str, Any],
-    log: Any,
-    init_from: Any = None,
-) -> int:
+def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_from: Any = None) -> int:
     """The EAGLE draft after the data: every position's feature cached in `work`/eagle-features (EAGLE-3's three
     taps: eagle3-features), training with its checkpoint in `work`/eagle-checkpoint.pt (eagle3-checkpoint.pt),
     then the Hub layout, accuracy.json and tree.json in `out`."""
     from medusa_chat.model.forward.eagle import eagle_taps
     from medusa_chat.training.eagle_data import eagle_features
-    from medusa_chat.training.eagle_pipeline import train_and_save_eagle
+    from medusa_chat.training.eagle_pipeline import EagleKind
 
+    args, model, log = stage.args, stage.model, stage.run.log
     name, taps, draft_vocab = args.heads_format, None, None
     if name == "eagle3":
         n_layers = int(getattr(model.config, "num_hidden_layers", 0))
@@ -451,28 +433,10 @@ def _train_eagle(
             log(f"--init-from: {err}")
             return 2
 
-    data = eagle_features(model, store, work / f"{name}-features", device, log=log, deadline=deadline, taps=taps)
-    report = train_and_save_eagle(
-        model,
-        data,
-        settings,
-        out,
-        base_model_name(args.model),
-        device,
-        holdout=args.holdout,
-        checkpoint=work / f"{name}-checkpoint.pt",
-        resume=args.resume,
-        deadline=deadline,
-        tree_budget=args.tree_budget,
-        log=log,
-        extra_report={"distill": distill_report},
-        draft_vocab=draft_vocab,
-        init_from=init_from,
-    )
-    log(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
-    if "estimated_tokens_per_step" in report:
-        log(f"estimated tokens/step: {json.dumps(report['estimated_tokens_per_step'])}")
-    return 0
+    features = stage.work / f"{name}-features"
+    data = eagle_features(model, stage.store, features, stage.run.device, log=log, deadline=stage.run.deadline, taps=taps)
+    kind = EagleKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from)
+    return stage.finish(kind, f"{name}-checkpoint.pt", extra)
 
 
 def fit_tree_main(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""An EAGLE draft end to end, as `train-heads --heads-format eagle / eagle3` runs it: train (train_eagle.py),
-round to fp16, evaluate on the held-out prompts, and write the Hub layout with its accuracy and fitted tree.
+"""An EAGLE draft as one kind of the training pipeline (pipeline.train_and_save), as `train-heads --heads-format
+eagle / eagle3` runs it: train (train_eagle.py), round to fp16, evaluate on the held-out prompts, and write the
+Hub layout with its accuracy and fitted tree.
 
 Evaluation (`evaluate_eagle`): the training's unroll on held-out samples gives, for every decoding step's root,
 the rank of the true token at each depth with the draft fed its own outputs: per-depth top-1/top-5, conditional
@@ -8,9 +9,7 @@ chain accuracy, and the joint rank-tuple table fit_tree grows static trees from.
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,14 @@ from medusa_chat.training.eagle_model import (
     unrolled_outputs,
     warm_start_eagle,
 )
-from medusa_chat.training.evaluate import MAX_RANK, joint_path_probs
+from medusa_chat.training.evaluate import JOINT_TOP, MAX_RANK, joint_path_probs
+from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.store import Log
 from medusa_chat.training.train_eagle import EagleSettings, make_batches, train_eagle
+from medusa_chat.training.train_heads import draft_vocabulary
 
 EAGLE_FILE = "model.safetensors"
+EVAL_BATCH_TOKENS = 1024  # full-vocabulary logits of an evaluation batch: 200 MB at 49k tokens
 
 
 @torch.no_grad()
@@ -43,14 +45,12 @@ def evaluate_eagle(
     data: EagleData,
     device: torch.device,
     depth: int = 5,
-    max_rank: int = MAX_RANK,
-    batch_tokens: int = 1024,  # full-vocabulary logits of a batch: 200 MB at 49k tokens
-    joint_top: int = 2048,
 ) -> dict[str, Any]:
     """Held-out accuracy of the draft fed its own outputs, in fp32 (as it runs on a CPU), per decoding step's
     root: the rank of the true token at depths 1 .. `depth` given the true tokens before it. Returns per-depth
     top1/top5/rank_acc, `chain_top1_conditional` (depth d right given depths < d right) and `joint` (rank-tuple
     prefixes' frequencies: a static tree node's greedy acceptance probability, as evaluate.evaluate_heads)."""
+    max_rank, batch_tokens = MAX_RANK, EVAL_BATCH_TOKENS
     was = draft.training
     draft.eval().to(device).float()
     lm_w = lm_weight.detach().to(device).float()
@@ -94,7 +94,7 @@ def evaluate_eagle(
         "top5": top5,
         "rank_acc": rank_acc,
         "chain_top1_conditional": chain,
-        "joint": joint_path_probs(steps, max_rank, joint_top),
+        "joint": joint_path_probs(steps, max_rank, JOINT_TOP),
     }
 
 
@@ -113,117 +113,97 @@ def save_draft(draft: EagleDraft, config: dict[str, Any], out_dir: Path) -> None
     atomic_write_json(out_dir / "config.json", config)
 
 
-def train_and_save_eagle(
-    backbone: Any,
-    data: EagleData,
-    settings: EagleSettings,
-    out_dir: Path,
-    base_model: str,
-    device: torch.device,
-    holdout: float = 0.03,
-    checkpoint: Path | None = None,
-    resume: bool = False,
-    deadline: float | None = None,
-    tree_budget: int = 64,
-    eval_depth: int = 5,
-    log: Log = print,
-    extra_report: dict[str, Any] | None = None,
-    stop_after_steps: int | None = None,
-    draft_vocab: int | None = None,
-    eagle1_draft_vocab: int = EAGLE1_DRAFT_VOCAB,
-    init_from: EagleDraft | None = None,
-) -> dict[str, Any]:
-    """Train an EAGLE-1 draft (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply tokens, on
-    `data` cached with EAGLE-3's taps) for `backbone`, round it to fp16, evaluate it on the held-out prompts,
-    write the Hub layout + accuracy.json + tree.json (a static tree fitted to the draft's measured chain ranks);
-    an EAGLE-1 draft also its `eagle1_draft_vocab` most frequent reply tokens (draft_vocab.safetensors, where the
-    vocabulary is larger), which the C drafter guesses among.
+@dataclass
+class EagleKind:
+    """An EAGLE-1 draft for `backbone` (with `draft_vocab`: EAGLE-3 over that many of the most frequent reply
+    tokens, on `data` cached with EAGLE-3's taps), trained on all but `holdout` of the prompts and evaluated to
+    `eval_depth` on those. An EAGLE-1 draft also writes its `eagle1_draft_vocab` most frequent reply tokens
+    (draft_vocab.safetensors, where the vocabulary is larger), which the C drafter guesses among.
     `init_from`: a trained draft of the same kind and shape to continue from (`warm_start_eagle`); an EAGLE-3
     draft keeps its draft vocabulary, `draft_vocab` is then its size."""
-    from medusa_chat.training.fit_tree import fit_tree, size_summary
-    from medusa_chat.training.pipeline import round_heads_
 
-    settings.check()
-    train, held = data.split(holdout)
-    lm_weight = backbone.get_output_embeddings().weight.detach()
-    embed_weight = backbone.get_input_embeddings().weight.detach()
-    ids = None
-    if init_from is not None and init_from.version == 3:  # its own vocabulary: its head's rows stay those tokens
-        ids = torch.nonzero(init_from.t2d).flatten()
-        draft_vocab = len(ids)
-    elif draft_vocab:
-        from medusa_chat.training.train_heads import draft_vocabulary
+    backbone: Any
+    data: EagleData
+    settings: EagleSettings
+    holdout: float = 0.03
+    eval_depth: int = 5
+    draft_vocab: int | None = None
+    eagle1_draft_vocab: int = EAGLE1_DRAFT_VOCAB
+    init_from: EagleDraft | None = None
+    tree_words = "static tree"
 
-        ids = draft_vocabulary(train, draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
-    config = draft_config(backbone.config, base_model, draft_vocab)
-    draft = new_draft(config, settings.seed, lm_weight, ids)
-    if init_from is not None:
-        warm_start_eagle(draft, init_from)
-    kind = f"EAGLE-3 ({draft_vocab}-token draft vocabulary)" if draft_vocab else "EAGLE-1"
-    n_params = sum(p.numel() for p in draft.parameters())
-    log(
-        f"training an {kind} draft ({n_params / 1e6:.2f} M parameters, {2 * n_params / 1e6:.1f} MB fp16) on "
-        f"{len(train)} samples ({train.positions} positions), unroll {settings.unroll}, {settings.epochs} epochs"
-        + (" from a trained draft" if init_from is not None else "")
-    )
-    result = train_eagle(
-        draft,
-        lm_weight,
-        embed_weight,
-        train,
-        settings,
-        device,
-        checkpoint=checkpoint,
-        resume=resume,
-        heldout=held if len(held) else None,
-        deadline=deadline,
-        log=log,
-        stop_after_steps=stop_after_steps,
-    )
-    draft.cpu().float()
-    round_heads_(draft)  # evaluate exactly the fp16 weights that are shipped
-    save_draft(draft, config, out_dir)
-    if not draft_vocab and eagle1_draft_vocab < lm_weight.shape[0]:
-        # EAGLE-1 projects with the backbone's whole lm_head; on a CPU the C drafter reads only these rows of it
-        # (native_eagle.py), so they are the reply tokens this draft was trained on, most frequent first
-        from safetensors.torch import save
+    @property
+    def depth(self) -> int:
+        return self.eval_depth
 
-        from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
-        from medusa_chat.training.train_heads import draft_vocabulary
-
-        ids = draft_vocabulary(train, eagle1_draft_vocab, lm_weight.shape[0])  # type: ignore[arg-type]
-        atomic_write_bytes(out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()}))
-    report: dict[str, Any] = {
-        "heads": {
-            "format": draft.format,
-            "layers": 1,
-            "parameters": n_params,
-            "file_mb": round(2 * n_params / 1e6, 3),
-        },
-        "data": {
-            "train_samples": len(train),
-            "train_positions": train.positions,
-            "heldout_samples": len(held),
-            "heldout_positions": held.positions,
-        },
-        "training": {**asdict(settings), **asdict(result), "seconds": round(result.seconds, 1)},
-        **(extra_report or {}),
-    }
-    if len(held):
-        t = time.time()
-        ev = evaluate_eagle(draft, lm_weight, embed_weight, held, device, depth=eval_depth)
-        report["heldout"] = ev
-        tree = fit_tree(report, budget=tree_budget, name=f"{out_dir.name}-fitted")
-        atomic_write_json(out_dir / "tree.json", tree)
-        report["estimated_tokens_per_step"] = size_summary(tree)
-        report["estimated_tokens_per_step_chain"] = round(
-            1 + sum(math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(eval_depth)), 4
-        )
+    def build(self, base_model: str, log: Log) -> None:
+        settings, init_from = self.settings, self.init_from
+        settings.check()
+        self.train_data, self.held = train, _ = self.data.split(self.holdout)
+        self.lm_weight = self.backbone.get_output_embeddings().weight.detach()
+        self.embed_weight = self.backbone.get_input_embeddings().weight.detach()
+        ids = None
+        if init_from is not None and init_from.version == 3:  # its own vocabulary: its head's rows stay those
+            ids = torch.nonzero(init_from.t2d).flatten()
+            self.draft_vocab = len(ids)
+        elif self.draft_vocab:
+            ids = draft_vocabulary(train, self.draft_vocab, self.lm_weight.shape[0])  # type: ignore[arg-type]
+        self.config = draft_config(self.backbone.config, base_model, self.draft_vocab)
+        self.model = new_draft(self.config, settings.seed, self.lm_weight, ids)
+        if init_from is not None:
+            warm_start_eagle(self.model, init_from)
+        what = f"EAGLE-3 ({self.draft_vocab}-token draft vocabulary)" if self.draft_vocab else "EAGLE-1"
+        self.n_params = sum(p.numel() for p in self.model.parameters())
         log(
-            f"held-out ({ev['positions']} positions, {time.time() - t:.0f}s): top1 {ev['top1']} top5 {ev['top5']} "
+            f"training an {what} draft ({self.n_params / 1e6:.2f} M parameters, {2 * self.n_params / 1e6:.1f} MB "
+            f"fp16) on {len(train)} samples ({train.positions} positions), unroll {settings.unroll}, "
+            f"{settings.epochs} epochs" + (" from a trained draft" if init_from is not None else "")
+        )
+
+    def train(self, run: RunOptions) -> Any:
+        held = self.held if len(self.held) else None
+        return train_eagle(self.model, self.lm_weight, self.embed_weight, self.train_data, self.settings, run, held)
+
+    def save(self, out_dir: Path, base_model: str) -> dict[str, Any]:
+        del base_model  # (in the config since `build`)
+        save_draft(self.model, self.config, out_dir)
+        if not self.draft_vocab and self.eagle1_draft_vocab < self.lm_weight.shape[0]:
+            # EAGLE-1 projects with the backbone's whole lm_head; on a CPU the C drafter reads only these rows of
+            # it (native_eagle.py), so they are the reply tokens this draft was trained on, most frequent first
+            from safetensors.torch import save
+
+            from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
+
+            vocab = self.lm_weight.shape[0]
+            ids = draft_vocabulary(self.train_data, self.eagle1_draft_vocab, vocab)  # type: ignore[arg-type]
+            atomic_write_bytes(out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()}))
+        return self.config
+
+    def report(self) -> dict[str, Any]:
+        train, held = self.train_data, self.held
+        return {
+            "heads": {
+                "format": self.model.format,
+                "layers": 1,
+                "parameters": self.n_params,
+                "file_mb": round(2 * self.n_params / 1e6, 3),
+            },
+            "data": {
+                "train_samples": len(train),
+                "train_positions": train.positions,
+                "heldout_samples": len(held),
+                "heldout_positions": held.positions,
+            },
+        }
+
+    def has_heldout(self) -> bool:
+        return bool(len(self.held))
+
+    def evaluate(self, device: torch.device) -> dict[str, Any]:
+        return evaluate_eagle(self.model, self.lm_weight, self.embed_weight, self.held, device, self.eval_depth)
+
+    def heldout_line(self, ev: dict[str, Any], seconds: float) -> str:
+        return (
+            f"held-out ({ev['positions']} positions, {seconds:.0f}s): top1 {ev['top1']} top5 {ev['top5']} "
             f"chain {ev['chain_top1_conditional']}"
         )
-        log(f"estimated tokens/step (greedy, fitted static tree): {report['estimated_tokens_per_step']}")
-    atomic_write_json(out_dir / "accuracy.json", report)
-    report["config"] = config
-    return report

@@ -16,6 +16,7 @@ MAX_RANK = 10  # rank-r accuracies for r < MAX_RANK (published trees use ranks 0
 
 
 JOINT_TOP = 2048  # rank-tuple prefixes kept in accuracy.json (enough to grow trees of that many nodes)
+EVAL_BATCH = 512  # held-out positions per batch
 
 
 @torch.no_grad()
@@ -24,9 +25,6 @@ def evaluate_heads(
     lm_weight: torch.Tensor,
     data: PositionData,
     device: torch.device,
-    max_rank: int = MAX_RANK,
-    batch_size: int = 512,
-    joint_top: int = JOINT_TOP,
     embed_weight: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Held-out accuracies in fp32 (as the heads will run on CPU).
@@ -37,6 +35,7 @@ def evaluate_heads(
     with path) for the most likely rank-tuple prefixes -- exactly the acceptance probability of that tree node
     under greedy decoding, correlations included.
     """
+    max_rank, batch_size = MAX_RANK, EVAL_BATCH
     heads.eval().to(device)
     w = lm_weight.detach().to(device).float()
     proj = head_projection(heads, w)
@@ -93,7 +92,7 @@ def evaluate_heads(
         "rank_acc": rank_acc,
         "chain_top1_conditional": chain,
         "backbone_agreement": round(agree / max(1, agree_n), 5),
-        "joint": joint_path_probs(steps, max_rank, joint_top),
+        "joint": joint_path_probs(steps, max_rank, JOINT_TOP),
     }
 
 

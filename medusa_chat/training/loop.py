@@ -37,6 +37,20 @@ class WarmupCosine:
         return 0.5 * (1 + math.cos(math.pi * frac))
 
 
+@dataclass
+class RunOptions:
+    """How one training run goes, beside what it trains and with which settings: the device, the resumable
+    checkpoint (and whether to resume from it), the time budget, the log, and a simulated interruption after
+    `stop_after_steps` (tests). The heads' and the EAGLE draft's runs take the same options."""
+
+    device: torch.device
+    checkpoint: Path | None = None
+    resume: bool = False
+    deadline: float | None = None
+    log: Log = print
+    stop_after_steps: int | None = None
+
+
 def set_learning_rate(opt: torch.optim.Optimizer, lr: float) -> None:
     """The schedule is set by hand each step: it survives resumes and a shortened plan."""
     for group in opt.param_groups:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -27,11 +26,11 @@ from medusa_chat.training.loop import (
     Checkpoint,
     DeadlineFit,
     Progress,
+    RunOptions,
     RunState,
     WarmupCosine,
     set_learning_rate,
 )
-from medusa_chat.training.store import Log
 from medusa_chat.training.train_heads import TrainSettings, use_bf16
 
 MAX_UNROLL = 7  # EAGLE-3 unrolls ~7 steps; the cached targets reach 8 tokens past a feature
@@ -147,18 +146,14 @@ def train_eagle(
     embed_weight: torch.Tensor,
     train: EagleData,
     settings: EagleSettings,
-    device: torch.device,
-    checkpoint: Path | None = None,
-    resume: bool = False,
+    run: RunOptions,
     heldout: EagleData | None = None,
-    deadline: float | None = None,
-    log: Log = print,
-    stop_after_steps: int | None = None,
 ) -> EagleResult:
-    """Train `draft` in place. Resumable from `checkpoint` (same settings and data); stops by `deadline` (the
-    cosine schedule is shortened once to fit, after a warm-up measurement, as train_heads does); with `heldout`,
-    the held-out loss is measured at each epoch end and the best epoch's weights are kept.
-    `stop_after_steps` simulates an interruption (tests)."""
+    """Train `draft` in place. Resumable from `run.checkpoint` (same settings and data); stops by `run.deadline`
+    (the cosine schedule is shortened once to fit, after a warm-up measurement, as train_heads does); with
+    `heldout`, the held-out loss is measured at each epoch end and the best epoch's weights are kept.
+    `run.stop_after_steps` simulates an interruption (tests)."""
+    device, checkpoint, log, stop_after_steps = run.device, run.checkpoint, run.log, run.stop_after_steps
     settings.check()
     if len(train) == 0:
         raise ValueError("no training samples: generate data first")
@@ -174,13 +169,13 @@ def train_eagle(
     )
     key = {**asdict(settings), "pairs": len(train.hidden), "samples": len(train)}
     saved = Checkpoint(checkpoint, key, draft, opt, plan, "draft", "best")
-    state = saved.resume(device, log, "EAGLE training") if resume else RunState()
+    state = saved.resume(device, log, "EAGLE training") if run.resume else RunState()
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     ema = [0.0] * settings.unroll
     bar = Progress(plan.total, "train eagle", log)
     t0, stopped = time.time(), False
-    fit = DeadlineFit(deadline, 3, 13, lambda per: f"{per:.2f} s/step")
+    fit = DeadlineFit(run.deadline, 3, 13, lambda per: f"{per:.2f} s/step")
     order = _EpochBatches(train, settings)
     try:
         while state.step < plan.total:

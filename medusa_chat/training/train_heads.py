@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,12 +37,12 @@ from medusa_chat.training.loop import (
     Checkpoint,
     DeadlineFit,
     Progress,
+    RunOptions,
     RunState,
     WarmupCosine,
     set_learning_rate,
 )
 from medusa_chat.training.positions import MAX_CACHED_HEADS, PositionData
-from medusa_chat.training.store import Log
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,22 +169,18 @@ def train_heads(
     lm_weight: torch.Tensor,
     train: PositionData,
     settings: TrainSettings,
-    device: torch.device,
-    checkpoint: Path | None = None,
-    resume: bool = False,
+    run: RunOptions,
     heldout: PositionData | None = None,
-    deadline: float | None = None,
-    log: Log = print,
-    stop_after_steps: int | None = None,
     embed_weight: torch.Tensor | None = None,
 ) -> TrainResult:
-    """Train `heads` in place on cached positions. Resumable from `checkpoint`; stops by `deadline`.
+    """Train `heads` in place on cached positions. Resumable from `run.checkpoint`; stops by `run.deadline`.
 
     If the run would miss the deadline, the schedule is shortened once (after a warm-up measurement) so the
     cosine decay still finishes; a hard stop at the deadline saves a checkpoint. With `heldout`, the held-out
     loss is measured at each epoch end and the best epoch's weights are kept (the second epoch on small data
-    already memorises). `stop_after_steps` simulates an interruption (tests).
+    already memorises). `run.stop_after_steps` simulates an interruption (tests).
     """
+    device, checkpoint, log, stop_after_steps = run.device, run.checkpoint, run.log, run.stop_after_steps
     k = settings.num_heads
     bf16 = use_bf16(settings, device)
     heads.to(device).train()
@@ -202,13 +197,13 @@ def train_heads(
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     saved = Checkpoint(checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state")
-    state = saved.resume(device, log, "training") if resume else RunState()
+    state = saved.resume(device, log, "training") if run.resume else RunState()
 
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
     ema = [0.0] * k
     bar = Progress(plan.total, "train", log)
     t0, stopped = time.time(), False
-    fit = DeadlineFit(deadline, 10, 40, lambda per: f"{per * 1000:.0f} ms/step")
+    fit = DeadlineFit(run.deadline, 10, 40, lambda per: f"{per * 1000:.0f} ms/step")
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     order = _EpochOrder(n, settings.seed, train.hidden.device)
     try:
@@ -230,7 +225,7 @@ def train_heads(
             bar.update(state.step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), plan.total)
             end_of_epoch = state.step % steps_per_epoch == 0 or state.step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
-                hl = heldout_loss(heads, lm_weight, heldout, k, device, bf16, settings.head_decay, vocab_index, embed)
+                hl = heldout_loss(heads, lm_weight, heldout, settings, device, bf16, (vocab_index, embed))
                 epoch = math.ceil(state.step / steps_per_epoch)
                 state.score_epoch(hl, epoch, heads)
                 log(f"epoch {epoch}: held-out weighted loss {hl:.4f}")
@@ -281,26 +276,28 @@ def _update_top1(ema: list[float], logits: torch.Tensor, targets: torch.Tensor) 
             ema[i] = 0.95 * ema[i] + 0.05 * float((hit[i] & valid[i]).sum()) / v
 
 
+HELDOUT_POSITIONS = 20000  # the held-out loss's sample: enough to rank the epochs, fast at each epoch end
+
+
 @torch.no_grad()
 def heldout_loss(
     heads: MedusaHeads,
     lm_weight: torch.Tensor,
     data: PositionData,
-    k: int,
+    settings: TrainSettings,
     device: torch.device,
     bf16: bool,
-    decay: float,
-    vocab_index: torch.Tensor | None = None,
-    embed: torch.Tensor | None = None,
-    max_positions: int = 20000,
-    batch_size: int = 1024,
+    hydra: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> float:
-    """Weighted held-out loss; `lm_weight` is already the heads' projection (head_projection)."""
+    """Weighted held-out loss over at most HELDOUT_POSITIONS positions; `lm_weight` is already the heads'
+    projection (head_projection), `hydra` what hydra_inputs gives (the draft-vocab index map, the embeddings)."""
+    vocab_index, embed = hydra
+    batch_size = 1024
     was = heads.training
     heads.eval()
-    n = min(len(data), max_positions)
+    n = min(len(data), HELDOUT_POSITIONS)
     tot, cnt = 0.0, 0
-    w = torch.tensor([decay**i for i in range(k)], device=device)
+    w = torch.tensor([settings.head_decay**i for i in range(settings.num_heads)], device=device)
     for s in range(0, n, batch_size):
         h = data.hidden[s : s + batch_size].to(device).float()
         raw = data.targets[s : s + batch_size].to(device)

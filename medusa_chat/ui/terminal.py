@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.text import Text
 
 from medusa_chat.chat.updates import updates
-from medusa_chat.cliargs import add_generation_args, settings_changes
+from medusa_chat.cliargs import add_generation_args, given_settings
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import ReplySummary, StepEvent
 from medusa_chat.ui.commands import ALIASES, COMMANDS_NAMES, SlashCommands, help_table
@@ -339,7 +339,7 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    from medusa_chat.chat.session import SessionManager
+    from medusa_chat.chat.session import SessionManager, SessionOptions
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not _arg(args, "plain", False)
     console = (
@@ -350,20 +350,10 @@ def main(args: argparse.Namespace) -> int:
         console if interactive else Console(stderr=True, highlight=False, no_color=True, soft_wrap=True)
     )
     data_dir = _arg(args, "data_dir", None)
-    session = SessionManager(
-        model=_arg(args, "model", "smollm2-135m"),
-        heads=_arg(args, "heads", None),
-        quant=_arg(args, "quant", "auto"),
-        dtype=_arg(args, "dtype", "auto"),
-        device=_arg(args, "device", "auto"),
-        tree=_arg(args, "tree", None),
-        tree_size=_arg(args, "tree_size", None),
-        data_dir=Path(data_dir) if data_dir else None,
-        trust_remote_code=bool(_arg(args, "trust_remote_code", False)),
-    )
+    session = SessionManager(SessionOptions.from_args(args), data_dir=Path(data_dir) if data_dir else None)
     # MedusaChatError (unknown model, offline, no GPU, ...) propagates: cli.py prints it as one line.
     _load(session, info_console, interactive)
-    changes = settings_changes(args)  # the generation options given, over the session's defaults
+    changes = given_settings(args)  # the generation options given, over the session's defaults
     if changes:
         session.update_settings(**changes)
     if _arg(args, "system", None):

@@ -12,7 +12,7 @@ typedef struct {
     int64_t index;  // -1: none
 } DuetBest;
 
-// mc_set_threads(-1) (qgemm.c) turns this mode on (qgemm.h, mc_duet); these report it and serve the products
+// mc_set_threads(-1) (team.c) turns this mode on (team.h, mc_duet); these report it and serve the products
 int duet_available(void);
 void duet_quiesce(void);
 void duet_set_test_delay(int us);

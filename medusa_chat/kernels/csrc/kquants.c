@@ -9,8 +9,9 @@
 //
 // The activations are 8-bit, in one of three schemes (mc_kq_scheme, set when the library loads, before any
 // product, from MEDUSA_CHAT_KQUANT_ACTIVATIONS: cbind.kquant_scheme; the plain loop and the tree steps share it):
-// - 32 (the default): qgemm.c's blocks of 32 (quantize_rows). Each sub-block's dot product is an exact integer
-//   sum, then per row and sub-block the exact fp32 factors: acc = fma((d * sc) * dx, dot, acc), and the minimum.
+// - 32 (the default): the blocks of 32 of qgemm.c's formats (team.c, quantize_rows). Each sub-block's dot
+//   product is an exact integer sum, then per row and sub-block the exact fp32 factors:
+//   acc = fma((d * sc) * dx, dot, acc), and the minimum.
 // - the superblock schemes (quantize_k_rows below): per row and superblock one fp32 step dk, and per sub-block of
 //   32 an integer multiplier m_j (1..16), the codes standing for dk * m_j * q. A superblock's sum is then one
 //   integer: the sub-blocks' dot products times sc_j * m_j, summed in int32, and the minimum (or Q6_K's -32)
@@ -48,11 +49,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include "qgemm.h"
 #include "kquants.h"
+#include "team.h"  // the team size, quantize_rows: kquants.c calls into team.c only (qgemm.c calls into this file)
 #include "qblock.h"
-#include "decoder.h"
-#include "duet.h"
 
 // 8 bytes (per-column scales) widened to 32-bit lanes, unsigned or signed
 static inline __m256i u8_32x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -313,26 +312,6 @@ void q5_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
 void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
                     float *sx) {
     kq_gemm_team(x, M, K, w, N, y, qx, dx, sx, 0, 1);
-}
-
-// One product on its own (the Python modules' calls), as qgemm.c's q4_1_gemm
-void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
-    const BLin l = {2, N, K, w, NULL, NULL};
-    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
-#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
-    q4_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
-}
-void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
-    const BLin l = {3, N, K, w, NULL, NULL};
-    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
-#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
-    q5_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
-}
-void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
-    const BLin l = {4, N, K, w, NULL, NULL};
-    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
-#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
-    q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
 
 // ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j from a Q4_K / Q5_K block's 12 bytes

@@ -8,9 +8,6 @@ void q5_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float
                     float *sx);
 void q6_k_gemm_team(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx,
                     float *sx);
-void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
-void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
-void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx);
 // the K-quants' activation scheme (kquants.c): a scale per 32 (the default), one per superblock of 256 (llama.cpp's
 // Q8_K), or per 32 as integer multiples of a superblock step (nested); the codes are what cbind.py passes
 enum { KQ_NESTED = 1, KQ_PER32 = 32, KQ_PER256 = 256 };

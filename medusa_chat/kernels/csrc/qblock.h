@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void prefetch_lines(const void *p, 
 #define HAVE_VNNI 0
 #endif
 
-// The activations' 8-bit quantization, shared by qgemm.c's quantize_rows (a scale per 32) and kquants.c's
+// The activations' 8-bit quantization, shared by team.c's quantize_rows (a scale per 32) and kquants.c's
 // quantize_k_rows (per 256): the largest |x| of 8 lanes (exact in any order), and one block of 32 values to codes
 // q = round(x * id) (the FPU's round-to-nearest-even; |x * id| <= 127 by the choice of id, so packs never
 // saturate), stored in element order, with the exact integer sums of its two halves of 16.

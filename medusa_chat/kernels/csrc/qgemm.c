@@ -25,81 +25,19 @@
 #include <string.h>
 #include <omp.h>
 #include "qgemm.h"
-#include "kquants.h"
-#include "qblock.h"  // the layout sizes, ISA switches and vector helpers shared with kquants.c
+#include "team.h"     // the team of our regions, the duet switch, the 8-bit activation rows (team.c)
+#include "kquants.h"  // the K-quant products, which the duet runtime and the standalone calls below run
+#include "qblock.h"   // the layout sizes, ISA switches and vector helpers shared with kquants.c
 #include "duet.h"
 #include "decoder.h"
 
-// The team size of every parallel region of ours (mc_set_threads; 0: the OpenMP runtime's default, i.e.
-// omp_get_max_threads of the calling thread). A `num_threads` clause on each region rather than
-// omp_set_num_threads: it applies whatever runtime (torch's bundled libgomp or the system one) and whichever
-// thread calls, and it leaves torch's own pool size alone. With 1 the regions run on the caller alone, so no
-// barrier ever waits for a descheduled thread (a loaded machine: engine/threads.py).
 static int duet_gemm(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d, const void *aux,
                      int N, float *y);
 static int duet_q8_0_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws,
                             int N, int64_t *out);
 
-// -1: the duet mode (duet.c): every region runs on the caller alone, and the block products are shared with a
-// helper thread that the caller never waits for.
-static int mc_threads = 0, mc_duet_on = 0;
-void mc_set_threads(int n) {
-    mc_duet_on = n < 0 && duet_available();
-    mc_threads = n < 0 ? 1 : n;
-}
-int mc_get_threads(void) { return mc_duet_on ? -1 : mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
-int mc_team(void) { return mc_threads > 0 ? mc_threads : omp_get_max_threads(); }
-int mc_duet(void) { return mc_duet_on; }
-// The team a region of ours really gets (tests: the clause applies on the runtime actually loaded)
-int mc_team_probe(void) {
-    int n = 0;
-#pragma omp parallel num_threads(mc_team())
-#pragma omp single
-    n = omp_get_num_threads();
-    return n;
-}
-
-int mc_pf_hint[3][2];  // qblock.h: all PF_T0 until prefetch.py sets what it measured
-void mc_set_prefetch(int family, int many_rows, int hint) {
-    if (family >= 0 && family < 3 && (many_rows == 0 || many_rows == 1) && hint >= PF_T0 && hint <= PF_OFF)
-        mc_pf_hint[family][many_rows] = hint;
-}
-int mc_get_prefetch(int family, int many_rows) { return mc_pf_hint[family][many_rows != 0]; }
-
 int qgemm_isa(void) { return HAVE_VNNI; }
 int qgemm_group(void) { return GW; }
-
-// Activation rows quantized per block of 32 the way llama.cpp does (Q8_1): q = round(x / d), d = max|x| / 127,
-// plus s = d * sum(q) for Q4_1's minimum term. Integer dot products then cost a few instructions per 32 weights
-// (the float-dequantizing alternative is compute-bound on AVX2 at one row). Per row, so row-invariant; the
-// max and the integer sum are exact in any order, and the rounding is the FPU's round-to-nearest-even.
-// qu (optional): the same codes plus 128, as unsigned bytes (the VNNI Q8_0 product's unsigned operand).
-// sx may be NULL (no minimum term); s16 (optional): the integer code sums of each 16-half of a block (Q6_K's
-// per-16 scales, kquants.c), exact in 16 bits (|sum| <= 16 * 127).
-// Every block is independent: the blocks are shared among the threads of the team that calls this (an orphaned
-// worksharing loop; called outside a parallel region, one thread does them all).
-void quantize_rows(const float *x, int M, int K, int8_t *q, float *dx, float *sx, int8_t *qu, int16_t *s16) {
-    const int nb = K / QK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-#pragma omp for collapse(2) schedule(static)
-    for (int r = 0; r < M; r++) {
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            __m256 mx = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
-            for (int i = 1; i < 4; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
-            const float d = hmax8(mx) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t h0, h1;
-            const __m256i codes = codes32(xb, _mm256_set1_ps(id), q + (size_t)r * K + (size_t)b * QK, &h0, &h1);
-            if (qu)
-                _mm256_storeu_si256((__m256i *)(qu + (size_t)r * K + (size_t)b * QK),
-                                    _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)));
-            dx[(size_t)r * nb + b] = d;
-            if (sx) sx[(size_t)r * nb + b] = d * (float)(h0 + h1);
-            if (s16) s16[((size_t)r * nb + b) * 2] = (int16_t)h0, s16[((size_t)r * nb + b) * 2 + 1] = (int16_t)h1;
-        }
-    }
-}
-
 
 // Q4_1, 8 columns (a group, or with GW = 16 one half of it: qs, d, mn offset to it) x MR_ rows. Codes are 0..15 (unsigned
 // operand), activations -127..127.
@@ -413,7 +351,7 @@ static inline void argmax_group(const int8_t *qx, const int8_t *qxu, const float
 int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N,
                      int64_t *out, int8_t *qx, float *dx, float *sx) {
     if (M > ARGMAX_ROWS) return 0;
-    if (mc_duet_on && duet_q8_0_argmax(x, M, K, qs, d, ws, N, out)) return 1;
+    if (mc_duet() && duet_q8_0_argmax(x, M, K, qs, d, ws, N, out)) return 1;
     const int nb = K / QK, ng = (N + GW - 1) / GW;
     int8_t *qxu = qx + (size_t)M * K;
     float team_best[ARGMAX_THREADS][ARGMAX_ROWS];  // the caller's stack, shared by its team (48 KB)
@@ -449,16 +387,37 @@ int q8_0_gemm_argmax(const float *x, int M, int K, const int8_t *qs, const uint1
 // (a region costs more than it saves below PAR_MIN).
 void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int N,
                float *y, int8_t *qx, float *dx, float *sx) {
-    if (mc_duet_on && duet_gemm(1, x, M, K, qs, d, mn, N, y)) return;
+    if (mc_duet() && duet_gemm(1, x, M, K, qs, d, mn, N, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q4_1_gemm_team(x, M, K, qs, d, mn, N, y, qx, dx, sx);
 }
 
 void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, const int16_t *ws, int N, float *y,
                int8_t *qx, float *dx, float *sx) {
-    if (mc_duet_on && duet_gemm(0, x, M, K, qs, d, ws, N, y)) return;
+    if (mc_duet() && duet_gemm(0, x, M, K, qs, d, ws, N, y)) return;
 #pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
     q8_0_gemm_team(x, M, K, qs, d, ws, N, y, qx, dx, sx);
+}
+
+// One K-quant product on its own (the Python modules' calls), as q4_1_gemm: here rather than in kquants.c, so
+// that the duet runtime below, which runs kquants.c's column groups, is only ever called from this file's side
+void q4_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {2, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q4_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}
+void q5_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {3, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q5_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
+}
+void q6_k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *qx, float *dx, float *sx) {
+    const BLin l = {4, N, K, w, NULL, NULL};
+    if (mc_duet() && duet_block_linear(&l, x, M, y)) return;
+#pragma omp parallel if ((long)N * K >= PAR_MIN) num_threads(mc_team())
+    q6_k_gemm_team(x, M, K, w, N, y, qx, dx, sx);
 }
 
 // Rows of a Q8_0 block linear's weight, dequantized: out[i] = row ids[i] (K floats), w = d * q exactly as the

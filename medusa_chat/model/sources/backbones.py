@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from medusa_chat.model.sources.devices import quantization_config
 from medusa_chat.model.sources.heads_files import check_draft_vocab
 from medusa_chat.model.sources.registry import ModelSpec
 from medusa_chat.units import human_bytes
+
+if TYPE_CHECKING:
+    from medusa_chat.model.sources.gguf_model import WeightsOptions
 
 Progress = Callable[[str], None]
 
@@ -143,23 +146,14 @@ def load_cuda_int4(
     return backbone, "int4"
 
 
-def load_from_quantized_file(
-    folder: Path,
-    name: str,
-    q: str,
-    dtype: torch.dtype,
-    notes: list[str],
-    progress: Progress | None,
-    trust_remote_code: bool,
-    *,
-    half_embedding: bool = True,
-) -> Any | None:
-    """The backbone from the checkpoint's cached quantized GGUF (model/sources/quantized_cache.py), or None where that path
-    does not apply (then the checkpoint loads whole and is quantized in memory, as before)."""
+def load_from_quantized_file(folder: Path, name: str, options: WeightsOptions, trust_remote_code: bool) -> Any | None:
+    """The backbone from the checkpoint's cached quantized GGUF (model/sources/quantized_cache.py), or None where
+    that path does not apply (then the checkpoint loads whole and is quantized in memory, as before)."""
     from transformers import AutoConfig
 
     from medusa_chat.model.sources.quantized_cache import load_quantized_backbone, unsuitable
 
+    q, notes, progress = options.quant, options.notes, options.progress
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError):
@@ -169,9 +163,7 @@ def load_from_quantized_file(
         notes.append(f"quantized in memory after a whole float load: {why}")
         return None
     try:
-        return load_quantized_backbone(
-            folder, name, config, q, dtype, notes, progress, half_embedding=half_embedding
-        )
+        return load_quantized_backbone(folder, name, config, options)
     except OSError as err:  # no room (or no write access) for the file: quantized in memory instead
         why = err.strerror or str(err)
         notes.append(f"the quantized file could not be written ({why}): quantized in memory after a float load")

@@ -402,19 +402,23 @@ def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
-def load_gguf_backbone(
-    gguf: Path,
-    folder: Path,
-    device: torch.device,
-    quant: str,
-    dtype: torch.dtype,
-    notes: list[str],
-    progress: Progress | None = None,
-    *,
-    half_embedding: bool = False,
-) -> tuple[Any, str]:
-    """(the *ForCausalLM built from the file's tensors, the quantization label: "gguf" for auto).
-    `half_embedding`: an F16/BF16 token embedding stays as stored (see _Build)."""
+@dataclass
+class WeightsOptions:
+    """How a backbone's weights are built from a file: the quantization asked, the compute dtype, the list the
+    user's notes go to, the progress line, and whether an F16/BF16 token embedding stays as stored (see _Build;
+    False for Hydra heads, whose C drafter reads an fp32 table)."""
+
+    quant: str
+    dtype: torch.dtype
+    notes: list[str]
+    progress: Progress | None = None
+    half_embedding: bool = False
+
+
+def load_gguf_backbone(gguf: Path, folder: Path, device: torch.device, options: WeightsOptions) -> tuple[Any, str]:
+    """(the *ForCausalLM built from the file's tensors, the quantization label: "gguf" for auto)."""
+    quant, dtype, notes, progress = options.quant, options.dtype, options.notes, options.progress
+    half_embedding = options.half_embedding
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -217,9 +217,10 @@ def _read_backbone(
     the path the device and quantization call for. Sets job.q to the quantization actually used."""
     spec, dev, dtype, notes = job.spec, job.dev, job.dtype, job.notes
     if spec.kind == "gguf":
-        from medusa_chat.model.sources.gguf_model import load_gguf_backbone
+        from medusa_chat.model.sources.gguf_model import WeightsOptions, load_gguf_backbone
 
-        backbone, job.q = load_gguf_backbone(Path(spec.backbone), model_dir, dev, job.q, dtype, notes, job.progress)
+        options = WeightsOptions(job.q, dtype, notes, job.progress)
+        backbone, job.q = load_gguf_backbone(Path(spec.backbone), model_dir, dev, options)
         return backbone, False, None
     if job.q == "auto":  # a CPU (on CUDA `auto` was decided by pick_quant)
         job.q = _cpu_auto_quant(job, config)
@@ -233,10 +234,11 @@ def _read_backbone(
     job.say(f"Loading {spec.name} on {dev} ({dtype_name(dtype)}, quantization {q})")
     if cpu_quant and q != "none" and job.quantized_cache and spec.kind != "embedded":
         # quantized tensor by tensor into a cached GGUF and loaded from it: no whole float model in memory
-        backbone = load_from_quantized_file(
-            model_dir, spec.name, q, dtype, notes, job.progress, job.trust_remote_code,
-            half_embedding=not isinstance(heads_mod, HydraHeads),
-        )  # fmt: skip
+        from medusa_chat.model.sources.gguf_model import WeightsOptions
+
+        # a 16-bit token embedding stays 16-bit, but for Hydra heads, whose C drafter reads an fp32 table
+        options = WeightsOptions(q, dtype, notes, job.progress, half_embedding=not isinstance(heads_mod, HydraHeads))
+        backbone = load_from_quantized_file(model_dir, spec.name, options, job.trust_remote_code)
         if backbone is not None:
             return backbone, False, fidelity  # the file's blocks are the projections already
     if dev.type == "cuda" and q == "int4":

@@ -47,9 +47,9 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,8 +59,20 @@ from medusa_chat.atomic import TMP_PREFIX, TMP_SUFFIX, atomic_write
 from medusa_chat.errors import MedusaChatError, ModelNotFoundError
 from medusa_chat.kernels.cpu_linears import GROUP
 from medusa_chat.model.forward.cpu_blocks import set_tied_lm_head
+from medusa_chat.model.sources.checkpoint_reader import (
+    SAFETENSORS_DTYPES,
+    SourceTensor,
+    TensorReader,
+    checkpoint_files,
+    is_pickle,
+    read_header,
+    read_pickle_table,
+)
 from medusa_chat.model.sources.gguf_names import GGUF_LINEARS, GGUF_NORMS
 from medusa_chat.paths import cache_root
+
+if TYPE_CHECKING:
+    from medusa_chat.model.sources.gguf_model import WeightsOptions
 
 Progress = Callable[[str], None]
 
@@ -70,8 +82,6 @@ KEY_SOURCE = "medusa_chat.source"  # metadata: the JSON of the checkpoint identi
 KEY_SIZE = "medusa_chat.file_size"  # metadata: the file's own size in bytes (a truncated copy differs)
 ALIGN = 32
 CHUNK_ELEMENTS = 1 << 22  # weights quantized at a time (16 MB of fp32 per temporary)
-SAFETENSORS_DTYPES = {"F32": (torch.float32, 0), "F16": (torch.float16, 1), "BF16": (torch.bfloat16, 30)}
-TORCH_DTYPES = {v[0]: k for k, v in SAFETENSORS_DTYPES.items()}  # a pickled tensor's dtype, named as above
 GGML = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 SKIPPED = (re.compile(r"^medusa_head\."), re.compile(r"\.rotary_emb\.inv_freq$"))
@@ -82,94 +92,6 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # what the GGUF loader builds
 PERMUTED_QK = ("llama", "mistral")
 QKV_BIASED = ("qwen2",)  # model types whose q, k and v projections (and only those) have biases
 QKV_BIASES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v"}
-
-
-# ---- the checkpoint -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SourceTensor:
-    name: str  # the checkpoint's name
-    file: Path
-    dtype: str  # safetensors dtype ("F16", ...)
-    shape: tuple[int, ...]
-    offset: int  # from the start of the file (safetensors; 0 in a pickle, whose tensors are found by name)
-    nbytes: int
-
-
-def _named_files(folder: Path, single: str, index_name: str) -> list[Path] | None:
-    if (folder / single).is_file():
-        return [folder / single]
-    index = folder / index_name
-    if not index.is_file():
-        return None
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return None
-    return [folder / name for name in sorted(set(weight_map.values()))]
-
-
-def safetensors_files(folder: Path) -> list[Path] | None:
-    """The checkpoint's safetensors files as transformers picks them (model.safetensors, else the index's
-    shards); None when it has none."""
-    return _named_files(folder, "model.safetensors", "model.safetensors.index.json")
-
-
-def checkpoint_files(folder: Path) -> list[Path] | None:
-    """The weight files this path reads: the safetensors ones where there are any (as transformers and
-    hub.weight_files prefer them), else the pickled ones (pytorch_model.bin, else the index's shards); None when
-    there are neither."""
-    return safetensors_files(folder) or _named_files(folder, "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def is_pickle(path: Path) -> bool:
-    return path.suffix != ".safetensors"
-
-
-def read_pickle_table(path: Path) -> list[SourceTensor]:
-    """The tensor table of one pickled checkpoint file, from its memory map (no tensor's bytes are read)."""
-    state = _pickled_state(path)
-    return [
-        SourceTensor(name, path, TORCH_DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape),
-                     0, t.numel() * t.element_size())
-        for name, t in state.items()
-    ]  # fmt: skip
-
-
-def _pickled_state(path: Path) -> dict[str, torch.Tensor]:
-    from medusa_chat.model.mapped_weights import load_pickle
-
-    obj, _ = load_pickle(path, ModelNotFoundError)
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ModelNotFoundError(f"{path} does not hold a state dict of tensors")
-    return obj
-
-
-def read_header(path: Path) -> list[SourceTensor]:
-    """The tensor table of one safetensors file (its JSON header only)."""
-    try:
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelNotFoundError(f"{path}: not a readable safetensors file ({err})") from err
-    start = 8 + n
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        out.append(SourceTensor(name, path, info["dtype"], tuple(info["shape"]), start + begin, end - begin))
-    return out
-
-
-def read_tensor(f: IO[bytes], t: SourceTensor) -> torch.Tensor:
-    """One tensor's values, read with plain reads into memory of its own."""
-    buf = bytearray(t.nbytes)
-    f.seek(t.offset)
-    if f.readinto(buf) != t.nbytes:  # type: ignore[attr-defined]
-        raise ModelNotFoundError(f"{t.file}: tensor {t.name} runs past the end of the file (truncated?)")
-    dtype = SAFETENSORS_DTYPES[t.dtype][0]
-    return torch.frombuffer(buf, dtype=dtype).reshape(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dtype)
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -393,14 +315,14 @@ def write_gguf(
     """The whole GGUF into `fh`, one tensor in memory at a time."""
     head, _, _ = header_bytes(planned, arch, source)
     fh.write(head)
-    reader: _Reader | None = None
+    reader: TensorReader | None = None
     try:
         for i, p in enumerate(planned):
             if reader is None or reader.path != p.source.file:
                 if reader is not None:  # one source file open at a time (a pickled shard's map is unmapped)
                     reader.close()
                     reader = None
-                reader = _Reader(p.source.file)
+                reader = TensorReader(p.source.file)
             values = reader.read(p.source)
             written = 0
             for part in tensor_bytes(p, values, dtype):
@@ -415,40 +337,6 @@ def write_gguf(
     finally:
         if reader is not None:
             reader.close()
-
-
-class _Reader:
-    """One checkpoint file's tensors, one at a time: safetensors by plain reads into memory of their own; a pickle
-    through its memory map, each tensor's pages given back once written (mapped_weights.release), so only the
-    quantized file's bytes and the tensor at hand stay resident."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file: IO[bytes] | None = None
-        self._state: dict[str, torch.Tensor] = {}
-        if is_pickle(path):
-            self._state = _pickled_state(path)
-        else:
-            self._file = path.open("rb")
-
-    def read(self, t: SourceTensor) -> torch.Tensor:
-        if self._file is not None:
-            return read_tensor(self._file, t)
-        values = self._state.get(t.name)
-        if values is None or tuple(values.shape) != t.shape or TORCH_DTYPES.get(values.dtype) != t.dtype:
-            raise ModelNotFoundError(f"{self.path}: tensor {t.name} changed while it was read")
-        return values
-
-    def done(self, values: torch.Tensor) -> None:
-        if self._file is None:
-            from medusa_chat.model.mapped_weights import release
-
-            release(values)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        self._state = {}
 
 
 # ---- the cache ------------------------------------------------------------------------------------------------
@@ -550,29 +438,18 @@ def _release_memory() -> None:
     trim_heap()
 
 
-def load_quantized_backbone(
-    folder: Path,
-    name: str,
-    config: Any,
-    quant: str,
-    dtype: torch.dtype,
-    notes: list[str],
-    progress: Progress | None = None,
-    *,
-    half_embedding: bool = True,
-) -> Any:
+def load_quantized_backbone(folder: Path, name: str, config: Any, options: WeightsOptions) -> Any:
     """The backbone of checkpoint `folder` on the block kernel, from its cached quantized GGUF (made now when
     there is none yet). A cached file the GGUF loader refuses (damaged after its check) is made again once.
-    `half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the same
-    values as an fp32 table, half the bytes); False for Hydra heads, whose C drafter reads an fp32 table."""
+    `options.half_embedding`: a 16-bit token embedding stays 16-bit in memory, rows widened as looked up (the
+    same values as an fp32 table, half the bytes)."""
     from medusa_chat.model.sources.gguf_model import load_gguf_backbone
 
+    quant, dtype, notes, progress = options.quant, options.dtype, options.notes, options.progress
     path, made = quantized_file(folder, name, config, quant, dtype, progress)
     scratch: list[str] = []
     try:
-        model, _ = load_gguf_backbone(
-            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
-        )
+        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), replace(options, notes=scratch))
     except ModelNotFoundError:
         if made:
             raise
@@ -580,9 +457,7 @@ def load_quantized_backbone(
             path.unlink()
         path, made = quantized_file(folder, name, config, quant, dtype, progress)
         scratch = []
-        model, _ = load_gguf_backbone(
-            path, folder, torch.device("cpu"), quant, dtype, scratch, progress, half_embedding=half_embedding
-        )
+        model, _ = load_gguf_backbone(path, folder, torch.device("cpu"), replace(options, notes=scratch))
     # as the in-memory path counts it: a tied lm_head is the embedding's weight (its blocks still cost bytes)
     set_tied_lm_head(model, bool(getattr(config, "tie_word_embeddings", False)))
     kinds = "Q4_1 projections, Q8_0 lm_head" if quant == "int4" else "Q8_0 projections and lm_head"
