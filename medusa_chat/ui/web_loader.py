@@ -3,6 +3,7 @@ kept for the browser, and any error said in one line a person can act on."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 from typing import TYPE_CHECKING
@@ -63,6 +64,8 @@ class ModelLoader:
             self.status = "error"
             if not isinstance(err, MedusaChatError):
                 traceback.print_exc()
+            # the terminal that started the page says it too (the page shows it in its chat area)
+            print(f"the model could not be loaded: {self.error}", file=sys.stderr, flush=True)
         else:
             self.lines.append("ready")
             self.status = "ready"
