@@ -30,10 +30,11 @@ NOT_CACHED = "is not in the Hugging Face cache"
 def test_vicuna_7b_offline_info_says_not_in_the_cache(
     hub_cache: HubCache, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["info", "--model", "vicuna-7b"]) == 2
-    err = capsys.readouterr().err
-    assert NOT_CACHED in err and "lmsys/vicuna-7b-v1.3" in err
-    assert "GB of RAM" not in err and "--device cpu" not in err
+    assert cli.main(["info", "--model", "vicuna-7b"]) == 0  # info tells, never refuses
+    out = "".join(capsys.readouterr())
+    assert NOT_CACHED in out and "lmsys/vicuna-7b-v1.3" in out
+    assert "would download" in out or "downloads" in out  # what its first run fetches, and how big
+    assert "GB of RAM" not in out and "--device cpu" not in out
 
 
 @no_gpu
