@@ -1,5 +1,5 @@
-"""One thread runs all of the model's work in a process that serves it (the session: loading, replies, the
-first-start calibration), whichever thread asks for it.
+"""One thread runs the model's work in a process that serves it (the session: loading and every reply step),
+whichever thread asks for it.
 
 Why: the C kernels' parallel regions (OpenMP) give every calling thread a team of worker threads of its own. A
 model loaded in one thread and answering in others leaves several teams, more threads than cores, and GNU
@@ -7,7 +7,8 @@ OpenMP then stops spinning between regions, so each of a step's hundreds of regi
 wake. Measured on a 2-vCPU Xeon (benchmarks/RESULTS.md, 2026-12-07): the embedded model decoded at about half
 its speed in a thread other than the one that loaded it, while loading and decoding in the same (any) thread
 ran at full speed. The web page, the API server and the REPL's decode-ahead each read replies from threads of
-their own; they now hand every step to this one thread.
+their own; they now hand every step to this one thread. The first-start calibration keeps a thread of its own (a
+reply must be able to start and cancel it meanwhile); its team ends with it.
 
 The bench and the calibrate command run the engine in their own thread from start to end and need none of this.
 """

@@ -11,7 +11,6 @@ decoding logic. Its jobs:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -107,7 +106,7 @@ class SessionManager(ReplyTurns):
         # a new request cancels it (it is tried again after that reply).
         self.calibration_pending = False
         self._calibration_cancel = threading.Event()
-        self._calibration: concurrent.futures.Future[None] | None = None  # on the compute thread
+        self._calibration_thread: threading.Thread | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> SessionManager:
@@ -179,7 +178,8 @@ class SessionManager(ReplyTurns):
     # ---- calibration after the first reply ------------------------------------------------------------------
     @property
     def calibrating(self) -> bool:
-        return self._calibration is not None and not self._calibration.done()
+        thread = self._calibration_thread
+        return thread is not None and thread.is_alive()
 
     def _acquire(self, wait_s: float = 0.0) -> bool:
         """The reply lock for a request: a background calibration holding it is cancelled and waited for (it
@@ -199,7 +199,12 @@ class SessionManager(ReplyTurns):
         if not self.calibration_pending or self.loaded is None or self.calibrating:
             return
         self._calibration_cancel.clear()
-        self._calibration = compute.submit(self._calibrate_in_background)  # where the model runs (compute.py)
+        # A thread of its own, not the compute thread: a reply must be able to start (and cancel it) meanwhile.
+        # Its OpenMP team ends with it (compute.py), so replies after it run at full speed again.
+        self._calibration_thread = threading.Thread(
+            target=self._calibrate_in_background, name="medusa-chat-calibration", daemon=True
+        )
+        self._calibration_thread.start()
 
     def _calibrate_in_background(self) -> None:
         from medusa_chat.tuning.calibrate import CalibrationCancelled, calibrate_first_start
@@ -231,8 +236,9 @@ class SessionManager(ReplyTurns):
 
     def wait_for_calibration(self, timeout_s: float | None = None) -> bool:
         """Block until a background calibration ends (ask, and tests); True when none is running after."""
-        if self._calibration is not None:
-            concurrent.futures.wait([self._calibration], timeout_s)
+        thread = self._calibration_thread
+        if thread is not None:
+            thread.join(timeout_s)
         return not self.calibrating
 
     def close(self) -> None:
