@@ -40,8 +40,18 @@ def on_compute_thread() -> bool:
 
 
 def submit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-    """Run `fn` on the compute thread after what is queued there; its Future."""
-    return _pool().submit(fn, *args, **kwargs)
+    """Run `fn` on the compute thread after what is queued there, with the caller's torch thread count (OpenMP
+    keeps that count per thread: `--threads` set in the main thread must hold where the model runs); its Future."""
+    import torch
+
+    threads = torch.get_num_threads()
+
+    def call() -> T:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return fn(*args, **kwargs)
+
+    return _pool().submit(call)
 
 
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

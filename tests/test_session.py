@@ -664,3 +664,13 @@ def test_the_model_runs_on_one_thread_whoever_reads_the_reply(make_session) -> N
     stream.close()  # stopped after one step: the cleanup ran there too
     assert len(seen) >= 3 and all(name.startswith(compute.THREAD_NAME) for name in seen)
     assert not compute.on_compute_thread()
+    # the caller's torch thread count holds there too (OpenMP keeps it per thread: `--threads` must not be lost)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert compute.run(torch.get_num_threads) == n
+    finally:
+        torch.set_num_threads(before)
