@@ -72,7 +72,16 @@ class Shape:
     medusa_heads: int
     max_positions: int
     tied: bool = False
-    arch: str = "llama"  # or "qwen2": q/k/v biases, the Qwen2 tokenizer
+    arch: str = "llama"  # or "qwen2": q/k/v biases, the Qwen2 tokenizer; "qwen3": q/k RMSNorm per head, no biases
+    head_dim: int = 0  # 0: hidden // heads (Qwen3 sets its own: 128 whatever the width)
+
+    @property
+    def qwen(self) -> bool:
+        return self.arch in ("qwen2", "qwen3")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     def stem(self, name: str) -> str:
         """The GGUF files' name stem: llama-<shape> (as always) or the qwen2 shape's own name."""
@@ -80,17 +89,20 @@ class Shape:
 
     def tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every backbone tensor, in the order HF checkpoints list them."""
-        head_dim = self.hidden // self.heads
-        kv = self.kv_heads * head_dim
+        head_dim = self.head_size
+        q, kv = self.heads * head_dim, self.kv_heads * head_dim
         yield "model.embed_tokens.weight", (self.vocab, self.hidden)
         for i in range(self.layers):
             p = f"model.layers.{i}."
             yield p + "input_layernorm.weight", (self.hidden,)
-            for proj, rows in (("q_proj", self.hidden), ("k_proj", kv), ("v_proj", kv)):
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 yield p + f"self_attn.{proj}.weight", (rows, self.hidden)
                 if self.arch == "qwen2":
                     yield p + f"self_attn.{proj}.bias", (rows,)
-            yield p + "self_attn.o_proj.weight", (self.hidden, self.hidden)
+            if self.arch == "qwen3":
+                yield p + "self_attn.q_norm.weight", (head_dim,)
+                yield p + "self_attn.k_norm.weight", (head_dim,)
+            yield p + "self_attn.o_proj.weight", (self.hidden, q)
             yield p + "post_attention_layernorm.weight", (self.hidden,)
             yield p + "mlp.gate_proj.weight", (self.intermediate, self.hidden)
             yield p + "mlp.up_proj.weight", (self.intermediate, self.hidden)
@@ -124,6 +136,11 @@ SHAPES: dict[str, Shape] = {
     # tied embedding) with 4 of its 24 layers: 0.20B parameters, enough to compare numeric paths token by token
     "qwen2-0.5b-l4": Shape(
         896, 4, 14, 2, 4864, 151936, medusa_heads=0, max_positions=32768, tied=True, arch="qwen2"
+    ),
+    # Qwen3-0.6B's shape, all 28 layers (hidden 1024, 16 heads / 8 KV heads of 128, intermediate 3072, the Qwen2
+    # tokenizer's 151,936 rows, tied embedding): 0.60B parameters, what a user runs, for speed and fidelity
+    "qwen3-0.6b": Shape(
+        1024, 28, 16, 8, 3072, 151936, medusa_heads=0, max_positions=40960, tied=True, arch="qwen3", head_dim=128
     ),
     # the same layers as a Llama (SmolLM2's vocabulary): the Llama baseline of that comparison
     "0.5b-l4": Shape(896, 4, 14, 2, 4864, SMOLLM2_VOCAB, medusa_heads=0, max_positions=2048, tied=True),
@@ -224,7 +241,16 @@ def llama_config(shape: Shape) -> dict[str, object]:
 
 
 def qwen2_config(shape: Shape) -> dict[str, object]:
-    """Qwen2.5's config.json fields at this shape (ids of the Qwen2 tokenizer: <|endoftext|>, <|im_end|>)."""
+    """Qwen2.5's (or Qwen3's) config.json fields at this shape (ids of the Qwen2 tokenizer: <|endoftext|>,
+    <|im_end|>)."""
+    if shape.arch == "qwen3":
+        return {
+            **{k: v for k, v in qwen2_config(Shape(**{**shape.__dict__, "arch": "qwen2"})).items()},
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "head_dim": shape.head_size,
+            "attention_bias": False,
+        }
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -321,10 +347,10 @@ def write_hf_folder(
         total = sum(_nbytes(d) for t in shards for _, d in t)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = qwen2_config(shape) if shape.arch == "qwen2" else llama_config(shape)
+    config = qwen2_config(shape) if shape.qwen else llama_config(shape)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation: dict[str, object] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
-    if shape.arch == "qwen2":  # Qwen2.5-Instruct's: either end token stops a reply
+    if shape.qwen:  # Qwen2.5-Instruct's and Qwen3's: either end token stops a reply
         generation = {
             "bos_token_id": QWEN2_ENDOFTEXT,
             "eos_token_id": [QWEN2_IM_END, QWEN2_ENDOFTEXT],
@@ -466,7 +492,7 @@ def make(
     # a background job on a shared machine: one core (MAKE_MODELS_THREADS=N on a machine of its own)
     torch.set_num_threads(int(os.environ.get("MAKE_MODELS_THREADS", "1")))
     say(f"{shape_name}: {shape.params() / 1e9:.2f}B parameters, {shape.params() * 2 / 1e9:.1f} GB in fp16")
-    if shape.arch == "qwen2":
+    if shape.qwen:  # Qwen3 keeps Qwen2's tokenizer (its vocabulary and pre-tokenizer)
         tokenizer = qwen2_tokenizer_dir(llama_cpp, out / "qwen2-tokenizer")
     hf = write_hf_folder(shape, out / "hf", seed, shard_bytes, say, tokenizer)
     result = {"hf": hf}

@@ -132,6 +132,25 @@ def test_bad_shape_and_types_are_clear_errors(tmp_path: Path) -> None:
         rs.llama_cpp_tools(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen2-0.5b-l4", "7b"])
+def test_shape_tensors_are_the_transformers_models(name: str) -> None:
+    """Every shape's tensor list and config.json are what transformers builds from that config: the same names and
+    shapes (Qwen3's 128-wide heads make q_proj 2048 x 1024 and o_proj 1024 x 2048; its q/k norms per head)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = rs.SHAPES[name]
+    config_dict = rs.qwen2_config(shape) if shape.qwen else rs.llama_config(shape)
+    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "model_type"},
+                                  model_type=str(config_dict["model_type"]))  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if shape.tied:
+        expected.pop("lm_head.weight")
+    assert dict(shape.tensors()) == expected
+    assert shape.params() == sum(int(torch.Size(d).numel()) for d in expected.values())
+
+
 LLAMA_CPP = os.environ.get(rs.LLAMA_CPP_ENV)
 
 

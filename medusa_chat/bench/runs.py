@@ -79,7 +79,9 @@ def run_engine(engine: MedusaEngine, method: str, prompt_ids: list[int], setting
             if item.step == 0:
                 t_first, first_tokens = time.perf_counter(), len(item.token_ids)
             elif item.tree is not None and item.tree.lookup_nodes:
-                lookup_accepted += len(set(item.tree.lookup_nodes) & set(item.accepted_nodes))
+                # (a step cut short by the reply's cap or a stop keeps fewer tokens than it accepted)
+                guessed = len(set(item.tree.lookup_nodes) & set(item.accepted_nodes))
+                lookup_accepted += min(guessed, max(len(item.token_ids) - 1, 0))
         else:
             summary = item
     t_end = time.perf_counter()
