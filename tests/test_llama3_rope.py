@@ -23,7 +23,7 @@ from medusa_chat.model.sources.gguf_names import gguf_state_dict
 from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree
 from tests.test_qwen2 import IDS, _close, _logits
-from tests.tinygguf import QWEN2_SHAPE, QWEN2_VOCAB, qwen2_tokens, write_qwen2_folder, write_qwen2_gguf
+from tests.tinygguf import QWEN2_SHAPE, qwen2_shape_config, randomised, write_qwen2_folder, write_qwen2_gguf
 from tests.tinymodels import random_heads_state, write_heads
 
 ROPE = {
@@ -46,33 +46,13 @@ def tiny_llama31(seed: int = 0, rope: dict[str, Any] | None = ROPE, layers: int 
     """A random tied Llama with GQA (4 heads, 2 KV heads) and the "llama3" RoPE scaling (None: plain RoPE)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = QWEN2_SHAPE
-    tokens, _ = qwen2_tokens()
     config = LlamaConfig(
-        vocab_size=QWEN2_VOCAB,
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_hidden_layers=layers or s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=4096,
+        **qwen2_shape_config(layers),
         rope_parameters=dict(rope or {"rope_type": "default", "rope_theta": ROPE["rope_theta"]}),
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
-        bos_token_id=tokens.index("<|endoftext|>"),
-        eos_token_id=tokens.index("<|im_end|>"),
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name == "model.embed_tokens.weight":
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    return model
+    return randomised(LlamaForCausalLM, config, seed)
 
 
 @functools.cache

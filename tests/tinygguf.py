@@ -191,81 +191,72 @@ def qwen2_tokens() -> tuple[list[str], list[int]]:
     return tokens + pads, types + [5] * len(pads)  # UNUSED
 
 
-def tiny_qwen2(seed: int = 0, tied: bool = True, bias_scale: float = 0.5) -> Any:
-    """A random Qwen2ForCausalLM of QWEN2_SHAPE (float32, eval): projections of unit-scale activations
-    (transformers' own init is ~0.02 wide, which leaves every logit near zero), a small token embedding, and
-    q/k/v biases ~bias_scale wide (its init zeroes them)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def qwen2_shape_config(layers: int = 0) -> dict[str, Any]:
+    """The config fields every tiny model of QWEN2_SHAPE shares (Qwen2 vocabulary and its special tokens)."""
     s = QWEN2_SHAPE
     tokens, _ = qwen2_tokens()
-    config = Qwen2Config(
-        vocab_size=QWEN2_VOCAB,
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        bos_token_id=tokens.index("<|endoftext|>"),
-        eos_token_id=tokens.index("<|im_end|>"),
-    )
+    return {
+        "vocab_size": QWEN2_VOCAB,
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["inter"],
+        "num_hidden_layers": layers or s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "max_position_embeddings": 4096,
+        "bos_token_id": tokens.index("<|endoftext|>"),
+        "eos_token_id": tokens.index("<|im_end|>"),
+    }
+
+
+def randomised(model_cls: Any, config: Any, seed: int, bias_scale: float = 0.0, qk_norm_scale: float = 0.0) -> Any:
+    """`model_cls(config)` (float32, eval) with weights that make logits differ: projections of unit-scale
+    activations (transformers' own init is ~0.02 wide, which leaves every logit near zero), norms 1 + ~0.1, a small
+    token embedding (a tied lm_head would otherwise mostly repeat the input token), biases ~bias_scale wide (its
+    init zeroes them) and Qwen3's q/k norms 1 + ~qk_norm_scale (its init makes them ones, which would hide a norm
+    applied with the wrong weight)."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    model = model_cls(config).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if qk_norm_scale and name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.copy_(1 + qk_norm_scale * torch.randn(p.shape, generator=gen))
+        elif name.endswith("norm.weight"):
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
         elif name.endswith(".bias"):
             p.copy_(bias_scale * torch.randn(p.shape, generator=gen))
-        elif name == "model.embed_tokens.weight":  # small beside the layers' outputs: a tied lm_head would
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))  # otherwise mostly repeat the input token
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    return model
-
-
-def tiny_qwen3(seed: int = 0, tied: bool = True, norm_scale: float = 0.5, layers: int = 0) -> Any:
-    """A random Qwen3ForCausalLM of QWEN2_SHAPE with head_dim 32 (Qwen3-4B's head_dim is not hidden / heads
-    either), initialised as tiny_qwen2 (no biases: Qwen3 has none) and q/k norm weights 1 + ~norm_scale wide (its
-    init makes them ones, which would hide a norm applied with the wrong weight)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    s = QWEN2_SHAPE
-    tokens, _ = qwen2_tokens()
-    config = Qwen3Config(
-        vocab_size=QWEN2_VOCAB,
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=32,
-        num_hidden_layers=layers or s["layers"],  # (EAGLE-3 drafts read layers 2, N/2, N-3: 8 for those tests)
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        bos_token_id=tokens.index("<|endoftext|>"),
-        eos_token_id=tokens.index("<|im_end|>"),
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith(("q_norm.weight", "k_norm.weight")):
-            p.copy_(1 + norm_scale * torch.randn(p.shape, generator=gen))
-        elif name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
         elif name == "model.embed_tokens.weight":
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
     return model
+
+
+def tiny_qwen2(seed: int = 0, tied: bool = True, bias_scale: float = 0.5) -> Any:
+    """A random Qwen2ForCausalLM of QWEN2_SHAPE (float32, eval; weights as `randomised` draws them), q/k/v biases
+    ~bias_scale wide."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **qwen2_shape_config(), rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied
+    )
+    return randomised(Qwen2ForCausalLM, config, seed, bias_scale=bias_scale)
+
+
+def tiny_qwen3(seed: int = 0, tied: bool = True, norm_scale: float = 0.5, layers: int = 0) -> Any:
+    """A random Qwen3ForCausalLM of QWEN2_SHAPE with head_dim 32 (Qwen3-4B's head_dim is not hidden / heads
+    either), initialised as tiny_qwen2 (no biases: Qwen3 has none) and q/k norm weights 1 + ~norm_scale wide."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **qwen2_shape_config(layers),  # (EAGLE-3 drafts read layers 2, N/2, N-3: 8 layers for those tests)
+        head_dim=32,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+    return randomised(Qwen3ForCausalLM, config, seed, qk_norm_scale=norm_scale)
 
 
 def write_qwen2_gguf(
