@@ -29,36 +29,27 @@
 #include "qgemm.h"
 #include "kquants.h"
 
-// LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32. Rows are shared among the team.
-static void rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * H;
-        float *o = out + (size_t)t * H;
-        __m256 acc = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= H; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
-        if (i < H) {
-            const __m256 v = load_tail(xr + i, H - i, 0.0f);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        const float r = 1.0f / sqrtf(hsum8(acc) / (float)H + eps);
-        for (int j = 0; j < H; j++) o[j] = w[j] * (xr[j] * r);
-    }
-}
-
-// The same RMSNorm on one head's vector, in place (Qwen3's q/k norms: per (row, head), inside the step's loop)
-static void head_rms_norm(float *x, const float *w, float eps, int hd) {
+// LlamaRMSNorm of one vector: o = w * (x * rsqrt(mean(x^2) + eps)), statistics in fp32; o may be x (in place)
+static inline void rms_row(const float *x, const float *w, float eps, int n, float *o) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
-    if (i < hd) {
-        const __m256 v = load_tail(x + i, hd - i, 0.0f);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+    if (i < n) {
+        const __m256 v = load_tail(x + i, n - i, 0.0f);
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    const float r = 1.0f / sqrtf(hsum8(acc) / (float)hd + eps);
-    for (int j = 0; j < hd; j++) x[j] = w[j] * (x[j] * r);
+    const float r = 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
+    for (int j = 0; j < n; j++) o[j] = w[j] * (x[j] * r);
 }
+
+// The hidden states' RMSNorm: rows are shared among the team.
+static void rms_norm(const float *x, const float *w, float eps, int T, int H, float *out) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) rms_row(x + (size_t)t * H, w, eps, H, out + (size_t)t * H);
+}
+
+// Qwen3's q/k norms: one head's vector in place, per (row, head), inside the step's loop
+static void head_rms_norm(float *x, const float *w, float eps, int hd) { rms_row(x, w, eps, hd, x); }
 
 void block_linear(const BLin *l, const float *x, int M, float *y, int8_t *qx, float *dx, float *sx) {
     if (mc_duet() && duet_block_linear(l, x, M, y)) return;
