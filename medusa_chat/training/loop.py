@@ -192,3 +192,17 @@ class DeadlineFit:
 
     def passed(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
+
+
+@dataclass
+class TrainResult:
+    """What a training run did (both trainers: heads and EAGLE drafts), for its report."""
+
+    steps: int
+    total_steps: int
+    seconds: float
+    stopped_early: bool
+    bf16: bool
+    train_top1: list[float] = field(default_factory=list)
+    best_epoch: int | None = None
+    epoch_heldout_loss: list[float] = field(default_factory=list)

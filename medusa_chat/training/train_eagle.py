@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.nn import functional as F
@@ -28,6 +28,7 @@ from medusa_chat.training.loop import (
     Progress,
     RunOptions,
     RunState,
+    TrainResult,
     WarmupCosine,
     set_learning_rate,
 )
@@ -62,18 +63,6 @@ class EagleSettings:
             raise ValueError(f"the cross-entropy row share must be in (0, 1], not {self.ce_frac}")
         if self.ce_weight < 0 or self.noise < 0:
             raise ValueError("the loss weight and the feature noise cannot be negative")
-
-
-@dataclass
-class EagleResult:
-    steps: int
-    total_steps: int
-    seconds: float
-    stopped_early: bool
-    bf16: bool
-    train_top1: list[float] = field(default_factory=list)
-    best_epoch: int | None = None
-    epoch_heldout_loss: list[float] = field(default_factory=list)
 
 
 def make_batches(data: EagleData, batch_tokens: int, seed: int) -> list[list[int]]:
@@ -148,7 +137,7 @@ def train_eagle(
     settings: EagleSettings,
     run: RunOptions,
     heldout: EagleData | None = None,
-) -> EagleResult:
+) -> TrainResult:
     """Train `draft` in place. Resumable from `run.checkpoint` (same settings and data); stops by `run.deadline`
     (the cosine schedule is shortened once to fit, after a warm-up measurement, as train_heads does); with
     `heldout`, the held-out loss is measured at each epoch end and the best epoch's weights are kept.
@@ -212,7 +201,7 @@ def train_eagle(
     if state.best is not None and not stopped:
         draft.load_state_dict(state.best)
     ema_top1 = [round(a, 4) for a in ema]
-    return EagleResult(
+    return TrainResult(
         state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
     )
 

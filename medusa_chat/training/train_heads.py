@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from medusa_chat.training.loop import (
     Progress,
     RunOptions,
     RunState,
+    TrainResult,
     WarmupCosine,
     set_learning_rate,
 )
@@ -150,18 +151,6 @@ def head_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             continue
         out.append(F.cross_entropy(logits[k][valid].float(), t[valid]))
     return torch.stack(out)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    total_steps: int
-    seconds: float
-    stopped_early: bool
-    bf16: bool
-    train_top1: list[float] = field(default_factory=list)
-    best_epoch: int | None = None
-    epoch_heldout_loss: list[float] = field(default_factory=list)
 
 
 def train_heads(
