@@ -32,6 +32,7 @@ acceptance rate measured with them is meaningless.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -245,7 +246,7 @@ def qwen2_config(shape: Shape) -> dict[str, object]:
     <|im_end|>)."""
     if shape.arch == "qwen3":
         return {
-            **{k: v for k, v in qwen2_config(Shape(**{**shape.__dict__, "arch": "qwen2"})).items()},
+            **qwen2_config(dataclasses.replace(shape, arch="qwen2")),
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
             "head_dim": shape.head_size,
