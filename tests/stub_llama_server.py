@@ -2,7 +2,7 @@
 same command line (`-m`, `--port`, `--spec-type`, `-md`, ...), answers GET /health with 503 for its first
 requests (llama-server says 503 while it loads) and then 200, and streams a chat completion as llama-server's
 OpenAI endpoint does: one SSE chunk per token, a last chunk with `timings` (draft_n / draft_n_accepted when a
-speculative mode is on) and `usage`, then `data: [DONE]`. The reply is a fixed function of the prompt."""
+speculative mode is on) and `usage`, then `data: [DONE]`. The reply is a fixed function of the prompt and of whether the request turns DRY on."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": f"model {request.get('model')!r} does not exist"}})
             return
         words = reply_words(request["messages"][-1]["content"], int(request.get("max_tokens") or 16))
+        if request.get("dry_multiplier"):  # a penalty changes the reply, as llama-server's DRY would
+            words[0] += "dry"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()

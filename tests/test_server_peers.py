@@ -16,9 +16,13 @@ import pytest
 from medusa_chat.bench import server_peers
 from medusa_chat.bench.api_client import Reply, acceptance, reply_from_events, sse_payload, stream_chat
 from medusa_chat.bench.server_peers import (
+    REFERENCE,
+    SERVE,
+    ServerPeers,
     ServerTally,
     find_llama_server,
     llama_server_argv,
+    request_options,
     start_server_peers,
 )
 from medusa_chat.errors import MedusaChatError
@@ -112,7 +116,7 @@ def _state(proc: subprocess.Popen[bytes] | None) -> str:
 def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # the stand-in never reads it
-    peers, note = start_server_peers(_fake_loaded(gguf), 1, None, str(_stub_binary(tmp_path)), None)
+    peers, note = start_server_peers(_fake_loaded(gguf), 1, None, (str(_stub_binary(tmp_path)), None))
     assert note == "" and peers is not None
     try:
         assert peers.methods == ["llamacpp-server", "llamacpp-ngram"]  # no EAGLE-3 draft for this model
@@ -142,7 +146,7 @@ def test_servers_start_answer_and_stop_through_the_same_client(tmp_path: Path) -
 def test_a_server_that_dies_is_dropped_with_a_note(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    peers, _ = start_server_peers(_fake_loaded(gguf), 1, None, str(_stub_binary(tmp_path)), None)
+    peers, _ = start_server_peers(_fake_loaded(gguf), 1, None, (str(_stub_binary(tmp_path)), None))
     assert peers is not None
     try:
         server = peers.servers["llamacpp-ngram"]
@@ -153,11 +157,50 @@ def test_a_server_that_dies_is_dropped_with_a_note(tmp_path: Path) -> None:
         peers.close()
 
 
+def test_every_server_gets_the_benchs_repetition_settings(tmp_path: Path) -> None:
+    from medusa_chat.events import GenerationSettings
+
+    options = request_options(GenerationSettings(dry_multiplier=0.8, dry_allowed_length=4))
+    assert options["dry_multiplier"] == 0.8 and options["dry_allowed_length"] == 4
+    assert options["dry_sequence_breakers"] == ["\n", ":", '"', "*"] and options["repeat_penalty"] == 1.0
+    assert request_options(GenerationSettings(dry_multiplier=0.0))["dry_multiplier"] == 0.0  # sent, not left out
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    texts = {}
+    for dry in (0.0, 0.8):
+        opts = request_options(GenerationSettings(dry_multiplier=dry))
+        peers, _ = start_server_peers(_fake_loaded(gguf), 1, None, (str(_stub_binary(tmp_path)), None), opts)
+        assert peers is not None
+        try:
+            peers.run("llamacpp-server", "hello", 4)
+            texts[dry] = peers._current["llamacpp-server"].text
+        finally:
+            peers.close()
+    assert texts[0.0].startswith("w5 ") and texts[0.8].startswith("w5dry ")  # the stand-in echoes DRY
+
+
+def test_serve_is_compared_with_the_plain_loop_and_llama_cpp_modes_with_llama_server(tmp_path: Path) -> None:
+    import tempfile
+
+    peers = ServerPeers({}, [], tempfile.TemporaryDirectory(dir=tmp_path))
+    peers.tally = {m: ServerTally() for m in (REFERENCE, "llamacpp-ngram", SERVE)}
+    for plain_text, serve_text in (("a b", "a b"), ("a b", "a c")):
+        peers._current = {REFERENCE: Reply("x y", 3, 0.1, 1.0, {}), "llamacpp-ngram": Reply("x y", 3, 0.1, 1.0, {}),
+                          SERVE: Reply(serve_text, 3, 0.1, 1.0, {})}  # fmt: skip
+        row = peers.end_prompt(plain_text)
+    assert row[SERVE]["identical_to_plain_loop"] is False and "identical_to_plain_loop" not in row[REFERENCE]
+    s = peers.summary(medusa_tokens_per_s=None)["llamacpp_spec"]
+    assert s[SERVE]["identical_to_plain_loop_fraction"] == 0.5 and s[SERVE]["identical_to_llamacpp_plain_fraction"] == 0
+    assert s["llamacpp-ngram"]["identical_to_llamacpp_plain_fraction"] == 1.0
+    assert "identical_to_plain_loop_fraction" not in s["llamacpp-ngram"]
+    peers.close()
+
+
 def test_no_binary_skips_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEDUSA_CHAT_LLAMA_SERVER", raising=False)
     monkeypatch.delenv("MEDUSA_CHAT_LLAMA_BENCH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    peers, note = start_server_peers(_fake_loaded(tmp_path / "m.gguf"), 1, None, None, None)
+    peers, note = start_server_peers(_fake_loaded(tmp_path / "m.gguf"), 1, None, (None, None))
     assert peers is None and "llama-server" in note and "MEDUSA_CHAT_LLAMA_SERVER" in note
 
 
@@ -194,3 +237,26 @@ def test_real_llama_server_eagle3_with_the_exported_draft_equals_its_plain_decod
     assert replies["llamacpp-eagle3"].text == replies["llamacpp-server"].text
     drafted, accepted = acceptance(replies["llamacpp-eagle3"].timings)
     assert drafted > 0 and accepted > 0
+
+
+def test_the_servers_table_shows_each_server_lossless_against_its_own_plain_decode() -> None:
+    import io
+
+    from rich.console import Console
+
+    from medusa_chat.bench.report import print_servers
+
+    row = {"tokens_per_s": 10.0, "vs_llamacpp_plain": 1.0, "drafting": None, "median_tokens_per_s": 10.0}
+    summary = {
+        "llamacpp_spec": {
+            REFERENCE: {**row, "identical_to_llamacpp_plain_fraction": 1.0},
+            SERVE: {**row, "identical_to_llamacpp_plain_fraction": 0.25, "identical_to_plain_loop_fraction": 1.0},
+        },
+        "medusa_serve_speedup_vs_best_llamacpp": 3.0,
+    }
+    out = io.StringIO()
+    print_servers(Console(file=out, width=200), summary)
+    text = out.getvalue()
+    serve_line = next(line for line in text.splitlines() if "serve" in line and "x" in line and "%" in line)
+    assert "100%" in serve_line and "25%" not in serve_line
+    assert "25% of its replies equal" in " ".join(text.split()) and "3.00x" in text

@@ -85,8 +85,16 @@ def served_model(base_url: str) -> str:
     return str(models[0].get("id") or "default") if models and isinstance(models[0], dict) else "default"
 
 
-def stream_chat(base_url: str, prompt: str, max_tokens: int, model: str = "default", timeout_s: float = 600.0) -> Reply:
-    """POST one greedy chat completion to `base_url`/v1/chat/completions, streamed, and time it."""
+def stream_chat(
+    base_url: str,
+    prompt: str,
+    max_tokens: int,
+    model: str = "default",
+    options: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+) -> Reply:
+    """POST one greedy chat completion to `base_url`/v1/chat/completions, streamed, and time it. `options`: more
+    request fields, the same for every server (the bench's repetition settings, in llama-server's names)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -94,6 +102,7 @@ def stream_chat(base_url: str, prompt: str, max_tokens: int, model: str = "defau
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(options or {}),
     }
     request = urllib.request.Request(
         f"{base_url}/v1/chat/completions",

@@ -156,7 +156,7 @@ def run_bench(
                 tally.totals[m].add(r)
             row = prompt_row(methods, text, prompt_ids, outcome, ident["dtype"], tally)
             if methods.servers is not None:
-                row["servers"] = methods.servers.end_prompt()
+                row["servers"] = methods.servers.end_prompt(methods.plain_loop_text(runs))
             rows.append(row)
             if console is not None:
                 print_prompt(console, i + 1, len(prompts), row, runs)
@@ -187,10 +187,12 @@ class BenchMethods:
         self.servers: ServerPeers | None = None
         self.servers_note = ""
         if "llamacpp-spec" in config.baselines:
-            from medusa_chat.bench.server_peers import start_server_peers
+            from medusa_chat.bench.server_peers import request_options, start_server_peers
 
+            binaries = (config.llama_server, config.llamacpp_bench)
+            options = request_options(config.settings)
             self.servers, self.servers_note = start_server_peers(
-                loaded, torch.get_num_threads(), config.serve_args, config.llama_server, config.llamacpp_bench
+                loaded, torch.get_num_threads(), config.serve_args, binaries, options
             )
         self.engines: dict[str, MedusaEngine] = {"medusa": MedusaEngine(loaded, tree)}
         if "heads" in self.methods:
@@ -230,6 +232,17 @@ class BenchMethods:
         return dataclasses.replace(
             settings, max_new_tokens=max_new, context_lookup=settings.context_lookup and method != "heads"
         )
+
+    def plain_loop_text(self, runs: dict[str, Run]) -> str | None:
+        """The plain loop's reply as a server streams it (`medusa-chat serve`'s must equal it), or None
+        without a plain run."""
+        from medusa_chat.engine.text import StreamDecoder
+
+        plain = runs.get("plain")
+        if plain is None:
+            return None
+        decoder = StreamDecoder(self.loaded.tokenizer)
+        return decoder.push(plain.token_ids) + decoder.flush()
 
     def run(self, method: str, prompt_ids: list[int], max_new: int) -> Run:
         s = self.settings_for(method, max_new)

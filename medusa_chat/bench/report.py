@@ -229,12 +229,13 @@ def print_servers(console: Any, summary: dict[str, Any]) -> None:
         "vs llama.cpp plain",
         "tokens/step",
         "draft accepted",
-        "= llama.cpp plain",
+        "= its plain decode",
     ):
         table.add_column(col, justify="left" if col == "server" else "right")
     for method, r in servers.items():
         d = r["drafting"] or {}
-        same = r["identical_to_llamacpp_plain_fraction"]
+        # lossless against its own engine's plain decode: llama-server's, or the bench's plain loop for serve
+        same = r.get("identical_to_plain_loop_fraction", r["identical_to_llamacpp_plain_fraction"])
         table.add_row(
             SERVER_LABELS.get(method, method),
             fmt_value(r["tokens_per_s"], ".1f"),
@@ -244,6 +245,13 @@ def print_servers(console: Any, summary: dict[str, Any]) -> None:
             fmt_value(same * 100 if same is not None else None, ".0f", "%"),
         )
     console.print(table)
+    serve = servers.get("medusa-serve") or {}
+    if serve.get("identical_to_llamacpp_plain_fraction") is not None:
+        console.print(
+            "= its plain decode: llama.cpp's modes against llama-server's plain replies, medusa-chat serve against "
+            "the bench's plain loop (another numeric path than llama.cpp's: "
+            f"{serve['identical_to_llamacpp_plain_fraction'] * 100:.0f}% of its replies equal llama-server's)"
+        )
     if summary.get("medusa_serve_speedup_vs_best_llamacpp") is not None:
         console.print(
             f"medusa-chat serve vs the best llama.cpp mode: {summary['medusa_serve_speedup_vs_best_llamacpp']:.2f}x "

@@ -13,9 +13,13 @@ every column goes through the same client and timing (bench/api_client.py). The 
 another and then stopped (SIGSTOP) while anything else runs, so only one of them holds the CPU at a time (an idle
 server's polling threads would otherwise slow the method beside it); each prompt goes to each of them in an
 order that rotates from prompt to prompt, in the bench's own rotation: side by side on a machine whose speed
-drifts. Recorded per server: decode tok/s, llama-server's draft
-acceptance (`timings.draft_n` / `draft_n_accepted`: tokens per step = tokens / (tokens - accepted)), and
-whether each reply's text equals llama.cpp's plain reply.
+drifts. Every request carries the bench's repetition settings (DRY, repeat, presence and frequency penalties) in
+llama-server's names, which `medusa-chat serve` shares, so every server answers under the same settings as the
+in-process columns. Recorded per server: decode tok/s, llama-server's draft acceptance (`timings.draft_n` /
+`draft_n_accepted`: tokens per step = tokens / (tokens - accepted)), whether each reply's text equals llama.cpp's
+plain reply (llama.cpp's speculative modes: lossless against their own plain decode) and, for `medusa-chat
+serve`, whether it equals the bench's own plain loop (lossless against this engine's plain decode; its numeric
+path is not llama.cpp's, so its replies part from llama.cpp's at the first near-tie).
 
 Where to find the binary: `--llama-server PATH`, else $MEDUSA_CHAT_LLAMA_SERVER, else `llama-server` beside the
 llama-bench the llamacpp baseline uses, else on PATH. Without one (or without a GGUF) the baseline is skipped
@@ -29,7 +33,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +78,7 @@ def llama_server_argv(
 class ServerTally:
     replies: list[Reply] = field(default_factory=list)
     same: list[bool] = field(default_factory=list)  # text equal to llama.cpp's plain reply
+    same_as_plain_loop: list[bool] = field(default_factory=list)  # text equal to the bench's plain loop's
 
     def tokens_per_s(self) -> float | None:
         """Total decode tokens over total decode time (the bench's harmonic total)."""
@@ -101,9 +106,15 @@ class ServerPeers:
     """The servers of one bench run: started one by one and kept stopped but while one answers a prompt."""
 
     def __init__(
-        self, servers: dict[str, ServerProcess], notes: list[str], workdir: tempfile.TemporaryDirectory[str]
+        self,
+        servers: dict[str, ServerProcess],
+        notes: list[str],
+        workdir: tempfile.TemporaryDirectory[str],
+        options: dict[str, Any] | None = None,
     ):
+        """`options`: request fields every server gets with every prompt (request_options)."""
         self.servers, self.notes, self._workdir = servers, notes, workdir
+        self.options = options or {}
         self.tally = {m: ServerTally() for m in servers}
         self.rows: list[dict[str, Any]] = []
         self._current: dict[str, Reply] = {}
@@ -120,7 +131,7 @@ class ServerPeers:
         try:
             server.resume()
             try:
-                self._current[method] = stream_chat(server.url, prompt, max_tokens, server.model)
+                self._current[method] = stream_chat(server.url, prompt, max_tokens, server.model, self.options)
             finally:
                 server.pause()
         except MedusaChatError as err:
@@ -134,8 +145,9 @@ class ServerPeers:
             self.run(method, prompt, max_tokens)
         self._current = {}
 
-    def end_prompt(self) -> dict[str, Any]:
-        """Tally the prompt's replies; the row the bench's JSON keeps for it."""
+    def end_prompt(self, plain_loop_text: str | None = None) -> dict[str, Any]:
+        """Tally the prompt's replies; the row the bench's JSON keeps for it. `plain_loop_text`: the bench's own
+        plain loop's reply to the prompt, which `medusa-chat serve`'s must equal."""
         ref = self._current.get(REFERENCE)
         row: dict[str, Any] = {}
         for method, reply in self._current.items():
@@ -151,6 +163,9 @@ class ServerPeers:
                 "identical_to_llamacpp_plain": same if ref is not None else None,
                 **({"draft_tokens": d, "accepted_tokens": a} if d else {}),
             }
+            if method == SERVE and plain_loop_text is not None:
+                t.same_as_plain_loop.append(reply.text == plain_loop_text)
+                row[method]["identical_to_plain_loop"] = t.same_as_plain_loop[-1]
         self._current = {}
         return row
 
@@ -174,9 +189,8 @@ class ServerPeers:
                 "vs_llamacpp_plain": round(rates[m] / rates[REFERENCE], 4)
                 if rates[m] and rates.get(REFERENCE)
                 else None,
-                "identical_to_llamacpp_plain_fraction": round(sum(t.same) / len(t.same), 4)
-                if t.same
-                else None,
+                "identical_to_llamacpp_plain_fraction": _fraction(t.same),
+                **({"identical_to_plain_loop_fraction": _fraction(t.same_as_plain_loop)} if m == SERVE else {}),
                 "median_tokens_per_s": round(statistics.median(v), 3)
                 if (v := [r.tokens_per_s for r in t.replies if r.tokens_per_s])
                 else None,
@@ -190,6 +204,21 @@ class ServerPeers:
         for server in self.servers.values():
             server.close()
         self._workdir.cleanup()
+
+
+def _fraction(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 4) if flags else None
+
+
+def request_options(settings: Any) -> dict[str, Any]:
+    """The reply's repetition settings (a GenerationSettings) as request fields in llama-server's names, which
+    `medusa-chat serve` reads too: every server then penalises as the in-process columns do (llama-server's own
+    defaults: no DRY, no repeat penalty; the app's replies: DRY on)."""
+    from medusa_chat.engine.penalties import PenaltyOptions
+
+    options = asdict(PenaltyOptions.of(settings))
+    options["dry_sequence_breakers"] = list(options["dry_sequence_breakers"])
+    return options
 
 
 def eagle3_draft_gguf(loaded: Any, out: Path) -> Path | None:
@@ -234,9 +263,15 @@ def serve_argv(serve_args: list[str], threads: int, port: int) -> list[str]:
 
 
 def start_server_peers(
-    loaded: Any, threads: int, serve_args: list[str] | None, explicit: str | None, llama_bench: str | None
+    loaded: Any,
+    threads: int,
+    serve_args: list[str] | None,
+    binaries: tuple[str | None, str | None],
+    options: dict[str, Any] | None = None,
 ) -> tuple[ServerPeers | None, str]:
-    """(the started servers, "") or (None, why the baseline is skipped)."""
+    """(the started servers, "") or (None, why the baseline is skipped). `binaries`: llama-server's path as
+    given (or None) and llama-bench's (llama-server is looked for beside it); `options`: request_options."""
+    explicit, llama_bench = binaries
     from medusa_chat.bench.peer import model_gguf
 
     binary = find_llama_server(explicit, llama_bench)
@@ -264,7 +299,7 @@ def start_server_peers(
     if serve_args is not None:
         port = free_port()
         servers[SERVE] = ServerProcess(SERVE, serve_argv(serve_args, threads, port), port, tmp / "serve.log")
-    peers = ServerPeers({}, notes, workdir)
+    peers = ServerPeers({}, notes, workdir, options)
     for name, server in servers.items():
         try:
             peers.servers[name] = server.start()
