@@ -202,6 +202,34 @@ def test_distill_resumes_where_it_stopped(backbone, prompt_file: Path, tmp_path:
     assert list(resumed.samples()) == list(full.samples())
 
 
+def _store(root: Path, prompts: list, answered: int, shard: int) -> DistillStore:
+    """A store holding `prompts`, the first `answered` of them with replies (token ids made up)."""
+    store = DistillStore.open(root)
+    store.prompts, store.sources = list(prompts), ["test"] * len(prompts)
+    for first in range(0, answered, shard):
+        rows = range(first, min(first + shard, answered))
+        store.write_shard(first, [[7, 8, 100 + i, 200 + i] for i in rows], [2] * len(rows), [True] * len(rows))
+    return store
+
+
+def test_import_joins_files_keeps_conversations_whole_and_export_drops_unanswered_prompts(tmp_path: Path) -> None:
+    chats = _store(tmp_path / "a", ["a", {"follow": "a2"}, {"follow": "a3"}, "b", "c", "unanswered"], 5, 5)
+    magpie = _store(tmp_path / "b", ["m1", "m2", "m3"], 3, 3)
+    assert export_npz(chats, tmp_path / "a.npz") == {"samples": 5, "tokens": 20}
+    export_npz(magpie, tmp_path / "b.npz")
+    assert len(import_npz(DistillStore.open(tmp_path / "a1"), tmp_path / "a.npz").prompts) == 5  # not "unanswered"
+    joined = import_npz(DistillStore.open(tmp_path / "j"), f"{tmp_path / 'a.npz'}:2,{tmp_path / 'b.npz'}:2",
+                        shard_size=2)  # fmt: skip
+    # a's first 2 samples grow to 3: the conversation's follow-ups stay with its first turn; b's follow
+    assert joined.prompts == ["a", {"follow": "a2"}, {"follow": "a3"}, "m1", "m2"]
+    samples = list(joined.samples())
+    assert [i for i, _, _ in samples] == [0, 1, 2, 3, 4]
+    assert [ids[2] for _, ids, _ in samples] == [100, 101, 102, 100, 101]
+    assert [(s.first, s.count) for s in joined.shards] == [(0, 3), (3, 2)]  # a shard never splits a conversation
+    whole = import_npz(DistillStore.open(tmp_path / "w"), f"{tmp_path / 'a.npz'},{tmp_path / 'b.npz'}")
+    assert len(whole.prompts) == 8 and [i for i, _, _ in whole.samples()] == list(range(8))
+
+
 def test_export_import_roundtrip(distilled, tmp_path: Path) -> None:
     store, _ = distilled
     info = export_npz(store, tmp_path / "data.npz")

@@ -33,7 +33,7 @@ from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
 from medusa_chat.training.positions import cache_hidden_states, conversation_starts, heldout_mask, load_cache
 from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
-from medusa_chat.training.store import DistillStore, Log, import_npz
+from medusa_chat.training.store import DistillStore, Log, export_npz, import_npz
 from medusa_chat.training.train_heads import TrainSettings
 
 
@@ -99,12 +99,19 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="prompts per data shard, the unit of resumption (default 256 CPU, 1024 CUDA; a conversation's "
         "turns always share a shard)",
     )
-    g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable)")
+    g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable; 0: none, e.g. to --export-data a store)")
     g.add_argument(
         "--import-data",
+        metavar="NPZ[:N][,NPZ[:N]...]",
+        default=None,
+        help="start from distilled data exported by other runs (--export-data, benchmarks/gpu_train_heads.py): "
+        "several files in a row, each whole or its first N samples (e.g. ShareGPT replies beside Magpie ones)",
+    )
+    g.add_argument(
+        "--export-data",
         metavar="NPZ",
         default=None,
-        help="start from distilled data exported by another run (e.g. benchmarks/gpu_train_heads.py)",
+        help="after the data stage, write the store's replies to one compressed file for --import-data",
     )
     g = _Adder(parser, "heads training")
     g.add_argument(
@@ -247,6 +254,9 @@ def train_main(args: argparse.Namespace) -> int:
     t_data = time.time()
     if args.stage in ("all", "data"):
         _distill_data(args, model, tok, store, device, log)
+        if args.export_data:
+            info = export_npz(store, args.export_data)
+            log(f"exported {info['samples']} replies ({info['tokens']} tokens) to {args.export_data}")
         if args.stage == "data":
             return 0
     if args.cached_only and not eagle:
@@ -328,6 +338,9 @@ def _distill_data(
         max_reply_tokens=args.max_tokens,
         opener_frac=args.opener_frac,
     )
+    if args.minutes is not None and args.minutes <= 0:
+        log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens; --minutes 0: none added")
+        return
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
     replies = None

@@ -172,6 +172,7 @@ def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
             finished.append(fin)
     arr = np.asarray(ids, dtype=np.int64)
     dtype = np.uint16 if (arr.size == 0 or arr.max() < 65536) else np.int32
+    answered = max(index, default=-1) + 1  # prompts past the last answered one (a run cut short) stay behind
     meta = {
         "model": store.model,
         "magpie_rounds": store.magpie_rounds,
@@ -188,8 +189,8 @@ def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
         reply_start=np.asarray(starts, dtype=np.int32),
         prompt_index=np.asarray(index, dtype=np.int32),
         finished=np.asarray(finished, dtype=bool),
-        prompts=blob(store.prompts),
-        sources=blob(store.sources),
+        prompts=blob(store.prompts[:answered]),
+        sources=blob(store.sources[:answered]),
         meta=blob(meta),
     )
     return {"samples": len(starts), "tokens": int(arr.size)}
@@ -198,33 +199,60 @@ def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
 def import_npz(
     store: DistillStore, path: str | Path, shard_size: int = 1024, eos: Iterable[int] = ()
 ) -> DistillStore:
-    """Load an `export_npz` file into an empty store (same prompt indices), so training can resume from it."""
-    import numpy as np
-
-    stop = set(eos)
-
+    """Load `export_npz` files into an empty store, so training can resume from them. `path`: a file, or several
+    joined by commas, each `FILE` or `FILE:N` (its first N samples); their samples follow one another, each
+    file's prompt indices shifted past the previous files' (e.g. ShareGPT replies beside Magpie ones)."""
     if store.prompts or store.shards:
         raise ValueError(f"{store.root} already holds data: import into a fresh --work folder")
+    parts = str(path).split(",")
+    for part in parts:
+        file, _, limit = part.rpartition(":") if _has_limit(part) else (part, "", "")
+        whole = len(parts) == 1 and not limit  # keeps its unanswered prompts: the data stage answers them next
+        _import_one(store, Path(file), int(limit) if limit else None, (shard_size, whole), set(eos))
+    return store
+
+
+def _has_limit(part: str) -> bool:
+    head, sep, tail = part.rpartition(":")
+    return bool(sep and head and tail.isdigit())
+
+
+def _import_one(
+    store: DistillStore, path: Path, limit: int | None, layout: tuple[int, bool], stop: set[int]
+) -> None:
+    import numpy as np
+
+    from medusa_chat.training.conversations import conversation_end, is_follow
+
+    shard_size, whole = layout
     d = np.load(path)
     ids, offsets, starts, index = d["ids"].astype(np.int64), d["offsets"], d["reply_start"], d["prompt_index"]
     finished = d["finished"] if "finished" in d.files else None
     if len(index) and not np.array_equal(index, np.arange(len(index))):
         raise ValueError(f"{path}: samples do not cover prompts 0..n-1 in order")
-    store.prompts = json.loads(d["prompts"].tobytes())
-    store.sources = json.loads(d["sources"].tobytes())
-    store._keys = {norm_key(p) for p in store.prompts}
+    prompts, sources = json.loads(d["prompts"].tobytes()), json.loads(d["sources"].tobytes())
+    count = len(starts) if limit is None else min(limit, len(starts))
+    while 0 < count < len(starts) and is_follow(prompts[count]):
+        count += 1  # a conversation's follow-up turns stay with its first turn
+    base = len(store.prompts)
+    keep = len(prompts) if whole else count
+    store.prompts += prompts[:keep]
+    store.sources += sources[:keep]
+    store._keys |= {norm_key(p) for p in store.prompts[base:]}
     if "meta" in d.files:
         meta = json.loads(d["meta"].tobytes())
-        store.magpie_rounds = int(meta.get("magpie_rounds", 0))
-        store.magpie_sampled = int(meta.get("magpie_sampled", 0))
+        store.magpie_rounds += int(meta.get("magpie_rounds", 0))
+        store.magpie_sampled += int(meta.get("magpie_sampled", 0))
     store.save()
-    for first in range(0, len(starts), shard_size):
-        rows = range(first, min(first + shard_size, len(starts)))
+    first = 0
+    while first < count:
+        end = min(conversation_end(prompts, first + shard_size), count)  # a shard never splits a conversation
+        rows = range(first, end)
         seqs = [ids[offsets[i] : offsets[i + 1]].tolist() for i in rows]
         rs = [int(starts[i]) for i in rows]
         if finished is not None:
             fin = [bool(finished[i]) for i in rows]
         else:  # older exports: a reply finished if it ends with an EOS id
             fin = [len(q) > r and q[-1] in stop for q, r in zip(seqs, rs, strict=True)]
-        store.write_shard(first, seqs, rs, fin)
-    return store
+        store.write_shard(base + first, seqs, rs, fin)
+        first = end
