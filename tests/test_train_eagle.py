@@ -149,6 +149,24 @@ def test_training_lowers_loss_and_raises_chain_accuracy(data, backbone) -> None:
     assert len(acc1["chain_top1_conditional"]) == 3 and acc1["joint"]["paths"][0] == [0]
 
 
+def test_a_batch_with_no_counted_row_is_stepped_over(data, backbone) -> None:
+    """Samples whose reply is empty (a later turn cut for its context's length) can fill a whole batch: no loss to
+    learn from, and no crash."""
+    import dataclasses
+
+    _, d = data
+    model, _ = backbone
+    lm_w, emb_w = _weights(model)
+    empty = dataclasses.replace(d, first_pair=d.lengths.clone())  # no pair of any sample is trained
+    batch = empty.batch(list(range(len(empty))), CPU)
+    draft = _draft(model)
+    loss, _ = batch_losses(draft, lm_w, emb_w, batch, EagleSettings(unroll=2, **SMALL), 0.0)
+    assert not loss.requires_grad
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    res = train_eagle(draft, lm_w, emb_w, empty, EagleSettings(unroll=2, **SMALL), RUN)
+    assert res.steps == res.total_steps and all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())
+
+
 def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: Path) -> None:
     _, d = data
     model, _ = backbone

@@ -139,7 +139,9 @@ class EagleKind:
     def build(self, base_model: str, log: Log) -> None:
         settings, init_from = self.settings, self.init_from
         settings.check()
-        self.train_data, self.held = train, _ = self.data.split(self.holdout)
+        # a sample with no trained pair (a later turn whose context was too long got an empty reply) teaches nothing
+        splits = self.data.split(self.holdout)
+        self.train_data, self.held = train, _ = (d.select(d.lengths > d.first_pair) for d in splits)
         self.lm_weight = self.backbone.get_output_embeddings().weight.detach()
         self.embed_weight = self.backbone.get_input_embeddings().weight.detach()
         ids = None

@@ -173,10 +173,12 @@ def train_eagle(
                 noise_gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + state.step)
                 loss, top1 = batch_losses(draft, lm_w, embed, batch, settings, settings.noise, noise_gen)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), settings.grad_clip)
-            set_learning_rate(opt, settings.lr * plan(state.step))
-            opt.step()
+            # no counted row in the batch (every target outside the draft vocabulary): nothing to learn from it
+            if loss.requires_grad:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(draft.parameters(), settings.grad_clip)
+                set_learning_rate(opt, settings.lr * plan(state.step))
+                opt.step()
             state.step += 1
             ema = [0.9 * e + 0.1 * a for e, a in zip(ema, top1, strict=True)]
             fit.after_step(state.step, plan, log)
