@@ -141,7 +141,7 @@ class EagleKind:
         settings.check()
         # a sample with no trained pair (a later turn whose context was too long got an empty reply) teaches nothing
         splits = self.data.split(self.holdout)
-        self.train_data, self.held = train, _ = (d.select(d.lengths > d.first_pair) for d in splits)
+        self.train_data, self.held = train, _ = tuple(d.select(d.lengths > d.first_pair) for d in splits)
         self.lm_weight = self.backbone.get_output_embeddings().weight.detach()
         self.embed_weight = self.backbone.get_input_embeddings().weight.detach()
         ids = None
