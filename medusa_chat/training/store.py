@@ -206,15 +206,16 @@ def import_npz(
         raise ValueError(f"{store.root} already holds data: import into a fresh --work folder")
     parts = str(path).split(",")
     for part in parts:
-        file, _, limit = part.rpartition(":") if _has_limit(part) else (part, "", "")
-        whole = len(parts) == 1 and not limit  # keeps its unanswered prompts: the data stage answers them next
-        _import_one(store, Path(file), int(limit) if limit else None, (shard_size, whole), set(eos))
+        file, limit = _file_and_limit(part)
+        whole = len(parts) == 1 and limit is None  # keeps its unanswered prompts: the data stage answers them next
+        _import_one(store, Path(file), limit, (shard_size, whole), set(eos))
     return store
 
 
-def _has_limit(part: str) -> bool:
+def _file_and_limit(part: str) -> tuple[str, int | None]:
+    """`FILE:N` -> (FILE, N); `FILE` -> (FILE, None)."""
     head, sep, tail = part.rpartition(":")
-    return bool(sep and head and tail.isdigit())
+    return (head, int(tail)) if sep and head and tail.isdigit() else (part, None)
 
 
 def _import_one(
