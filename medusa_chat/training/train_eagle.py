@@ -26,6 +26,7 @@ from medusa_chat.training.loop import (
     Checkpoint,
     DeadlineFit,
     Progress,
+    RunningTop1,
     RunOptions,
     RunState,
     TrainResult,
@@ -90,8 +91,8 @@ def batch_losses(
     settings: EagleSettings,
     noise: float,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, list[float]]:
-    """(weighted loss, per-step top-1 over counted rows) of one batch. EAGLE-1: feature regression + weighted
+) -> tuple[torch.Tensor, list[float | None]]:
+    """(weighted loss, per-step top-1 over counted rows, None for a step with none) of one batch. EAGLE-1: feature regression + weighted
     cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft vocabulary only (a target
     outside it is left out of the loss and counted a miss)."""
     feats, nxt, tgt, use = batch
@@ -101,11 +102,11 @@ def batch_losses(
     want = torch.cat([feats[:, 1:], feats[:, :1]], dim=1)  # the backbone's next feature (last row: no target)
     index = draft_index(draft) if v3 else None
     total = feats.new_zeros(())
-    top1 = []
+    top1: list[float | None] = []
     for j, out in enumerate(outs):
         rows = step_rows(use, tgt, j)
         if not bool(rows.any()):
-            top1.append(0.0)
+            top1.append(None)
             continue
         o = out[rows]
         t = tgt[..., 0][rows]
@@ -161,7 +162,7 @@ def train_eagle(
     state = saved.resume(device, log, "EAGLE training") if run.resume else RunState()
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    ema = [0.0] * settings.unroll
+    top1_running = RunningTop1(settings.unroll, 0.9)
     bar = Progress(plan.total, "train eagle", log)
     t0, stopped = time.time(), False
     fit = DeadlineFit(run.deadline, 3, 13, lambda per: f"{per:.2f} s/step")
@@ -180,9 +181,9 @@ def train_eagle(
                 set_learning_rate(opt, settings.lr * plan(state.step))
                 opt.step()
             state.step += 1
-            ema = [0.9 * e + 0.1 * a for e, a in zip(ema, top1, strict=True)]
+            top1_running.update(top1)
             fit.after_step(state.step, plan, log)
-            bar.update(state.step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), plan.total)
+            bar.update(state.step, f"loss {loss.item():.3f} top1 {top1_running}", plan.total)
             end_of_epoch = state.step % batches_per_epoch == 0 or state.step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
                 hl = heldout_loss(draft, lm_w, embed, heldout, settings, device, bf16)
@@ -202,9 +203,16 @@ def train_eagle(
     saved.save(state)
     if state.best is not None and not stopped:
         draft.load_state_dict(state.best)
-    ema_top1 = [round(a, 4) for a in ema]
+    ema_top1 = [round(a, 4) for a in top1_running.values]
     return TrainResult(
-        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
+        state.step,
+        plan.total,
+        time.time() - t0,
+        stopped,
+        bf16,
+        ema_top1,
+        state.best_epoch,
+        state.epoch_losses,
     )
 
 

@@ -37,6 +37,7 @@ from medusa_chat.training.loop import (
     Checkpoint,
     DeadlineFit,
     Progress,
+    RunningTop1,
     RunOptions,
     RunState,
     TrainResult,
@@ -185,11 +186,13 @@ def train_heads(
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    saved = Checkpoint(checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state")
+    saved = Checkpoint(
+        checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state"
+    )
     state = saved.resume(device, log, "training") if run.resume else RunState()
 
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
-    ema = [0.0] * k
+    top1_running = RunningTop1(k, 0.95)
     bar = Progress(plan.total, "train", log)
     t0, stopped = time.time(), False
     fit = DeadlineFit(run.deadline, 10, 40, lambda per: f"{per * 1000:.0f} ms/step")
@@ -209,9 +212,9 @@ def train_heads(
             set_learning_rate(opt, settings.lr * plan(state.step))
             opt.step()
             state.step += 1
-            _update_top1(ema, logits, tg)
+            top1_running.update(_batch_top1(logits, tg))
             fit.after_step(state.step, plan, log)
-            bar.update(state.step, f"loss {loss.item():.3f} top1 " + " ".join(f"{a:.2f}" for a in ema), plan.total)
+            bar.update(state.step, f"loss {loss.item():.3f} top1 {top1_running}", plan.total)
             end_of_epoch = state.step % steps_per_epoch == 0 or state.step == plan.total
             if end_of_epoch and heldout is not None and len(heldout):
                 hl = heldout_loss(heads, lm_weight, heldout, settings, device, bf16, (vocab_index, embed))
@@ -232,9 +235,16 @@ def train_heads(
     if state.best is not None and not stopped:
         heads.load_state_dict(state.best)
     saved.save(state)
-    ema_top1 = [round(a, 4) for a in ema]
+    ema_top1 = [round(a, 4) for a in top1_running.values]
     return TrainResult(
-        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
+        state.step,
+        plan.total,
+        time.time() - t0,
+        stopped,
+        bf16,
+        ema_top1,
+        state.best_epoch,
+        state.epoch_losses,
     )
 
 
@@ -255,14 +265,13 @@ class _EpochOrder:
 
 
 @torch.no_grad()
-def _update_top1(ema: list[float], logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """Each head's running top-1 accuracy over its valid targets (an exponential moving average, in place)."""
+def _batch_top1(logits: torch.Tensor, targets: torch.Tensor) -> list[float | None]:
+    """Each head's top-1 accuracy over its valid targets in this batch (None for a head with none)."""
     hit = logits.argmax(-1) == targets.T.long()
     valid = targets.T >= 0
-    for i in range(len(ema)):
-        v = int(valid[i].sum())
-        if v:
-            ema[i] = 0.95 * ema[i] + 0.05 * float((hit[i] & valid[i]).sum()) / v
+    counts = valid.sum(1).tolist()
+    hits = (hit & valid).sum(1).tolist()
+    return [h / v if v else None for h, v in zip(hits, counts, strict=True)]
 
 
 HELDOUT_POSITIONS = 20000  # the held-out loss's sample: enough to rank the epochs, fast at each epoch end
