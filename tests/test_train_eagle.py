@@ -22,7 +22,7 @@ from medusa_chat.training.cli import add_train_args, train_main
 from medusa_chat.training.distill import DistillSettings, distill, load_for_training
 from medusa_chat.training.eagle_data import EagleData, cache_eagle_features, load_eagle_cache
 from medusa_chat.training.eagle_model import draft_config, new_draft, unrolled_outputs
-from medusa_chat.training.eagle_pipeline import EAGLE_FILE, EagleKind, evaluate_eagle
+from medusa_chat.training.eagle_pipeline import EAGLE_FILE, EagleKind, evaluate_eagle, save_draft
 from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.pipeline import SaveOptions, train_and_save
 from medusa_chat.training.store import DistillStore
@@ -164,7 +164,9 @@ def test_a_batch_with_no_counted_row_is_stepped_over(data, backbone) -> None:
     assert not loss.requires_grad
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     res = train_eagle(draft, lm_w, emb_w, empty, EagleSettings(unroll=2, **SMALL), RUN)
-    assert res.steps == res.total_steps and all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())
+    assert res.steps == res.total_steps and all(
+        torch.equal(v, draft.state_dict()[k]) for k, v in before.items()
+    )
 
 
 def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: Path) -> None:
@@ -432,3 +434,36 @@ def test_eagle3_command_refuses_a_backbone_too_shallow(
     argv[argv.index("eagle")] = "eagle3"
     assert train_main(p.parse_args(argv)) == 2  # the planted Llama has 2 layers
     assert "at least 7 needed" in capsys.readouterr().out
+
+
+def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replies(
+    deep, data3, tmp_path: Path
+) -> None:
+    """`train-heads --stage evaluate` scores EAGLE-3 drafts on the store's replies (their features cached in the
+    work folder as training caches them): the numbers are evaluate_eagle's on those features, a trained draft
+    beats an untrained one, and both are scored on the same positions."""
+    from medusa_chat.training.stages import evaluate_main
+
+    _, model, _ = deep
+    store, d = data3
+    train_and_save(
+        EagleKind(model, d, EagleSettings(unroll=2, **SMALL), 0.25, eval_depth=3, draft_vocab=60),
+        SaveOptions(tmp_path / "trained", "deep", RUN, tree_budget=8),
+    )
+    fresh = _draft3(model, d)
+    save_draft(fresh, draft_config(model.config, "deep", 60), tmp_path / "fresh")
+    folders = [str(tmp_path / "trained"), str(tmp_path / "fresh")]
+    out = tmp_path / "eval.json"
+    args = argparse.Namespace(heads=",".join(folders), eval_json=str(out))
+    assert evaluate_main(args, model, store, tmp_path / "w", lambda m: None) == 0
+    assert (tmp_path / "w" / "eagle3-features").is_dir()
+    ev = json.loads(out.read_text())
+    trained, untrained = ev[folders[0]], ev[folders[1]]
+    assert ev["eagle_positions"]["eagle3"] > 0
+    assert trained["top1"][0] > untrained["top1"][0] + 0.1
+    from medusa_chat.model.sources.heads_files import load_heads_file
+
+    lm_w, emb_w = _weights(model)
+    direct = evaluate_eagle(load_heads_file(tmp_path / "trained")[0], lm_w, emb_w, d, CPU)
+    assert direct["positions"] == ev["eagle_positions"]["eagle3"]
+    assert trained["top1"] == direct["top1"]

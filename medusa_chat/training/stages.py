@@ -115,8 +115,12 @@ def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
 
 
 def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, work: Path, log: Log) -> int:
-    """Every --heads folder scored on all replies in `store` (no split: the store itself is the held-out set)."""
+    """Every --heads folder scored on all replies in `store` (no split: the store itself is the held-out set):
+    Medusa and Hydra heads on the cached hidden states, EAGLE drafts on the cached features of their kind (the
+    draft fed its own outputs, as training reports it), so drafts before and after a fine-tune compare on the same
+    replies."""
     from medusa_chat.model.sources.heads_files import load_heads_file
+    from medusa_chat.training.eagle_pipeline import evaluate_eagle
     from medusa_chat.training.evaluate import evaluate_heads
     from medusa_chat.training.fit_tree import expected_accept_length, fit_tree, size_summary
     from medusa_chat.training.positions import cache_hidden_states, load_cache
@@ -127,21 +131,31 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
     if not store.shards:
         print(f"train-heads --stage evaluate: no replies in {store.root}: run --stage data there first")
         return 2
-    data = load_cache(cache_hidden_states(model, store, work / "hidden", batch_tokens=4096, log=log))
     lm_w = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach()
     results: dict[str, Any] = {
         "work": store.root.parent.name,  # the --work folder (its name: result files travel)
         "samples": store.next_prompt_index(),
-        "positions": len(data),
         "reply_tokens": store.reply_tokens,
     }
+    cached: dict[
+        str, Any
+    ] = {}  # the hidden states or a kind of EAGLE features, computed once when first needed
     for folder in [h for h in args.heads.split(",") if h]:
         heads = load_heads_file(Path(folder).expanduser())[0]
-        if getattr(heads, "format", "") in ("eagle", "eagle3"):
-            log(f"{folder}: an EAGLE draft (evaluate scores Medusa/Hydra heads): skipped")
-            continue
-        ev = evaluate_heads(heads.float(), lm_w, data, torch.device("cpu"), embed_weight=embed)
+        kind = getattr(heads, "format", "heads")
+        if kind in ("eagle", "eagle3"):
+            if kind not in cached:
+                cached[kind] = _eagle_features(model, store, work, kind, log)
+            ev = evaluate_eagle(heads, lm_w, embed, cached[kind], torch.device("cpu"))
+            results.setdefault("eagle_positions", {})[kind] = ev["positions"]
+        else:
+            if "heads" not in cached:
+                cached["heads"] = load_cache(
+                    cache_hidden_states(model, store, work / "hidden", 4096, log=log)
+                )
+                results["positions"] = len(cached["heads"])
+            ev = evaluate_heads(heads.float(), lm_w, cached["heads"], torch.device("cpu"), embed_weight=embed)
         chain = ev["chain_top1_conditional"]
         entry: dict[str, Any] = {
             "top1": ev["top1"],
@@ -149,8 +163,8 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
             "chain_top1_conditional": chain,
             "chain_tokens_per_step": round(1 + sum(math.prod(chain[: i + 1]) for i in range(len(chain))), 4),
             # argmax of lm_head on the cached states vs the stored reply tokens: 1.0 when the replies are the
-            # float model's own greedy tokens (lower when another numeric path wrote them)
-            "backbone_agreement": ev["backbone_agreement"],
+            # float model's own greedy tokens (lower when another numeric path wrote them); EAGLE: not measured
+            "backbone_agreement": ev.get("backbone_agreement"),
             "fitted_tree_tokens_per_step": size_summary(fit_tree(ev, budget=64)),
         }
         own = Path(folder).expanduser() / "tree.json"
@@ -165,6 +179,15 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
     atomic_write_json(out, results)
     log(f"wrote {out}")
     return 0
+
+
+def _eagle_features(model: Any, store: DistillStore, work: Path, kind: str, log: Log) -> Any:
+    """The store's EAGLE features (EAGLE-3: the three taps), cached in `work` as the train stage caches them."""
+    from medusa_chat.model.forward.eagle import eagle_taps
+    from medusa_chat.training.eagle_data import eagle_features
+
+    taps = eagle_taps(int(model.config.num_hidden_layers)) if kind == "eagle3" else None
+    return eagle_features(model, store, work / f"{kind}-features", torch.device("cpu"), log=log, taps=taps)
 
 
 def keep_cached_shards(store: DistillStore, cache_dir: Path, log: Log) -> None:
