@@ -164,9 +164,7 @@ def test_a_batch_with_no_counted_row_is_stepped_over(data, backbone) -> None:
     assert not loss.requires_grad
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     res = train_eagle(draft, lm_w, emb_w, empty, EagleSettings(unroll=2, **SMALL), RUN)
-    assert res.steps == res.total_steps and all(
-        torch.equal(v, draft.state_dict()[k]) for k, v in before.items()
-    )
+    assert res.steps == res.total_steps and all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())
 
 
 def test_resumed_training_equals_an_uninterrupted_run(data, backbone, tmp_path: Path) -> None:
@@ -436,12 +434,11 @@ def test_eagle3_command_refuses_a_backbone_too_shallow(
     assert "at least 7 needed" in capsys.readouterr().out
 
 
-def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replies(
-    deep, data3, tmp_path: Path
-) -> None:
+def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replies(deep, data3, tmp_path: Path) -> None:
     """`train-heads --stage evaluate` scores EAGLE-3 drafts on the store's replies (their features cached in the
     work folder as training caches them): the numbers are evaluate_eagle's on those features, a trained draft
     beats an untrained one, and both are scored on the same positions."""
+    from medusa_chat.model.sources.heads_files import load_heads_file
     from medusa_chat.training.stages import evaluate_main
 
     _, model, _ = deep
@@ -450,8 +447,7 @@ def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replie
         EagleKind(model, d, EagleSettings(unroll=2, **SMALL), 0.25, eval_depth=3, draft_vocab=60),
         SaveOptions(tmp_path / "trained", "deep", RUN, tree_budget=8),
     )
-    fresh = _draft3(model, d)
-    save_draft(fresh, draft_config(model.config, "deep", 60), tmp_path / "fresh")
+    save_draft(_draft3(model, d), draft_config(model.config, "deep", 60), tmp_path / "fresh")
     folders = [str(tmp_path / "trained"), str(tmp_path / "fresh")]
     out = tmp_path / "eval.json"
     args = argparse.Namespace(heads=",".join(folders), eval_json=str(out))
@@ -461,8 +457,6 @@ def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replie
     trained, untrained = ev[folders[0]], ev[folders[1]]
     assert ev["eagle_positions"]["eagle3"] > 0
     assert trained["top1"][0] > untrained["top1"][0] + 0.1
-    from medusa_chat.model.sources.heads_files import load_heads_file
-
     lm_w, emb_w = _weights(model)
     direct = evaluate_eagle(load_heads_file(tmp_path / "trained")[0], lm_w, emb_w, d, CPU)
     assert direct["positions"] == ev["eagle_positions"]["eagle3"]

@@ -208,22 +208,16 @@ def _store(root: Path, prompts: list, answered: int, shard: int) -> DistillStore
     store.prompts, store.sources = list(prompts), ["test"] * len(prompts)
     for first in range(0, answered, shard):
         rows = range(first, min(first + shard, answered))
-        store.write_shard(
-            first, [[7, 8, 100 + i, 200 + i] for i in rows], [2] * len(rows), [True] * len(rows)
-        )
+        store.write_shard(first, [[7, 8, 100 + i, 200 + i] for i in rows], [2] * len(rows), [True] * len(rows))
     return store
 
 
-def test_import_joins_files_keeps_conversations_whole_and_export_drops_unanswered_prompts(
-    tmp_path: Path,
-) -> None:
+def test_import_joins_files_keeps_conversations_whole_and_export_drops_unanswered_prompts(tmp_path: Path) -> None:
     chats = _store(tmp_path / "a", ["a", {"follow": "a2"}, {"follow": "a3"}, "b", "c", "unanswered"], 5, 5)
     magpie = _store(tmp_path / "b", ["m1", "m2", "m3"], 3, 3)
     assert export_npz(chats, tmp_path / "a.npz") == {"samples": 5, "tokens": 20}
     export_npz(magpie, tmp_path / "b.npz")
-    assert (
-        len(import_npz(DistillStore.open(tmp_path / "a1"), tmp_path / "a.npz").prompts) == 5
-    )  # not "unanswered"
+    assert len(import_npz(DistillStore.open(tmp_path / "a1"), tmp_path / "a.npz").prompts) == 5  # not "unanswered"
     joined = import_npz(DistillStore.open(tmp_path / "j"), f"{tmp_path / 'a.npz'}:2,{tmp_path / 'b.npz'}:2",
                         shard_size=2)  # fmt: skip
     # a's first 2 samples grow to 3: the conversation's follow-ups stay with its first turn; b's follow
@@ -231,10 +225,7 @@ def test_import_joins_files_keeps_conversations_whole_and_export_drops_unanswere
     samples = list(joined.samples())
     assert [i for i, _, _ in samples] == [0, 1, 2, 3, 4]
     assert [ids[2] for _, ids, _ in samples] == [100, 101, 102, 100, 101]
-    assert [(s.first, s.count) for s in joined.shards] == [
-        (0, 3),
-        (3, 2),
-    ]  # a shard never splits a conversation
+    assert [(s.first, s.count) for s in joined.shards] == [(0, 3), (3, 2)]  # a shard never splits a conversation
     whole = import_npz(DistillStore.open(tmp_path / "w"), f"{tmp_path / 'a.npz'},{tmp_path / 'b.npz'}")
     assert len(whole.prompts) == 8 and [i for i, _, _ in whole.samples()] == list(range(8))
 
@@ -331,13 +322,7 @@ def test_covering_samples_groups_turns_by_prefix() -> None:
     seqs = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2], [7, 2, 3], [1, 9]]
     roots, root_of = covering_samples(seqs)
     assert sorted(map(tuple, roots)) == [(1, 2, 3, 4, 5), (1, 9), (7, 2, 3)]
-    assert [roots[r] for r in root_of] == [
-        [1, 2, 3, 4, 5],
-        [1, 2, 3, 4, 5],
-        [1, 2, 3, 4, 5],
-        [7, 2, 3],
-        [1, 9],
-    ]
+    assert [roots[r] for r in root_of] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [7, 2, 3], [1, 9]]
 
 
 def test_heldout_split_keeps_conversations_whole() -> None:
@@ -398,10 +383,7 @@ def test_training_lowers_loss_and_raises_accuracy(distilled, backbone, fmt: str)
     # ramp up from zero that reads like a broken warm start
     again = train_heads(heads, lm_w, data, replace(s, epochs=1, lr=1e-12), replace(QUIET, stop_after_steps=1))
     assert again.steps == 1 and sum(acc1) > 0.6
-    assert all(abs(r - a) < 0.2 for r, a in zip(again.train_top1, acc1, strict=True)), (
-        again.train_top1,
-        acc1,
-    )
+    assert all(abs(r - a) < 0.2 for r, a in zip(again.train_top1, acc1, strict=True)), (again.train_top1, acc1)
 
 
 def test_running_top1_is_bias_corrected_and_skips_empty_entries() -> None:

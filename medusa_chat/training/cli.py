@@ -99,12 +99,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="prompts per data shard, the unit of resumption (default 256 CPU, 1024 CUDA; a conversation's "
         "turns always share a shard)",
     )
-    g.add_argument(
-        "--minutes",
-        type=float,
-        default=None,
-        help="time budget for data generation (resumable; 0: none, e.g. to --export-data a store)",
-    )
+    g.add_argument("--minutes", type=float, default=None, help="time budget for data generation (resumable; 0: none, e.g. to --export-data a store)")
     g.add_argument(
         "--import-data",
         metavar="NPZ[:N][,NPZ[:N]...]",
@@ -236,9 +231,7 @@ def train_main(args: argparse.Namespace) -> int:
         return prompts_main(args, work, make_logger())
     try:
         if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "evaluate":
-            raise _Refused(
-                f"{work} already holds a run: add --resume to continue it, or choose another --out/--work"
-            )
+            raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         eagle_settings = _eagle_settings(args) if eagle else None
         init_from = _init_from(args, eagle)
     except _Refused as err:
@@ -349,9 +342,7 @@ def _distill_data(
         log(f"data: {len(store.shards)} shards, {store.reply_tokens} reply tokens; --minutes 0: none added")
         return
     deadline = time.time() + 60 * args.minutes if args.minutes else None
-    log(
-        f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}"
-    )
+    log(f"data: {len(store.prompts)} prompts, {store.reply_tokens} reply tokens so far; generating on {device}")
     replies = None
     if args.generator == "engine":
         from medusa_chat.training.engine_replies import EngineReplies
@@ -403,9 +394,7 @@ def _train_heads(stage: _TrainStage, extra: dict[str, Any], init_from: Any) -> i
     """Medusa or Hydra heads: the hidden states cached, the heads trained, evaluated and saved to `out`."""
     args, model, device, log = stage.args, stage.model, stage.run.device, stage.run.log
     cuda = device.type == "cuda"
-    paths = cache_hidden_states(
-        model, stage.store, stage.work / "hidden", batch_tokens=65536 if cuda else 4096, log=log
-    )
+    paths = cache_hidden_states(model, stage.store, stage.work / "hidden", batch_tokens=65536 if cuda else 4096, log=log)
     data = load_cache(paths)
     mask = heldout_mask(conversation_starts(stage.store.prompts)[data.sample.long()], args.holdout)
     train, held = data.subset(~mask), data.subset(mask)
@@ -458,9 +447,7 @@ def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_
             return 2
 
     features = stage.work / f"{name}-features"
-    data = eagle_features(
-        model, stage.store, features, stage.run.device, log=log, deadline=stage.run.deadline, taps=taps
-    )
+    data = eagle_features(model, stage.store, features, stage.run.device, log=log, deadline=stage.run.deadline, taps=taps)
     kind = EagleKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from)
     return stage.finish(kind, f"{name}-checkpoint.pt", extra)
 

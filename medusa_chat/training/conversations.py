@@ -92,3 +92,4 @@ def answer_entries(
             text = tokenizer.decode(body, skip_special_tokens=True).strip()
             history[conv_of[i]] = history[conv_of[i]] + [{"role": "assistant", "content": text}]
     return ctx, replies
+

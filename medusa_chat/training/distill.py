@@ -208,11 +208,7 @@ def read_prompt_file(path: str | Path) -> list[str | list[str]]:
                 text = rec
             elif isinstance(rec, dict):
                 conv, turns = rec.get("conversation"), rec.get("turns")
-                if (
-                    isinstance(conv, list)
-                    and len(conv) > 1
-                    and all(isinstance(t, str) and t.strip() for t in conv)
-                ):
+                if isinstance(conv, list) and len(conv) > 1 and all(isinstance(t, str) and t.strip() for t in conv):
                     out.append([t.strip() for t in conv])
                     continue
                 text = (conv[0] if isinstance(conv, list) and conv else None) or rec.get("prompt")
@@ -471,3 +467,5 @@ def distill(
             log("time budget: data generation stopped")
         break
     return store
+
+

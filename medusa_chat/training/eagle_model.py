@@ -94,9 +94,7 @@ def warm_start_eagle(draft: EagleDraft, init: EagleDraft) -> None:
     more epochs. A ValueError naming the first difference when the two are not the same kind and shape (another
     backbone's draft, EAGLE-1 for EAGLE-3, another draft vocabulary)."""
     if init.version != draft.version:
-        raise ValueError(
-            f"cannot warm-start an EAGLE-{draft.version} draft from an EAGLE-{init.version} draft"
-        )
+        raise ValueError(f"cannot warm-start an EAGLE-{draft.version} draft from an EAGLE-{init.version} draft")
     own, given = draft.state_dict(), init.state_dict()
     if set(own) != set(given):
         raise ValueError(f"the trained draft's layout differs: keys {sorted(set(own) ^ set(given))[:4]}")

@@ -164,9 +164,7 @@ class EagleKind:
 
     def train(self, run: RunOptions) -> Any:
         held = self.held if len(self.held) else None
-        return train_eagle(
-            self.model, self.lm_weight, self.embed_weight, self.train_data, self.settings, run, held
-        )
+        return train_eagle(self.model, self.lm_weight, self.embed_weight, self.train_data, self.settings, run, held)
 
     def save(self, out_dir: Path, base_model: str) -> dict[str, Any]:
         del base_model  # (in the config since `build`)
@@ -180,9 +178,7 @@ class EagleKind:
 
             vocab = self.lm_weight.shape[0]
             ids = draft_vocabulary(self.train_data, self.eagle1_draft_vocab, vocab)  # type: ignore[arg-type]
-            atomic_write_bytes(
-                out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()})
-            )
+            atomic_write_bytes(out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()}))
         return self.config
 
     def report(self) -> dict[str, Any]:
@@ -206,9 +202,7 @@ class EagleKind:
         return bool(len(self.held))
 
     def evaluate(self, device: torch.device) -> dict[str, Any]:
-        return evaluate_eagle(
-            self.model, self.lm_weight, self.embed_weight, self.held, device, self.eval_depth
-        )
+        return evaluate_eagle(self.model, self.lm_weight, self.embed_weight, self.held, device, self.eval_depth)
 
     def heldout_line(self, ev: dict[str, Any], seconds: float) -> str:
         return (

@@ -145,11 +145,7 @@ class Checkpoint:
         self.opt.load_state_dict(ck["opt"])
         self.plan.total = int(ck["total"])
         state = RunState(
-            int(ck["step"]),
-            float(ck["best_loss"]),
-            ck["best_epoch"],
-            list(ck["epoch_losses"]),
-            ck.get(self.best_name),
+            int(ck["step"]), float(ck["best_loss"]), ck["best_epoch"], list(ck["epoch_losses"]), ck.get(self.best_name)
         )
         log(f"resuming {what} at step {state.step}/{self.plan.total}")
         return state

@@ -148,9 +148,7 @@ class HeadsKind:
 
     def train(self, run: RunOptions) -> Any:
         held = self.heldout if len(self.heldout) else None
-        return train_heads(
-            self.model, self.weight, self.train_data, self.settings, run, held, self.embed_weight
-        )
+        return train_heads(self.model, self.weight, self.train_data, self.settings, run, held, self.embed_weight)
 
     def save(self, out_dir: Path, base_model: str) -> dict[str, Any]:
         return save_heads(self.model, out_dir, base_model)
@@ -171,9 +169,7 @@ class HeadsKind:
         return bool(len(self.heldout))
 
     def evaluate(self, device: torch.device) -> dict[str, Any]:
-        ev = evaluate_heads(
-            self.model.to(device), self.weight, self.heldout, device, embed_weight=self.embed_weight
-        )
+        ev = evaluate_heads(self.model.to(device), self.weight, self.heldout, device, embed_weight=self.embed_weight)
         self.model.cpu()
         return ev
 
@@ -211,9 +207,7 @@ def train_and_save(kind: DraftKind, options: SaveOptions) -> dict[str, Any]:
             1 + sum(math.prod(ev["chain_top1_conditional"][: i + 1]) for i in range(kind.depth)), 4
         )
         run.log(kind.heldout_line(ev, time.time() - t))
-        run.log(
-            f"estimated tokens/step (greedy, fitted {kind.tree_words}): {report['estimated_tokens_per_step']}"
-        )
+        run.log(f"estimated tokens/step (greedy, fitted {kind.tree_words}): {report['estimated_tokens_per_step']}")
     atomic_write_json(out_dir / "accuracy.json", report)
     report["config"] = config
     return report

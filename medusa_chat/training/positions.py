@@ -122,9 +122,7 @@ def covering_samples(seqs: list[list[int]]) -> tuple[list[list[int]], list[int]]
     return roots, root_of
 
 
-def _forward(
-    body: Any, batch: list[list[int]], device: torch.device, taps: tuple[int, ...] | None
-) -> torch.Tensor:
+def _forward(body: Any, batch: list[list[int]], device: torch.device, taps: tuple[int, ...] | None) -> torch.Tensor:
     """The backbone's last hidden states (or, with `taps`, the inputs of those layers concatenated) for a batch
     of token lists, right-padded to the longest: [B, longest, H]."""
     width = len(batch[-1])

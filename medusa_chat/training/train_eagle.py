@@ -92,7 +92,7 @@ def batch_losses(
     noise: float,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, list[float | None]]:
-    """(weighted loss, per-step top-1 over counted rows, None for a step with none) of one batch. EAGLE-1: feature regression + weighted
+    """(weighted loss, per-step top-1 over counted rows: None for a step with none) of one batch. EAGLE-1: feature regression + weighted
     cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft vocabulary only (a target
     outside it is left out of the loss and counted a miss)."""
     feats, nxt, tgt, use = batch
@@ -205,14 +205,7 @@ def train_eagle(
         draft.load_state_dict(state.best)
     ema_top1 = [round(a, 4) for a in top1_running.values]
     return TrainResult(
-        state.step,
-        plan.total,
-        time.time() - t0,
-        stopped,
-        bf16,
-        ema_top1,
-        state.best_epoch,
-        state.epoch_losses,
+        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
     )
 
 

@@ -186,9 +186,7 @@ def train_heads(
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    saved = Checkpoint(
-        checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state"
-    )
+    saved = Checkpoint(checkpoint, {**asdict(settings), "positions": n}, heads, opt, plan, "heads", "best_state")
     state = saved.resume(device, log, "training") if run.resume else RunState()
 
     weights = torch.tensor([settings.head_decay**i for i in range(k)], device=device)
@@ -237,14 +235,7 @@ def train_heads(
     saved.save(state)
     ema_top1 = [round(a, 4) for a in top1_running.values]
     return TrainResult(
-        state.step,
-        plan.total,
-        time.time() - t0,
-        stopped,
-        bf16,
-        ema_top1,
-        state.best_epoch,
-        state.epoch_losses,
+        state.step, plan.total, time.time() - t0, stopped, bf16, ema_top1, state.best_epoch, state.epoch_losses
     )
 
 
