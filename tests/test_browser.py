@@ -146,6 +146,15 @@ def live_reply(page: Any) -> dict[str, Any]:
     return state
 
 
+# The page's streaming state read in one evaluation (one DOM state: a reply cannot end between the reads, as it
+# can between separate calls on a loaded machine): the meter's text, the live reply's, and the chat's replies.
+STREAM_JS = """() => { const e = document.querySelector('#live-reply .mc-live-text');
+    return {meter: document.querySelector('#meter').innerText, text: e ? e.textContent : null,
+            shown: document.querySelector('#live-reply').checkVisibility(),
+            elements: e ? e.querySelectorAll('*').length : -1,
+            bots: document.querySelectorAll('#chat .message-row.bot-row').length}; }"""
+
+
 def shoot(page: Any, path: Path, name: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     shot = path / name
@@ -172,13 +181,12 @@ def test_chat_streams_with_meter_and_tree(page: Any, served: Any, tmp_path: Path
     seen: list[str] = []
     meters: set[str] = set()
     deadline = time.monotonic() + 30
-    while "max new tokens" not in (meter := page.inner_text("#meter")):
+    while "max new tokens" not in (meter := (live := page.evaluate(STREAM_JS))["meter"]):
         assert time.monotonic() < deadline, "the reply did not finish"
-        live = live_reply(page)
         if live["text"] and (not seen or seen[-1] != live["text"]):
             assert live["shown"] and live["elements"] == 0
             if "streaming" in meter:
-                assert bot_count(page) == bots_before, "the reply reached the chat before it was done"
+                assert live["bots"] == bots_before, "the reply reached the chat before it was done"
             seen.append(live["text"])
             if len(seen) == 3:
                 shoot(page, tmp_path, "web-ui-streaming.png")
