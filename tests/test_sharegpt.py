@@ -210,6 +210,20 @@ def _fine_tune_on_part_of_the_cache(p, base: list[str], store: DistillStore, mod
     assert report["distill"]["reply_tokens"] == store.reply_tokens - dropped.tokens
     heads = load_heads_file(tmp_path / "ft")[0]
     assert torch.equal(heads.draft_vocab, start)
+    # Medusa (v2) heads train against the whole lm_head; their drafting vocabulary is a file beside them, which
+    # a fine-tune with --keep-draft-vocab writes beside the new heads (the shipped Medusa-1 folder has one)
+    from safetensors.torch import save_file
+
+    from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
+
+    save_heads(new_heads(TrainSettings(num_heads=2), model.lm_head, 64, vocab), tmp_path / "v2", "tiny")
+    save_file({"draft_vocab": start.to(torch.int64).contiguous()}, str(tmp_path / "v2" / DRAFT_VOCAB_FILE))
+    argv = [*base, "--stage", "train", "--resume", "--cached-only", "--heads-format", "v2", "--num-heads", "2"]
+    argv += ["--init-from", str(tmp_path / "v2"), "--epochs", "1"]
+    assert train_main(p.parse_args([*argv, "--out", str(tmp_path / "ft2"), "--keep-draft-vocab"])) == 0
+    assert torch.equal(load_heads_file(tmp_path / "ft2")[0].draft_vocab_ids, start)
+    assert train_main(p.parse_args([*argv, "--out", str(tmp_path / "ft3")])) == 0  # not asked: not kept
+    assert load_heads_file(tmp_path / "ft3")[0].draft_vocab_ids is None
 
 
 def test_engine_replies_are_its_plain_loops(embedded_model) -> None:

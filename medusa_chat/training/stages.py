@@ -63,8 +63,8 @@ def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
     g.add_argument(
         "--keep-draft-vocab",
         action="store_true",
-        help="hydra with --init-from Hydra heads: keep their draft vocabulary (counted on their data) instead "
-        "of counting one from this run's data (a small fine-tuning set)",
+        help="with --init-from: keep the warm start's draft vocabulary (counted on its data) instead of counting "
+        "one from this run's data (Hydra), or write it beside the fine-tuned heads (Medusa v1/v2)",
     )
     g = adder(parser, "evaluation (--stage evaluate)")
     g.add_argument(
