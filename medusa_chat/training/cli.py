@@ -412,22 +412,11 @@ def _train_heads(stage: _TrainStage, extra: dict[str, Any], init_from: Any) -> i
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
     embed = model.get_input_embeddings().weight.detach()
-    draft_vocab = getattr(init_from, "draft_vocab", None) if args.keep_draft_vocab else None
+    # the warm start's draft vocabulary: Hydra heads hold it in the heads file, Medusa heads in a file beside them
+    held_in = "draft_vocab" if args.heads_format == "hydra" else "draft_vocab_ids"
+    draft_vocab = getattr(init_from, held_in, None) if args.keep_draft_vocab else None
     kind = HeadsKind(model.get_output_embeddings(), train, held, ts, embed, init_from, draft_vocab)
-    code = stage.finish(kind, "checkpoint.pt", extra)
-    drafting_ids = getattr(init_from, "draft_vocab_ids", None)
-    if code == 0 and args.keep_draft_vocab and drafting_ids is not None:
-        # Medusa heads train against the whole lm_head; their draft vocabulary (the rows the CPU drafter reads)
-        # is a file beside them, which the fine-tuned heads keep as Hydra heads keep theirs in the heads file
-        from safetensors.torch import save
-
-        from medusa_chat.atomic import atomic_write_bytes
-        from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
-
-        data = save({"draft_vocab": drafting_ids.to(torch.int64).contiguous()})
-        atomic_write_bytes(stage.out / DRAFT_VOCAB_FILE, data)
-        log(f"kept the warm start's draft vocabulary ({len(drafting_ids)} tokens): {DRAFT_VOCAB_FILE}")
-    return code
+    return stage.finish(kind, "checkpoint.pt", extra)
 
 
 def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_from: Any = None) -> int:

@@ -172,13 +172,11 @@ class EagleKind:
         if not self.draft_vocab and self.eagle1_draft_vocab < self.lm_weight.shape[0]:
             # EAGLE-1 projects with the backbone's whole lm_head; on a CPU the C drafter reads only these rows of
             # it (native_eagle.py), so they are the reply tokens this draft was trained on, most frequent first
-            from safetensors.torch import save
-
-            from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE
+            from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE, write_draft_vocab
 
             vocab = self.lm_weight.shape[0]
             ids = draft_vocabulary(self.train_data, self.eagle1_draft_vocab, vocab)  # type: ignore[arg-type]
-            atomic_write_bytes(out_dir / DRAFT_VOCAB_FILE, save({"draft_vocab": ids.to(torch.int64).contiguous()}))
+            write_draft_vocab(out_dir / DRAFT_VOCAB_FILE, ids)
         return self.config
 
     def report(self) -> dict[str, Any]:

@@ -107,7 +107,9 @@ class HeadsKind:
     backbone's input embeddings); `init_from` warm-starts from trained heads of the same shape (Medusa v2 heads
     into Hydra: the ResBlocks are copied, the token cell starts at zero, so training starts from exactly the
     Medusa heads' accuracy). `draft_vocab` keeps a given draft vocabulary (e.g. the warm start's, counted on more
-    data than a fine-tuning set) instead of counting one from `train`."""
+    data than a fine-tuning set): Hydra heads guess among it instead of one counted from `train`; Medusa heads
+    train against the whole lm_head and it is written beside them (draft_vocab.safetensors: the rows the CPU
+    drafter reads)."""
 
     lm_head: nn.Module
     train_data: PositionData
@@ -151,7 +153,12 @@ class HeadsKind:
         return train_heads(self.model, self.weight, self.train_data, self.settings, run, held, self.embed_weight)
 
     def save(self, out_dir: Path, base_model: str) -> dict[str, Any]:
-        return save_heads(self.model, out_dir, base_model)
+        config = save_heads(self.model, out_dir, base_model)
+        if self.settings.heads_format != "hydra" and self.draft_vocab is not None:
+            from medusa_chat.model.sources.heads_files import DRAFT_VOCAB_FILE, write_draft_vocab
+
+            write_draft_vocab(out_dir / DRAFT_VOCAB_FILE, self.draft_vocab)
+        return config
 
     def report(self) -> dict[str, Any]:
         s = self.settings

@@ -92,9 +92,9 @@ def batch_losses(
     noise: float,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, list[float | None]]:
-    """(weighted loss, per-step top-1 over counted rows: None for a step with none) of one batch. EAGLE-1: feature regression + weighted
-    cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft vocabulary only (a target
-    outside it is left out of the loss and counted a miss)."""
+    """(weighted loss, per-step top-1 over counted rows: None for a step with none) of one batch. EAGLE-1:
+    feature regression + weighted cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft
+    vocabulary only (a target outside it is left out of the loss and counted a miss)."""
     feats, nxt, tgt, use = batch
     emb = F.embedding(nxt, embed).to(feats.dtype)
     v3 = draft.version == 3

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from medusa_chat.atomic import read_json
+from medusa_chat.atomic import atomic_write_bytes, read_json
 from medusa_chat.errors import HeadsError, MedusaChatError
 from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads, heads_from_state_dict
 from medusa_chat.model.mapped_weights import load_pickle
@@ -94,6 +94,13 @@ def load_heads_file(folder: Path, keep_dtype: bool = False) -> tuple[MedusaHeads
     if not isinstance(heads, HydraHeads):  # (Hydra heads carry their draft vocabulary in the heads file)
         heads.draft_vocab_ids = read_draft_vocab(folder / DRAFT_VOCAB_FILE)
     return heads, path, config
+
+
+def write_draft_vocab(path: Path, ids: torch.Tensor) -> None:
+    """The draft vocabulary file `read_draft_vocab` reads: `draft_vocab`, int64 token ids."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save({"draft_vocab": ids.to("cpu", torch.int64).contiguous()}))
 
 
 def read_draft_vocab(path: Path) -> torch.Tensor | None:
