@@ -36,6 +36,7 @@ from medusa_chat.training.positions import (
     hidden_states_for,
     load_cache,
 )
+from medusa_chat.training.select import SampleRule
 from medusa_chat.training.store import DistillStore, export_npz, import_npz
 from medusa_chat.training.train_heads import TrainSettings, head_logits, head_losses, new_heads, train_heads
 from medusa_chat.tree import Tree
@@ -228,6 +229,26 @@ def test_import_joins_files_keeps_conversations_whole_and_export_drops_unanswere
     assert [(s.first, s.count) for s in joined.shards] == [(0, 3), (3, 2)]  # a shard never splits a conversation
     whole = import_npz(DistillStore.open(tmp_path / "w"), f"{tmp_path / 'a.npz'},{tmp_path / 'b.npz'}")
     assert len(whole.prompts) == 8 and [i for i, _, _ in whole.samples()] == list(range(8))
+
+
+def test_import_select_keeps_short_code_free_first_turns_and_drops_a_cut_conversation(tmp_path: Path) -> None:
+    prompts = ["short q", {"follow": "its follow-up"}, "x" * 50, {"follow": "after a long one"},
+               "fix this:\n```py\ndef f(): pass\n```", "another q", {"follow": "y" * 50}, {"follow": "kept?"},
+               "not answered"]  # fmt: skip
+    export_npz(_store(tmp_path / "a", prompts, 8, 8), tmp_path / "a.npz")
+    short = SampleRule.parse("max-chars=20,no-code")
+    got = import_npz(DistillStore.open(tmp_path / "s"), tmp_path / "a.npz", select=short)
+    # the long turn drops its follow-up; the long follow-up drops the turn after it; the code turn goes
+    assert got.prompts == ["short q", {"follow": "its follow-up"}, "another q"]
+    assert [ids for _, ids, _ in got.samples()] == [[7, 8, 100, 200], [7, 8, 101, 201], [7, 8, 105, 205]]
+    firsts = import_npz(DistillStore.open(tmp_path / "f"), f"{tmp_path / 'a.npz'}:2",
+                        select=SampleRule.parse("first-turns"))  # fmt: skip
+    assert firsts.prompts == ["short q", "x" * 50]  # the first 2 of the selected samples
+    whole = import_npz(DistillStore.open(tmp_path / "w"), tmp_path / "a.npz", select=SampleRule.parse("first-turns"))
+    assert whole.prompts == ["short q", "x" * 50, prompts[4], "another q"] and whole.reply_tokens == 4 * 2
+    for bad in ("first-turn", "max-chars=0", "max-chars=x", ""):
+        with pytest.raises(ValueError, match="unknown selection"):
+            SampleRule.parse(bad)
 
 
 def test_export_import_roundtrip(distilled, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from medusa_chat.training.distill import (
 from medusa_chat.training.loop import RunOptions
 from medusa_chat.training.pipeline import HeadsKind, SaveOptions, train_and_save
 from medusa_chat.training.positions import cache_hidden_states, conversation_starts, heldout_mask, load_cache
+from medusa_chat.training.select import SampleRule
 from medusa_chat.training.stages import add_stage_args, evaluate_main, keep_cached_shards, prompts_main
 from medusa_chat.training.store import DistillStore, Log, export_npz, import_npz
 from medusa_chat.training.train_heads import TrainSettings
@@ -106,6 +107,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="start from distilled data exported by other runs (--export-data, benchmarks/gpu_train_heads.py): "
         "several files in a row, each whole or its first N samples (e.g. ShareGPT replies beside Magpie ones)",
+    )
+    g.add_argument(
+        "--import-select",
+        metavar="RULE",
+        default=None,
+        help="keep only the imported prompts that meet every condition of RULE: first-turns, max-chars=N, "
+        "no-code (e.g. 'first-turns,max-chars=400,no-code': short single questions)",
     )
     g.add_argument(
         "--export-data",
@@ -222,6 +230,17 @@ class _Refused(Exception):
     """A run refused before any work: the message is printed and train-heads exits with 2."""
 
 
+def _import_select(args: argparse.Namespace) -> SampleRule | None:
+    if args.import_select is None:
+        return None
+    if not args.import_data:
+        raise _Refused("--import-select selects among --import-data files: give one")
+    try:
+        return SampleRule.parse(args.import_select)
+    except ValueError as err:
+        raise _Refused(f"--import-select: {err}") from err
+
+
 def train_main(args: argparse.Namespace) -> int:
     device = _training_device(args)
     out = Path(args.out).expanduser()
@@ -233,6 +252,7 @@ def train_main(args: argparse.Namespace) -> int:
         if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "evaluate":
             raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         eagle_settings = _eagle_settings(args) if eagle else None
+        select = _import_select(args)
         init_from = _init_from(args, eagle)
     except _Refused as err:
         print(err)
@@ -247,7 +267,7 @@ def train_main(args: argparse.Namespace) -> int:
     model, tok = _load(args.model, device)
     store = DistillStore.open(work / "distill", model=str(args.model))
     if args.import_data and not store.shards:
-        import_npz(store, args.import_data, eos=eos_ids(tok, model))
+        import_npz(store, args.import_data, eos=eos_ids(tok, model), select=select)
         log(f"imported {args.import_data}: {len(store.shards)} shards, {store.reply_tokens} reply tokens")
     if args.stage == "evaluate":
         return evaluate_main(args, model, store, work, log)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from medusa_chat.atomic import atomic_write, atomic_write_json
+from medusa_chat.training.select import SampleRule, kept_rows
 
 Log = Callable[[str], None]
 MANIFEST = "manifest.json"
@@ -197,18 +198,23 @@ def export_npz(store: DistillStore, path: str | Path) -> dict[str, int]:
 
 
 def import_npz(
-    store: DistillStore, path: str | Path, shard_size: int = 1024, eos: Iterable[int] = ()
+    store: DistillStore,
+    path: str | Path,
+    shard_size: int = 1024,
+    eos: Iterable[int] = (),
+    select: SampleRule | None = None,
 ) -> DistillStore:
     """Load `export_npz` files into an empty store, so training can resume from them. `path`: a file, or several
     joined by commas, each `FILE` or `FILE:N` (its first N samples); their samples follow one another, each
-    file's prompt indices shifted past the previous files' (e.g. ShareGPT replies beside Magpie ones)."""
+    file's prompt indices shifted past the previous files' (e.g. ShareGPT replies beside Magpie ones).
+    `select` keeps only the prompts it accepts (select.py), before the first N are counted."""
     if store.prompts or store.shards:
         raise ValueError(f"{store.root} already holds data: import into a fresh --work folder")
     parts = str(path).split(",")
     for part in parts:
         file, limit = _file_and_limit(part)
         whole = len(parts) == 1 and limit is None  # keeps its unanswered prompts: the data stage answers them next
-        _import_one(store, Path(file), limit, (shard_size, whole), set(eos))
+        _import_one(store, Path(file), limit, (shard_size, whole), set(eos), select)
     return store
 
 
@@ -219,7 +225,12 @@ def _file_and_limit(part: str) -> tuple[str, int | None]:
 
 
 def _import_one(
-    store: DistillStore, path: Path, limit: int | None, layout: tuple[int, bool], stop: set[int]
+    store: DistillStore,
+    path: Path,
+    limit: int | None,
+    layout: tuple[int, bool],
+    stop: set[int],
+    select: SampleRule | None,
 ) -> None:
     import numpy as np
 
@@ -232,6 +243,10 @@ def _import_one(
     if len(index) and not np.array_equal(index, np.arange(len(index))):
         raise ValueError(f"{path}: samples do not cover prompts 0..n-1 in order")
     prompts, sources = json.loads(d["prompts"].tobytes()), json.loads(d["sources"].tobytes())
+    if select is not None:
+        ids, offsets, starts, finished, prompts, sources = _selected(
+            select, (ids, offsets, starts, finished), prompts, sources
+        )
     count = len(starts) if limit is None else min(limit, len(starts))
     while 0 < count < len(starts) and is_follow(prompts[count]):
         count += 1  # a conversation's follow-up turns stay with its first turn
@@ -257,3 +272,27 @@ def _import_one(
             fin = [len(q) > r and q[-1] in stop for q, r in zip(seqs, rs, strict=True)]
         store.write_shard(base + first, seqs, rs, fin)
         first = end
+
+
+def _selected(
+    rule: SampleRule, arrays: tuple[Any, Any, Any, Any], prompts: list[Any], sources: list[Any]
+) -> tuple[Any, Any, Any, Any, list[Any], list[Any]]:
+    """An imported file's arrays and prompts cut to the entries `rule` keeps (answered ones first, as stored)."""
+    import numpy as np
+
+    ids, offsets, starts, finished = arrays
+    rows = kept_rows(prompts, rule)
+    answered = [i for i in rows if i < len(starts)]
+    pieces = [ids[offsets[i] : offsets[i + 1]] for i in answered]
+    lengths = np.asarray([len(x) for x in pieces], dtype=np.int64)
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    new_ids = np.concatenate(pieces) if pieces else ids[:0]
+    new_finished = finished[answered] if finished is not None else None
+    return (
+        new_ids,
+        new_offsets,
+        starts[answered],
+        new_finished,
+        [prompts[i] for i in rows],
+        [sources[i] for i in rows],
+    )
