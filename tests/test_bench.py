@@ -253,6 +253,12 @@ def test_bench_compares_drafters_on_one_backbone(
     assert same["tokens_per_step"] > rand["tokens_per_step"]
     assert same["acceptance_by_depth"][0] > (rand["acceptance_by_depth"] or [0])[0]
     assert all(r["draft:random-heads_tokens_per_s"] > 0 for r in doc["prompts"])
+    # paired by prompt: the run's own heads step exactly as Medusa does; random heads lose on some prompt
+    assert same["tokens_per_step_vs_medusa"] == {"mean": 0.0, "standard_error": 0.0, "prompts_up": 0, "prompts_down": 0}
+    gap = rand["tokens_per_step_vs_medusa"]
+    assert gap["mean"] < 0 and gap["prompts_down"] >= 1 and gap["standard_error"] >= 0
+    diffs = [r["draft:random-heads_tokens_per_step"] - r["tokens_per_step"] for r in doc["prompts"]]
+    assert len(diffs) >= 2 and gap["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-3)
 
 
 def test_bench_compare_heads_that_do_not_fit_is_a_clear_error(

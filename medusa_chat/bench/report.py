@@ -181,6 +181,13 @@ def print_summary(console: Console, doc: dict[str, Any]) -> None:
                 fmt_value(r["speedup_vs_plain_loop"], ".2f", "x"),
             )
         console.print(t)
+        for r in doc["drafts"]:
+            if (d := r.get("tokens_per_step_vs_medusa")) is not None:
+                console.print(
+                    f"{r['method']} against medusa, paired by prompt: {d['mean']:+.3f} tokens/step "
+                    f"(standard error {d['standard_error']:.3f}; {d['prompts_up']} prompts up, "
+                    f"{d['prompts_down']} down)"
+                )
     if s.get("speedup_vs_hf_generate_median") is not None:
         console.print(
             "per-prompt median speedup: "
