@@ -416,6 +416,24 @@ def test_running_top1_is_bias_corrected_and_skips_empty_entries() -> None:
     assert str(running) == "0.71 0.50"
 
 
+def test_deadline_fit_shortens_the_plan_again_when_steps_slow_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps take 1 s while timed, then 3 s (a busier machine): a single fit at the warm-up's rate would run
+    past the deadline mid-decay; the repeated check ends the shortened schedule in time."""
+    import medusa_chat.training.loop as loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "time", lambda: clock[0])
+    fit = loop.DeadlineFit(deadline=100.0, start=0, end=2, per_step_text=lambda per: f"{per:.1f} s/step")
+    plan, lines, step = loop.WarmupCosine.planned(500, 0.03), [], 0
+    while step < plan.total:
+        fit.after_step(step, plan, lines.append)
+        clock[0] += 1.0 if step < 4 else 3.0
+        step += 1
+    assert len(lines) >= 2 and lines[0].endswith("(1.0 s/step)")
+    assert clock[0] <= 100.0 and plan.total < 40  # ended by the deadline, the cosine run to its end
+    assert not loop.DeadlineFit(None, 0, 2, str).passed()
+
+
 def test_saved_heads_reload_bit_exactly(distilled, backbone, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -163,7 +163,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument(
-        "--train-minutes", type=float, default=None, help="time budget for training (resumable with --resume)"
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="time budget of the train stage from its start, the hidden-state or feature caching included "
+        "(resumable with --resume)",
     )
     g.add_argument("--holdout", type=float, default=0.03, help="fraction of prompts held out for accuracy")
     g.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="bf16 autocast for training")

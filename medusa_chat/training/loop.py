@@ -171,24 +171,32 @@ class Checkpoint:
 
 @dataclass
 class DeadlineFit:
-    """Shortens the schedule once so that its cosine decay still ends by the deadline: the steps from `start` to
-    `end` are timed (after a warm-up), and the plan keeps what fits in 92% of the time left."""
+    """Shortens the schedule so that its cosine decay still ends by the deadline. The steps from `start` to `end`
+    are timed (after a warm-up) and the plan keeps what fits in 92% of the time left; the check repeats every
+    `end - start` steps at the rate since the previous one, so steps that slow down later (a busier machine, the
+    held-out passes at epoch ends) shorten the plan again rather than run past the deadline mid-decay."""
 
     deadline: float | None
     start: int
     end: int
     per_step_text: Callable[[float], str]  # seconds per step as the log line writes them
     started: float | None = None
+    since_step: int = 0  # the step the running rate is timed from
 
     def after_step(self, step: int, plan: WarmupCosine, log: Log) -> None:
         if step == self.start:
-            self.started = time.time()
-        elif self.deadline is not None and self.started is not None and step == self.end:
-            per = (time.time() - self.started) / (self.end - self.start)
-            fit = int((self.deadline - time.time()) / per * 0.92)
-            if step + fit < plan.total:
-                plan.total = max(step + 1, step + fit)
-                log(f"time budget: training shortened to {plan.total} steps ({self.per_step_text(per)})")
+            self.started, self.since_step = time.time(), step
+            return
+        window = self.end - self.start
+        if self.deadline is None or self.started is None or step < self.end or (step - self.end) % window:
+            return
+        now = time.time()
+        per = (now - self.started) / (step - self.since_step)
+        self.started, self.since_step = now, step
+        fit = int((self.deadline - now) / per * 0.92)
+        if step + fit < plan.total:
+            plan.total = max(step + 1, step + fit)
+            log(f"time budget: training shortened to {plan.total} steps ({self.per_step_text(per)})")
 
     def passed(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
