@@ -25,7 +25,7 @@ REPO_BENCH_DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 
 
 def add_stage_args(parser: argparse.ArgumentParser, adder: Any) -> None:
-    """The prompts and evaluate stages' options (`adder`: cli._Adder, which skips options already defined)."""
+    """The prompts and evaluate stages' options (`adder`: arguments._Adder, which skips options already defined)."""
     g = adder(parser, "real prompts (--stage prompts)")
     g.add_argument(
         "--sharegpt",
