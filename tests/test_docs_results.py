@@ -198,7 +198,7 @@ def test_readme_figures_match_their_files(name: str, read: Any, written: str) ->
 def test_bench_writes_paths_relative_to_the_repository(tmp_path: Path) -> None:
     import tempfile
 
-    from medusa_chat.bench.runs import repo_path
+    from medusa_chat.paths import repo_path
 
     assert repo_path(str(ROOT / "assets" / "smollm2-135m" / "tree.json")) == "assets/smollm2-135m/tree.json"
     tmp = Path(tempfile.gettempdir()).resolve()

@@ -181,8 +181,10 @@ def test_prompts_data_evaluate_stages(tiny_dir: Path, tmp_path: Path) -> None:  
     eargv = [*base, "--stage", "evaluate", "--heads", str(tmp_path / "heads")]
     assert train_main(p.parse_args(eargv)) == 0
     ev = json.loads((work / "evaluation.json").read_text())
-    assert ev["positions"] == store.reply_tokens and len(ev[str(tmp_path / "heads")]["top1"]) == 2
-    assert ev[str(tmp_path / "heads")]["backbone_agreement"] > 0.9  # the replies are the float model's own
+    key = next(k for k in ev if k.endswith("/heads"))
+    assert key.startswith("<tmp>/")  # a result file keeps no absolute path of the machine
+    assert ev["positions"] == store.reply_tokens and len(ev[key]["top1"]) == 2
+    assert ev[key]["backbone_agreement"] > 0.9  # the replies are the float model's own
     assert train_main(p.parse_args([*base, "--stage", "evaluate"])) == 2  # no --heads
     _fine_tune_on_part_of_the_cache(p, base, store, model, tmp_path)
 

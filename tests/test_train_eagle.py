@@ -439,6 +439,7 @@ def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replie
     work folder as training caches them): the numbers are evaluate_eagle's on those features, a trained draft
     beats an untrained one, and both are scored on the same positions."""
     from medusa_chat.model.sources.heads_files import load_heads_file
+    from medusa_chat.paths import repo_path
     from medusa_chat.training.stages import evaluate_main
 
     _, model, _ = deep
@@ -454,7 +455,7 @@ def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replie
     assert evaluate_main(args, model, store, tmp_path / "w", lambda m: None) == 0
     assert (tmp_path / "w" / "eagle3-features").is_dir()
     ev = json.loads(out.read_text())
-    trained, untrained = ev[folders[0]], ev[folders[1]]
+    trained, untrained = (ev[repo_path(f)] for f in folders)
     assert ev["eagle_positions"]["eagle3"] > 0
     assert trained["top1"][0] > untrained["top1"][0] + 0.1
     lm_w, emb_w = _weights(model)

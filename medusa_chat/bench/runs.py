@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +13,7 @@ import torch
 
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.events import GenerationSettings, StepEvent
+from medusa_chat.paths import repo_path
 from medusa_chat.settings import GREEDY
 
 if TYPE_CHECKING:
@@ -213,28 +212,6 @@ BASELINES = ("hf", "plain", "lookup", "llamacpp", "heads", "llamacpp-spec")
 
 
 DEFAULT_BASELINES = ("hf", "plain", "lookup", "llamacpp")
-
-
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def repo_path(value: str) -> str:
-    """A path as a result JSON keeps it: relative to the repository (`assets/smollm2-135m/...`, a model beside it
-    `../models/m.gguf`), a temp folder's `<tmp>/...`. What is not an absolute path (a Hub id, a registry alias,
-    a path given relative) is kept as given. Outside a checkout (an installed wheel) paths are relative to the
-    working directory."""
-    if not value or not os.path.isabs(value):
-        return value
-    path = Path(os.path.realpath(value))
-    base = _REPO if (_REPO / "pyproject.toml").is_file() else Path.cwd().resolve()
-    if not path.is_relative_to(base):
-        tmp = Path(os.path.realpath(tempfile.gettempdir()))
-        if path.is_relative_to(tmp):
-            return "<tmp>/" + path.relative_to(tmp).as_posix()
-    try:
-        return Path(os.path.relpath(path, base)).as_posix()
-    except ValueError:  # another drive (Windows): no relative path exists
-        return path.name
 
 
 def describe(loaded: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from medusa_chat.atomic import atomic_write_json
+from medusa_chat.paths import repo_path
 from medusa_chat.training.store import DistillStore, Log
 
 REPO_BENCH_DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
@@ -161,7 +162,7 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
             entry["own_tree_tokens_per_step"] = {
                 str(n): round(expected_accept_length(paths[: n - 1], ev), 4) for n in (2, 4, 8, 16, 32, 64)
             }
-        results[folder] = entry
+        results[repo_path(folder)] = entry  # kept as a result file keeps paths: relative to the checkout
         log(f"{folder}: top1 {ev['top1']} top5 {ev['top5']} chain {entry['chain_tokens_per_step']}")
     out = Path(args.eval_json).expanduser() if args.eval_json else work / "evaluation.json"
     atomic_write_json(out, results)
