@@ -261,6 +261,16 @@ def test_bench_compares_drafters_on_one_backbone(
     assert len(diffs) >= 2 and gap["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-3)
 
 
+def test_compared_drafts_in_folders_of_one_name_get_rows_of_their_own() -> None:
+    from medusa_chat.bench.harness import draft_method
+
+    taken: dict[str, str] = {}
+    for location in ("runs/a/draft", "runs/b/draft/", "runs/b/draft", "medusa-1"):
+        taken[draft_method(location, taken)] = location
+    assert list(taken) == ["draft:draft", "draft:b/draft", "draft:runs/b/draft", "draft:medusa-1"]
+    assert draft_method("runs/b/draft", taken) == "draft:runs/b/draft#2"
+
+
 def test_bench_compare_heads_that_do_not_fit_is_a_clear_error(
     make_loaded_model: Any, prompts_file: Path, tmp_path: Path, capsys: Any
 ) -> None:

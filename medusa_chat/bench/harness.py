@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,6 +162,21 @@ def run_bench(
         return document(methods, (tree, tree_source), ident, rows, tally, load_before)
 
 
+def draft_method(location: str, taken: dict[str, str]) -> str:
+    """The method name of a `--compare-heads` draft: `draft:` and its folder's name; a draft whose name is taken
+    gets as many parent folders as it takes to tell it apart (`runs/a/draft`, then `runs/b/draft`: `draft:draft`,
+    `draft:b/draft`), then a count: two drafts never share a row (they once did, and one of them was lost)."""
+    parts = [p for p in location.replace("\\", "/").split("/") if p] or [location]
+    for depth in range(1, len(parts) + 1):
+        method = "draft:" + "/".join(parts[-depth:])
+        if method not in taken:
+            return method
+    n = 2
+    while f"{method}#{n}" in taken:
+        n += 1
+    return f"{method}#{n}"
+
+
 class BenchMethods:
     """The methods under test and how one prompt runs through all of them: the engines (Medusa, its tree-size
     prefixes, the heads-only and plain loops), HF generate and prompt lookup, and llama.cpp where installed."""
@@ -213,7 +227,7 @@ class BenchMethods:
             from medusa_chat.model.sources.loading import with_heads
 
             other = with_heads(loaded, location)
-            method = f"draft:{Path(location.rstrip('/')).name or location}"
+            method = draft_method(location, taken=self.drafts)
             own = other.default_tree
             self.engines[method] = MedusaEngine(other, own.prefix(min(tree.size, own.size)))
             self.drafts[method] = other.heads_file
