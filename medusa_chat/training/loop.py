@@ -180,19 +180,19 @@ class DeadlineFit:
     start: int
     end: int
     per_step_text: Callable[[float], str]  # seconds per step as the log line writes them
-    started: float | None = None
-    since_step: int = 0  # the step the running rate is timed from
+    window_start: float | None = None  # when the current timing window began (None: not yet timed)
+    window_step: int = 0  # the step it began at
 
     def after_step(self, step: int, plan: WarmupCosine, log: Log) -> None:
         if step == self.start:
-            self.started, self.since_step = time.time(), step
+            self.window_start, self.window_step = time.time(), step
             return
         window = self.end - self.start
-        if self.deadline is None or self.started is None or step < self.end or (step - self.end) % window:
+        if self.deadline is None or self.window_start is None or step < self.end or (step - self.end) % window:
             return
         now = time.time()
-        per = (now - self.started) / (step - self.since_step)
-        self.started, self.since_step = now, step
+        per = (now - self.window_start) / (step - self.window_step)
+        self.window_start, self.window_step = now, step
         fit = int((self.deadline - now) / per * 0.92)
         if step + fit < plan.total:
             plan.total = max(step + 1, step + fit)

@@ -282,17 +282,14 @@ def _selected(
 
     ids, offsets, starts, finished = arrays
     rows = kept_rows(prompts, rule)
-    answered = [i for i in rows if i < len(starts)]
-    pieces = [ids[offsets[i] : offsets[i + 1]] for i in answered]
-    lengths = np.asarray([len(x) for x in pieces], dtype=np.int64)
-    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    new_ids = np.concatenate(pieces) if pieces else ids[:0]
-    new_finished = finished[answered] if finished is not None else None
+    answered = np.asarray([i for i in rows if i < len(starts)], dtype=np.int64)
+    new_offsets = np.concatenate([[0], np.cumsum(np.diff(offsets)[answered])]).astype(np.int64)
+    new_ids = np.concatenate([ids[:0], *(ids[offsets[i] : offsets[i + 1]] for i in answered)])
     return (
         new_ids,
         new_offsets,
         starts[answered],
-        new_finished,
+        finished[answered] if finished is not None else None,
         [prompts[i] for i in rows],
         [sources[i] for i in rows],
     )
