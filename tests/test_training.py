@@ -38,6 +38,7 @@ from medusa_chat.training.positions import (
 )
 from medusa_chat.training.select import SampleRule
 from medusa_chat.training.store import DistillStore, export_npz, import_npz
+from medusa_chat.training.teacher import teacher_rows, teacher_targets
 from medusa_chat.training.train_heads import TrainSettings, head_logits, head_losses, new_heads, train_heads
 from medusa_chat.tree import Tree
 
@@ -407,6 +408,68 @@ def test_training_lowers_loss_and_raises_accuracy(distilled, backbone, fmt: str)
     assert all(abs(r - a) < 0.2 for r, a in zip(again.train_top1, acc1, strict=True)), (again.train_top1, acc1)
 
 
+def _random_replies(model, n: int, length: int, seed: int) -> PositionData:
+    """Hidden states over random token strings: their stored tokens are not what the backbone would say."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    samples = [(i, torch.randint(3, vocab, (length,), generator=g).tolist(), 4) for i in range(n)]
+    return hidden_states_for(model, samples, store_dtype=torch.float32)
+
+
+def test_teacher_targets_are_the_backbones_top_tokens_at_the_heads_rows(backbone) -> None:
+    model, _ = backbone
+    data = _random_replies(model, 3, 12, seed=1)  # 8 reply positions per sample
+    lm_w = model.lm_head.weight.detach()
+    teacher = teacher_targets(data, lm_w, top=4, batch=5)  # batches that cut samples
+    value, index = torch.softmax(data.hidden @ lm_w.T, -1).topk(4, -1)
+    assert torch.equal(teacher.ids.long(), index)
+    torch.testing.assert_close(teacher.probs.float(), value / value.sum(-1, keepdim=True), atol=1e-3, rtol=0)
+    # head k at row i: the teacher sits at row i + 1 + k of the same sample, and only there
+    idx = torch.arange(len(data))
+    rows, valid = teacher_rows(data, idx, 3)
+    assert torch.equal(rows[:, 0], (idx + 1).clamp(max=len(data) - 1))
+    left = torch.tensor([7 - i % 8 for i in range(len(data))])  # rows of the sample after row i
+    assert torch.equal(valid, torch.arange(3)[None, :] < left[:, None])
+    assert torch.equal(data.targets[rows[valid], 0], data.targets[:, 1:4][valid])
+    # a split by sample keeps the rows in order; shuffled rows are refused, not paired with a stranger
+    kept = data.subset(data.sample != 1)
+    assert torch.equal(teacher_rows(kept, torch.arange(len(kept)), 3)[1], valid[data.sample != 1])
+    shuffled = data.subset(torch.randperm(len(data), generator=torch.Generator().manual_seed(0)))
+    assert teacher_rows(shuffled, torch.arange(len(data)), 3)[1].float().mean() < 0.2
+
+
+def test_teacher_loss_teaches_the_backbones_choice_where_the_stored_tokens_are_noise(backbone) -> None:
+    """Hydra heads trained on random replies learn nothing from the stored tokens, but the teacher's argmax."""
+    model, _ = backbone
+    data = _random_replies(model, 24, 40, seed=2)
+    lm_w = model.lm_head.weight.detach()
+    embed = model.get_input_embeddings().weight.detach()
+    vocab = lm_w.shape[0]
+    draft = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))  # the whole vocabulary, reordered
+    idx = torch.arange(len(data))
+    rows, valid = teacher_rows(data, idx, 2)
+    backbone_choice = (data.hidden @ lm_w.T).argmax(-1)[rows]  # [N, K]: the backbone's token at each head
+
+    def agreement(weight: float) -> float:
+        torch.manual_seed(0)
+        s = TrainSettings(
+            num_heads=2, heads_format="hydra", draft_vocab_size=vocab, epochs=20, batch_size=64, lr=3e-3,
+            bf16=False, teacher_weight=weight, teacher_top=4,
+        )
+        heads = new_heads(s, model.lm_head, 64, vocab, draft)
+        train_heads(heads, lm_w, data, s, QUIET, embed_weight=embed)
+        with torch.no_grad():
+            logits = head_logits(heads.eval(), data.hidden, lm_w[draft], data.targets, embed)
+        hits = draft[logits.argmax(-1).T] == backbone_choice  # [N, K]
+        per_head = [float(hits[:, k][valid[:, k]].float().mean()) for k in range(2)]
+        ev = evaluate_heads(heads, lm_w, data, CPU, embed_weight=embed)  # its score of the same thing
+        assert ev["top1_backbone"] == pytest.approx(per_head, abs=1e-3)
+        return float(hits[valid].float().mean())
+
+    stored, taught = agreement(0.0), agreement(1.0)
+    assert taught > stored + 0.3, (stored, taught)  # measured: 0.01 against 0.47
+
+
 def test_running_top1_is_bias_corrected_and_skips_empty_entries() -> None:
     running = RunningTop1(2, 0.9)
     running.update([0.6, None])
@@ -487,7 +550,8 @@ def test_evaluation_reports_consistent_accuracies(distilled, backbone) -> None:
     train_heads(heads, model.lm_head.weight, data, s, QUIET)
     ev = evaluate_heads(heads, model.lm_head.weight, data, CPU)
     assert ev["backbone_agreement"] > 0.98
-    for k in range(3):
+    for k in range(3):  # the stored replies are the backbone's greedy ones: both scores nearly agree
+        assert ev["top1_backbone"][k] == pytest.approx(ev["top1"][k], abs=0.05)
         assert ev["rank_acc"][k][0] == pytest.approx(ev["top1"][k], abs=1e-3)
         assert sum(ev["rank_acc"][k][:5]) == pytest.approx(ev["top5"][k], abs=1e-3)
         assert sum(ev["rank_acc"][k]) <= 1 + 1e-6
@@ -644,7 +708,10 @@ def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tm
     hydra = tmp_path / "hydra"
     hargv = [*argv, "--out", str(hydra), "--work", str(out / "work"), "--resume", "--stage", "train"]
     hargv += ["--heads-format", "hydra", "--init-from", str(out), "--draft-vocab", "40"]
-    assert train_main(p.parse_args(hargv)) == 0
+    assert train_main(p.parse_args([*hargv, "--teacher-weight", "1.5"])) == 2  # a share: refused
+    assert train_main(p.parse_args([*hargv, "--heads-format", "eagle3", "--teacher-weight", "1"])) == 2
+    assert train_main(p.parse_args([*hargv, "--teacher-weight", "0.5"])) == 0
+    assert json.loads((hydra / "accuracy.json").read_text())["training"]["teacher_weight"] == 0.5
     loaded, _, cfg = load_heads_file(hydra)
     assert cfg["version"] == "hydra" and loaded.format == "hydra" and loaded.draft_vocab_size == 40
     v2, _, _ = load_heads_file(out)

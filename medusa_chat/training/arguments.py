@@ -114,6 +114,21 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="warm-start from trained heads of the same shape (e.g. v2 heads -> hydra; an EAGLE draft of the "
         "same format: the shipped one, trained further)",
     )
+    g.add_argument(
+        "--teacher-weight",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="Medusa/Hydra: train share A of each head's loss against the backbone's own distribution of its "
+        "token instead of the stored token (Hydra++'s teacher loss; 1: the teacher only; default 0)",
+    )
+    g.add_argument(
+        "--teacher-top",
+        type=int,
+        default=8,
+        metavar="N",
+        help="the teacher's N likeliest tokens kept per position, renormalised (default 8)",
+    )
     g.add_argument("--num-heads", type=int, default=4)
     g.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
     g.add_argument("--epochs", type=float, default=None, help="passes over the data (default 2; eagle: 4)")

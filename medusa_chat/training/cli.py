@@ -98,6 +98,10 @@ def train_main(args: argparse.Namespace) -> int:
     try:
         if (work / "distill" / "manifest.json").exists() and not args.resume and args.stage != "evaluate":
             raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
+        if not 0.0 <= args.teacher_weight <= 1.0 or args.teacher_top < 1:
+            raise _Refused("--teacher-weight is a share from 0 to 1, --teacher-top at least 1")
+        if eagle and args.teacher_weight:
+            raise _Refused("--teacher-weight trains Medusa or Hydra heads; EAGLE drafts learn the backbone's features")
         eagle_settings = _eagle_settings(args) if eagle else None
         select = _import_select(args)
         init_from = _init_from(args, eagle)
@@ -277,6 +281,8 @@ def _train_heads(stage: _TrainStage, extra: dict[str, Any], init_from: Any) -> i
         lr=args.lr,
         seed=args.seed,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
+        teacher_weight=args.teacher_weight,
+        teacher_top=args.teacher_top,
     )
     embed = model.get_input_embeddings().weight.detach()
     # the warm start's draft vocabulary: Hydra heads hold it in the heads file, Medusa heads in a file beside them

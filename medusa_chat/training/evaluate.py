@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.forward.heads import MedusaHeads
+from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.training.positions import PositionData
+from medusa_chat.training.teacher import teacher_rows
 from medusa_chat.training.train_heads import head_logits, head_projection, head_targets, hydra_inputs
 
 MAX_RANK = 10  # rank-r accuracies for r < MAX_RANK (published trees use ranks 0-9)
@@ -42,7 +43,7 @@ def evaluate_heads(
     vocab_index, embed = hydra_inputs(heads, embed_weight, device, False)
     k = heads.num_heads
     ranks_all, valid_all, loss_sum, loss_cnt = [], [], torch.zeros(k), torch.zeros(k)
-    agree = agree_n = 0
+    guess_all, choice_all = [], []
     for s in range(0, len(data), batch_size):
         h = data.hidden[s : s + batch_size].to(device).float()
         tg = data.targets[s : s + batch_size].to(device).long()
@@ -59,13 +60,13 @@ def evaluate_heads(
             if bool(v.any()):
                 loss_sum[i] += float(F.cross_entropy(logits[i][v], t[i][v], reduction="sum"))
                 loss_cnt[i] += int(v.sum())
-        base = F.linear(h, w).argmax(-1)
-        agree += int((base == tg[:, 0]).sum())
-        agree_n += h.shape[0]
+        guess_all.append(top[:, :, 0].T.cpu())
+        choice_all.append(F.linear(h, w).argmax(-1).cpu())
     if not ranks_all:
         raise ValueError("no held-out positions to evaluate")
     ranks = torch.cat(ranks_all).long()  # [N, K]
     valid = torch.cat(valid_all)
+    choice = torch.cat(choice_all)  # the backbone's fp32 argmax at each position: the greedy next token
     rank_acc, top1, top5 = [], [], []
     for i in range(k):
         r = ranks[valid[:, i], i]
@@ -91,9 +92,25 @@ def evaluate_heads(
         "loss": [round(float(a / max(1, c)), 4) for a, c in zip(loss_sum, loss_cnt, strict=True)],
         "rank_acc": rank_acc,
         "chain_top1_conditional": chain,
-        "backbone_agreement": round(agree / max(1, agree_n), 5),
+        "backbone_agreement": round(float((choice == data.targets[:, 0].long()).float().mean()), 5),
+        "top1_backbone": _top1_backbone(heads, data, torch.cat(guess_all), choice, w.shape[0]),
         "joint": joint_path_probs(steps, max_rank, JOINT_TOP),
     }
+
+
+def _top1_backbone(
+    heads: MedusaHeads, data: PositionData, guess: torch.Tensor, choice: torch.Tensor, vocab_size: int
+) -> list[float]:
+    """Per head, how often its top-1 guess is the backbone's own fp32 argmax for its token (at the cached row
+    holding it, teacher.py), not the stored token: what greedy decoding in fp32 accepts. The stored replies may
+    come from another numeric path (int4) or a penalised decode; where they do, this is the truer score."""
+    rows, valid = teacher_rows(data, torch.arange(len(data)), heads.num_heads)
+    wanted = choice[rows]  # [N, K] full-vocabulary ids
+    if isinstance(heads, HydraHeads):
+        wanted = heads.vocab_index(vocab_size).cpu()[wanted]  # -2 outside the draft vocabulary: a miss
+    hits = (guess == wanted) & valid
+    counts = valid.sum(0).clamp_min(1)
+    return [round(float(a), 4) for a in hits.sum(0) / counts]
 
 
 def joint_path_probs(steps: torch.Tensor, max_rank: int, top: int) -> dict[str, Any]:

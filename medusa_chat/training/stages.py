@@ -154,6 +154,9 @@ def evaluate_main(args: argparse.Namespace, model: Any, store: DistillStore, wor
             # argmax of lm_head on the cached states vs the stored reply tokens: 1.0 when the replies are the
             # float model's own greedy tokens (lower when another numeric path wrote them); EAGLE: not measured
             "backbone_agreement": ev.get("backbone_agreement"),
+            # top-1 against the fp32 backbone's own choice of each head's token (what fp32 greedy decoding
+            # accepts), where top1 scores the stored tokens; EAGLE: not measured
+            "top1_backbone": ev.get("top1_backbone"),
             "fitted_tree_tokens_per_step": size_summary(fit_tree(ev, budget=64)),
         }
         own = Path(folder).expanduser() / "tree.json"

@@ -6,7 +6,10 @@ Pipeline pieces (the CLI and benchmarks/gpu_train_heads.py both use them):
    state (after the final norm: what the heads see at decode time) at the *reply* positions only, in fp16, one
    cache file per data shard. The backbone never runs again during training: heads see cached states.
 2. `train_heads`: head k at position t learns the token at t + 2 + k (cross-entropy), head weights 0.8**k,
-   AdamW + warmup/cosine, bf16 autocast where the hardware does bf16 well, checkpoints for resuming.
+   AdamW + warmup/cosine, bf16 autocast where the hardware does bf16 well, checkpoints for resuming. With a
+   `teacher_weight`, that share of each head's loss is against the backbone's own distribution of the token
+   instead (teacher.py: Hydra++'s teacher loss); the held-out loss that picks the best epoch stays on the
+   stored tokens.
 3. `evaluate_heads`: held-out per-head top-1/top-5, rank-r accuracy (r < 10, what fit-tree needs), chain
    (conditional) accuracies, and the joint distribution of rank tuples so trees can be fitted to correlated hits.
 4. `save_heads`: the published Hub layout (`config.json` + `medusa_lm_head.safetensors`, published key names,
@@ -45,6 +48,7 @@ from medusa_chat.training.loop import (
     set_learning_rate,
 )
 from medusa_chat.training.positions import MAX_CACHED_HEADS, PositionData
+from medusa_chat.training.teacher import teacher_losses, teacher_rows, teacher_targets
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -62,6 +66,8 @@ class TrainSettings:
     weight_decay: float = 0.0
     warmup_frac: float = 0.03
     head_decay: float = 0.8  # loss weight of head k: head_decay ** k
+    teacher_weight: float = 0.0  # the backbone's distribution's share of the loss (teacher.py); 0: stored tokens
+    teacher_top: int = 8  # the teacher's likeliest classes kept per position
     seed: int = 0
     checkpoint_every: int = 200
     bf16: bool | None = None  # None: on for CUDA, and on CPUs with native bf16 matmul
@@ -181,6 +187,11 @@ def train_heads(
     n = len(train)
     if n == 0:
         raise ValueError("no training positions: generate data first")
+    teacher = None
+    if settings.teacher_weight > 0:
+        t = time.time()
+        teacher = teacher_targets(train, lm_weight.float(), settings.teacher_top)  # fp32: the ties decide
+        log(f"teacher: the backbone's top {settings.teacher_top} at {n} positions in {time.time() - t:.0f}s")
     steps_per_epoch = max(1, math.ceil(n / settings.batch_size))
     plan = WarmupCosine.planned(int(round(settings.epochs * steps_per_epoch)), settings.warmup_frac)
 
@@ -204,7 +215,12 @@ def train_heads(
             tg = head_targets(heads, raw, vocab_index)
             with amp:
                 logits = head_logits(heads, h, lm_weight, raw, embed)
-            loss = (head_losses(logits, tg) * weights).sum()
+            losses = head_losses(logits, tg)
+            if teacher is not None:
+                rows, valid = teacher_rows(train, idx, k)
+                a = settings.teacher_weight
+                losses = (1 - a) * losses + a * teacher_losses(logits, teacher, rows, valid)
+            loss = (losses * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             set_learning_rate(opt, settings.lr * plan(state.step))
