@@ -92,7 +92,7 @@ def evaluate_heads(
         "loss": [round(float(a / max(1, c)), 4) for a, c in zip(loss_sum, loss_cnt, strict=True)],
         "rank_acc": rank_acc,
         "chain_top1_conditional": chain,
-        "backbone_agreement": round(float((choice == data.targets[:, 0].long()).float().mean()), 5),
+        "backbone_agreement": round(float((choice == data.targets[:, 0].long().cpu()).float().mean()), 5),
         "top1_backbone": _top1_backbone(heads, data, torch.cat(guess_all), choice, w.shape[0]),
         "joint": joint_path_probs(steps, max_rank, JOINT_TOP),
     }
@@ -104,7 +104,8 @@ def _top1_backbone(
     """Per head, how often its top-1 guess is the backbone's own fp32 argmax for its token (at the cached row
     holding it, teacher.py), not the stored token: what greedy decoding in fp32 accepts. The stored replies may
     come from another numeric path (int4) or a penalised decode; where they do, this is the truer score."""
-    rows, valid = teacher_rows(data, torch.arange(len(data)), heads.num_heads)
+    rows, valid = teacher_rows(data, torch.arange(len(data), device=data.targets.device), heads.num_heads)
+    rows, valid = rows.cpu(), valid.cpu()  # the data may sit on the GPU; the guesses were gathered here
     wanted = choice[rows]  # [N, K] full-vocabulary ids
     if isinstance(heads, HydraHeads):
         wanted = heads.vocab_index(vocab_size).cpu()[wanted]  # -2 outside the draft vocabulary: a miss

@@ -30,9 +30,6 @@ class TeacherTargets:
     ids: torch.Tensor
     probs: torch.Tensor
 
-    def to(self, device: torch.device | str) -> TeacherTargets:
-        return TeacherTargets(self.ids.to(device), self.probs.to(device))
-
 
 @torch.no_grad()
 def teacher_targets(
