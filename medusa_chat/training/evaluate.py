@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
+from medusa_chat.model.forward.heads import MedusaHeads
 from medusa_chat.training.positions import PositionData
 from medusa_chat.training.teacher import teacher_rows
 from medusa_chat.training.train_heads import head_logits, head_projection, head_targets, hydra_inputs
@@ -93,22 +93,22 @@ def evaluate_heads(
         "rank_acc": rank_acc,
         "chain_top1_conditional": chain,
         "backbone_agreement": round(float((choice == data.targets[:, 0].long().cpu()).float().mean()), 5),
-        "top1_backbone": _top1_backbone(heads, data, torch.cat(guess_all), choice, w.shape[0]),
+        "top1_backbone": _top1_backbone(heads.num_heads, data, torch.cat(guess_all), choice, vocab_index),
         "joint": joint_path_probs(steps, max_rank, JOINT_TOP),
     }
 
 
 def _top1_backbone(
-    heads: MedusaHeads, data: PositionData, guess: torch.Tensor, choice: torch.Tensor, vocab_size: int
+    num_heads: int, data: PositionData, guess: torch.Tensor, choice: torch.Tensor, vocab_index: torch.Tensor | None
 ) -> list[float]:
     """Per head, how often its top-1 guess is the backbone's own fp32 argmax for its token (at the cached row
     holding it, teacher.py), not the stored token: what greedy decoding in fp32 accepts. The stored replies may
     come from another numeric path (int4) or a penalised decode; where they do, this is the truer score."""
-    rows, valid = teacher_rows(data, torch.arange(len(data), device=data.targets.device), heads.num_heads)
+    rows, valid = teacher_rows(data, torch.arange(len(data), device=data.targets.device), num_heads)
     rows, valid = rows.cpu(), valid.cpu()  # the data may sit on the GPU; the guesses were gathered here
     wanted = choice[rows]  # [N, K] full-vocabulary ids
-    if isinstance(heads, HydraHeads):
-        wanted = heads.vocab_index(vocab_size).cpu()[wanted]  # -2 outside the draft vocabulary: a miss
+    if vocab_index is not None:  # Hydra heads guess draft-vocabulary indices; -2 outside it: a miss
+        wanted = vocab_index.cpu()[wanted]
     hits = (guess == wanted) & valid
     counts = valid.sum(0).clamp_min(1)
     return [round(float(a), 4) for a in hits.sum(0) / counts]

@@ -215,11 +215,10 @@ def train_heads(
             tg = head_targets(heads, raw, vocab_index)
             with amp:
                 logits = head_logits(heads, h, lm_weight, raw, embed)
-            losses = head_losses(logits, tg)
-            if teacher is not None:
-                rows, valid = teacher_rows(train, idx, k)
-                a = settings.teacher_weight
-                losses = (1 - a) * losses + a * teacher_losses(logits, teacher, rows, valid)
+            a = settings.teacher_weight if teacher is not None else 0.0
+            losses = head_losses(logits, tg) * (1 - a) if a < 1 else 0.0  # the stored tokens' share
+            if a > 0:
+                losses = losses + a * teacher_losses(logits, teacher, *teacher_rows(train, idx, k))
             loss = (losses * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
