@@ -22,7 +22,7 @@ from medusa_chat.bench.runs import read_prompts
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model.sources.loading import load_model
-from medusa_chat.tuning.calibrate import resolve_tree
+from medusa_chat.tuning.first_start import resolve_tree
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 

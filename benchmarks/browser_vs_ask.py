@@ -298,7 +298,7 @@ def main() -> None:
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings
     from medusa_chat.model.sources.loading import load_model
-    from medusa_chat.tuning.calibrate import resolve_tree
+    from medusa_chat.tuning.first_start import resolve_tree
 
     loaded = load_model()  # the embedded model, the default numeric path (as `ask` with no options)
     tree, source = resolve_tree(loaded)

@@ -39,7 +39,7 @@ def main() -> None:
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings
     from medusa_chat.model.sources.loading import load_model
-    from medusa_chat.tuning.calibrate import calibrate_first_start, resolve_tree
+    from medusa_chat.tuning.first_start import calibrate_first_start, resolve_tree
     from medusa_chat.tuning.tree_choice import choose_tree
 
     proc, peak, t0 = psutil.Process(), [0], time.time()

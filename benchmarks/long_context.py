@@ -21,7 +21,7 @@ from pathlib import Path
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.model.sources.loading import load_model
-from medusa_chat.tuning.calibrate import resolve_tree
+from medusa_chat.tuning.first_start import resolve_tree
 
 QUESTIONS = Path(__file__).resolve().parent / "data" / "vicuna_bench_question.jsonl"
 

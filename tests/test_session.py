@@ -599,7 +599,7 @@ def test_estimated_speedup_counts_the_calibrated_step_cost(make_session, tmp_pat
 def test_first_cpu_load_calibrates_the_tree_once(make_loaded_model, tmp_path: Path, monkeypatch) -> None:
     """Without a cached calibration, a CPU session measures tokens/step and times the tree sizes once, uses
     the fastest prefix and caches it; the next load only reads the cache; an explicit tree always wins."""
-    from medusa_chat.tuning import calibrate as cal
+    from medusa_chat.tuning import first_start as cal
     from medusa_chat.tuning import tree_choice
 
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))

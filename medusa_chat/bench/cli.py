@@ -136,7 +136,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def bench_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from medusa_chat.tuning.calibrate import resolve_tree
+    from medusa_chat.tuning.first_start import resolve_tree
 
     if getattr(args, "fidelity", False):
         from medusa_chat.bench.fidelity import fidelity_main

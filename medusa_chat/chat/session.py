@@ -102,7 +102,7 @@ class SessionManager(ReplyTurns):
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
         # A big model's first start answers with plain decoding and calibrates this CPU afterwards, while the
-        # user reads the reply (calibrate.resolve_tree's `defer`): under the reply lock, in its own thread, and
+        # user reads the reply (first_start.resolve_tree's `defer`): under the reply lock, in its own thread, and
         # a new request cancels it (it is tried again after that reply).
         self.calibration_pending = False
         self._calibration_cancel = threading.Event()
@@ -157,10 +157,10 @@ class SessionManager(ReplyTurns):
     def _resolve_tree(
         self, name: str | None, size: int | None, progress: Callable[[str], None] | None = None
     ) -> Tree:
-        # One rule for every entry point (calibrate.resolve_tree): --tree/--tree-size, else this machine's
+        # One rule for every entry point (first_start.resolve_tree): --tree/--tree-size, else this machine's
         # cached calibration, else (on a CPU) calibrate once now, or for a big model after its first reply.
         # The reason is shown in the UIs' model panel.
-        from medusa_chat.tuning.calibrate import PROVISIONAL_SOURCE, resolve_tree
+        from medusa_chat.tuning.first_start import PROVISIONAL_SOURCE, resolve_tree
         from medusa_chat.tuning.tree_choice import choose_tree
 
         assert self.loaded is not None
@@ -207,7 +207,8 @@ class SessionManager(ReplyTurns):
         self._calibration_thread.start()
 
     def _calibrate_in_background(self) -> None:
-        from medusa_chat.tuning.calibrate import CalibrationCancelled, calibrate_first_start
+        from medusa_chat.tuning.calibrate import CalibrationCancelled
+        from medusa_chat.tuning.first_start import calibrate_first_start
         from medusa_chat.tuning.tree_choice import choose_tree
 
         if not self._lock.acquire(blocking=False):

@@ -221,7 +221,7 @@ class NativeDrafter(DrafterBase):
     """A drafter with a C twin on the block kernel where it runs: the whole draft in one C call (`native_draft`),
     and trees shaped by the draft's confidence (`native.draft_shaped`)."""
 
-    native: Any = None  # NativeHydra / the Medusa heads' C drafter (model/forward/block_forward.py, block_heads.py)
+    native: Any = None  # NativeHydra / the Medusa heads' C drafter (model/forward/native_hydra.py, block_heads.py)
     native_draft: Any = None  # the same drafting loop as `propose`, all depths in one C call
 
     @property
@@ -273,7 +273,7 @@ class HydraDrafter(NativeDrafter):
             # depth, from DRAM after the backbone's weights went through the caches (5 MB in Q8_0, 2.9 in Q4_1)
             self.heads = block_quantized_copy(heads)
             self.project = block_q4_rows(self.project)
-            from medusa_chat.model.forward.block_forward import native_hydra_for
+            from medusa_chat.model.forward.native_hydra import native_hydra_for
 
             self.native = native_hydra_for(self.heads)
             if self.native is not None and self.native.bind_draft(self.project, vocab, self.embed):

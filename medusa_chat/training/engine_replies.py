@@ -20,7 +20,7 @@ class EngineReplies:
         entry point resolves, calibration included)."""
         from medusa_chat.engine.engine import MedusaEngine
         from medusa_chat.events import GenerationSettings
-        from medusa_chat.tuning.calibrate import resolve_tree
+        from medusa_chat.tuning.first_start import resolve_tree
 
         self.loaded = loaded
         self.tree, self.tree_source = (tree, "given") if tree is not None else resolve_tree(loaded)

@@ -12,14 +12,8 @@ from typing import TYPE_CHECKING
 from medusa_chat.cliargs import int_list
 from medusa_chat.errors import MedusaChatError
 from medusa_chat.tree import Tree
-from medusa_chat.tuning.calibrate import (
-    CPU_SIZES,
-    DEFAULT_SIZES,
-    StepTiming,
-    calibrate,
-    calibrate_on_replies,
-    calibration_is_long,
-)
+from medusa_chat.tuning.calibrate import CPU_SIZES, DEFAULT_SIZES, StepTiming, calibrate, calibrate_on_replies
+from medusa_chat.tuning.first_start import calibration_is_long
 from medusa_chat.tuning.measure import CALIBRATION_PROMPTS, DEFAULT_PREFIX_TOKENS
 from medusa_chat.tuning.tree_choice import (  # the runtime half (what the session needs), re-exported here
     describe_calibration,

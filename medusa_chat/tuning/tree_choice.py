@@ -1,7 +1,7 @@
 """Which tree a reply uses: the calibration cache (keyed by model + device + quantization + dtype, stamped with
 the heads file, so retrained heads or another numeric path are calibrated anew) and `choose_tree`, which takes
 --tree / --tree-size, else this machine's cached calibration, else the model's default tree. Every entry point
-goes through `calibrate.resolve_tree`, which adds: on a CPU without a cached calibration, calibrate once now.
+goes through `first_start.resolve_tree`, which adds: on a CPU without a cached calibration, calibrate once now.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def heads_stamp(loaded: Any) -> str | None:
     return f"{path}:{st.st_size}:{st.st_mtime_ns}" if st else None
 
 
-# The embedded model's shipped drafts a calibration chooses among (tuning/calibrate.py, calibrate_first_start);
+# The embedded model's shipped drafts a calibration chooses among (tuning/first_start.py, calibrate_first_start);
 # Medusa-1 heads are not among them: they guess strictly less than the Hydra heads (docs/medusa1_heads.md).
 DRAFT_CHOICES = ("hydra", "eagle3")
 

@@ -30,7 +30,8 @@ from medusa_chat.kernels.block_linears import BlockLinear, Q41Linear, Q80Linear
 from medusa_chat.kernels.cbind import load
 from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
 from medusa_chat.kernels.quantizers import QK, quantize_q4_1, quantize_q8_0
-from medusa_chat.model.forward.block_forward import BLin, Q8Lin, blin_struct
+from medusa_chat.model.forward.block_forward import BLin, blin_struct
+from medusa_chat.model.forward.draft_structs import Q8Lin
 from medusa_chat.model.forward.heads import HydraHeads, MedusaHeads
 from medusa_chat.model.mapped_weights import release
 

@@ -23,7 +23,8 @@ import torch
 
 from medusa_chat import envvars
 from medusa_chat.errors import SettingError
-from medusa_chat.model.forward.block_forward import BLin, EmbedStruct, blin_struct, embed_struct, trim_heap
+from medusa_chat.model.forward.block_forward import BLin, blin_struct, trim_heap
+from medusa_chat.model.forward.draft_structs import EmbedStruct, embed_struct
 from medusa_chat.model.mapped_weights import release
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class NativeEagle:
     (kept here) has not seen yet: (features [n, F] fp32, next tokens [n] int64, the first pair's position)."""
 
     def __init__(self, draft: EagleDraft, lib: ctypes.CDLL, emb: tuple[EmbedStruct, Any], lm_head: Any = None) -> None:
-        """`emb`: the backbone's token embedding as the C code reads it (block_forward.embed_struct); `lm_head`:
+        """`emb`: the backbone's token embedding as the C code reads it (draft_structs.embed_struct); `lm_head`:
         the backbone's block lm_head, EAGLE-1's head."""
         self.lib = lib
         b = self.blocks = _DraftBlocks.blocks_for(draft, lm_head)

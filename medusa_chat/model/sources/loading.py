@@ -382,7 +382,7 @@ def with_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None
 
 def switch_heads(loaded: LoadedModel, heads: str, progress: Progress | None = None) -> None:
     """`loaded` drafts with `heads` from now on (in place, the backbone kept): the draft a calibration chose among
-    the embedded model's shipped ones (tuning/calibrate.py)."""
+    the embedded model's shipped ones (tuning/first_start.py)."""
     other = with_heads(loaded, heads, progress)
     loaded.heads, loaded.default_tree = other.heads, other.default_tree
     loaded.heads_source, loaded.heads_file = other.heads_source, other.heads_file
