@@ -58,7 +58,7 @@ def main() -> int:
 
     from medusa_chat.engine.engine import MedusaEngine
     from medusa_chat.events import GenerationSettings, ReplySummary
-    from medusa_chat.model.sources.gguf_model import read_metadata
+    from medusa_chat.model.sources.gguf_folder import read_metadata
     from medusa_chat.model.sources.loading import load_model
 
     gguf = Path(args.model)

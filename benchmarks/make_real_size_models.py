@@ -291,7 +291,7 @@ def qwen2_tokenizer_dir(llama_cpp: Path | None, out: Path) -> Path:
             f"a qwen2 shape's tokenizer comes from llama.cpp's {QWEN2_VOCAB_FILE}: pass --llama-cpp DIR "
             f"or set {LLAMA_CPP_ENV}"
         )
-    from medusa_chat.model.sources.gguf_model import gguf_tokenizer
+    from medusa_chat.model.sources.gguf_folder import gguf_tokenizer
 
     tok = gguf_tokenizer(llama_cpp / QWEN2_VOCAB_FILE)
     tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"

@@ -1,4 +1,4 @@
-"""A GGUF's config and tokenizer read from one pass over its metadata (gguf_model.gguf_config / gguf_tokenizer,
+"""A GGUF's config and tokenizer read from one pass over its metadata (gguf_folder.gguf_config / gguf_tokenizer,
 kept in the weightless folder) are transformers' own: the saved files equal, byte for byte, what
 `AutoConfig/AutoTokenizer.from_pretrained(folder, gguf_file=...)` save, and the tokenizers give the same ids on
 text with unicode, special tokens and the chat template. Checked on the tiny Llama GGUF (the embedded model's
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from medusa_chat.kernels.gguf_file import read_metadata
-from medusa_chat.model.sources import gguf_model
+from medusa_chat.model.sources import gguf_folder
 from medusa_chat.model.sources.embedded import gguf_path
 from medusa_chat.paths import cache_root
 from tests.tinygguf import write_tiny_gguf
@@ -42,7 +42,7 @@ MESSAGES = [
 
 
 def _transformers_folder(gguf: Path, out: Path) -> Any:
-    """What transformers itself makes of the file (its slow GGUF parse), saved as gguf_model saves it."""
+    """What transformers itself makes of the file (its slow GGUF parse), saved as gguf_folder saves it."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -57,8 +57,8 @@ def _same_as_transformers(gguf: Path, tmp_path: Path) -> None:
 
     theirs = _transformers_folder(gguf, tmp_path / "theirs")
     ours_dir = tmp_path / "ours"
-    gguf_model.gguf_config(gguf).save_pretrained(ours_dir)
-    gguf_model.gguf_tokenizer(gguf).save_pretrained(ours_dir)
+    gguf_folder.gguf_config(gguf).save_pretrained(ours_dir)
+    gguf_folder.gguf_tokenizer(gguf).save_pretrained(ours_dir)
     names = sorted(p.name for p in (tmp_path / "theirs").iterdir())
     assert names == sorted(p.name for p in ours_dir.iterdir())
     for name in names:
@@ -146,7 +146,7 @@ def write_spm_gguf(path: Path, name: str = "mistral") -> Path:
 
 def test_a_sentencepiece_mistral_file_gives_transformers_config_and_tokenizer(tmp_path: Path) -> None:
     path = write_spm_gguf(tmp_path / "mistral.gguf")
-    config = gguf_model.gguf_config(path)
+    config = gguf_folder.gguf_config(path)
     assert config.model_type == "mistral" and config.tie_word_embeddings is False
     assert config.max_position_embeddings == 4096 and config.rope_parameters["rope_theta"] == 1e6
     _same_as_transformers(path, tmp_path)
@@ -159,7 +159,7 @@ def test_read_metadata_keeps_only_the_string_arrays_asked(tmp_path: Path) -> Non
     assert meta["tokenizer.ggml.tokens"] == 3 + 256 + len(SPM_PIECES)  # an array of strings: its length
     assert meta["tokenizer.ggml.scores"][-1] == -float(len(SPM_PIECES) - 1)  # numbers: the values
     assert read_metadata(path, ("general.tags",))["general.tags"] == ["a", "b"]
-    assert gguf_model.gguf_config(path).model_type == "llama"  # not named "mistral": stays llama
+    assert gguf_folder.gguf_config(path).model_type == "llama"  # not named "mistral": stays llama
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:300])
     with pytest.raises(ValueError, match="cut.gguf"):
         read_metadata(tmp_path / "cut.gguf")
@@ -171,12 +171,12 @@ def test_the_weightless_folder_is_written_once(tmp_path: Path, monkeypatch: pyte
     second call reuses it as it is."""
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    folder = gguf_model.gguf_model_dir(path)
+    folder = gguf_folder.gguf_model_dir(path)
     assert folder.parent == cache_root() / "models"
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
     assert {"generation_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in folder.iterdir()}
 
     written = (folder / "config.json").stat().st_mtime_ns
-    assert gguf_model.gguf_model_dir(path) == folder
+    assert gguf_folder.gguf_model_dir(path) == folder
     assert (folder / "config.json").stat().st_mtime_ns == written  # kept, not written again

@@ -18,7 +18,7 @@ import torch
 
 from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.kernels import cbind
-from medusa_chat.model.sources.gguf_model import gguf_config
+from medusa_chat.model.sources.gguf_folder import gguf_config
 from medusa_chat.model.sources.gguf_names import gguf_state_dict
 from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree

@@ -19,7 +19,7 @@ from medusa_chat.errors import ModelNotFoundError
 from medusa_chat.events import GenerationSettings, ReplySummary
 from medusa_chat.kernels import cbind, cthreads
 from medusa_chat.kernels.cpu_linears import BlockLinearWithBias
-from medusa_chat.model.sources.gguf_model import gguf_config
+from medusa_chat.model.sources.gguf_folder import gguf_config
 from medusa_chat.model.sources.gguf_names import gguf_state_dict
 from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree

@@ -20,7 +20,7 @@ from medusa_chat.engine.engine import MedusaEngine, plain_tree
 from medusa_chat.kernels import cbind
 from medusa_chat.kernels.gguf_file import dequantize, read_tensors
 from medusa_chat.model.sources import checkpoint_reader, loading, quantized_cache
-from medusa_chat.model.sources.gguf_model import read_metadata
+from medusa_chat.model.sources.gguf_folder import read_metadata
 from medusa_chat.model.sources.gguf_names import gguf_state_dict
 from medusa_chat.model.sources.loading import LoadedModel, load_model
 from medusa_chat.tree import Tree

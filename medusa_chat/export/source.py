@@ -78,7 +78,7 @@ def resolve_target(spec: Any, progress: Progress | None = None) -> Target:
         folder = embedded_model_dir(progress=progress)
         return Target(EMBEDDED_HUB_ORIGINAL, folder, read_json(folder / "config.json"), gguf_path())
     if spec.kind == "gguf":
-        from medusa_chat.model.sources.gguf_model import gguf_model_dir
+        from medusa_chat.model.sources.gguf_folder import gguf_model_dir
 
         gguf = Path(spec.backbone)
         folder = gguf_model_dir(gguf, progress=progress)

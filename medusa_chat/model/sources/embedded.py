@@ -65,7 +65,7 @@ def _convert(gguf: Path, out: Path) -> None:
     The weights are dequantized here from the file's blocks (gguf_file.py: the values the blocks define, with
     the q/k rows put back in transformers' rotary order), bit for bit what transformers' own GGUF loader gives
     (tests/test_qgemm.py checks it against that loader); the config and tokenizer are transformers' own, built
-    from one pass over the metadata (gguf_model.gguf_config / gguf_tokenizer: the same files as
+    from one pass over the metadata (gguf_folder.gguf_config / gguf_tokenizer: the same files as
     AutoConfig/AutoTokenizer with `gguf_file`, without their ~5 s GGUFReader parse each). Doing the weights
     ourselves skips transformers' GGUF model load, ~20 of the ~35 s this conversion used to take.
     """
@@ -73,7 +73,7 @@ def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    from medusa_chat.model.sources.gguf_model import gguf_config, gguf_tokenizer
+    from medusa_chat.model.sources.gguf_folder import gguf_config, gguf_tokenizer
     from medusa_chat.model.sources.gguf_names import gguf_state_dict
 
     config = gguf_config(gguf)

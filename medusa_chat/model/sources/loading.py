@@ -398,7 +398,7 @@ def _read_config(
 
         backbone_loc = str(embedded_model_dir(progress=progress))
     elif spec.kind == "gguf":  # the file's config and tokenizer, read once into a weightless folder
-        from medusa_chat.model.sources.gguf_model import gguf_model_dir
+        from medusa_chat.model.sources.gguf_folder import gguf_model_dir
 
         backbone_loc = str(gguf_model_dir(Path(spec.backbone), progress=progress))
     else:

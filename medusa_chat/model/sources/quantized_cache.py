@@ -362,7 +362,7 @@ def cache_path(folder: Path, source: dict[str, Any]) -> Path:
 
 def is_complete(path: Path, source: dict[str, Any]) -> bool:
     """The file exists, was made from `source` by this format, and has the size its header records."""
-    from medusa_chat.model.sources.gguf_model import read_metadata
+    from medusa_chat.model.sources.gguf_folder import read_metadata
 
     try:
         meta = read_metadata(path, (KEY_SOURCE, KEY_SIZE))
