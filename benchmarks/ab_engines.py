@@ -6,7 +6,7 @@ decode tokens/s and tokens per step per configuration, and each one's ratio to t
     python benchmarks/ab_engines.py --configs shaped2,shaped3,shaped4 --start 0 --limit 20
 
 A configuration is `static` (the calibrated tree's fixed layout) or `shaped` (trees shaped per step by the draft,
-drafters.confident_paths), then the node budget, then `+runs` for lookup runs of up to engine.LOOKUP_RUN
+drafters.confident_paths), then the node budget, then `+runs` for lookup runs of up to lookup.LOOKUP_RUN
 guesses (`+runsN`: up to N; without it lookup guesses go on the tree's own chain only), then `@alt` to run it
 with the heads of `--alt-heads PATH` (e.g. newly trained heads against the shipped ones, in one process). The
 embedded model with no flags (int4 on a CPU).
@@ -21,7 +21,8 @@ import argparse
 from pathlib import Path
 
 from medusa_chat.bench.runs import read_prompts
-from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, plain_tree
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.engine.lookup import LOOKUP_RUN
 from medusa_chat.events import GenerationSettings
 from medusa_chat.model.sources.loading import load_model
 

@@ -1,5 +1,5 @@
 """Trees shaped per step by the draft's confidence (drafters.confident_paths; hydra.c, hydra_draft_shaped) and
-runs of context-lookup guesses (engine.LOOKUP_RUN): whatever shape a step's tree takes, greedy output must
+runs of context-lookup guesses (lookup.LOOKUP_RUN): whatever shape a step's tree takes, greedy output must
 still be the plain loop's, token for token."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from medusa_chat.engine.drafters import confident_paths
-from medusa_chat.engine.engine import LOOKUP_RUN, MedusaEngine, plain_tree
-from medusa_chat.engine.lookup import ContextLookup
+from medusa_chat.engine.engine import MedusaEngine, plain_tree
+from medusa_chat.engine.lookup import LOOKUP_RUN, ContextLookup
 from medusa_chat.tree import Tree
 from tests.test_decoding import run
 from tests.tinymodels import block_loaded, tiny_loaded, training_prompts

@@ -56,6 +56,7 @@ nodes' rows, a `searchsorted`, and the comparisons: no extra forward pass, no ex
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -412,6 +413,15 @@ class ExactAcceptor(Acceptor):
         )
         # an internal node: its own draw, which matched none of its children (the residual sample)
         return torch.cat([self._draws, fresh]).index_select(0, self._tables.node_slot.index_select(0, last))
+
+
+def reply_generator(settings: GenerationSettings, device: torch.device | str) -> torch.Generator | None:
+    """The reply's random generator, seeded from `settings.seed` or from the OS (None at temperature 0)."""
+    if settings.accept_mode == GREEDY:
+        return None
+    generator = torch.Generator(device=device)
+    seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return generator.manual_seed(seed)
 
 
 def make_acceptor(

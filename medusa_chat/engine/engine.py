@@ -24,7 +24,6 @@ conversation.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,13 +32,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from medusa_chat.engine.acceptance import best_path, greedy_path, greedy_tokens, make_acceptor
+from medusa_chat.engine.acceptance import (
+    best_path,
+    greedy_path,
+    greedy_tokens,
+    make_acceptor,
+    reply_generator,
+)
 from medusa_chat.engine.drafters import ROOT_ONLY, make_drafter
 from medusa_chat.engine.graphs import GraphRecorder, wants_graphs
-from medusa_chat.engine.lookup import ContextLookup
+from medusa_chat.engine.lookup import LOOKUP_RUN, ContextLookup
 from medusa_chat.engine.penalties import with_penalties
 from medusa_chat.engine.text import (
     StreamDecoder,
+    TreeViews,
     keep_until_end,
     limit_reason,
     pushed_text,
@@ -49,7 +55,7 @@ from medusa_chat.engine.text import (
 from medusa_chat.engine.threads import ThreadGovernor, adapts, threads_line
 from medusa_chat.engine.trees import StepTree, TreeBuilder
 from medusa_chat.errors import PromptError
-from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent, TreeView
+from medusa_chat.events import GenerationSettings, ReplySummary, StepEvent
 from medusa_chat.model.forward.graph_step import GraphStep
 from medusa_chat.model.forward.kv_cache import TreeKVCache
 from medusa_chat.model.forward.runner import BackboneRunner
@@ -61,16 +67,6 @@ if TYPE_CHECKING:
     from medusa_chat.model.sources.loading import LoadedModel
 
 
-# The longest run of context-lookup guesses one step verifies, where the context's last `max_match` (4) tokens
-# occurred before (the text is being copied: a name, code, a list's scaffolding, a quoted sentence). Measured on
-# this project's 2-core CPU (40 Vicuna-bench replies, the backbone's greedy continuations): after a 4-token match
-# the lookup's next 1 / 2 / 3 / 4 tokens were all right 78 / 61 / 48 / 39% of the time, after a 2-token match 54
-# / 31 / 23 / 17%, so the long chain pays only after the long match, and a weak match keeps the tree's chain (2
-# nodes by default). Three: root + 3 guesses are 4 rows, one tile of the block kernel; a 5th row starts a second
-# tile (~0.6 ms there against ~0.2-0.4 for the 2nd-4th). Side by side (benchmarks/ab_engines.py, all 80 prompts):
-# runs of 3 / 4 / 6 gave 1.345x / 1.334x / 1.321x the plain loop, no runs 1.331x; at 1000-2000 tokens of
-# conversation 3 and 4 were even (1.40x / 1.39x, 1.89x / 1.86x), no runs 1.27x / 1.83x.
-LOOKUP_RUN = 3
 # Prompt tokens per native-step call (`prefill`): 128-512 measured alike at 2,048 tokens (2.06-2.36 s against
 # 3.89 s in one call); 256 also bounds the step's scratch, which grows with the rows.
 PREFILL_BLOCK = 256
@@ -120,7 +116,7 @@ class MedusaEngine:
         self.context_limit = model.context_limit
         self.cache = TreeKVCache(model.backbone.config.num_hidden_layers)
         self.cached_ids: list[int] = []  # tokens whose KV entries are in the cache, in order
-        self._token_text: dict[int, str] = {}
+        self.views = TreeViews(model.tokenizer)  # what the visualiser shows of a step's tree
         # where each step's tree tokens come from (drafters.py, one interface): Medusa heads' guesses, Hydra or
         # block-quantized Medusa heads drafting after the root is known, an EAGLE draft with its own KV cache fed
         # the backbone's features, or context lookup alone; a root-only tree drafts nothing (`set_tree`)
@@ -223,12 +219,6 @@ class MedusaEngine:
         heads' guesses, the hidden state itself for drafters that draft after the root, or None."""
         return self.drafter.logits_and_draft(self.lm_head, hidden, self.buffers.top_k)
 
-    def _text(self, token: int) -> str:
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.model.tokenizer.decode([token])
-        return text
-
     # ---- one step -----------------------------------------------------------------------------------------
     def step(
         self,
@@ -244,7 +234,7 @@ class MedusaEngine:
         Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
         commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
         timed is what a reply pays. `at`: the tree this step verifies (`_step_tree`: a prefix of the tree near
-        the end of the context window, a lookup chain, a draft-shaped tree), with the context lookup's guesses
+        the end of the context window, a lookup chain, a draft-shaped tree: TreeBuilder.for_step), with the context lookup's guesses
         for its main chain (lookup.py; they replace the drafter's tokens there) and its tokens where they are
         drafted already; by default the whole tree, drafted here.
         """
@@ -401,7 +391,8 @@ class MedusaEngine:
                 break
             start = self.cache.length
             step_t0 = time.perf_counter()
-            at = self._step_tree(root, guesses, start, lookup, runs)
+            one_thread = self.threads is not None and self.threads.threads in (1, self.threads.busy)
+            at = self.trees.for_step(root, guesses, self.context_limit - start, lookup, runs, one_thread)
             done = self.step(root, guesses, start, acceptor, len(reply), at)
             new_tokens = self._commit(start, done)
             root, guesses = done.bonus_on_device, done.draft
@@ -431,7 +422,7 @@ class MedusaEngine:
                 token_ids=new_tokens,
                 text=delta,
                 accepted_nodes=done.accepted,
-                tree=self._tree_view(at, done.tokens),
+                tree=self.views.view(at.tree, at.buf.chain[: len(at.guess)], done.tokens),
                 step_time_s=now - step_t0,
                 new_tokens_total=len(reply),
                 elapsed_s=now - t0,
@@ -477,13 +468,7 @@ class MedusaEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the model's context window is {self.context_limit}: "
                 "shorten it or start a new conversation"
             )
-        generator = None
-        if settings.accept_mode != GREEDY:
-            generator = torch.Generator(device=self.device)
-            seed = (
-                settings.seed if settings.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            )
-            generator.manual_seed(seed)
+        generator = reply_generator(settings, self.device)
         acceptor = make_acceptor(settings, generator, self.device, settings.max_new_tokens + self.tree.depth + 1)
         # repetition controls: each node's logits penalised with its own context (penalties.py); off, as is
         return with_penalties(acceptor, settings, prompt_ids, self.model.tokenizer)
@@ -503,48 +488,6 @@ class MedusaEngine:
         self.cached_ids.extend(prompt_ids[reused:])
         return reused, hidden
 
-    def _step_tree(
-        self,
-        root: torch.Tensor,
-        guesses: torch.Tensor | None,
-        start: int,
-        lookup: ContextLookup | None,
-        runs: int,
-    ) -> StepTree:
-        """This step's tree, buffers and plan, the lookup's guesses for its main chain, and its tokens where
-        they are known already (a lookup run, a draft-shaped or dynamic tree; else None: the step proposes them)."""
-        room = self.context_limit - start
-        # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
-        # one-thread size, a prefix of the tree (calibrate.py, `single_thread_trees`)
-        size = self.tree.size
-        trees = self.trees
-        trees.sized = None  # the size the sizer chose for this step (None: not the sizer's step to time)
-        if trees.one_thread_size and self.threads is not None and self.threads.threads in (1, self.threads.busy):
-            size = trees.one_thread_size
-        elif self.sizer is not None:  # the prefix with the most tokens per second as measured now (tree_sizer.py)
-            size = trees.sized = self.sizer.size()
-        # near the end of the context window a prefix of the tree still fits: the reply runs to the end
-        at = self.tree_for_room(min(room, size))
-        full = at.tree.size == size  # (not cut by the window's end)
-        if lookup is not None and at.buf.chain:
-            whole = full and runs > len(at.buf.chain)
-            guess = lookup.continuation(runs if whole else len(at.buf.chain))
-            if whole and lookup.matched == lookup.max_match and len(at.buf.chain) < len(guess) < room:
-                # a long match: the text is being copied, so the step verifies the lookup's whole run (a
-                # chain of its tokens, nothing drafted) instead of the tree's few chain nodes
-                tokens = torch.cat([root, torch.tensor(guess, dtype=root.dtype, device=root.device)])
-                at = self.lookup_chain(len(guess)).with_tokens(tokens)
-            at = at.with_tokens(at.tokens, guess[: len(at.buf.chain)])
-        if not self.drafter.fills_tree and len(at.guess) + 1 < at.buf.tree.size:
-            # no heads (lookup_only.py): the step verifies the nodes the lookup filled, the root alone without a
-            # guess (a plain step), never nodes nobody drafted
-            at = self.tree_for_room(len(at.guess) + 1).with_tokens(None, at.guess)
-        if self.draft_shaped and not at.guess and full and size > 2:
-            at = self.confident_tree(root, guesses, size)
-        elif not at.guess and at.tree is self.tree and self.dynamic_trees:
-            at = self.drafter.dynamic_tree(root, self.tree, self.step_state)  # EAGLE-2's dynamic tree
-        return at
-
     def _commit(self, start: int, done: StepResult) -> list[int]:
         """Root + accepted candidates enter the cache (the rest of the tree's entries are dropped); returns the
         step's new reply tokens (the accepted candidates, then the bonus, the next root)."""
@@ -552,16 +495,6 @@ class MedusaEngine:
         self.cached_ids.extend(done.tokens[n] for n in done.accepted)
         self._drafter.commit(start, done.accepted, done.tokens)  # (an EAGLE draft keeps their features)
         return [done.tokens[n] for n in done.accepted[1:]] + [done.bonus]
-
-    def _tree_view(self, at: StepTree, tokens: list[int]) -> TreeView:
-        return TreeView(
-            tokens=tokens,
-            texts=[self._text(t) for t in tokens],
-            parents=at.tree.parents,
-            depths=at.tree.depths,
-            ranks=at.tree.ranks,
-            lookup_nodes=at.buf.chain[: len(at.guess)] if at.guess else [],
-        )
 
     # ---- what calibration asks ---------------------------------------------------------------------------
     @property

@@ -9,6 +9,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from medusa_chat.events import TreeView
+from medusa_chat.tree import Tree
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback token of one byte
 
 
@@ -240,3 +243,28 @@ def reply_text(text: str, stop_strings: tuple[str, ...], held: str) -> str:
         # stopped reply keeps exactly what was shown (as a reply whose stream is abandoned does).
         text = text[: -len(held)]
     return text
+
+
+class TreeViews:
+    """A step's tree as the accepted-tree visualiser shows it (events.TreeView): each node's token and text (each
+    token decoded once per engine), its place in the tree and which nodes hold context-lookup guesses."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def view(self, tree: Tree, lookup_nodes: list[int], tokens: list[int]) -> TreeView:
+        return TreeView(
+            tokens=tokens,
+            texts=[self.text(t) for t in tokens],
+            parents=tree.parents,
+            depths=tree.depths,
+            ranks=tree.ranks,
+            lookup_nodes=list(lookup_nodes),
+        )

@@ -17,6 +17,7 @@ from medusa_chat.tree import Tree, TreeBuffers
 
 if TYPE_CHECKING:
     from medusa_chat.engine.drafters import Drafter
+    from medusa_chat.engine.lookup import ContextLookup
     from medusa_chat.model.forward.heads import MedusaHeads
     from medusa_chat.model.forward.runner import BackboneRunner
     from medusa_chat.model.sources.loaded import LoadedModel
@@ -162,6 +163,49 @@ class TreeBuilder:
             paths = [(0,) * (c // k) + (c % k,) for c in codes]
             state = self._shapes[codes] = self.step_state(Tree.from_paths(paths, name=f"{self.tree.name} (draft-shaped)"))
         return state.with_tokens(tokens)
+
+    def for_step(
+        self,
+        root: torch.Tensor,
+        guesses: torch.Tensor | None,
+        room: int,
+        lookup: ContextLookup | None,
+        runs: int,
+        one_thread: bool,
+    ) -> StepTree:
+        """This step's tree, buffers and plan, the lookup's guesses for its main chain, and its tokens where
+        they are known already (a lookup run, a draft-shaped or dynamic tree; else None: the step proposes them).
+        `room`: positions left in the context window; `runs`: the longest lookup run a step may verify instead
+        (lookup.LOOKUP_RUN, 0 for none); `one_thread`: the native step runs on one thread now (threads.py)."""
+        # On one thread (the governor's answer to a busy machine) a tree row costs more of a step: the calibrated
+        # one-thread size, a prefix of the tree (first_start.py via tree_choice, `single_thread_trees`)
+        size = self.tree.size
+        self.sized = None  # the size the sizer chose for this step (None: not the sizer's step to time)
+        if self.one_thread_size and one_thread:
+            size = self.one_thread_size
+        elif self.sizer is not None:  # the prefix with the most tokens per second as measured now (tree_sizer.py)
+            size = self.sized = self.sizer.size()
+        # near the end of the context window a prefix of the tree still fits: the reply runs to the end
+        at = self.tree_for_room(min(room, size))
+        full = at.tree.size == size  # (not cut by the window's end)
+        if lookup is not None and at.buf.chain:
+            whole = full and runs > len(at.buf.chain)
+            guess = lookup.continuation(runs if whole else len(at.buf.chain))
+            if whole and lookup.matched == lookup.max_match and len(at.buf.chain) < len(guess) < room:
+                # a long match: the text is being copied, so the step verifies the lookup's whole run (a
+                # chain of its tokens, nothing drafted) instead of the tree's few chain nodes
+                tokens = torch.cat([root, torch.tensor(guess, dtype=root.dtype, device=root.device)])
+                at = self.lookup_chain(len(guess)).with_tokens(tokens)
+            at = at.with_tokens(at.tokens, guess[: len(at.buf.chain)])
+        if not self.drafter.fills_tree and len(at.guess) + 1 < at.buf.tree.size:
+            # no heads (lookup_only.py): the step verifies the nodes the lookup filled, the root alone without a
+            # guess (a plain step), never nodes nobody drafted
+            at = self.tree_for_room(len(at.guess) + 1).with_tokens(None, at.guess)
+        if self.draft_shaped and not at.guess and full and size > 2:
+            at = self.confident_tree(root, guesses, size)
+        elif not at.guess and at.tree is self.tree and self.dynamic_trees:
+            at = self.drafter.dynamic_tree(root, self.tree, self.step_state)  # EAGLE-2's dynamic tree
+        return at
 
     def mask(self, start: int, buf: TreeBuffers | None = None) -> torch.Tensor:
         """Additive mask [1, 1, n, start + n] for the tree of `buf` (default: the engine's tree, n = its size, or

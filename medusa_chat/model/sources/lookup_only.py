@@ -19,7 +19,7 @@ from medusa_chat.units import human_count
 LOOKUP_ONLY = "none (context lookup only)"
 
 # The default tree without heads: a chain of 3 lookup guesses. Root + 3 guesses are 4 rows, one tile of the
-# CPU block kernel (engine.LOOKUP_RUN says why 3); a step verifies only the guesses the lookup has, so a longer
+# CPU block kernel (lookup.LOOKUP_RUN says why 3); a step verifies only the guesses the lookup has, so a longer
 # chain costs nothing where the lookup guesses less. The CPU calibration picks among its prefixes.
 LOOKUP_CHAIN = 3
 
