@@ -233,10 +233,10 @@ class MedusaEngine:
 
         Returns what was accepted (host lists) and what the next step starts from (device tensors); the caller
         commits (`cache.keep`). `generate` and the calibration that times steps both run this, so what is
-        timed is what a reply pays. `at`: the tree this step verifies (`_step_tree`: a prefix of the tree near
-        the end of the context window, a lookup chain, a draft-shaped tree: TreeBuilder.for_step), with the context lookup's guesses
-        for its main chain (lookup.py; they replace the drafter's tokens there) and its tokens where they are
-        drafted already; by default the whole tree, drafted here.
+        timed is what a reply pays. `at`: the tree this step verifies (TreeBuilder.for_step: a prefix of the tree
+        near the end of the context window, a lookup chain, a draft-shaped tree), with the context lookup's
+        guesses for its main chain (lookup.py; they replace the drafter's tokens there) and its tokens where they
+        are drafted already; by default the whole tree, drafted here.
         """
         at = at if at is not None else self.tree_for_room(self.tree.size)
         buf, plan = at.buf, at.plan
