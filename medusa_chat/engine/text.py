@@ -266,5 +266,5 @@ class TreeViews:
             parents=tree.parents,
             depths=tree.depths,
             ranks=tree.ranks,
-            lookup_nodes=list(lookup_nodes),
+            lookup_nodes=lookup_nodes,
         )

@@ -7,7 +7,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from medusa_chat.cliargs import int_list
 from medusa_chat.errors import MedusaChatError
@@ -19,9 +18,6 @@ from medusa_chat.tuning.tree_choice import (  # the runtime half (what the sessi
     describe_calibration,
     save_calibration,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
