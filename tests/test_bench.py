@@ -71,7 +71,7 @@ def prompts_file(tmp_path: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A calibration left in the user's cache must not change the tree these tests use."""
+    """A calibration that another test left in the run's shared cache must not change the tree these tests use."""
     monkeypatch.setenv("MEDUSA_CHAT_CACHE", str(tmp_path / "cache"))
 
 
