@@ -462,3 +462,96 @@ def test_evaluate_stage_scores_eagle3_drafts_before_and_after_on_the_same_replie
     direct = evaluate_eagle(load_heads_file(tmp_path / "trained")[0], lm_w, emb_w, d, CPU)
     assert direct["positions"] == ev["eagle_positions"]["eagle3"]
     assert trained["top1"] == direct["top1"]
+
+
+
+def _random_store(model, root: Path, samples: int, length: int, seed: int) -> DistillStore:
+    """Replies of random tokens: the stored token is noise, the backbone's own choice at each position is not."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, model.config.vocab_size, (length,), generator=g).tolist() for _ in range(samples)]
+    store = DistillStore.open(root, model="deep")
+    store.write_shard(0, ids, [6] * samples, [True] * samples)
+    return store
+
+
+def test_an_eagle3_teacher_is_the_backbones_distribution_and_teaches_it_where_the_stored_tokens_are_noise(
+    deep, tmp_path: Path
+) -> None:
+    """`teacher.eagle_teacher`: row t of a sample gets the backbone's distribution of token t + 2 over the draft
+    vocabulary, read from the hidden-state cache at position t + 1 (so it agrees with the backbone run on the
+    whole sample there, and not at t or t + 2); every trained row has one; a cache of other replies gives none.
+    Trained on random replies, a draft learns nothing from the stored tokens but learns the backbone's choice
+    from its teacher."""
+    from medusa_chat.training.eagle_model import draft_logits
+    from medusa_chat.training.positions import cache_hidden_states, load_cache
+    from medusa_chat.training.teacher import eagle_teacher
+
+    _, model, _ = deep
+    store = _random_store(model, tmp_path / "d", 24, 40, seed=3)
+    d = load_eagle_cache(cache_eagle_features(model, store, tmp_path / "f", taps=eagle_taps(8), **QUIET))
+    positions = load_cache(cache_hidden_states(model, store, tmp_path / "h", **QUIET))
+    lm_w, emb_w = _weights(model)
+    vocab = draft_vocabulary(d, 60, model.config.vocab_size)  # type: ignore[arg-type]
+    order = new_draft(draft_config(model.config, "deep", 60), 0, lm_w, vocab).vocab_map()  # draft index -> token
+    teacher, has = eagle_teacher(d, positions, lm_w[order].float(), top=4)
+    trained = torch.zeros(len(d.hidden), dtype=torch.bool)
+    for o, n, f in zip(d.offsets.tolist(), d.lengths.tolist(), d.first_pair.tolist(), strict=True):
+        trained[o + f : o + n] = True
+    assert torch.equal(has, trained & (d.targets[:, 1] >= 0))
+    assert not bool(teacher.probs[~has].any())
+    torch.testing.assert_close(teacher.probs[has].float().sum(-1), torch.ones(int(has.sum())), atol=2e-3, rtol=0)
+    samples = {idx: ids for idx, ids, _ in store.samples()}
+    agree: dict[int, list[bool]] = {shift: [] for shift in (0, 1, 2)}
+    for i in range(len(d)):
+        o, n = int(d.offsets[i]), int(d.lengths[i])
+        with torch.no_grad():
+            logits = model(torch.tensor([samples[int(d.sample[o])]])).logits[0][:, order]
+        for t in range(int(d.first_pair[i]), n):
+            if has[o + t]:
+                for shift, seen in agree.items():
+                    seen.append(int(teacher.ids[o + t, 0]) == int(logits[t + shift].argmax()))
+    share = {shift: sum(a) / len(a) for shift, a in agree.items()}
+    assert share[1] > 0.97 and share[1] > max(share[0], share[2]) + 0.25, share  # measured: 1.0, .59, .58
+    others = _random_store(model, tmp_path / "d2", 24, 40, seed=4)  # another cache: no row gets a teacher
+    strangers = load_cache(cache_hidden_states(model, others, tmp_path / "h2", **QUIET))
+    assert float(eagle_teacher(d, strangers, lm_w[order].float(), top=4)[1].float().mean()) < 0.05
+
+    taught_data = d.with_teacher(teacher)
+    feats, nxt, _, _, teacher_ids, teacher_probs = taught_data.batch(list(range(len(d))), CPU)
+    rows = teacher_probs.sum(-1) > 0
+
+    def agreement(weight: float) -> float:
+        settings = EagleSettings(unroll=2, **{**SMALL, "epochs": 12}, teacher_weight=weight)
+        draft = new_draft(draft_config(model.config, "deep", 60), 0, lm_w, vocab)
+        train_eagle(draft, lm_w, emb_w, taught_data, settings, RUN)
+        with torch.no_grad():
+            out = unrolled_outputs(draft.eval(), feats, torch.nn.functional.embedding(nxt, emb_w), 1)[0]
+            guess = draft_logits(draft, out, lm_w).argmax(-1)  # draft indices, as the teacher's ids
+        return float((guess[rows] == teacher_ids[..., 0][rows]).float().mean())
+
+    stored, taught = agreement(0.0), agreement(1.0)
+    assert taught > stored + 0.3, (stored, taught)  # measured: 0.02 against 0.65
+
+
+def test_an_eagle3_run_with_a_teacher_gives_every_trained_row_its_teacher(deep, data3, tmp_path: Path) -> None:
+    """EagleKind with `teacher_weight`: the hidden-state cache of the same samples gives each training row with a
+    next token its teacher (the log says how many), the report keeps the weight, and without the cache the run
+    is refused before training."""
+    import re
+
+    from medusa_chat.training.positions import cache_hidden_states, load_cache
+
+    _, model, _ = deep
+    store, d = data3
+    positions = load_cache(cache_hidden_states(model, store, tmp_path / "h", **QUIET))
+    said: list[str] = []
+    settings = EagleSettings(unroll=2, **SMALL, teacher_weight=0.5)
+    kind = EagleKind(model, d, settings, 0.25, eval_depth=3, draft_vocab=60, teacher_hidden=positions, teacher_top=4)
+    report = train_and_save(kind, SaveOptions(tmp_path / "out", "deep", replace(RUN, log=said.append), tree_budget=8))
+    assert report["training"]["teacher_weight"] == 0.5 and kind.train_data.teacher is not None
+    found = re.search(r"teacher: the backbone's top 4 at (\d+) of (\d+) trained positions", "\n".join(said))
+    assert found, said
+    taught, trained = map(int, found.groups())
+    assert taught == trained - len(kind.train_data)  # all but each sample's last pair, which has no next token
+    with pytest.raises(ValueError, match="hidden-state cache"):
+        EagleKind(model, d, settings, 0.25, draft_vocab=60).build("deep", said.append)

@@ -709,7 +709,7 @@ def test_train_heads_and_fit_tree_commands(tiny_dir: Path, prompt_file: Path, tm
     hargv = [*argv, "--out", str(hydra), "--work", str(out / "work"), "--resume", "--stage", "train"]
     hargv += ["--heads-format", "hydra", "--init-from", str(out), "--draft-vocab", "40"]
     assert train_main(p.parse_args([*hargv, "--teacher-weight", "1.5"])) == 2  # a share: refused
-    assert train_main(p.parse_args([*hargv, "--heads-format", "eagle3", "--teacher-weight", "1"])) == 2
+    assert train_main(p.parse_args([*hargv, "--heads-format", "eagle", "--teacher-weight", "1"])) == 2  # EAGLE-1
     assert train_main(p.parse_args([*hargv, "--teacher-weight", "0.5"])) == 0
     assert json.loads((hydra / "accuracy.json").read_text())["training"]["teacher_weight"] == 0.5
     loaded, _, cfg = load_heads_file(hydra)

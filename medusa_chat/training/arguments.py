@@ -119,8 +119,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="A",
-        help="Medusa/Hydra: train share A of each head's loss against the backbone's own distribution of its "
-        "token instead of the stored token (Hydra++'s teacher loss; 1: the teacher only; default 0)",
+        help="Medusa/Hydra heads and EAGLE-3 drafts: train share A of the loss against the backbone's own "
+        "distribution of each token instead of the stored token (Hydra++'s teacher loss; EAGLE-3's reference "
+        "trains on that distribution alone; an EAGLE-3 run caches the hidden states for it too; 1: the teacher "
+        "only; default 0)",
     )
     g.add_argument(
         "--teacher-top",

@@ -100,8 +100,8 @@ def train_main(args: argparse.Namespace) -> int:
             raise _Refused(f"{work} already holds a run: add --resume to continue it, or choose another --out/--work")
         if not 0.0 <= args.teacher_weight <= 1.0 or args.teacher_top < 1:
             raise _Refused("--teacher-weight is a share from 0 to 1, --teacher-top at least 1")
-        if eagle and args.teacher_weight:
-            raise _Refused("--teacher-weight trains Medusa or Hydra heads; EAGLE drafts learn the backbone's features")
+        if args.heads_format == "eagle" and args.teacher_weight:
+            raise _Refused("--teacher-weight trains Medusa or Hydra heads or an EAGLE-3 draft, not an EAGLE-1 draft")
         eagle_settings = _eagle_settings(args) if eagle else None
         select = _import_select(args)
         init_from = _init_from(args, eagle)
@@ -169,6 +169,7 @@ def _eagle_settings(args: argparse.Namespace) -> Any:
         lr=args.lr,
         seed=args.seed,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
+        teacher_weight=args.teacher_weight,
     )
     try:
         settings.check()
@@ -323,7 +324,12 @@ def _train_eagle(stage: _TrainStage, settings: Any, extra: dict[str, Any], init_
 
     features = stage.work / f"{name}-features"
     data = eagle_features(model, stage.store, features, stage.run.device, log=log, deadline=stage.run.deadline, taps=taps)
-    kind = EagleKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from)
+    teacher_hidden = None
+    if settings.teacher_weight > 0:  # the final hidden state of the same samples: the teacher's distribution
+        batch_tokens = 65536 if stage.run.device.type == "cuda" else 4096
+        teacher_hidden = load_cache(cache_hidden_states(model, stage.store, stage.work / "hidden", batch_tokens, log=log))
+    kind = EagleKind(model, data, settings, args.holdout, draft_vocab=draft_vocab, init_from=init_from,
+                     teacher_hidden=teacher_hidden, teacher_top=args.teacher_top)  # fmt: skip
     return stage.finish(kind, f"{name}-checkpoint.pt", extra)
 
 

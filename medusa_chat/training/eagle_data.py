@@ -13,7 +13,7 @@ backbone and hours on a CPU, so it is cached and resumed on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from medusa_chat.training.positions import cache_shards, heldout_mask, hidden_states_for
 from medusa_chat.training.store import DistillStore, Log
+from medusa_chat.training.teacher import TeacherTargets
 
 
 @dataclass
@@ -28,13 +29,16 @@ class EagleData:
     """Samples as sequences of pairs. Pair t of a sample: feature t (hidden [N, h], fp16) and the ids of tokens
     t + 1 .. t + 1 + M (targets [N, 1 + M], -1 past the end); `sample` [N] the prompt index; `lengths` the pairs
     per sample (rows are contiguous per sample, in that order); `first_pair` the first pair whose prediction a
-    decoding step uses (reply_start - 1: the last prompt token's feature with the first reply token)."""
+    decoding step uses (reply_start - 1: the last prompt token's feature with the first reply token).
+    `teacher`: where the draft learns the backbone's distribution (teacher.eagle_teacher), row t's distribution
+    of token t + 2 over the draft vocabulary (zero probabilities: none)."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
     sample: torch.Tensor
     lengths: torch.Tensor
     first_pair: torch.Tensor
+    teacher: TeacherTargets | None = None
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -54,9 +58,15 @@ class EagleData:
         off, ln = self.offsets[idx], self.lengths[idx]
         spans = [torch.arange(int(o), int(o + n)) for o, n in zip(off, ln, strict=True)]
         rows = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        teacher = self.teacher
+        if teacher is not None:
+            teacher = TeacherTargets(teacher.ids[rows], teacher.probs[rows])
         return EagleData(
-            self.hidden[rows], self.targets[rows], self.sample[rows], ln.clone(), self.first_pair[idx].clone()
+            self.hidden[rows], self.targets[rows], self.sample[rows], ln.clone(), self.first_pair[idx].clone(), teacher
         )
+
+    def with_teacher(self, teacher: TeacherTargets) -> EagleData:
+        return replace(self, teacher=teacher)
 
     def split(self, holdout: float) -> tuple[EagleData, EagleData]:
         """(train, held-out) by prompt, the same deterministic split as the heads' (positions.heldout_mask)."""
@@ -65,7 +75,8 @@ class EagleData:
 
     def batch(self, idx: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
         """Samples `idx` right-padded to the longest: features [B, L, h] (fp32), next tokens [B, L], targets
-        [B, L, M] (token t + 2 + k; -1 none), use [B, L] (a decoding step uses the pair's prediction)."""
+        [B, L, M] (token t + 2 + k; -1 none), use [B, L] (a decoding step uses the pair's prediction); with a
+        teacher, also its ids and probabilities [B, L, top] (zero probabilities in the padding)."""
         off, ln, fp = self.offsets, self.lengths, self.first_pair
         width = int(max(int(ln[i]) for i in idx))
         b, h, m = len(idx), self.hidden.shape[1], self.targets.shape[1] - 1
@@ -79,7 +90,17 @@ class EagleData:
             nxt[r, :n] = self.targets[o : o + n, 0].long().clamp_min(0)
             tgt[r, :n] = self.targets[o : o + n, 1:].long()
             use[r, int(fp[i]) : n] = True
-        return feats.to(device), nxt.to(device), tgt.to(device), use.to(device)
+        tensors = [feats, nxt, tgt, use]
+        if self.teacher is not None:
+            top = self.teacher.ids.shape[1]
+            ids = torch.zeros(b, width, top, dtype=torch.long)
+            probs = torch.zeros(b, width, top)
+            for r, i in enumerate(idx):
+                o, n = int(off[i]), int(ln[i])
+                ids[r, :n] = self.teacher.ids[o : o + n].long()
+                probs[r, :n] = self.teacher.probs[o : o + n].float()
+            tensors += [ids, probs]
+        return tuple(t.to(device) for t in tensors)
 
 
 def eagle_samples(store: DistillStore, shard: Any) -> tuple[list[tuple[int, list[int], int]], dict[int, int]]:

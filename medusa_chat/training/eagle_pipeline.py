@@ -9,6 +9,7 @@ chain accuracy, and the joint rank-tuple table fit_tree grows static trees from.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from medusa_chat.training.eagle_model import (
 )
 from medusa_chat.training.evaluate import JOINT_TOP, MAX_RANK, joint_path_probs
 from medusa_chat.training.loop import RunOptions
+from medusa_chat.training.positions import PositionData
 from medusa_chat.training.store import Log
+from medusa_chat.training.teacher import eagle_teacher
 from medusa_chat.training.train_eagle import EagleSettings, make_batches, train_eagle
 from medusa_chat.training.train_heads import draft_vocabulary
 
@@ -58,7 +61,7 @@ def evaluate_eagle(
     vocab = draft.vocab_map()
     rank_rows = []
     for idx in make_batches(data, batch_tokens, 0):
-        feats, nxt, tgt, use = data.batch(idx, device)
+        feats, nxt, tgt, use = data.batch(idx, device)[:4]
         outs = unrolled_outputs(draft, feats, F.embedding(nxt, embed), depth)
         b, n = use.shape
         ranks = torch.full((b, n, depth), max_rank, dtype=torch.long, device=device)
@@ -120,7 +123,9 @@ class EagleKind:
     `eval_depth` on those. An EAGLE-1 draft also writes its `eagle1_draft_vocab` most frequent reply tokens
     (draft_vocab.safetensors, where the vocabulary is larger), which the C drafter guesses among.
     `init_from`: a trained draft of the same kind and shape to continue from (`warm_start_eagle`); an EAGLE-3
-    draft keeps its draft vocabulary, `draft_vocab` is then its size."""
+    draft keeps its draft vocabulary, `draft_vocab` is then its size. `teacher_hidden`: the hidden-state cache of
+    the same samples, from which an EAGLE-3 draft with `settings.teacher_weight` learns the backbone's
+    distribution (its `teacher_top` likeliest tokens; teacher.eagle_teacher)."""
 
     backbone: Any
     data: EagleData
@@ -130,6 +135,8 @@ class EagleKind:
     draft_vocab: int | None = None
     eagle1_draft_vocab: int = EAGLE1_DRAFT_VOCAB
     init_from: EagleDraft | None = None
+    teacher_hidden: PositionData | None = None
+    teacher_top: int = 8
     tree_words = "static tree"
 
     @property
@@ -154,6 +161,8 @@ class EagleKind:
         self.model = new_draft(self.config, settings.seed, self.lm_weight, ids)
         if init_from is not None:
             warm_start_eagle(self.model, init_from)
+        if settings.teacher_weight > 0:
+            self.train_data = self._taught(train, log)
         what = f"EAGLE-3 ({self.draft_vocab}-token draft vocabulary)" if self.draft_vocab else "EAGLE-1"
         self.n_params = sum(p.numel() for p in self.model.parameters())
         log(
@@ -161,6 +170,20 @@ class EagleKind:
             f"fp16) on {len(train)} samples ({train.positions} positions), unroll {settings.unroll}, "
             f"{settings.epochs} epochs" + (" from a trained draft" if init_from is not None else "")
         )
+
+    def _taught(self, train: EagleData, log: Log) -> EagleData:
+        """The training rows with the backbone's distribution over the draft vocabulary (fp32: the ties decide)."""
+        vocab = self.model.vocab_map()
+        if vocab is None or self.teacher_hidden is None:
+            raise ValueError("a teacher trains an EAGLE-3 draft, from the hidden-state cache of its samples")
+        t0 = time.time()
+        projection = self.lm_weight[vocab.to(self.lm_weight.device)].float()
+        teacher, has = eagle_teacher(train, self.teacher_hidden, projection, self.teacher_top)
+        log(
+            f"teacher: the backbone's top {self.teacher_top} at {int(has.sum())} of {train.positions} trained "
+            f"positions ({time.time() - t0:.0f}s)"
+        )
+        return train.with_teacher(teacher)
 
     def train(self, run: RunOptions) -> Any:
         held = self.held if len(self.held) else None

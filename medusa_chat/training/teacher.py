@@ -6,7 +6,9 @@ head that has to guess the argmax. The teacher is free: the hidden-state cache h
 hidden state at every reply position, so its distribution there is one product with the lm_head. Head k at
 position t guesses x_{t+2+k}; the backbone's own distribution of that token, given the true tokens up to
 x_{t+1+k} (the context a Hydra head is teacher-forced on), sits at the cached row t+1+k of the same sample.
-This is Hydra++'s teacher loss; Medusa-2's self-distillation trains on the same distribution.
+This is Hydra++'s teacher loss; Medusa-2's self-distillation trains on the same distribution. An EAGLE-3 draft
+learns the same way (`eagle_teacher`): its reference trains on the target model's distribution over the draft
+vocabulary.
 
 Only the `top` most likely tokens of each distribution are kept (renormalised): the tail carries little mass
 and storing it would cost the whole vocabulary per position.
@@ -15,11 +17,15 @@ and storing it would cost the whole vocabulary per position.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
 
 from medusa_chat.training.positions import PositionData
+
+if TYPE_CHECKING:
+    from medusa_chat.training.eagle_data import EagleData
 
 
 @dataclass
@@ -77,3 +83,40 @@ def teacher_losses(
     per_position = -(p * log_q.gather(-1, ids)).sum(-1)  # [K, B]
     mask = valid.T.float()
     return (per_position * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+def eagle_teacher(
+    data: EagleData, positions: PositionData, projection: torch.Tensor, top: int
+) -> tuple[TeacherTargets, torch.Tensor]:
+    """(teacher, valid): the backbone's distribution for every row of an EAGLE draft's data, from the
+    hidden-state cache of the same distilled samples (positions.cache_hidden_states; `projection`: the lm_head
+    rows of the draft vocabulary, in draft-index order, so the ids are draft indices).
+
+    Row t of a sample (feature t; at every unroll step the chain ending there predicts token t + 2, eagle_model
+    .unrolled_outputs) has its teacher at position t + 1, which the cache holds from the sample's first pair on:
+    cache row t + 1 - first_pair of the sample's block. `valid` [rows] marks rows that have one: at or after the
+    first pair, inside the block, and the cached row's next token the EAGLE row's token t + 2 (a cache of other
+    replies or in another order leaves rows without a teacher, never with a wrong one). Invalid rows hold zero
+    probabilities."""
+    taught = teacher_targets(positions, projection, top)
+    order, counts = torch.unique_consecutive(positions.sample, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    block = {s: (b, c) for s, b, c in zip(order.tolist(), starts.tolist(), counts.tolist(), strict=True)}
+    rows = torch.full((len(data.hidden),), -1, dtype=torch.long)
+    spans = zip(data.offsets.tolist(), data.lengths.tolist(), data.first_pair.tolist(), strict=True)
+    for offset, length, first in spans:
+        if length <= first:
+            continue
+        begin, count = block.get(int(data.sample[offset]), (0, 0))
+        local = torch.arange(first, length)
+        cached = local + 1 - first
+        inside = cached < count
+        rows[offset + local[inside]] = begin + cached[inside]
+    has = rows >= 0
+    want = data.targets[:, 1].long()
+    has[has.clone()] = positions.targets[rows[has], 0].long() == want[has]
+    ids = torch.zeros((len(rows), top), dtype=torch.int32)
+    probs = torch.zeros((len(rows), top), dtype=torch.float16)
+    ids[has] = taught.ids[rows[has]].to(torch.int32).cpu()
+    probs[has] = taught.probs[rows[has]].to(torch.float16).cpu()
+    return TeacherTargets(ids, probs), has

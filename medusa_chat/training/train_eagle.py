@@ -4,7 +4,9 @@ per epoch.
 Loss (EAGLE): smooth L1 between the draft's output at pair t and the backbone's feature t + 1, plus
 `ce_weight` x cross-entropy of the lm_head over the draft's output against the distilled token t + 2; unroll
 step j's loss (eagle_model.unrolled_outputs) weighs `step_decay ** j`. EAGLE-3: cross-entropy over its draft
-vocabulary only (no feature loss, as EAGLE-3).
+vocabulary only (no feature loss, as EAGLE-3); with `teacher_weight` A, share A of it is against the backbone's
+own distribution of the token over the draft vocabulary (teacher.eagle_teacher; EAGLE-3's reference trains on
+that distribution alone), the rest against the stored token.
 
 The data is eagle_data.py's, the draft and its unrolled forward eagle_model.py's; evaluating and saving the
 trained draft (what `train-heads --heads-format eagle` runs end to end) is eagle_pipeline.py.
@@ -54,6 +56,7 @@ class EagleSettings:
     seed: int = 0
     checkpoint_every: int = 100
     bf16: bool | None = None
+    teacher_weight: float = 0.0  # EAGLE-3: the backbone's distribution's share of the loss; 0: stored tokens only
 
     def check(self) -> None:
         if not 1 <= self.unroll <= MAX_UNROLL:
@@ -64,6 +67,8 @@ class EagleSettings:
             raise ValueError(f"the cross-entropy row share must be in (0, 1], not {self.ce_frac}")
         if self.ce_weight < 0 or self.noise < 0:
             raise ValueError("the loss weight and the feature noise cannot be negative")
+        if not 0 <= self.teacher_weight <= 1:
+            raise ValueError(f"the teacher's share of the loss must be in [0, 1], not {self.teacher_weight}")
 
 
 def make_batches(data: EagleData, batch_tokens: int, seed: int) -> list[list[int]]:
@@ -94,8 +99,10 @@ def batch_losses(
 ) -> tuple[torch.Tensor, list[float | None]]:
     """(weighted loss, per-step top-1 over counted rows: None for a step with none) of one batch. EAGLE-1:
     feature regression + weighted cross-entropy over the full vocabulary; EAGLE-3: cross-entropy over its draft
-    vocabulary only (a target outside it is left out of the loss and counted a miss)."""
-    feats, nxt, tgt, use = batch
+    vocabulary only (a target outside it is left out of the loss and counted a miss), and with a teacher in the
+    batch its share `teacher_weight` against the teacher's distribution where a row has one (`draft_vocab_loss`)."""
+    feats, nxt, tgt, use = batch[:4]
+    teacher = batch[4:] if len(batch) > 4 and settings.teacher_weight > 0 else None
     emb = F.embedding(nxt, embed).to(feats.dtype)
     v3 = draft.version == 3
     outs = unrolled_outputs(draft, feats, emb, settings.unroll, 0.0 if v3 else noise, generator)
@@ -114,8 +121,10 @@ def batch_losses(
             t = index[t]
             logits = draft_logits(draft, o, lm_weight).float()
             top1.append(float((logits.argmax(-1) == t).float().mean()))
-            if bool((t >= 0).any()):
-                total = total + settings.step_decay**j * F.cross_entropy(logits[t >= 0], t[t >= 0])
+            taught = None if teacher is None else (teacher[0][rows], teacher[1][rows])
+            loss = draft_vocab_loss(logits, t, taught, settings.teacher_weight)
+            if loss is not None:
+                total = total + settings.step_decay**j * loss
             continue
         reg = F.smooth_l1_loss(o.float(), want[rows].float())
         if generator is not None and settings.ce_frac < 1:
@@ -128,6 +137,31 @@ def batch_losses(
         total = total + settings.step_decay**j * (reg + settings.ce_weight * ce)
         top1.append(float((logits.argmax(-1) == t).float().mean()))
     return total, top1
+
+
+def draft_vocab_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    teacher_weight: float,
+) -> torch.Tensor | None:
+    """An EAGLE-3 step's loss over rows: cross-entropy against the stored token's draft index (`target`, -1
+    outside the draft vocabulary), and where a row has a teacher (ids, probs [rows, top]; zero probabilities:
+    none), share `teacher_weight` of it against the teacher's distribution instead, -sum_j p_j log q(id_j), the
+    KL divergence up to the teacher's entropy. The mean over rows with either; None where no row has one."""
+    known = target >= 0
+    hard = F.cross_entropy(logits, target.clamp_min(0), reduction="none") * known
+    if teacher is None or teacher_weight == 0:
+        counted, per_row = known, hard
+    else:
+        ids, probs = teacher
+        has = probs.sum(-1) > 0
+        soft = -(probs * torch.log_softmax(logits, dim=-1).gather(-1, ids)).sum(-1)
+        share = teacher_weight * has.float()
+        counted, per_row = known | has, (1 - share) * hard + share * soft
+    if not bool(counted.any()):
+        return None
+    return per_row[counted].mean()
 
 
 def train_eagle(
